@@ -1,0 +1,558 @@
+//! The control protocol between a domain and the Fido broker.
+//!
+//! Every message that crosses the broker's `SOCK_SEQPACKET` socket is one of the
+//! types in this crate, encoded with `postcard` behind a small fixed header
+//! (magic, protocol version, body length). Descriptors (arena memfds, doorbell
+//! eventfds, liveness sockets) travel beside a message as `SCM_RIGHTS`; the
+//! message says how many it carries and what each one is, so a receiver can
+//! check that it got exactly what it expected.
+//!
+//! This crate must never trust its input: [`decode`] accepts any byte string and
+//! returns either a well-formed message whose strings and paths have been checked
+//! or a [`ProtoError`]. It never panics and never allocates more than the input
+//! length allows. It carries control traffic only: no payload byte of a Fido
+//! message ever goes through it.
+
+use serde::{de::DeserializeOwned, Deserialize, Serialize};
+
+/// Version of the control protocol. A peer speaking another version is refused
+/// with [`ErrorCode::Version`].
+pub const PROTOCOL_VERSION: u16 = 1;
+/// Largest encoded control message (header included). Registry values are
+/// bounded well below this.
+pub const MAX_MESSAGE: usize = 256 * 1024;
+/// Largest registry value in bytes.
+pub const MAX_VALUE: usize = 64 * 1024;
+/// Longest registry path, service name or label in bytes.
+pub const MAX_PATH: usize = 1024;
+/// Most operations in one registry transaction.
+pub const MAX_TXN_OPS: usize = 256;
+/// Most descriptors that may accompany one control message.
+pub const MAX_FDS: usize = 8;
+
+const MAGIC: [u8; 2] = *b"FD";
+const HEADER_LEN: usize = 8;
+
+/// A domain's identity, handed out by the broker; monotonically increasing and
+/// never reused (the paper's vmid).
+pub type DomainId = u64;
+/// A connection's identity, unique for the lifetime of the broker's state.
+pub type ConnId = u64;
+
+/// Geometry of the Pseudo Global Virtual Address Space, chosen by the broker
+/// and identical in every domain it serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PgvasGeometry {
+    /// Address of slot 0.
+    pub base: u64,
+    /// Bytes per slot; an arena is never larger than a slot.
+    pub slot_size: u64,
+    /// Number of slots in the window.
+    pub slots: u32,
+}
+
+impl PgvasGeometry {
+    /// Default geometry: base 16 TiB, 64 GiB slots, 1024 slots (a 64 TiB window).
+    pub const DEFAULT: PgvasGeometry =
+        PgvasGeometry { base: 16 << 40, slot_size: 64 << 30, slots: 1024 };
+
+    /// Checks that the window is non-empty, page aligned and fits below 2^47.
+    pub fn validate(&self) -> Result<(), ProtoError> {
+        let page = 4096u64;
+        let total = self.slot_size.checked_mul(self.slots as u64);
+        let end = total.and_then(|t| t.checked_add(self.base));
+        match end {
+            Some(end)
+                if self.slots > 0
+                    && self.slot_size >= page
+                    && self.base % page == 0
+                    && self.slot_size % page == 0
+                    && end <= 1u64 << 47 =>
+            {
+                Ok(())
+            }
+            _ => Err(ProtoError::Invalid("PGVAS geometry")),
+        }
+    }
+}
+
+/// Where one side of a connection keeps its half of the ring state: an offset
+/// and length inside that side's own arena, plus the ring size. The peer maps the
+/// arena read-only and reads this block; only its owner ever writes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RingBlock {
+    pub offset: u64,
+    pub len: u64,
+    pub entries: u32,
+}
+
+/// What a domain that is resuming after a broker restart tells the new broker.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Resume {
+    pub domain: DomainId,
+    pub slot: u32,
+    /// Services this domain offers.
+    pub services: Vec<String>,
+    /// Slots of other domains this domain has mapped, with their owners.
+    pub mapped: Vec<(u32, DomainId)>,
+    /// Live connections: (connection, peer domain, service name).
+    pub connections: Vec<(ConnId, DomainId, String)>,
+    /// Registry watches: (token, prefix).
+    pub watches: Vec<(u64, String)>,
+}
+
+/// A message from a domain to the broker.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ClientMsg {
+    /// A request; the broker answers with [`BrokerMsg::Reply`] carrying the same id.
+    Request { id: u64, body: Request },
+    /// Liveness beacon; no answer.
+    Heartbeat,
+}
+
+/// Requests a domain can make.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Request {
+    /// Join with one descriptor: the domain's arena, re-opened read-only and
+    /// sealed. `resume` is set when re-registering after a broker restart.
+    Join { name: String, label: Option<String>, arena_len: u64, resume: Option<Resume> },
+    /// Leave cleanly: the broker tears down services and tells peers.
+    Leave,
+    /// Offer a service under a name.
+    Offer { service: String },
+    /// Stop offering a service.
+    Withdraw { service: String },
+    /// Connect to a service. Carries two descriptors: the caller's data doorbell
+    /// and space doorbell (eventfds the peer rings to wake it).
+    Connect { service: String, block: RingBlock },
+    /// Answer to [`Event::Incoming`]: accept with the acceptor's ring block and two
+    /// doorbell descriptors, or refuse.
+    Accept { conn: ConnId, block: RingBlock },
+    Refuse { conn: ConnId, reason: String },
+    /// The domain closed a connection.
+    Close { conn: ConnId },
+    /// Ask for a read-only grant of the arena in `slot` (to follow a forwarded
+    /// pointer). Answered with [`Reply::Grant`] and one descriptor.
+    GrantSlot { slot: u32 },
+    /// The domain no longer maps the arena of `owner` in `slot`.
+    Unmapped { slot: u32, owner: DomainId },
+    /// Registry operations.
+    Read { path: String },
+    Write { path: String, value: Vec<u8> },
+    List { path: String },
+    Delete { path: String },
+    Watch { token: u64, prefix: String },
+    Unwatch { token: u64 },
+    Transaction { ops: Vec<TxnOp> },
+    /// Broker-wide status (domains, services, connections, counters).
+    Status,
+    /// Publish this domain's counters (shown by `fido status`).
+    Counters { counters: Counters },
+}
+
+/// One operation in a registry transaction. All `Check`s are evaluated first; if
+/// any fails nothing is written.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum TxnOp {
+    /// Compare: the key must currently hold `expected` (`None`: must be absent).
+    Check { path: String, expected: Option<Vec<u8>> },
+    Put { path: String, value: Vec<u8> },
+    Delete { path: String },
+    Read { path: String },
+}
+
+/// A message from the broker to a domain.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum BrokerMsg {
+    Reply { id: u64, body: Result<Reply, RemoteError> },
+    Event(Event),
+}
+
+/// Successful answers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Reply {
+    Ok,
+    Joined {
+        domain: DomainId,
+        slot: u32,
+        geometry: PgvasGeometry,
+        /// How often the domain must send a heartbeat, in milliseconds.
+        heartbeat_ms: u64,
+    },
+    /// Connection established. Descriptors: the peer's arena (read-only), the
+    /// peer's data doorbell, the peer's space doorbell, one end of a liveness
+    /// socket pair shared with the peer.
+    Connected { conn: ConnId, peer: PeerInfo, block: RingBlock },
+    /// Arena grant: one descriptor, the owner's arena (read-only).
+    Grant { owner: DomainId, slot: u32, arena_len: u64 },
+    Value(Option<Vec<u8>>),
+    Keys(Vec<String>),
+    Txn { committed: bool, reads: Vec<Option<Vec<u8>>> },
+    Status(Status),
+}
+
+/// The other end of a connection, as the broker vouches for it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PeerInfo {
+    pub domain: DomainId,
+    pub name: String,
+    pub slot: u32,
+    pub arena_len: u64,
+    pub uid: u32,
+    pub pid: i32,
+}
+
+/// Unsolicited notifications.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Event {
+    /// Someone connects to a service this domain offers. Descriptors as for
+    /// [`Reply::Connected`]. Answer with [`Request::Accept`] or [`Request::Refuse`].
+    Incoming { conn: ConnId, service: String, peer: PeerInfo, block: RingBlock },
+    /// A peer domain died, hung (missed heartbeats) or left.
+    PeerGone { domain: DomainId, conn: Option<ConnId>, reason: GoneReason },
+    /// The peer closed a connection.
+    Closed { conn: ConnId },
+    /// A watched key changed (`value: None` means deleted).
+    Watch { token: u64, path: String, value: Option<Vec<u8>> },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum GoneReason {
+    Exited,
+    MissedHeartbeat,
+    Left,
+}
+
+/// Per-domain data-path counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Counters {
+    pub messages_sent: u64,
+    pub messages_received: u64,
+    pub bytes_sent: u64,
+    pub bytes_received: u64,
+    pub bytes_copied: u64,
+    pub doorbells_rung: u64,
+    pub doorbells_suppressed: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Status {
+    pub broker_pid: i32,
+    pub domains: Vec<DomainStatus>,
+    pub services: Vec<(String, DomainId)>,
+    pub connections: Vec<ConnStatus>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DomainStatus {
+    pub domain: DomainId,
+    pub name: String,
+    pub slot: u32,
+    pub pid: i32,
+    pub uid: u32,
+    pub arena_len: u64,
+    pub counters: Counters,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConnStatus {
+    pub conn: ConnId,
+    pub service: String,
+    pub client: DomainId,
+    pub server: DomainId,
+}
+
+/// An error the broker reports for a request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[error("{code:?}: {message}")]
+pub struct RemoteError {
+    pub code: ErrorCode,
+    pub message: String,
+}
+
+impl RemoteError {
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        RemoteError { code, message: message.into() }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ErrorCode {
+    Version,
+    BadRequest,
+    NotJoined,
+    AlreadyJoined,
+    NoSuchService,
+    ServiceTaken,
+    NoSuchConnection,
+    NoSuchDomain,
+    NoSuchKey,
+    Denied,
+    Quota,
+    Refused,
+    BadDescriptor,
+    Unavailable,
+    Internal,
+}
+
+/// Why a control message could not be decoded or encoded.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ProtoError {
+    #[error("control message truncated")]
+    Truncated,
+    #[error("control message too large ({0} bytes)")]
+    TooLarge(usize),
+    #[error("bad magic in control message header")]
+    Magic,
+    #[error("protocol version {0} not supported (this side speaks {PROTOCOL_VERSION})")]
+    Version(u16),
+    #[error("control message length field disagrees with datagram length")]
+    Length,
+    #[error("malformed control message body: {0}")]
+    Body(String),
+    #[error("invalid {0}")]
+    Invalid(&'static str),
+}
+
+/// Encodes a message with its header.
+pub fn encode<T: Serialize>(msg: &T) -> Result<Vec<u8>, ProtoError> {
+    let mut out = vec![0u8; HEADER_LEN];
+    let body = postcard::to_stdvec(msg).map_err(|e| ProtoError::Body(e.to_string()))?;
+    if body.len() + HEADER_LEN > MAX_MESSAGE {
+        return Err(ProtoError::TooLarge(body.len() + HEADER_LEN));
+    }
+    out[0..2].copy_from_slice(&MAGIC);
+    out[2..4].copy_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+    out[4..8].copy_from_slice(&(body.len() as u32).to_le_bytes());
+    out.extend_from_slice(&body);
+    Ok(out)
+}
+
+/// Decodes and validates a message. Any byte string is acceptable input.
+pub fn decode<T: DeserializeOwned + Validate>(bytes: &[u8]) -> Result<T, ProtoError> {
+    if bytes.len() > MAX_MESSAGE {
+        return Err(ProtoError::TooLarge(bytes.len()));
+    }
+    if bytes.len() < HEADER_LEN {
+        return Err(ProtoError::Truncated);
+    }
+    if bytes[0..2] != MAGIC {
+        return Err(ProtoError::Magic);
+    }
+    let version = u16::from_le_bytes([bytes[2], bytes[3]]);
+    if version != PROTOCOL_VERSION {
+        return Err(ProtoError::Version(version));
+    }
+    let len = u32::from_le_bytes([bytes[4], bytes[5], bytes[6], bytes[7]]) as usize;
+    if len != bytes.len() - HEADER_LEN {
+        return Err(ProtoError::Length);
+    }
+    let (msg, rest): (T, &[u8]) = postcard::take_from_bytes(&bytes[HEADER_LEN..])
+        .map_err(|e| ProtoError::Body(e.to_string()))?;
+    if !rest.is_empty() {
+        return Err(ProtoError::Length);
+    }
+    msg.validate()?;
+    Ok(msg)
+}
+
+/// Semantic checks applied after decoding.
+pub trait Validate {
+    fn validate(&self) -> Result<(), ProtoError>;
+}
+
+/// Checks a registry path: absolute, `/`-separated, no empty, `.` or `..`
+/// component, characters from `[A-Za-z0-9_.:@+=-]`, at most [`MAX_PATH`] bytes.
+/// `/` alone is the root.
+pub fn check_path(path: &str) -> Result<(), ProtoError> {
+    if path.len() > MAX_PATH || !path.starts_with('/') {
+        return Err(ProtoError::Invalid("registry path"));
+    }
+    if path == "/" {
+        return Ok(());
+    }
+    for part in path[1..].split('/') {
+        if part.is_empty() || part == "." || part == ".." || !part.bytes().all(path_byte_ok) {
+            return Err(ProtoError::Invalid("registry path"));
+        }
+    }
+    Ok(())
+}
+
+fn path_byte_ok(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b':' | b'@' | b'+' | b'=' | b'-')
+}
+
+/// Checks a service name or domain name: 1..=128 bytes of `[A-Za-z0-9_.:@+=-]`.
+pub fn check_name(name: &str) -> Result<(), ProtoError> {
+    if name.is_empty() || name.len() > 128 || !name.bytes().all(path_byte_ok) {
+        return Err(ProtoError::Invalid("name"));
+    }
+    Ok(())
+}
+
+fn check_value(value: &[u8]) -> Result<(), ProtoError> {
+    if value.len() > MAX_VALUE {
+        return Err(ProtoError::Invalid("registry value (too large)"));
+    }
+    Ok(())
+}
+
+fn check_block(block: &RingBlock) -> Result<(), ProtoError> {
+    if block.entries == 0 || !block.entries.is_power_of_two() || block.entries > 1 << 16 {
+        return Err(ProtoError::Invalid("ring size"));
+    }
+    if block.offset.checked_add(block.len).is_none() {
+        return Err(ProtoError::Invalid("ring block"));
+    }
+    Ok(())
+}
+
+impl Validate for ClientMsg {
+    fn validate(&self) -> Result<(), ProtoError> {
+        match self {
+            ClientMsg::Heartbeat => Ok(()),
+            ClientMsg::Request { body, .. } => body.validate(),
+        }
+    }
+}
+
+impl Validate for Request {
+    fn validate(&self) -> Result<(), ProtoError> {
+        match self {
+            Request::Join { name, label, resume, .. } => {
+                check_name(name)?;
+                if let Some(label) = label {
+                    check_name(label)?;
+                }
+                if let Some(r) = resume {
+                    r.services.iter().try_for_each(|s| check_name(s))?;
+                    r.connections.iter().try_for_each(|(_, _, s)| check_name(s))?;
+                    r.watches.iter().try_for_each(|(_, p)| check_path(p))?;
+                    if r.services.len() > 4096 || r.mapped.len() > 1 << 16 {
+                        return Err(ProtoError::Invalid("resume state"));
+                    }
+                }
+                Ok(())
+            }
+            Request::Offer { service } | Request::Withdraw { service } => check_name(service),
+            Request::Connect { service, block } => {
+                check_name(service)?;
+                check_block(block)
+            }
+            Request::Accept { block, .. } => check_block(block),
+            Request::Refuse { reason, .. } => {
+                if reason.len() > MAX_PATH {
+                    return Err(ProtoError::Invalid("refusal reason"));
+                }
+                Ok(())
+            }
+            Request::Read { path }
+            | Request::List { path }
+            | Request::Delete { path }
+            | Request::Watch { prefix: path, .. } => check_path(path),
+            Request::Write { path, value } => {
+                check_path(path)?;
+                check_value(value)
+            }
+            Request::Transaction { ops } => {
+                if ops.is_empty() || ops.len() > MAX_TXN_OPS {
+                    return Err(ProtoError::Invalid("transaction size"));
+                }
+                ops.iter().try_for_each(|op| op.validate())
+            }
+            Request::Leave
+            | Request::Close { .. }
+            | Request::GrantSlot { .. }
+            | Request::Unmapped { .. }
+            | Request::Unwatch { .. }
+            | Request::Status
+            | Request::Counters { .. } => Ok(()),
+        }
+    }
+}
+
+impl Validate for TxnOp {
+    fn validate(&self) -> Result<(), ProtoError> {
+        match self {
+            TxnOp::Check { path, expected } => {
+                check_path(path)?;
+                expected.as_deref().map_or(Ok(()), check_value)
+            }
+            TxnOp::Put { path, value } => {
+                check_path(path)?;
+                check_value(value)
+            }
+            TxnOp::Delete { path } | TxnOp::Read { path } => check_path(path),
+        }
+    }
+}
+
+impl Validate for BrokerMsg {
+    fn validate(&self) -> Result<(), ProtoError> {
+        match self {
+            BrokerMsg::Reply { body: Ok(Reply::Joined { geometry, .. }), .. } => {
+                geometry.validate()
+            }
+            BrokerMsg::Reply { body: Ok(Reply::Connected { block, peer, .. }), .. }
+            | BrokerMsg::Event(Event::Incoming { block, peer, .. }) => {
+                check_name(&peer.name)?;
+                check_block(block)
+            }
+            BrokerMsg::Event(Event::Watch { path, value, .. }) => {
+                check_path(path)?;
+                value.as_deref().map_or(Ok(()), check_value)
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip() {
+        let msg = ClientMsg::Request {
+            id: 7,
+            body: Request::Write { path: "/app/x".into(), value: b"hello".to_vec() },
+        };
+        let bytes = encode(&msg).unwrap();
+        assert_eq!(decode::<ClientMsg>(&bytes).unwrap(), msg);
+    }
+
+    #[test]
+    fn rejects_bad_headers_and_trailing_bytes() {
+        let mut bytes = encode(&ClientMsg::Heartbeat).unwrap();
+        assert_eq!(decode::<ClientMsg>(&bytes[..4]), Err(ProtoError::Truncated));
+        bytes.push(0);
+        assert_eq!(decode::<ClientMsg>(&bytes), Err(ProtoError::Length));
+        let mut v = encode(&ClientMsg::Heartbeat).unwrap();
+        v[2] = 99;
+        assert!(matches!(decode::<ClientMsg>(&v), Err(ProtoError::Version(_))));
+        v = encode(&ClientMsg::Heartbeat).unwrap();
+        v[0] = b'X';
+        assert_eq!(decode::<ClientMsg>(&v), Err(ProtoError::Magic));
+    }
+
+    #[test]
+    fn rejects_bad_paths() {
+        for p in ["", "a", "/a//b", "/a/../b", "/a/.", "/a b", "/a/"] {
+            assert!(check_path(p).is_err(), "{p:?} accepted");
+        }
+        for p in ["/", "/a", "/domain/3/name", "/service/echo-1/x.y"] {
+            check_path(p).unwrap();
+        }
+        let msg = ClientMsg::Request { id: 1, body: Request::Read { path: "/x/../y".into() } };
+        let bytes = encode(&msg).unwrap();
+        assert!(matches!(decode::<ClientMsg>(&bytes), Err(ProtoError::Invalid(_))));
+    }
+
+    #[test]
+    fn geometry_checks() {
+        PgvasGeometry::DEFAULT.validate().unwrap();
+        let bad = PgvasGeometry { base: 1 << 46, slot_size: 1 << 40, slots: 1024 };
+        assert!(bad.validate().is_err());
+    }
+}
