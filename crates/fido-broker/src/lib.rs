@@ -1,1 +1,349 @@
-//! TODO
+//! The Fido broker: the privileged control plane every domain talks to.
+//!
+//! It admits domains (join: a [`DomainId`](fido_proto::DomainId) that is never
+//! reused and a PGVAS slot), hands out read-only arena grants, brokers
+//! connections between a client and the domain offering a service (exchanging
+//! arena grants, doorbell eventfds and a liveness socket pair), keeps the
+//! registry (a tree of keys with watches and transactions, persisted in SQLite),
+//! and detects deaths — socket EOF at once, hangs by missed heartbeats — telling
+//! the peers and firing watches.
+//!
+//! What it must never do: touch payload data (only control messages and
+//! descriptors pass through it); crash or block because a client misbehaves
+//! (every socket is non-blocking, every input is validated, a client that cannot
+//! keep up is dropped); hand a grant or doorbell to a domain that did not ask
+//! for that connection or slot; reuse a `DomainId`, or a slot that is still
+//! mapped somewhere.
+
+mod server;
+mod sys;
+
+use std::fs::{DirBuilder, File, OpenOptions};
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use std::collections::BTreeMap;
+
+use fido_proto::{DomainId, PgvasGeometry};
+use rustix::io::Errno;
+use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+
+/// How a broker is set up.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Path of the listening `SOCK_SEQPACKET` socket.
+    pub socket: PathBuf,
+    /// Directory for the lock file and the registry database.
+    pub state_dir: PathBuf,
+    /// Heartbeat interval told to domains (default 500 ms).
+    pub heartbeat: Duration,
+    /// A domain silent for `heartbeat * heartbeat_misses` is declared hung (default 6).
+    pub heartbeat_misses: u32,
+    /// PGVAS geometry handed to every domain.
+    pub geometry: PgvasGeometry,
+}
+
+impl Config {
+    /// A configuration with the default heartbeat and geometry.
+    pub fn new(socket: impl Into<PathBuf>, state_dir: impl Into<PathBuf>) -> Config {
+        Config {
+            socket: socket.into(),
+            state_dir: state_dir.into(),
+            heartbeat: Duration::from_millis(500),
+            heartbeat_misses: 6,
+            geometry: PgvasGeometry::DEFAULT,
+        }
+    }
+
+    /// `$FIDO_BROKER`, else `$XDG_RUNTIME_DIR/fido/broker.sock`, else
+    /// `/run/fido/broker.sock`.
+    pub fn default_socket() -> PathBuf {
+        if let Some(p) = std::env::var_os("FIDO_BROKER").filter(|p| !p.is_empty()) {
+            return PathBuf::from(p);
+        }
+        if let Some(d) = std::env::var_os("XDG_RUNTIME_DIR").filter(|p| !p.is_empty()) {
+            return PathBuf::from(d).join("fido").join("broker.sock");
+        }
+        PathBuf::from("/run/fido/broker.sock")
+    }
+
+    /// How long a domain may stay silent before it is declared hung.
+    pub fn heartbeat_timeout(&self) -> Duration {
+        self.heartbeat.saturating_mul(self.heartbeat_misses.max(1))
+    }
+}
+
+/// Why the broker could not start or stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum BrokerError {
+    #[error("another broker is already running on state directory {} (lock {} is held)", .0.display(), .0.join("broker.lock").display())]
+    Locked(PathBuf),
+    #[error("a broker is already listening on {}", .0.display())]
+    AddrInUse(PathBuf),
+    #[error("{}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{what}: {source}")]
+    Sys {
+        what: &'static str,
+        #[source]
+        source: Errno,
+    },
+    #[error("registry: {0}")]
+    Registry(String),
+    #[error("invalid configuration: {0}")]
+    Config(String),
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> BrokerError + '_ {
+    move |source| BrokerError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+fn sys_err(what: &'static str) -> impl FnOnce(Errno) -> BrokerError {
+    move |source| BrokerError::Sys { what, source }
+}
+
+/// Wakes a running broker and makes [`Broker::run`] return.
+#[derive(Debug, Clone)]
+pub struct ShutdownHandle {
+    event: Arc<OwnedFd>,
+}
+
+impl ShutdownHandle {
+    /// Asks the broker to stop; returns at once. Idempotent.
+    pub fn shutdown(&self) {
+        let _ = rustix::io::write(self.event.as_fd(), &1u64.to_ne_bytes());
+    }
+}
+
+/// A bound broker, ready to [`run`](Broker::run).
+pub struct Broker {
+    config: Config,
+    listener: OwnedFd,
+    /// Identity of the socket file we created, so we only ever remove our own.
+    socket_id: (u64, u64),
+    shutdown: Arc<OwnedFd>,
+    registry: fido_registry::Registry,
+    reserved: BTreeMap<u32, DomainId>,
+    _lock: File,
+}
+
+impl std::fmt::Debug for Broker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Broker")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Broker {
+    /// Creates the state directory, locks it, opens the registry (clearing the
+    /// live-state subtrees `/domain`, `/service`, `/connection`) and binds the socket.
+    pub fn bind(config: Config) -> Result<Broker, BrokerError> {
+        config
+            .geometry
+            .validate()
+            .map_err(|e| BrokerError::Config(e.to_string()))?;
+        if config.heartbeat.is_zero() {
+            return Err(BrokerError::Config(
+                "heartbeat interval must be positive".into(),
+            ));
+        }
+
+        let state = &config.state_dir;
+        std::fs::create_dir_all(state).map_err(io_err(state))?;
+        let lock_path = state.join("broker.lock");
+        let lock = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .read(true)
+            .write(true)
+            .open(&lock_path)
+            .map_err(io_err(&lock_path))?;
+        match rustix::fs::flock(&lock, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+            Ok(()) => {}
+            Err(Errno::WOULDBLOCK) => return Err(BrokerError::Locked(state.clone())),
+            Err(e) => return Err(sys_err("flock on broker.lock")(e)),
+        }
+
+        let db = state.join("registry.sqlite");
+        let mut registry =
+            fido_registry::Registry::open(&db).map_err(|e| BrokerError::Registry(e.to_string()))?;
+        // Remember which slot each domain held before a restart, so resuming
+        // domains get theirs back (fresh joins avoid them for a grace period).
+        let reserved = previous_slots(&registry, config.geometry.slots);
+        for subtree in server::MANAGED {
+            registry
+                .delete(subtree)
+                .map_err(|e| BrokerError::Registry(e.to_string()))?;
+        }
+
+        let (listener, socket_id) = bind_socket(&config.socket)?;
+        let shutdown = rustix::event::eventfd(
+            0,
+            rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
+        )
+        .map_err(sys_err("eventfd"))?;
+
+        tracing::info!(socket = %config.socket.display(), state = %state.display(), "broker bound");
+        Ok(Broker {
+            config,
+            listener,
+            socket_id,
+            shutdown: Arc::new(shutdown),
+            registry,
+            reserved,
+            _lock: lock,
+        })
+    }
+
+    /// The socket path this broker listens on.
+    pub fn socket_path(&self) -> &Path {
+        &self.config.socket
+    }
+
+    /// A handle that stops [`run`](Broker::run) from any thread.
+    pub fn shutdown_handle(&self) -> ShutdownHandle {
+        ShutdownHandle {
+            event: self.shutdown.clone(),
+        }
+    }
+
+    /// Serves until the shutdown handle fires, then closes every client and
+    /// removes the socket file.
+    pub fn run(self) -> Result<(), BrokerError> {
+        let Broker {
+            config,
+            listener,
+            socket_id,
+            shutdown,
+            registry,
+            reserved,
+            _lock,
+        } = self;
+        let socket = config.socket.clone();
+        let result = server::Server::new(config, listener, shutdown, registry, reserved)
+            .and_then(|s| s.run());
+        remove_socket_if_ours(&socket, socket_id);
+        tracing::info!(socket = %socket.display(), "broker stopped");
+        drop(_lock);
+        result
+    }
+
+    /// Binds and runs the broker on its own thread.
+    pub fn spawn(
+        config: Config,
+    ) -> Result<(JoinHandle<Result<(), BrokerError>>, ShutdownHandle), BrokerError> {
+        let broker = Broker::bind(config)?;
+        let handle = broker.shutdown_handle();
+        let thread = std::thread::Builder::new()
+            .name("fido-broker".into())
+            .spawn(move || broker.run())
+            .map_err(io_err(Path::new("<thread>")))?;
+        Ok((thread, handle))
+    }
+}
+
+fn bind_socket(path: &Path) -> Result<(OwnedFd, (u64, u64)), BrokerError> {
+    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        DirBuilder::new()
+            .recursive(true)
+            .mode(0o755)
+            .create(parent)
+            .map_err(io_err(parent))?;
+    }
+    let addr = SocketAddrUnix::new(path).map_err(sys_err("socket path"))?;
+    let new_socket = || {
+        rustix::net::socket_with(
+            AddressFamily::UNIX,
+            SocketType::SEQPACKET,
+            SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
+            None,
+        )
+        .map_err(sys_err("socket"))
+    };
+
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        if !meta.file_type().is_socket() {
+            return Err(BrokerError::Io {
+                path: path.to_path_buf(),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::AlreadyExists,
+                    "exists and is not a socket; refusing to replace it",
+                ),
+            });
+        }
+        // A socket file: is anyone listening behind it?
+        let probe = rustix::net::socket_with(
+            AddressFamily::UNIX,
+            SocketType::SEQPACKET,
+            SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
+            None,
+        )
+        .map_err(sys_err("socket"))?;
+        match rustix::net::connect(&probe, &addr) {
+            // Someone listens (AGAIN: a full backlog; PROTOTYPE: a listener of
+            // another socket type, which is not ours to remove either).
+            Ok(()) | Err(Errno::AGAIN) | Err(Errno::PROTOTYPE) => {
+                return Err(BrokerError::AddrInUse(path.to_path_buf()))
+            }
+            Err(Errno::CONNREFUSED) | Err(Errno::NOENT) => {
+                tracing::info!(socket = %path.display(), "replacing stale broker socket");
+                std::fs::remove_file(path).map_err(io_err(path))?;
+            }
+            Err(e) => return Err(sys_err("probing existing socket")(e)),
+        }
+    }
+
+    let listener = new_socket()?;
+    match rustix::net::bind(&listener, &addr) {
+        Ok(()) => {}
+        Err(Errno::ADDRINUSE) => return Err(BrokerError::AddrInUse(path.to_path_buf())),
+        Err(e) => return Err(sys_err("bind")(e)),
+    }
+    rustix::net::listen(&listener, 128).map_err(sys_err("listen"))?;
+    let meta = std::fs::symlink_metadata(path).map_err(io_err(path))?;
+    Ok((listener, (meta.dev(), meta.ino())))
+}
+
+fn remove_socket_if_ours(path: &Path, id: (u64, u64)) {
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        if (meta.dev(), meta.ino()) == id {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+/// Slots recorded under `/domain/<id>/slot` by the previous broker run.
+fn previous_slots(registry: &fido_registry::Registry, slots: u32) -> BTreeMap<u32, DomainId> {
+    let mut out = BTreeMap::new();
+    let Ok(children) = registry.list("/domain") else {
+        return out;
+    };
+    for child in children {
+        let name = child.rsplit('/').next().unwrap_or(&child);
+        let Ok(id) = name.parse::<DomainId>() else {
+            continue;
+        };
+        let Ok(Some(v)) = registry.read(&format!("/domain/{id}/slot")) else {
+            continue;
+        };
+        let slot = std::str::from_utf8(&v)
+            .ok()
+            .and_then(|s| s.parse::<u32>().ok());
+        if let Some(slot) = slot.filter(|s| *s < slots) {
+            out.insert(slot, id);
+        }
+    }
+    out
+}

@@ -1,1 +1,245 @@
-//! TODO
+//! Fido's data path: descriptor rings and doorbells.
+//!
+//! A connection is two single-producer/single-consumer rings, one per direction.
+//! Each side keeps everything it writes in a **block** inside its own arena
+//! (`block`): its outgoing descriptors and publish index, its consume index, its
+//! sleep words and the cookies of messages it has finished with (releases). The
+//! peer maps that memory read-only. So no side ever writes the other's memory,
+//! and a side's view of its peer is a handful of untrusted numbers that this
+//! crate checks before use (an index that jumps is an error, not a wild read).
+//!
+//! Signalling is batched: a side rings its peer's doorbell (an eventfd) only when
+//! the peer said it is going to sleep (`protocol`). A busy stream costs no system
+//! calls.
+//!
+//! This crate must never write a peer's block, never read a descriptor slot that
+//! was not published, and never trust an index, cookie or length read from peer
+//! memory without checking it. It knows nothing about arenas or pointers:
+//! validating a descriptor's segments is the caller's job (`fido`).
+
+pub mod block;
+pub mod desc;
+pub mod doorbell;
+pub mod protocol;
+mod sync;
+pub mod wait;
+
+pub use block::{block_len, BlockError, LocalBlock, PeerBlock};
+pub use desc::{Descriptor, Segment, FLAG_SG_LIST, INLINE_SEGMENTS, MAX_SEGMENTS};
+pub use wait::{wait_until, SleepSite, WaitOutcome, WaitStrategy};
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::Arc;
+
+/// A peer broke the ring protocol. The connection is unusable; nothing outside
+/// it is affected.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum RingError {
+    #[error("peer's {what} index jumped from {from} to {to} (ring of {entries})")]
+    IndexJump { what: &'static str, from: u64, to: u64, entries: u32 },
+    #[error("ring is full")]
+    Full,
+}
+
+/// Whether publishing needed a doorbell.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Notify {
+    Rung,
+    Suppressed,
+}
+
+fn check_advance(what: &'static str, from: u64, to: u64, entries: u32) -> Result<u64, RingError> {
+    match to.checked_sub(from) {
+        Some(n) if n <= entries as u64 => Ok(n),
+        _ => Err(RingError::IndexJump { what, from, to, entries }),
+    }
+}
+
+/// Sending half: produces descriptors into our block, reaps the peer's releases.
+pub struct TxRing {
+    local: LocalBlock,
+    peer: PeerBlock,
+    prod: u64,
+    rel_cons: u64,
+    last_rung: u64,
+    space_epoch: u64,
+    peer_data_bell: Arc<OwnedFd>,
+}
+
+impl TxRing {
+    pub fn new(local: LocalBlock, peer: PeerBlock, peer_data_bell: Arc<OwnedFd>) -> TxRing {
+        TxRing { local, peer, prod: 0, rel_cons: 0, last_rung: 0, space_epoch: 0, peer_data_bell }
+    }
+
+    /// Messages that may still be sent before the peer releases some.
+    ///
+    /// The window is the ring size counted in *unreleased* messages, not just
+    /// unconsumed descriptors: that bounds the peer's release ring too (it can
+    /// never hold more releases than we have messages out). The peer's consume
+    /// index is untrusted: a value outside `[published - entries, published]`
+    /// is a protocol error.
+    pub fn free_slots(&self) -> Result<u64, RingError> {
+        let entries = self.local.entries() as u64;
+        let cons = self.peer.data_cons().load(std::sync::atomic::Ordering::Acquire);
+        self.prod.checked_sub(cons).filter(|u| *u <= entries).ok_or(RingError::IndexJump {
+            what: "consume",
+            from: self.prod,
+            to: cons,
+            entries: self.local.entries(),
+        })?;
+        // `rel_cons <= prod` always: we only reap releases the peer published,
+        // and `poll_release` bounds those by the window.
+        Ok(entries - (self.prod - self.rel_cons).min(entries))
+    }
+
+    /// Messages sent and not yet released.
+    pub fn in_flight(&self) -> u64 {
+        self.prod - self.rel_cons
+    }
+
+    /// Writes a descriptor into the next slot; it is not visible until
+    /// [`TxRing::publish`].
+    pub fn push(&mut self, desc: &Descriptor) -> Result<(), RingError> {
+        if self.free_slots()? == 0 {
+            return Err(RingError::Full);
+        }
+        self.local.write_descriptor(self.prod, desc);
+        self.prod += 1;
+        Ok(())
+    }
+
+    /// Makes pushed descriptors visible and rings the peer only if it sleeps.
+    pub fn publish(&mut self) -> std::io::Result<Notify> {
+        if protocol::publish(self.local.data_prod(), self.prod, self.peer.data_sleep(), &mut self.last_rung) {
+            doorbell::ring(self.peer_data_bell.as_fd())?;
+            Ok(Notify::Rung)
+        } else {
+            Ok(Notify::Suppressed)
+        }
+    }
+
+    /// Takes the next cookie the peer released, if any.
+    pub fn poll_release(&mut self) -> Result<Option<u64>, RingError> {
+        let published = protocol::observe(self.peer.rel_prod());
+        let available = check_advance("release", self.rel_cons, published, self.local.entries())?;
+        if available == 0 {
+            return Ok(None);
+        }
+        // More releases than messages out: the peer is lying.
+        if self.rel_cons + available > self.prod {
+            return Err(RingError::IndexJump { what: "release", from: self.rel_cons, to: published, entries: self.local.entries() });
+        }
+        let cookie = self.peer.read_release(self.rel_cons);
+        self.rel_cons += 1;
+        self.local.rel_cons().store(self.rel_cons, std::sync::atomic::Ordering::Release);
+        Ok(Some(cookie))
+    }
+
+    /// True when the peer has published releases we have not reaped.
+    pub fn releases_pending(&self) -> Result<bool, RingError> {
+        let published = protocol::observe(self.peer.rel_prod());
+        Ok(check_advance("release", self.rel_cons, published, self.local.entries())? > 0)
+    }
+
+    /// Our sleep word for "waiting for releases" and its epoch (for `wait_until`).
+    pub fn space_sleep_site(&mut self) -> (&std::sync::atomic::AtomicU64, &mut u64) {
+        (self.local.space_sleep(), &mut self.space_epoch)
+    }
+
+    pub fn published(&self) -> u64 {
+        self.prod
+    }
+
+    pub fn peer_closed(&self) -> bool {
+        self.peer.is_closed()
+    }
+
+    pub fn local(&self) -> &LocalBlock {
+        &self.local
+    }
+}
+
+/// Receiving half: consumes the peer's descriptors.
+pub struct RxRing {
+    local: LocalBlock,
+    peer: PeerBlock,
+    cons: u64,
+    data_epoch: u64,
+}
+
+impl RxRing {
+    pub fn new(local: LocalBlock, peer: PeerBlock) -> RxRing {
+        RxRing { local, peer, cons: 0, data_epoch: 0 }
+    }
+
+    /// Copies out the next published descriptor, if any. The caller validates
+    /// its contents.
+    pub fn poll(&mut self) -> Result<Option<Descriptor>, RingError> {
+        let published = protocol::observe(self.peer.data_prod());
+        if check_advance("publish", self.cons, published, self.local.entries())? == 0 {
+            return Ok(None);
+        }
+        let desc = self.peer.read_descriptor(self.cons);
+        self.cons += 1;
+        self.local.data_cons().store(self.cons, std::sync::atomic::Ordering::Release);
+        Ok(Some(desc))
+    }
+
+    /// True when a descriptor is waiting.
+    pub fn pending(&self) -> Result<bool, RingError> {
+        let published = protocol::observe(self.peer.data_prod());
+        Ok(check_advance("publish", self.cons, published, self.local.entries())? > 0)
+    }
+
+    pub fn data_sleep_site(&mut self) -> (&std::sync::atomic::AtomicU64, &mut u64) {
+        (self.local.data_sleep(), &mut self.data_epoch)
+    }
+
+    pub fn peer_closed(&self) -> bool {
+        self.peer.is_closed()
+    }
+
+    pub fn consumed(&self) -> u64 {
+        self.cons
+    }
+}
+
+/// Publishes releases (cookies of messages we are done with) to the peer. Shared
+/// by every thread that may drop a received message, behind a lock.
+pub struct Releaser {
+    local: LocalBlock,
+    peer: PeerBlock,
+    prod: u64,
+    last_rung: u64,
+    peer_space_bell: Arc<OwnedFd>,
+}
+
+impl Releaser {
+    pub fn new(local: LocalBlock, peer: PeerBlock, peer_space_bell: Arc<OwnedFd>) -> Releaser {
+        Releaser { local, peer, prod: 0, last_rung: 0, peer_space_bell }
+    }
+
+    /// Publishes one release. `Full` means the peer stopped reaping releases
+    /// while holding more messages in flight than the ring has slots: a
+    /// misbehaving peer.
+    pub fn release(&mut self, cookie: u64) -> Result<Notify, RingError> {
+        let reaped = self.peer.rel_cons().load(std::sync::atomic::Ordering::Acquire);
+        let unreaped = self.prod.checked_sub(reaped).filter(|u| *u <= self.local.entries() as u64).ok_or(
+            RingError::IndexJump { what: "release-consume", from: self.prod, to: reaped, entries: self.local.entries() },
+        )?;
+        if unreaped == self.local.entries() as u64 {
+            return Err(RingError::Full);
+        }
+        self.local.write_release(self.prod, cookie);
+        self.prod += 1;
+        if protocol::publish(self.local.rel_prod(), self.prod, self.peer.space_sleep(), &mut self.last_rung) {
+            let _ = doorbell::ring(self.peer_space_bell.as_fd());
+            Ok(Notify::Rung)
+        } else {
+            Ok(Notify::Suppressed)
+        }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests;

@@ -1,0 +1,1577 @@
+//! The broker's event loop and the protocol semantics.
+//!
+//! One thread, one epoll set: the listener, every client socket and the
+//! shutdown eventfd. Heartbeat checks run on the epoll timeout. Nothing in here
+//! blocks: sockets are non-blocking, a client whose socket stays full has a
+//! bounded queue and is dropped when it overflows.
+//!
+//! Deaths are never processed in the middle of handling another message: a
+//! client found dead is *doomed* (marked and queued) and [`Server::reap`] tears
+//! it down once the current event is handled, so teardown can itself send
+//! messages (and doom further clients) without re-entrancy.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use fido_proto::{
+    BrokerMsg, ClientMsg, ConnId, ConnStatus, Counters, DomainId, DomainStatus, ErrorCode, Event,
+    GoneReason, PeerInfo, ProtoError, RemoteError, Reply, Request, Resume, RingBlock, Status,
+    TxnOp,
+};
+use fido_registry::{Registry, WatchEvent};
+use rustix::event::epoll;
+use rustix::io::Errno;
+use rustix::net::SocketFlags;
+
+use crate::sys::{self, Recv};
+use crate::{BrokerError, Config};
+
+/// Registry subtrees the broker owns: cleared at startup, read-only to applications.
+pub(crate) const MANAGED: [&str; 3] = ["/domain", "/service", "/connection"];
+
+const KEY_LISTENER: u64 = 0;
+const KEY_SHUTDOWN: u64 = 1;
+const FIRST_CLIENT_KEY: u64 = 2;
+
+/// Messages handled per client per wake-up, so one chatty client cannot starve others.
+const MAX_BATCH: usize = 64;
+/// Bound on what is queued for a client that does not read its socket.
+const MAX_QUEUED_MSGS: usize = 1024;
+const MAX_QUEUED_BYTES: usize = 8 << 20;
+/// Replies larger than this are replaced by an error (they might not fit the
+/// receiver's socket buffer as one datagram).
+const MAX_REPLY: usize = 192 * 1024;
+/// Most counter steps taken to move a counter past an id reported by a resuming domain.
+const MAX_COUNTER_ADVANCE: u64 = 1024;
+
+type Handled = Result<Option<(Reply, Vec<OwnedFd>)>, RemoteError>;
+
+fn err(code: ErrorCode, message: impl Into<String>) -> RemoteError {
+    RemoteError::new(code, message)
+}
+
+fn internal(what: &str, e: impl std::fmt::Display) -> RemoteError {
+    err(ErrorCode::Internal, format!("{what}: {e}"))
+}
+
+struct Outgoing {
+    bytes: Vec<u8>,
+    fds: Vec<OwnedFd>,
+}
+
+struct Client {
+    sock: OwnedFd,
+    pid: i32,
+    uid: u32,
+    gid: u32,
+    domain: Option<DomainId>,
+    last_seen: Instant,
+    queue: VecDeque<Outgoing>,
+    queued_bytes: usize,
+    want_out: bool,
+    doomed: bool,
+}
+
+struct Domain {
+    client: u64,
+    name: String,
+    slot: u32,
+    arena_len: u64,
+    pid: i32,
+    uid: u32,
+    counters: Counters,
+    services: BTreeSet<String>,
+    /// Slots (of other domains, or its own) this domain has mapped.
+    maps: BTreeSet<u32>,
+}
+
+/// A PGVAS slot in use: by a live owner, or pinned by domains that still map
+/// a dead owner's arena.
+struct Slot {
+    owner: DomainId,
+    live: bool,
+    /// The owner's arena, read-only; kept while the owner lives, for grants.
+    arena: Option<OwnedFd>,
+    mappers: BTreeSet<DomainId>,
+}
+
+struct Conn {
+    service: String,
+    client: DomainId,
+    server: DomainId,
+}
+
+struct Pending {
+    service: String,
+    client: DomainId,
+    client_req: u64,
+    server: DomainId,
+    /// End 1 of the liveness pair, for the client once the server accepts.
+    liveness: OwnedFd,
+}
+
+pub(crate) struct Server {
+    cfg: Config,
+    listener: OwnedFd,
+    shutdown: Arc<OwnedFd>,
+    epoll: OwnedFd,
+    reg: Registry,
+    clients: HashMap<u64, Client>,
+    next_key: u64,
+    domains: BTreeMap<DomainId, Domain>,
+    slots: BTreeMap<u32, Slot>,
+    services: BTreeMap<String, DomainId>,
+    conns: BTreeMap<ConnId, Conn>,
+    pending: BTreeMap<ConnId, Pending>,
+    /// Domains that died under this broker: never accepted again, even by resume.
+    retired: HashSet<DomainId>,
+    doomed: Vec<(u64, GoneReason)>,
+    /// Slots domains held before the restart (read from the registry at startup),
+    /// kept for them to resume until the grace period ends.
+    reserved: BTreeMap<u32, DomainId>,
+    /// Connections re-reported by one side only; checked when the grace period ends.
+    unconfirmed: BTreeSet<ConnId>,
+    grace_end: Instant,
+    after_reply: Vec<(DomainId, Event)>,
+    buf: Vec<u8>,
+}
+
+impl Server {
+    pub(crate) fn new(
+        cfg: Config,
+        listener: OwnedFd,
+        shutdown: Arc<OwnedFd>,
+        reg: Registry,
+        reserved: BTreeMap<u32, DomainId>,
+    ) -> Result<Server, BrokerError> {
+        let ep = epoll::create(epoll::CreateFlags::CLOEXEC).map_err(|source| BrokerError::Sys {
+            what: "epoll_create",
+            source,
+        })?;
+        let add = |fd, key| {
+            epoll::add(
+                &ep,
+                fd,
+                epoll::EventData::new_u64(key),
+                epoll::EventFlags::IN,
+            )
+            .map_err(|source| BrokerError::Sys {
+                what: "epoll_ctl",
+                source,
+            })
+        };
+        add(listener.as_fd(), KEY_LISTENER)?;
+        add(shutdown.as_fd(), KEY_SHUTDOWN)?;
+        let grace_end = Instant::now() + cfg.heartbeat_timeout();
+        Ok(Server {
+            cfg,
+            listener,
+            shutdown,
+            epoll: ep,
+            reg,
+            clients: HashMap::new(),
+            next_key: FIRST_CLIENT_KEY,
+            domains: BTreeMap::new(),
+            slots: BTreeMap::new(),
+            services: BTreeMap::new(),
+            conns: BTreeMap::new(),
+            pending: BTreeMap::new(),
+            retired: HashSet::new(),
+            doomed: Vec::new(),
+            reserved,
+            unconfirmed: BTreeSet::new(),
+            grace_end,
+            after_reply: Vec::new(),
+            buf: vec![0u8; fido_proto::MAX_MESSAGE],
+        })
+    }
+
+    pub(crate) fn run(mut self) -> Result<(), BrokerError> {
+        let tick = self.cfg.heartbeat.min(Duration::from_secs(1));
+        let mut next_tick = Instant::now() + tick;
+        let mut events: Vec<epoll::Event> = Vec::with_capacity(64);
+        loop {
+            let now = Instant::now();
+            if now >= next_tick {
+                self.tick(now);
+                self.reap();
+                next_tick = now + tick;
+            }
+            let wait = next_tick.saturating_duration_since(now);
+            let timeout = rustix::event::Timespec {
+                tv_sec: wait.as_secs() as _,
+                tv_nsec: wait.subsec_nanos() as _,
+            };
+            events.clear();
+            match epoll::wait(
+                &self.epoll,
+                rustix::buffer::spare_capacity(&mut events),
+                Some(&timeout),
+            ) {
+                Ok(_) => {}
+                Err(Errno::INTR) => continue,
+                Err(source) => {
+                    return Err(BrokerError::Sys {
+                        what: "epoll_wait",
+                        source,
+                    })
+                }
+            }
+            for ev in events.iter().copied() {
+                let data = ev.data;
+                let flags = ev.flags;
+                match data.u64() {
+                    KEY_LISTENER => self.accept_all(),
+                    KEY_SHUTDOWN => {
+                        let mut b = [0u8; 8];
+                        let _ = rustix::io::read(self.shutdown.as_fd(), &mut b);
+                        tracing::info!(domains = self.domains.len(), "broker shutting down");
+                        return Ok(());
+                    }
+                    key => self.client_ready(key, flags),
+                }
+                self.reap();
+            }
+        }
+    }
+
+    // ----- sockets ------------------------------------------------------------
+
+    fn accept_all(&mut self) {
+        loop {
+            let sock = match rustix::net::accept_with(
+                &self.listener,
+                SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
+            ) {
+                Ok(s) => s,
+                Err(Errno::AGAIN) => return,
+                Err(Errno::INTR) | Err(Errno::CONNABORTED) => continue,
+                Err(e) => {
+                    tracing::warn!(error = %e, "accept failed");
+                    return;
+                }
+            };
+            let cred = match rustix::net::sockopt::socket_peercred(&sock) {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!(error = %e, "SO_PEERCRED failed; dropping connection");
+                    continue;
+                }
+            };
+            // Big enough for any control message as one datagram (the kernel caps it).
+            let _ = rustix::net::sockopt::set_socket_send_buffer_size(&sock, 1 << 20);
+            let key = self.next_key;
+            self.next_key += 1;
+            if let Err(e) = epoll::add(
+                &self.epoll,
+                &sock,
+                epoll::EventData::new_u64(key),
+                epoll::EventFlags::IN,
+            ) {
+                tracing::warn!(error = %e, "epoll_ctl failed; dropping connection");
+                continue;
+            }
+            let client = Client {
+                sock,
+                pid: cred.pid.as_raw_nonzero().get(),
+                uid: cred.uid.as_raw(),
+                gid: cred.gid.as_raw(),
+                domain: None,
+                last_seen: Instant::now(),
+                queue: VecDeque::new(),
+                queued_bytes: 0,
+                want_out: false,
+                doomed: false,
+            };
+            tracing::debug!(
+                pid = client.pid,
+                uid = client.uid,
+                gid = client.gid,
+                "client connected"
+            );
+            self.clients.insert(key, client);
+        }
+    }
+
+    fn client_ready(&mut self, key: u64, flags: epoll::EventFlags) {
+        if flags.contains(epoll::EventFlags::OUT) {
+            self.flush(key);
+        }
+        if !flags
+            .intersects(epoll::EventFlags::IN | epoll::EventFlags::HUP | epoll::EventFlags::ERR)
+        {
+            return;
+        }
+        for _ in 0..MAX_BATCH {
+            let Some(c) = self.clients.get_mut(&key) else {
+                return;
+            };
+            if c.doomed {
+                return;
+            }
+            match sys::recv(c.sock.as_fd(), &mut self.buf) {
+                Ok(Recv::WouldBlock) => return,
+                Ok(Recv::Eof) => {
+                    self.doom(key, GoneReason::Exited);
+                    return;
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "client socket error");
+                    self.doom(key, GoneReason::Exited);
+                    return;
+                }
+                Ok(Recv::Msg {
+                    len,
+                    fds,
+                    truncated,
+                }) => {
+                    c.last_seen = Instant::now();
+                    let bytes = self.buf[..len].to_vec();
+                    self.message(key, &bytes, fds, truncated);
+                }
+            }
+        }
+    }
+
+    fn doom(&mut self, key: u64, reason: GoneReason) {
+        if let Some(c) = self.clients.get_mut(&key) {
+            if !c.doomed {
+                c.doomed = true;
+                self.doomed.push((key, reason));
+            }
+        }
+    }
+
+    /// Tears down every doomed client (which may doom others: loop until none).
+    fn reap(&mut self) {
+        while let Some((key, reason)) = self.doomed.pop() {
+            let Some(c) = self.clients.remove(&key) else {
+                continue;
+            };
+            let _ = epoll::delete(&self.epoll, &c.sock);
+            match c.domain {
+                Some(id) => self.domain_death(id, reason),
+                None => tracing::debug!(pid = c.pid, "unjoined client disconnected"),
+            }
+            // Dropping `c` closes the socket.
+        }
+    }
+
+    fn send(&mut self, key: u64, msg: &BrokerMsg, fds: Vec<OwnedFd>) {
+        let bytes = match fido_proto::encode(msg) {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::error!(error = %e, "could not encode a broker message");
+                return;
+            }
+        };
+        let Some(c) = self.clients.get_mut(&key) else {
+            return;
+        };
+        if c.doomed {
+            return;
+        }
+        if c.queue.is_empty() {
+            match sys::send(c.sock.as_fd(), &bytes, &fds) {
+                Ok(()) => return,
+                Err(Errno::AGAIN) => {}
+                Err(e) => {
+                    tracing::debug!(error = %e, pid = c.pid, "send to client failed");
+                    c.doomed = true;
+                    self.doomed.push((key, GoneReason::Exited));
+                    return;
+                }
+            }
+        }
+        if c.queue.len() >= MAX_QUEUED_MSGS || c.queued_bytes + bytes.len() > MAX_QUEUED_BYTES {
+            tracing::warn!(pid = c.pid, domain = ?c.domain, "client does not read its socket; dropping it");
+            c.doomed = true;
+            self.doomed.push((key, GoneReason::Exited));
+            return;
+        }
+        c.queued_bytes += bytes.len();
+        c.queue.push_back(Outgoing { bytes, fds });
+        if !c.want_out {
+            c.want_out = true;
+            let _ = epoll::modify(
+                &self.epoll,
+                &c.sock,
+                epoll::EventData::new_u64(key),
+                epoll::EventFlags::IN | epoll::EventFlags::OUT,
+            );
+        }
+    }
+
+    fn flush(&mut self, key: u64) {
+        let Some(c) = self.clients.get_mut(&key) else {
+            return;
+        };
+        while let Some(front) = c.queue.front() {
+            if c.doomed {
+                return;
+            }
+            match sys::send(c.sock.as_fd(), &front.bytes, &front.fds) {
+                Ok(()) => {
+                    c.queued_bytes -= front.bytes.len();
+                    c.queue.pop_front();
+                }
+                Err(Errno::AGAIN) => return,
+                Err(_) => {
+                    c.doomed = true;
+                    self.doomed.push((key, GoneReason::Exited));
+                    return;
+                }
+            }
+        }
+        if c.want_out {
+            c.want_out = false;
+            let _ = epoll::modify(
+                &self.epoll,
+                &c.sock,
+                epoll::EventData::new_u64(key),
+                epoll::EventFlags::IN,
+            );
+        }
+    }
+
+    fn reply(&mut self, key: u64, id: u64, body: Result<Reply, RemoteError>, fds: Vec<OwnedFd>) {
+        let msg = BrokerMsg::Reply { id, body };
+        let size = fido_proto::encode(&msg).map(|b| b.len());
+        match size {
+            Ok(n) if n <= MAX_REPLY => self.send(key, &msg, fds),
+            Ok(n) => {
+                let e = internal("reply too large", format!("{n} bytes; narrow the request"));
+                self.send(key, &BrokerMsg::Reply { id, body: Err(e) }, Vec::new())
+            }
+            Err(e) => {
+                let e = internal("could not encode reply", e);
+                self.send(key, &BrokerMsg::Reply { id, body: Err(e) }, Vec::new())
+            }
+        }
+    }
+
+    fn send_event(&mut self, domain: DomainId, event: Event, fds: Vec<OwnedFd>) {
+        if let Some(key) = self.domains.get(&domain).map(|d| d.client) {
+            self.send(key, &BrokerMsg::Event(event), fds);
+        }
+    }
+
+    fn deliver(&mut self, events: Vec<WatchEvent>) {
+        for e in events {
+            self.send_event(
+                e.owner,
+                Event::Watch {
+                    token: e.token,
+                    path: e.path,
+                    value: e.value,
+                },
+                Vec::new(),
+            );
+        }
+    }
+
+    // ----- registry helpers for broker-managed keys ---------------------------
+
+    fn reg_write(&mut self, path: &str, value: &[u8]) {
+        match self.reg.write(path, value) {
+            Ok(events) => self.deliver(events),
+            Err(e) => tracing::warn!(path, error = %e, "registry write failed"),
+        }
+    }
+
+    fn reg_delete(&mut self, path: &str) {
+        match self.reg.delete(path) {
+            Ok(events) => self.deliver(events),
+            Err(e) => tracing::warn!(path, error = %e, "registry delete failed"),
+        }
+    }
+
+    /// Moves a persistent counter past `id`; returns false if `id` is absurdly far ahead.
+    fn advance_counter(&mut self, name: &str, id: u64) -> Result<(), RemoteError> {
+        for _ in 0..MAX_COUNTER_ADVANCE {
+            let v = self
+                .reg
+                .next_counter(name)
+                .map_err(|e| internal("registry counter", e))?;
+            if v > id {
+                return Ok(());
+            }
+        }
+        Err(err(
+            ErrorCode::BadRequest,
+            format!("resumed {name} id {id} is far beyond this broker's counter; join afresh"),
+        ))
+    }
+
+    // ----- messages -----------------------------------------------------------
+
+    fn message(&mut self, key: u64, bytes: &[u8], fds: Vec<OwnedFd>, truncated: bool) {
+        let decoded = if truncated {
+            Err(ProtoError::Invalid(
+                "message (data or descriptors truncated)",
+            ))
+        } else {
+            fido_proto::decode::<ClientMsg>(bytes)
+        };
+        let msg = match decoded {
+            Ok(m) => m,
+            Err(e) => {
+                drop(fds);
+                let pid = self.clients.get(&key).map(|c| c.pid);
+                tracing::warn!(pid, error = %e, "malformed control message");
+                match (peek_id(bytes), e) {
+                    (id, ProtoError::Version(v)) => {
+                        let msg = format!(
+                            "protocol version {v} not supported; this broker speaks {}",
+                            fido_proto::PROTOCOL_VERSION
+                        );
+                        self.reply(
+                            key,
+                            id.unwrap_or(0),
+                            Err(err(ErrorCode::Version, msg)),
+                            Vec::new(),
+                        );
+                        self.doom(key, GoneReason::Exited);
+                    }
+                    (Some(id), e) => {
+                        let msg = format!("malformed request: {e}");
+                        self.reply(key, id, Err(err(ErrorCode::BadRequest, msg)), Vec::new());
+                    }
+                    (None, _) => self.doom(key, GoneReason::Exited),
+                }
+                return;
+            }
+        };
+        let (id, body) = match msg {
+            ClientMsg::Heartbeat => {
+                if !fds.is_empty() {
+                    tracing::warn!("heartbeat carried descriptors; closed them");
+                }
+                return;
+            }
+            ClientMsg::Request { id, body } => (id, body),
+        };
+        let joined = self.clients.get(&key).and_then(|c| c.domain);
+        let result = match (joined, body) {
+            (
+                None,
+                Request::Join {
+                    name,
+                    label,
+                    arena_len,
+                    resume,
+                },
+            ) => self.join(key, name, label, arena_len, resume, fds),
+            (Some(d), Request::Join { .. }) => Err(err(
+                ErrorCode::AlreadyJoined,
+                format!("this socket already joined as domain {d}"),
+            )),
+            (None, _) => Err(err(
+                ErrorCode::NotJoined,
+                "the first request on a connection must be Join",
+            )),
+            (Some(d), body) => self.request(key, d, id, body, fds),
+        };
+        match result {
+            Ok(Some((reply, fds))) => self.reply(key, id, Ok(reply), fds),
+            Ok(None) => {}
+            Err(e) => {
+                tracing::debug!(domain = ?joined, error = %e, "request failed");
+                self.reply(key, id, Err(e), Vec::new())
+            }
+        }
+        // Events that must follow the reply (e.g. PeerGone for a resumed
+        // connection whose peer did not come back).
+        for (dom, event) in std::mem::take(&mut self.after_reply) {
+            self.send_event(dom, event, Vec::new());
+        }
+    }
+
+    fn request(
+        &mut self,
+        key: u64,
+        dom: DomainId,
+        id: u64,
+        body: Request,
+        fds: Vec<OwnedFd>,
+    ) -> Handled {
+        // Only Connect and Accept carry descriptors; everywhere else they are a mistake.
+        let takes_fds = matches!(body, Request::Connect { .. } | Request::Accept { .. });
+        if !takes_fds && !fds.is_empty() {
+            return Err(err(
+                ErrorCode::BadDescriptor,
+                format!("this request carries no descriptors, got {}", fds.len()),
+            ));
+        }
+        match body {
+            Request::Join { .. } => unreachable!("handled by the caller"),
+            Request::Leave => {
+                self.reply(key, id, Ok(Reply::Ok), Vec::new());
+                self.doom(key, GoneReason::Left);
+                Ok(None)
+            }
+            Request::Offer { service } => self.offer(dom, service),
+            Request::Withdraw { service } => {
+                if self.services.get(&service) != Some(&dom) {
+                    return Err(err(
+                        ErrorCode::NoSuchService,
+                        format!("you do not offer service {service:?}"),
+                    ));
+                }
+                self.services.remove(&service);
+                if let Some(d) = self.domains.get_mut(&dom) {
+                    d.services.remove(&service);
+                }
+                self.reg_delete(&format!("/service/{service}"));
+                tracing::info!(domain = dom, service, "service withdrawn");
+                Ok(Some((Reply::Ok, Vec::new())))
+            }
+            Request::Connect { service, block } => self.connect(dom, id, service, block, fds),
+            Request::Accept { conn, block } => self.accept(key, dom, id, conn, block, fds),
+            Request::Refuse { conn, reason } => {
+                match self.pending.get(&conn) {
+                    Some(p) if p.server == dom => {}
+                    _ => return Err(no_pending(conn)),
+                }
+                let p = self.pending.remove(&conn).expect("checked above");
+                tracing::info!(conn, service = p.service, reason, "connection refused");
+                self.reply_to_domain(
+                    p.client,
+                    p.client_req,
+                    Err(err(ErrorCode::Refused, reason)),
+                    Vec::new(),
+                );
+                Ok(Some((Reply::Ok, Vec::new())))
+            }
+            Request::Close { conn } => self.close(dom, conn),
+            Request::GrantSlot { slot } => {
+                let Some(s) = self.slots.get_mut(&slot).filter(|s| s.live) else {
+                    return Err(err(
+                        ErrorCode::NoSuchDomain,
+                        format!("no live domain owns slot {slot}"),
+                    ));
+                };
+                let owner = s.owner;
+                let arena = s
+                    .arena
+                    .as_ref()
+                    .ok_or_else(|| internal("slot has no arena", slot))?;
+                let fd = sys::dup(arena.as_fd()).map_err(|e| internal("dup", e))?;
+                s.mappers.insert(dom);
+                let arena_len = self.domains.get(&owner).map_or(0, |d| d.arena_len);
+                if let Some(d) = self.domains.get_mut(&dom) {
+                    d.maps.insert(slot);
+                }
+                Ok(Some((
+                    Reply::Grant {
+                        owner,
+                        slot,
+                        arena_len,
+                    },
+                    vec![fd],
+                )))
+            }
+            Request::Unmapped { slot, owner } => {
+                if let Some(s) = self.slots.get_mut(&slot).filter(|s| s.owner == owner) {
+                    s.mappers.remove(&dom);
+                    if let Some(d) = self.domains.get_mut(&dom) {
+                        d.maps.remove(&slot);
+                    }
+                    self.maybe_free(slot);
+                }
+                Ok(Some((Reply::Ok, Vec::new())))
+            }
+            Request::Read { path } => {
+                let v = self
+                    .reg
+                    .read(&path)
+                    .map_err(|e| internal("registry read", e))?;
+                Ok(Some((Reply::Value(v), Vec::new())))
+            }
+            Request::List { path } => {
+                let v = self
+                    .reg
+                    .list(&path)
+                    .map_err(|e| internal("registry list", e))?;
+                Ok(Some((Reply::Keys(v), Vec::new())))
+            }
+            Request::Write { path, value } => {
+                check_writable(&path)?;
+                let events = self
+                    .reg
+                    .write(&path, &value)
+                    .map_err(|e| internal("registry write", e))?;
+                self.deliver(events);
+                Ok(Some((Reply::Ok, Vec::new())))
+            }
+            Request::Delete { path } => {
+                check_writable(&path)?;
+                let events = self
+                    .reg
+                    .delete(&path)
+                    .map_err(|e| internal("registry delete", e))?;
+                self.deliver(events);
+                Ok(Some((Reply::Ok, Vec::new())))
+            }
+            Request::Watch { token, prefix } => {
+                self.reg
+                    .watch(dom, token, &prefix)
+                    .map_err(|e| internal("registry watch", e))?;
+                Ok(Some((Reply::Ok, Vec::new())))
+            }
+            Request::Unwatch { token } => {
+                self.reg.unwatch(dom, token);
+                Ok(Some((Reply::Ok, Vec::new())))
+            }
+            Request::Transaction { ops } => {
+                for op in &ops {
+                    match op {
+                        TxnOp::Put { path, .. } | TxnOp::Delete { path } => check_writable(path)?,
+                        TxnOp::Check { .. } | TxnOp::Read { .. } => {}
+                    }
+                }
+                let out = self
+                    .reg
+                    .transact(&ops)
+                    .map_err(|e| internal("registry transaction", e))?;
+                self.deliver(out.events);
+                Ok(Some((
+                    Reply::Txn {
+                        committed: out.committed,
+                        reads: out.reads,
+                    },
+                    Vec::new(),
+                )))
+            }
+            Request::Status => Ok(Some((Reply::Status(self.status()), Vec::new()))),
+            Request::Counters { counters } => {
+                if let Some(d) = self.domains.get_mut(&dom) {
+                    d.counters = counters;
+                }
+                Ok(Some((Reply::Ok, Vec::new())))
+            }
+        }
+    }
+
+    fn reply_to_domain(
+        &mut self,
+        dom: DomainId,
+        id: u64,
+        body: Result<Reply, RemoteError>,
+        fds: Vec<OwnedFd>,
+    ) {
+        if let Some(key) = self.domains.get(&dom).map(|d| d.client) {
+            self.reply(key, id, body, fds);
+        }
+    }
+
+    // ----- join ---------------------------------------------------------------
+
+    fn join(
+        &mut self,
+        key: u64,
+        name: String,
+        label: Option<String>,
+        arena_len: u64,
+        resume: Option<Resume>,
+        mut fds: Vec<OwnedFd>,
+    ) -> Handled {
+        if fds.len() != 1 {
+            return Err(err(
+                ErrorCode::BadDescriptor,
+                format!(
+                    "Join carries exactly one descriptor (the arena, read-only); got {}",
+                    fds.len()
+                ),
+            ));
+        }
+        let arena = fds.pop().expect("one descriptor");
+        let geo = self.cfg.geometry;
+        if arena_len == 0 || arena_len > geo.slot_size {
+            return Err(err(
+                ErrorCode::BadDescriptor,
+                format!(
+                    "arena of {arena_len} bytes does not fit a PGVAS slot of {} bytes",
+                    geo.slot_size
+                ),
+            ));
+        }
+        fido_shm::check_grant(arena.as_fd(), arena_len).map_err(|e| {
+            err(
+                ErrorCode::BadDescriptor,
+                format!("arena refused: {e} (it must be a sealed memfd re-opened read-only)"),
+            )
+        })?;
+
+        let (id, slot) = match &resume {
+            None => {
+                let slot = self.free_slot().ok_or_else(|| {
+                    err(
+                        ErrorCode::Quota,
+                        format!("all {} PGVAS slots are in use", geo.slots),
+                    )
+                })?;
+                let id = self
+                    .reg
+                    .next_counter("domain")
+                    .map_err(|e| internal("registry counter", e))?;
+                (id, slot)
+            }
+            Some(r) => {
+                if self.domains.contains_key(&r.domain) {
+                    return Err(err(
+                        ErrorCode::AlreadyJoined,
+                        format!("domain {} is already live", r.domain),
+                    ));
+                }
+                if self.retired.contains(&r.domain) {
+                    return Err(err(
+                        ErrorCode::Denied,
+                        format!(
+                            "domain {} was declared dead by this broker; join without resume",
+                            r.domain
+                        ),
+                    ));
+                }
+                if r.slot >= geo.slots {
+                    return Err(err(
+                        ErrorCode::BadRequest,
+                        format!("slot {} is outside the PGVAS window", r.slot),
+                    ));
+                }
+                match self.slots.get(&r.slot) {
+                    None => {}
+                    Some(s) if s.owner == r.domain && !s.live => {}
+                    Some(s) => {
+                        return Err(err(
+                            ErrorCode::Unavailable,
+                            format!(
+                                "slot {} is held by domain {}; join without resume",
+                                r.slot, s.owner
+                            ),
+                        ))
+                    }
+                }
+                if matches!(self.reserved.get(&r.slot), Some(&o) if o != r.domain) {
+                    return Err(err(
+                        ErrorCode::Unavailable,
+                        format!(
+                            "slot {} belonged to another domain before the restart",
+                            r.slot
+                        ),
+                    ));
+                }
+                self.advance_counter("domain", r.domain)?;
+                self.reserved.remove(&r.slot);
+                (r.domain, r.slot)
+            }
+        };
+
+        let (pid, uid) = {
+            let c = self
+                .clients
+                .get_mut(&key)
+                .expect("client exists while handling its message");
+            c.domain = Some(id);
+            (c.pid, c.uid)
+        };
+        match self.slots.get_mut(&slot) {
+            Some(s) => {
+                s.live = true;
+                s.arena = Some(arena);
+            }
+            None => {
+                self.slots.insert(
+                    slot,
+                    Slot {
+                        owner: id,
+                        live: true,
+                        arena: Some(arena),
+                        mappers: BTreeSet::new(),
+                    },
+                );
+            }
+        }
+        self.domains.insert(
+            id,
+            Domain {
+                client: key,
+                name: name.clone(),
+                slot,
+                arena_len,
+                pid,
+                uid,
+                counters: Counters::default(),
+                services: BTreeSet::new(),
+                maps: BTreeSet::new(),
+            },
+        );
+        let base = format!("/domain/{id}");
+        self.reg_write(&format!("{base}/name"), name.as_bytes());
+        self.reg_write(&format!("{base}/pid"), pid.to_string().as_bytes());
+        self.reg_write(&format!("{base}/uid"), uid.to_string().as_bytes());
+        self.reg_write(&format!("{base}/slot"), slot.to_string().as_bytes());
+        if let Some(l) = &label {
+            self.reg_write(&format!("{base}/label"), l.as_bytes());
+        }
+
+        if let Some(r) = resume {
+            self.resume(id, r);
+            tracing::info!(domain = id, slot, name, pid, uid, "domain resumed");
+        } else {
+            tracing::info!(domain = id, slot, name, pid, uid, "domain joined");
+        }
+        let joined = Reply::Joined {
+            domain: id,
+            slot,
+            geometry: geo,
+            heartbeat_ms: self
+                .cfg
+                .heartbeat
+                .as_millis()
+                .try_into()
+                .unwrap_or(u64::MAX),
+        };
+        Ok(Some((joined, Vec::new())))
+    }
+}
+
+impl Server {
+    // ----- slots --------------------------------------------------------------
+
+    /// Lowest slot with no live owner, no remaining mappers and no reservation.
+    fn free_slot(&self) -> Option<u32> {
+        (0..self.cfg.geometry.slots)
+            .find(|s| !self.slots.contains_key(s) && !self.reserved.contains_key(s))
+    }
+
+    /// Frees a slot whose owner is dead once nobody maps it any more.
+    fn maybe_free(&mut self, slot: u32) {
+        if let Some(s) = self.slots.get(&slot) {
+            if !s.live && s.mappers.is_empty() {
+                tracing::debug!(slot, owner = s.owner, "slot free again");
+                self.slots.remove(&slot);
+            }
+        }
+    }
+
+    fn add_mapping(&mut self, mapper: DomainId, slot: u32) {
+        if let Some(s) = self.slots.get_mut(&slot) {
+            s.mappers.insert(mapper);
+            if let Some(d) = self.domains.get_mut(&mapper) {
+                d.maps.insert(slot);
+            }
+        }
+    }
+
+    fn peer_info(&self, dom: DomainId) -> Option<PeerInfo> {
+        self.domains.get(&dom).map(|d| PeerInfo {
+            domain: dom,
+            name: d.name.clone(),
+            slot: d.slot,
+            arena_len: d.arena_len,
+            uid: d.uid,
+            pid: d.pid,
+        })
+    }
+
+    fn arena_dup(&self, dom: DomainId) -> Result<OwnedFd, RemoteError> {
+        let slot = self.domains.get(&dom).map(|d| d.slot);
+        let arena = slot
+            .and_then(|s| self.slots.get(&s))
+            .and_then(|s| s.arena.as_ref())
+            .ok_or_else(|| internal("arena", format!("domain {dom} has no arena on record")))?;
+        sys::dup(arena.as_fd()).map_err(|e| internal("dup", e))
+    }
+
+    // ----- resume -------------------------------------------------------------
+
+    fn resume(&mut self, id: DomainId, r: Resume) {
+        for service in r.services.iter().cloned().collect::<BTreeSet<_>>() {
+            if let Err(e) = self.offer(id, service.clone()) {
+                tracing::warn!(domain = id, service, error = %e, "resumed service dropped");
+            }
+        }
+
+        for (slot, owner) in r.mapped {
+            if slot >= self.cfg.geometry.slots {
+                tracing::warn!(
+                    domain = id,
+                    slot,
+                    "resumed mapping outside the PGVAS window ignored"
+                );
+                continue;
+            }
+            match self.slots.get_mut(&slot) {
+                Some(s) if s.owner == owner => {
+                    s.mappers.insert(id);
+                }
+                Some(s) => {
+                    tracing::warn!(
+                        domain = id,
+                        slot,
+                        owner,
+                        holder = s.owner,
+                        "resumed mapping conflicts; ignored"
+                    );
+                    continue;
+                }
+                None => {
+                    // Pin the slot for its owner, who may resume later.
+                    self.slots.insert(
+                        slot,
+                        Slot {
+                            owner,
+                            live: false,
+                            arena: None,
+                            mappers: BTreeSet::from([id]),
+                        },
+                    );
+                }
+            }
+            if let Some(d) = self.domains.get_mut(&id) {
+                d.maps.insert(slot);
+            }
+        }
+
+        let mut max_conn = None;
+        let in_grace = Instant::now() < self.grace_end;
+        for (conn, peer, service) in r.connections {
+            if let Some(c) = self.conns.get(&conn) {
+                if c.client == id || c.server == id {
+                    self.unconfirmed.remove(&conn);
+                } else {
+                    tracing::warn!(
+                        domain = id,
+                        conn,
+                        "resumed connection belongs to other domains; ignored"
+                    );
+                }
+                continue;
+            }
+            if self.pending.contains_key(&conn) {
+                tracing::warn!(
+                    domain = id,
+                    conn,
+                    "resumed connection id clashes with a new one; ignored"
+                );
+                continue;
+            }
+            let peer_live = self.domains.contains_key(&peer);
+            if !peer_live && (!in_grace || self.retired.contains(&peer)) {
+                self.after_reply.push((
+                    id,
+                    Event::PeerGone {
+                        domain: peer,
+                        conn: Some(conn),
+                        reason: GoneReason::MissedHeartbeat,
+                    },
+                ));
+                continue;
+            }
+            // Who is the server? The side offering the service (the resuming
+            // domain if it offers it, else the peer).
+            let i_serve = self.services.get(&service) == Some(&id) && peer != id;
+            let (client, server) = if i_serve { (peer, id) } else { (id, peer) };
+            self.conns.insert(
+                conn,
+                Conn {
+                    service: service.clone(),
+                    client,
+                    server,
+                },
+            );
+            if !peer_live {
+                self.unconfirmed.insert(conn);
+            }
+            self.write_conn_keys(conn);
+            max_conn = max_conn.max(Some(conn));
+        }
+        if let Some(max) = max_conn {
+            if let Err(e) = self.advance_counter("connection", max) {
+                tracing::warn!(domain = id, error = %e, "could not advance the connection counter");
+            }
+        }
+
+        for (token, prefix) in r.watches {
+            if let Err(e) = self.reg.watch(id, token, &prefix) {
+                tracing::warn!(domain = id, token, prefix, error = %e, "resumed watch dropped");
+            }
+        }
+    }
+
+    fn write_conn_keys(&mut self, conn: ConnId) {
+        let Some(c) = self.conns.get(&conn) else {
+            return;
+        };
+        let (service, client, server) = (c.service.clone(), c.client, c.server);
+        let base = format!("/connection/{conn}");
+        self.reg_write(&format!("{base}/service"), service.as_bytes());
+        self.reg_write(&format!("{base}/client"), client.to_string().as_bytes());
+        self.reg_write(&format!("{base}/server"), server.to_string().as_bytes());
+    }
+
+    // ----- services and connections -------------------------------------------
+
+    fn offer(&mut self, dom: DomainId, service: String) -> Handled {
+        if let Some(owner) = self.services.get(&service) {
+            return Err(err(
+                ErrorCode::ServiceTaken,
+                format!("service {service:?} is already offered by domain {owner}"),
+            ));
+        }
+        self.services.insert(service.clone(), dom);
+        if let Some(d) = self.domains.get_mut(&dom) {
+            d.services.insert(service.clone());
+        }
+        self.reg_write(
+            &format!("/service/{service}/domain"),
+            dom.to_string().as_bytes(),
+        );
+        tracing::info!(domain = dom, service, "service offered");
+        Ok(Some((Reply::Ok, Vec::new())))
+    }
+
+    fn connect(
+        &mut self,
+        dom: DomainId,
+        req: u64,
+        service: String,
+        block: RingBlock,
+        fds: Vec<OwnedFd>,
+    ) -> Handled {
+        check_bells("Connect", &fds)?;
+        let Some(&server) = self.services.get(&service) else {
+            return Err(err(
+                ErrorCode::NoSuchService,
+                format!("no domain offers service {service:?}"),
+            ));
+        };
+        let peer = self
+            .peer_info(dom)
+            .ok_or_else(|| internal("connect", "caller has no domain"))?;
+        let arena = self.arena_dup(dom)?;
+        let (end0, end1) = rustix::net::socketpair(
+            rustix::net::AddressFamily::UNIX,
+            rustix::net::SocketType::STREAM,
+            SocketFlags::CLOEXEC,
+            None,
+        )
+        .map_err(|e| internal("socketpair", e))?;
+        let conn = self
+            .reg
+            .next_counter("connection")
+            .map_err(|e| internal("registry counter", e))?;
+        let mut out = vec![arena];
+        out.extend(fds);
+        out.push(end0);
+        self.pending.insert(
+            conn,
+            Pending {
+                service: service.clone(),
+                client: dom,
+                client_req: req,
+                server,
+                liveness: end1,
+            },
+        );
+        tracing::debug!(conn, service, client = dom, server, "connection requested");
+        self.send_event(
+            server,
+            Event::Incoming {
+                conn,
+                service,
+                peer,
+                block,
+            },
+            out,
+        );
+        Ok(None)
+    }
+
+    fn accept(
+        &mut self,
+        key: u64,
+        dom: DomainId,
+        id: u64,
+        conn: ConnId,
+        block: RingBlock,
+        fds: Vec<OwnedFd>,
+    ) -> Handled {
+        match self.pending.get(&conn) {
+            Some(p) if p.server == dom => {}
+            _ => return Err(no_pending(conn)),
+        }
+        check_bells("Accept", &fds)?;
+        let peer = self
+            .peer_info(dom)
+            .ok_or_else(|| internal("accept", "caller has no domain"))?;
+        let arena = self.arena_dup(dom)?;
+        let p = self.pending.remove(&conn).expect("checked above");
+        let client = p.client;
+        self.conns.insert(
+            conn,
+            Conn {
+                service: p.service.clone(),
+                client,
+                server: dom,
+            },
+        );
+        self.write_conn_keys(conn);
+        let client_slot = self.domains.get(&client).map(|d| d.slot);
+        let server_slot = self.domains.get(&dom).map(|d| d.slot);
+        if let Some(s) = server_slot {
+            self.add_mapping(client, s);
+        }
+        if let Some(s) = client_slot {
+            self.add_mapping(dom, s);
+        }
+        tracing::info!(
+            conn,
+            service = p.service,
+            client,
+            server = dom,
+            "connection established"
+        );
+        self.reply(key, id, Ok(Reply::Ok), Vec::new());
+        let mut out = vec![arena];
+        out.extend(fds);
+        out.push(p.liveness);
+        self.reply_to_domain(
+            client,
+            p.client_req,
+            Ok(Reply::Connected { conn, peer, block }),
+            out,
+        );
+        Ok(None)
+    }
+
+    fn close(&mut self, dom: DomainId, conn: ConnId) -> Handled {
+        if let Some(c) = self.conns.get(&conn) {
+            if c.client != dom && c.server != dom {
+                return Err(err(
+                    ErrorCode::NoSuchConnection,
+                    format!("connection {conn} is not yours"),
+                ));
+            }
+            let other = if c.client == dom { c.server } else { c.client };
+            self.conns.remove(&conn);
+            self.unconfirmed.remove(&conn);
+            self.send_event(other, Event::Closed { conn }, Vec::new());
+            self.reg_delete(&format!("/connection/{conn}"));
+            tracing::debug!(conn, by = dom, "connection closed");
+            return Ok(Some((Reply::Ok, Vec::new())));
+        }
+        match self.pending.get(&conn) {
+            Some(p) if p.client == dom => {
+                let p = self.pending.remove(&conn).expect("checked above");
+                self.send_event(p.server, Event::Closed { conn }, Vec::new());
+                let e = err(
+                    ErrorCode::Unavailable,
+                    "the connection was closed before it was accepted",
+                );
+                self.reply_to_domain(p.client, p.client_req, Err(e), Vec::new());
+                Ok(Some((Reply::Ok, Vec::new())))
+            }
+            Some(p) if p.server == dom => {
+                let p = self.pending.remove(&conn).expect("checked above");
+                let e = err(
+                    ErrorCode::Refused,
+                    "the server closed the connection without accepting it",
+                );
+                self.reply_to_domain(p.client, p.client_req, Err(e), Vec::new());
+                Ok(Some((Reply::Ok, Vec::new())))
+            }
+            _ => Err(err(
+                ErrorCode::NoSuchConnection,
+                format!("no connection {conn}"),
+            )),
+        }
+    }
+
+    // ----- death --------------------------------------------------------------
+
+    fn domain_death(&mut self, id: DomainId, reason: GoneReason) {
+        let Some(d) = self.domains.remove(&id) else {
+            return;
+        };
+        self.retired.insert(id);
+        match reason {
+            GoneReason::MissedHeartbeat => {
+                tracing::warn!(
+                    domain = id,
+                    name = d.name,
+                    pid = d.pid,
+                    "domain missed its heartbeats; declared dead"
+                )
+            }
+            _ => tracing::info!(
+                domain = id,
+                name = d.name,
+                pid = d.pid,
+                ?reason,
+                "domain gone"
+            ),
+        }
+        self.reg.drop_owner(id);
+
+        for s in &d.services {
+            self.services.remove(s);
+            self.reg_delete(&format!("/service/{s}"));
+        }
+
+        let pend: Vec<ConnId> = self
+            .pending
+            .iter()
+            .filter(|(_, p)| p.client == id || p.server == id)
+            .map(|(c, _)| *c)
+            .collect();
+        for conn in pend {
+            let p = self.pending.remove(&conn).expect("listed above");
+            if p.server == id {
+                let e = err(
+                    ErrorCode::Unavailable,
+                    format!(
+                        "domain {id} offering {:?} went away before answering",
+                        p.service
+                    ),
+                );
+                self.reply_to_domain(p.client, p.client_req, Err(e), Vec::new());
+            } else {
+                self.send_event(
+                    p.server,
+                    Event::PeerGone {
+                        domain: id,
+                        conn: Some(conn),
+                        reason,
+                    },
+                    Vec::new(),
+                );
+            }
+        }
+
+        let mine: Vec<ConnId> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| c.client == id || c.server == id)
+            .map(|(c, _)| *c)
+            .collect();
+        for conn in mine {
+            let c = self.conns.remove(&conn).expect("listed above");
+            self.unconfirmed.remove(&conn);
+            let other = if c.client == id { c.server } else { c.client };
+            if other != id {
+                self.send_event(
+                    other,
+                    Event::PeerGone {
+                        domain: id,
+                        conn: Some(conn),
+                        reason,
+                    },
+                    Vec::new(),
+                );
+            }
+            self.reg_delete(&format!("/connection/{conn}"));
+        }
+
+        for slot in &d.maps {
+            if let Some(s) = self.slots.get_mut(slot) {
+                s.mappers.remove(&id);
+            }
+            self.maybe_free(*slot);
+        }
+        if let Some(s) = self.slots.get_mut(&d.slot) {
+            if s.owner == id {
+                s.live = false;
+                s.arena = None;
+            }
+        }
+        self.maybe_free(d.slot);
+
+        self.reg_delete(&format!("/domain/{id}"));
+    }
+
+    /// Periodic work: declare silent clients dead; end the post-restart grace period.
+    fn tick(&mut self, now: Instant) {
+        let timeout = self.cfg.heartbeat_timeout();
+        let silent: Vec<u64> = self
+            .clients
+            .iter()
+            .filter(|(_, c)| !c.doomed && now.duration_since(c.last_seen) > timeout)
+            .map(|(k, _)| *k)
+            .collect();
+        for key in silent {
+            self.doom(key, GoneReason::MissedHeartbeat);
+        }
+
+        if now >= self.grace_end && (!self.reserved.is_empty() || !self.unconfirmed.is_empty()) {
+            self.reserved.clear();
+            for conn in std::mem::take(&mut self.unconfirmed) {
+                let Some(c) = self.conns.get(&conn) else {
+                    continue;
+                };
+                let (client_live, server_live) = (
+                    self.domains.contains_key(&c.client),
+                    self.domains.contains_key(&c.server),
+                );
+                if client_live && server_live {
+                    continue;
+                }
+                let c = self.conns.remove(&conn).expect("present");
+                let (live, gone) = if client_live {
+                    (c.client, c.server)
+                } else {
+                    (c.server, c.client)
+                };
+                tracing::info!(
+                    conn,
+                    domain = gone,
+                    "peer did not come back after the broker restart"
+                );
+                self.send_event(
+                    live,
+                    Event::PeerGone {
+                        domain: gone,
+                        conn: Some(conn),
+                        reason: GoneReason::MissedHeartbeat,
+                    },
+                    Vec::new(),
+                );
+                self.reg_delete(&format!("/connection/{conn}"));
+            }
+        }
+    }
+
+    fn status(&self) -> Status {
+        Status {
+            broker_pid: rustix::process::getpid().as_raw_nonzero().get(),
+            domains: self
+                .domains
+                .iter()
+                .map(|(id, d)| DomainStatus {
+                    domain: *id,
+                    name: d.name.clone(),
+                    slot: d.slot,
+                    pid: d.pid,
+                    uid: d.uid,
+                    arena_len: d.arena_len,
+                    counters: d.counters,
+                })
+                .collect(),
+            services: self.services.iter().map(|(s, d)| (s.clone(), *d)).collect(),
+            connections: self
+                .conns
+                .iter()
+                .map(|(c, x)| ConnStatus {
+                    conn: *c,
+                    service: x.service.clone(),
+                    client: x.client,
+                    server: x.server,
+                })
+                .collect(),
+        }
+    }
+}
+
+fn check_bells(what: &str, fds: &[OwnedFd]) -> Result<(), RemoteError> {
+    if fds.len() != 2 {
+        return Err(err(
+            ErrorCode::BadDescriptor,
+            format!(
+                "{what} carries exactly two descriptors (data and space doorbell eventfds); got {}",
+                fds.len()
+            ),
+        ));
+    }
+    for (i, fd) in fds.iter().enumerate() {
+        if !sys::is_eventfd(fd.as_fd()) {
+            let kind = sys::fd_kind(fd.as_fd()).unwrap_or_else(|| "unknown".into());
+            let which = if i == 0 { "data" } else { "space" };
+            return Err(err(
+                ErrorCode::BadDescriptor,
+                format!("{what}: the {which} doorbell is not an eventfd ({kind})"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The request id of a malformed message, when its header and first bytes are intact.
+fn peek_id(bytes: &[u8]) -> Option<u64> {
+    if bytes.len() < 10 || bytes[0..2] != *b"FD" || bytes[8] != 0 {
+        return None;
+    }
+    let mut id = 0u64;
+    for (i, b) in bytes[9..].iter().take(10).enumerate() {
+        id |= u64::from(b & 0x7f) << (7 * i);
+        if b & 0x80 == 0 {
+            return Some(id);
+        }
+    }
+    None
+}
+
+fn is_managed(path: &str) -> bool {
+    path == "/"
+        || MANAGED
+            .iter()
+            .any(|m| path == *m || path.strip_prefix(m).is_some_and(|r| r.starts_with('/')))
+}
+
+fn check_writable(path: &str) -> Result<(), RemoteError> {
+    if is_managed(path) {
+        return Err(err(
+            ErrorCode::Denied,
+            format!(
+                "{path} is managed by the broker (/domain, /service, /connection are read-only)"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn no_pending(conn: ConnId) -> RemoteError {
+    err(
+        ErrorCode::NoSuchConnection,
+        format!("no pending connection {conn} addressed to you"),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peek_id_recovers_request_ids() {
+        let bytes = fido_proto::encode(&ClientMsg::Request {
+            id: 300,
+            body: Request::Status,
+        })
+        .unwrap();
+        assert_eq!(peek_id(&bytes), Some(300));
+        assert_eq!(
+            peek_id(&fido_proto::encode(&ClientMsg::Heartbeat).unwrap()),
+            None
+        );
+        assert_eq!(peek_id(b"garbage"), None);
+        assert_eq!(peek_id(b"FD\x01\x00\x05\x00\x00\x00\x00\xff\xff"), None);
+    }
+
+    #[test]
+    fn managed_subtrees() {
+        for p in [
+            "/",
+            "/domain",
+            "/domain/1/name",
+            "/service/x",
+            "/connection",
+        ] {
+            assert!(is_managed(p), "{p}");
+        }
+        for p in ["/domainx", "/app", "/services", "/app/domain"] {
+            assert!(!is_managed(p), "{p}");
+        }
+    }
+}

@@ -1,0 +1,241 @@
+//! Where ring state lives: one **block** per side of a connection, inside that
+//! side's own arena. The owner writes it; the peer maps it read-only and reads it.
+//!
+//! ```text
+//! line 0  magic            line 5  rel_prod    (releases I published)
+//! line 1  entries          line 6  rel_cons    (peer releases I reaped)
+//! line 2  data_prod        line 7  space_sleep (I sleep waiting for releases)
+//! line 3  data_cons        line 8  state       (OPEN / CLOSED by me)
+//! line 4  data_sleep       then    descriptors[entries], releases[entries] (u64 cookies)
+//! ```
+//!
+//! Every word sits on its own cache line so the two sides never false-share.
+//! This module is the only one in the crate with `unsafe`: it turns the raw
+//! addresses the caller vouches for into typed, bounds-checked accessors.
+
+use crate::desc::Descriptor;
+use crate::sync::{AtomicU64, Ordering};
+use std::ptr::NonNull;
+
+/// Identifies an initialised block ("FIDORNG1").
+pub const BLOCK_MAGIC: u64 = u64::from_le_bytes(*b"FIDORNG1");
+/// `state` value while the owner keeps the connection open.
+pub const STATE_OPEN: u64 = 1;
+/// `state` value once the owner closed the connection gracefully.
+pub const STATE_CLOSED: u64 = 2;
+
+#[repr(C, align(64))]
+struct Line(AtomicU64);
+
+#[repr(C)]
+struct Header {
+    magic: Line,
+    entries: Line,
+    data_prod: Line,
+    data_cons: Line,
+    data_sleep: Line,
+    rel_prod: Line,
+    rel_cons: Line,
+    space_sleep: Line,
+    state: Line,
+}
+
+const HEADER_LEN: usize = std::mem::size_of::<Header>();
+const _: () = assert!(HEADER_LEN == 9 * 64);
+
+/// Bytes a block with `entries` ring entries occupies (a multiple of 64).
+pub fn block_len(entries: u32) -> usize {
+    let raw = HEADER_LEN + entries as usize * (64 + 8);
+    raw.div_ceil(64) * 64
+}
+
+/// Why a block cannot be used.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum BlockError {
+    #[error("ring size {0} is not a power of two in 1..=65536")]
+    BadEntries(u32),
+    #[error("ring block of {have} bytes is smaller than the {need} its size needs")]
+    TooSmall { have: usize, need: usize },
+    #[error("ring block address is not 64-byte aligned")]
+    Misaligned,
+    #[error("peer ring block is not initialised (bad magic or size)")]
+    NotInitialised,
+}
+
+fn check_geometry(ptr: NonNull<u8>, len: usize, entries: u32) -> Result<(), BlockError> {
+    if entries == 0 || !entries.is_power_of_two() || entries > 1 << 16 {
+        return Err(BlockError::BadEntries(entries));
+    }
+    if len < block_len(entries) {
+        return Err(BlockError::TooSmall { have: len, need: block_len(entries) });
+    }
+    if ptr.as_ptr() as usize % 64 != 0 {
+        return Err(BlockError::Misaligned);
+    }
+    Ok(())
+}
+
+/// Our own block: read-write, written only by us.
+#[derive(Clone, Copy, Debug)]
+pub struct LocalBlock {
+    base: NonNull<u8>,
+    entries: u32,
+}
+
+/// A peer's block: mapped read-only; every value read from it is untrusted.
+#[derive(Clone, Copy, Debug)]
+pub struct PeerBlock {
+    base: NonNull<u8>,
+    entries: u32,
+}
+
+// SAFETY: a block is plain shared memory accessed only through atomics and
+// volatile copies; the creator of a LocalBlock/PeerBlock guarantees the mapping
+// outlives every copy (see `LocalBlock::init` / `PeerBlock::open`).
+unsafe impl Send for LocalBlock {}
+unsafe impl Sync for LocalBlock {}
+unsafe impl Send for PeerBlock {}
+unsafe impl Sync for PeerBlock {}
+
+impl LocalBlock {
+    /// Initialises a block in our own memory and returns its handle.
+    ///
+    /// # Safety
+    /// `base..base+len` must be writable memory owned by this process, not used
+    /// for anything else, and must stay mapped for as long as the returned
+    /// handle or any copy of it is used.
+    pub unsafe fn init(base: NonNull<u8>, len: usize, entries: u32) -> Result<LocalBlock, BlockError> {
+        check_geometry(base, len, entries)?;
+        // SAFETY: the caller guarantees `len` writable bytes at `base`; we checked
+        // `len >= block_len(entries)`.
+        unsafe { std::ptr::write_bytes(base.as_ptr(), 0, block_len(entries)) };
+        let block = LocalBlock { base, entries };
+        block.header().entries.0.store(entries as u64, Ordering::Relaxed);
+        block.header().state.0.store(STATE_OPEN, Ordering::Relaxed);
+        // Magic last, with Release: a peer that sees the magic sees the rest.
+        block.header().magic.0.store(BLOCK_MAGIC, Ordering::Release);
+        Ok(block)
+    }
+
+    fn header(&self) -> &Header {
+        // SAFETY: `init` checked size and alignment; the memory is ours and mapped.
+        unsafe { &*(self.base.as_ptr() as *const Header) }
+    }
+
+    pub fn entries(&self) -> u32 {
+        self.entries
+    }
+
+    /// Writes descriptor slot `index % entries`. Only the producer calls this,
+    /// before publishing `data_prod` past `index`.
+    pub fn write_descriptor(&self, index: u64, desc: &Descriptor) {
+        let slot = (index & (self.entries as u64 - 1)) as usize;
+        // SAFETY: slot < entries, and the descriptor array starts at HEADER_LEN,
+        // 64-aligned, inside the block (`block_len`). The peer only reads it.
+        unsafe {
+            let p = self.base.as_ptr().add(HEADER_LEN + slot * 64) as *mut Descriptor;
+            std::ptr::write_volatile(p, *desc);
+        }
+    }
+
+    /// Writes release slot `index % entries`.
+    pub fn write_release(&self, index: u64, cookie: u64) {
+        let slot = (index & (self.entries as u64 - 1)) as usize;
+        let off = HEADER_LEN + self.entries as usize * 64 + slot * 8;
+        // SAFETY: in bounds by `block_len`; 8-aligned since HEADER_LEN and 64*entries are.
+        unsafe { std::ptr::write_volatile(self.base.as_ptr().add(off) as *mut u64, cookie) };
+    }
+
+    pub fn data_prod(&self) -> &AtomicU64 {
+        &self.header().data_prod.0
+    }
+    pub fn data_cons(&self) -> &AtomicU64 {
+        &self.header().data_cons.0
+    }
+    pub fn data_sleep(&self) -> &AtomicU64 {
+        &self.header().data_sleep.0
+    }
+    pub fn rel_prod(&self) -> &AtomicU64 {
+        &self.header().rel_prod.0
+    }
+    pub fn rel_cons(&self) -> &AtomicU64 {
+        &self.header().rel_cons.0
+    }
+    pub fn space_sleep(&self) -> &AtomicU64 {
+        &self.header().space_sleep.0
+    }
+    /// Marks the connection closed by us (the peer reads this to tell a graceful
+    /// close from a crash).
+    pub fn set_closed(&self) {
+        self.header().state.0.store(STATE_CLOSED, Ordering::Release);
+    }
+}
+
+impl PeerBlock {
+    /// Opens a peer's block after checking its geometry and magic.
+    ///
+    /// # Safety
+    /// `base..base+len` must be readable (typically a read-only mapping of the
+    /// peer's arena, already bounds-checked against the grant) and must stay
+    /// mapped while the handle or any copy is used.
+    pub unsafe fn open(base: NonNull<u8>, len: usize, entries: u32) -> Result<PeerBlock, BlockError> {
+        check_geometry(base, len, entries)?;
+        let block = PeerBlock { base, entries };
+        if block.header().magic.0.load(Ordering::Acquire) != BLOCK_MAGIC
+            || block.header().entries.0.load(Ordering::Relaxed) != entries as u64
+        {
+            return Err(BlockError::NotInitialised);
+        }
+        Ok(block)
+    }
+
+    fn header(&self) -> &Header {
+        // SAFETY: `open` checked size and alignment; the mapping is readable.
+        // Only loads are performed (atomic loads of naturally aligned u64 are
+        // plain loads, valid on read-only memory).
+        unsafe { &*(self.base.as_ptr() as *const Header) }
+    }
+
+    pub fn entries(&self) -> u32 {
+        self.entries
+    }
+
+    /// Copies descriptor slot `index % entries` out of peer memory. The copy is
+    /// what gets validated and used: the peer may change the slot afterwards.
+    pub fn read_descriptor(&self, index: u64) -> Descriptor {
+        let slot = (index & (self.entries as u64 - 1)) as usize;
+        // SAFETY: in bounds (see LocalBlock::write_descriptor); volatile because
+        // another process may write it concurrently; any bit pattern is a valid
+        // Descriptor (integers only).
+        unsafe { std::ptr::read_volatile(self.base.as_ptr().add(HEADER_LEN + slot * 64) as *const Descriptor) }
+    }
+
+    pub fn read_release(&self, index: u64) -> u64 {
+        let slot = (index & (self.entries as u64 - 1)) as usize;
+        let off = HEADER_LEN + self.entries as usize * 64 + slot * 8;
+        // SAFETY: in bounds and aligned (see LocalBlock::write_release).
+        unsafe { std::ptr::read_volatile(self.base.as_ptr().add(off) as *const u64) }
+    }
+
+    pub fn data_prod(&self) -> &AtomicU64 {
+        &self.header().data_prod.0
+    }
+    pub fn data_cons(&self) -> &AtomicU64 {
+        &self.header().data_cons.0
+    }
+    pub fn data_sleep(&self) -> &AtomicU64 {
+        &self.header().data_sleep.0
+    }
+    pub fn rel_prod(&self) -> &AtomicU64 {
+        &self.header().rel_prod.0
+    }
+    pub fn rel_cons(&self) -> &AtomicU64 {
+        &self.header().rel_cons.0
+    }
+    pub fn space_sleep(&self) -> &AtomicU64 {
+        &self.header().space_sleep.0
+    }
+    pub fn is_closed(&self) -> bool {
+        self.header().state.0.load(Ordering::Acquire) == STATE_CLOSED
+    }
+}

@@ -1,0 +1,212 @@
+use super::*;
+use std::alloc::{alloc_zeroed, dealloc, Layout};
+use std::ptr::NonNull;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+/// Two blocks in ordinary heap memory standing in for two arenas.
+struct Pair {
+    a: NonNull<u8>,
+    b: NonNull<u8>,
+    layout: Layout,
+}
+
+impl Pair {
+    fn new(entries: u32) -> Pair {
+        let layout = Layout::from_size_align(block_len(entries), 64).unwrap();
+        // SAFETY: non-zero size layout.
+        let a = NonNull::new(unsafe { alloc_zeroed(layout) }).unwrap();
+        let b = NonNull::new(unsafe { alloc_zeroed(layout) }).unwrap();
+        Pair { a, b, layout }
+    }
+}
+
+impl Drop for Pair {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout.
+        unsafe {
+            dealloc(self.a.as_ptr(), self.layout);
+            dealloc(self.b.as_ptr(), self.layout);
+        }
+    }
+}
+
+struct Side {
+    tx: TxRing,
+    rx: RxRing,
+    rel: Releaser,
+    data_bell: Arc<OwnedFd>,
+    space_bell: Arc<OwnedFd>,
+}
+
+fn connect(pair: &Pair, entries: u32) -> (Side, Side) {
+    let len = pair.layout.size();
+    // SAFETY: both buffers are ours, `len` bytes, 64-aligned, alive as long as `pair`.
+    let (la, lb) = unsafe {
+        (LocalBlock::init(pair.a, len, entries).unwrap(), LocalBlock::init(pair.b, len, entries).unwrap())
+    };
+    let (pa, pb) = unsafe { (PeerBlock::open(pair.a, len, entries).unwrap(), PeerBlock::open(pair.b, len, entries).unwrap()) };
+    let bells: Vec<Arc<OwnedFd>> = (0..4).map(|_| Arc::new(doorbell::new_doorbell().unwrap())).collect();
+    let a = Side {
+        tx: TxRing::new(la, pb, bells[2].clone()),
+        rx: RxRing::new(la, pb),
+        rel: Releaser::new(la, pb, bells[3].clone()),
+        data_bell: bells[0].clone(),
+        space_bell: bells[1].clone(),
+    };
+    let b = Side {
+        tx: TxRing::new(lb, pa, bells[0].clone()),
+        rx: RxRing::new(lb, pa),
+        rel: Releaser::new(lb, pa, bells[1].clone()),
+        data_bell: bells[2].clone(),
+        space_bell: bells[3].clone(),
+    };
+    (a, b)
+}
+
+fn desc(cookie: u64) -> Descriptor {
+    Descriptor { cookie, tag: cookie * 10, total_len: 5, nseg: 1, ..Default::default() }
+}
+
+#[test]
+fn send_receive_release() {
+    let pair = Pair::new(8);
+    let (mut a, mut b) = connect(&pair, 8);
+    assert_eq!(b.rx.poll().unwrap(), None);
+    for i in 0..8 {
+        a.tx.push(&desc(i)).unwrap();
+    }
+    assert_eq!(a.tx.push(&desc(99)), Err(RingError::Full));
+    // Not visible before publish.
+    assert_eq!(b.rx.poll().unwrap(), None);
+    a.tx.publish().unwrap();
+    for i in 0..8 {
+        let d = b.rx.poll().unwrap().unwrap();
+        assert_eq!(d, desc(i));
+        b.rel.release(d.cookie).unwrap();
+    }
+    assert_eq!(b.rx.poll().unwrap(), None);
+    let mut got = vec![];
+    while let Some(c) = a.tx.poll_release().unwrap() {
+        got.push(c);
+    }
+    assert_eq!(got, (0..8).collect::<Vec<_>>());
+    // Slots were freed by the consumer: the ring wraps.
+    for i in 8..16 {
+        a.tx.push(&desc(i)).unwrap();
+    }
+    a.tx.publish().unwrap();
+    assert_eq!(b.rx.poll().unwrap().unwrap().cookie, 8);
+}
+
+#[test]
+fn forged_indices_are_errors() {
+    let pair = Pair::new(8);
+    let (_a, mut b) = connect(&pair, 8);
+    // Forge A's publish index far ahead, as a lying peer would.
+    // SAFETY: test-only write into A's block, which this test owns.
+    let forged = unsafe { LocalBlock::init(pair.a, pair.layout.size(), 8).unwrap() };
+    forged.data_prod().store(1000, Ordering::Release);
+    assert!(matches!(b.rx.poll(), Err(RingError::IndexJump { .. })));
+    forged.data_prod().store(u64::MAX, Ordering::Release);
+    assert!(matches!(b.rx.poll(), Err(RingError::IndexJump { .. })));
+    forged.rel_prod().store(9, Ordering::Release);
+    assert!(matches!(b.tx.poll_release(), Err(RingError::IndexJump { .. })));
+    // A consume index ahead of what we published.
+    forged.data_cons().store(5, Ordering::Release);
+    assert!(matches!(b.tx.push(&desc(1)), Err(RingError::IndexJump { .. })));
+}
+
+#[test]
+fn uninitialised_peer_block_refused() {
+    let layout = Layout::from_size_align(block_len(8), 64).unwrap();
+    let p = NonNull::new(unsafe { alloc_zeroed(layout) }).unwrap();
+    // SAFETY: valid zeroed memory of the right size.
+    let r = unsafe { PeerBlock::open(p, layout.size(), 8) };
+    assert_eq!(r.err(), Some(BlockError::NotInitialised));
+    let r = unsafe { PeerBlock::open(p, layout.size() - 64, 8) };
+    assert!(matches!(r, Err(BlockError::TooSmall { .. })));
+    let r = unsafe { PeerBlock::open(p, layout.size(), 6) };
+    assert_eq!(r.err(), Some(BlockError::BadEntries(6)));
+    unsafe { dealloc(p.as_ptr(), layout) };
+}
+
+#[test]
+fn doorbell_only_when_asleep() {
+    let pair = Pair::new(64);
+    let (mut a, mut b) = connect(&pair, 64);
+    // Consumer awake: publishing rings nothing.
+    a.tx.push(&desc(1)).unwrap();
+    assert_eq!(a.tx.publish().unwrap(), Notify::Suppressed);
+    b.rx.poll().unwrap().unwrap();
+    // Consumer arms: the next publish rings exactly once.
+    let (sleep, epoch) = b.rx.data_sleep_site();
+    protocol::arm(sleep, epoch);
+    a.tx.push(&desc(2)).unwrap();
+    assert_eq!(a.tx.publish().unwrap(), Notify::Rung);
+    a.tx.push(&desc(3)).unwrap();
+    assert_eq!(a.tx.publish().unwrap(), Notify::Suppressed);
+    let w = doorbell::block_on(b.data_bell.as_fd(), None, Some(Duration::from_secs(1))).unwrap();
+    assert!(w.rung);
+}
+
+#[test]
+fn blocking_wait_across_threads_never_loses_a_wakeup() {
+    let pair = Pair::new(16);
+    let (mut a, mut b) = connect(&pair, 16);
+    const N: u64 = 20_000;
+    let consumer = std::thread::spawn(move || {
+        let mut next = 0;
+        let bell = b.data_bell.clone();
+        while next < N {
+            let rx = &mut b.rx;
+            let mut got = None;
+            let outcome = {
+                let (sleep, epoch) = {
+                    // Split borrow: the sleep site and the ring are the same object.
+                    let p: *mut RxRing = rx;
+                    // SAFETY: `ready` below only calls `poll`, which never touches
+                    // the sleep word or epoch; the borrows do not overlap in use.
+                    unsafe { (*p).data_sleep_site() }
+                };
+                let rxp: *mut RxRing = rx;
+                wait_until(
+                    WaitStrategy::Block,
+                    Some(Instant::now() + Duration::from_secs(10)),
+                    SleepSite { sleep, epoch, bell: bell.as_fd(), liveness: None },
+                    || -> Result<bool, RingError> {
+                        // SAFETY: see above.
+                        got = unsafe { (*rxp).poll()? };
+                        Ok(got.is_some())
+                    },
+                )
+                .unwrap()
+            };
+            assert_eq!(outcome, WaitOutcome::Ready, "lost wake-up at {next}");
+            let d = got.unwrap();
+            assert_eq!(d.cookie, next);
+            b.rel.release(d.cookie).unwrap();
+            next += 1;
+        }
+    });
+    let mut rung = 0;
+    for i in 0..N {
+        loop {
+            while a.tx.poll_release().unwrap().is_some() {}
+            if a.tx.push(&desc(i)).is_ok() {
+                break;
+            }
+            // A consumer that failed must fail the test, not hang it.
+            assert!(!consumer.is_finished(), "consumer stopped early");
+            std::thread::yield_now();
+        }
+        if a.tx.publish().unwrap() == Notify::Rung {
+            rung += 1;
+        }
+        if i % 7 == 0 {
+            std::thread::yield_now();
+        }
+    }
+    consumer.join().unwrap();
+    assert!(rung <= N);
+}
