@@ -15,6 +15,8 @@
 
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 
+pub mod wire;
+
 /// Version of the control protocol. A peer speaking another version is refused
 /// with [`ErrorCode::Version`].
 pub const PROTOCOL_VERSION: u16 = 1;

@@ -1,0 +1,246 @@
+//! `spin-floor` and `eventfd-floor`: the cost floor of a shared-memory hop.
+//!
+//! Two processes share one `MAP_SHARED` memfd mapping (pre-faulted with
+//! `MAP_POPULATE`). Page 0 holds one `AtomicU64` — the single shared cache line both
+//! sides ping-pong on: the parent stores `2k+1` after writing the A→B payload, the peer
+//! stores `2k+2` after folding it and writing the B→A payload. Payloads live in the
+//! following pages and are written by the sender and read (every byte folded) by the
+//! receiver on every iteration.
+//!
+//! * `spin-floor`: both sides spin on the cache line (bounded spin, then `sched_yield`).
+//! * `eventfd-floor`: each side blocks in `read` on its own eventfd; the other writes it.
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use anyhow::{bail, Context as _};
+use rustix::event::EventfdFlags;
+use rustix::mm::{MapFlags, ProtFlags};
+
+use crate::harness::*;
+
+const STOP: u64 = u64::MAX;
+const PAGE: usize = 4096;
+const STALL: Duration = Duration::from_secs(10);
+
+/// A shared mapping of a memfd: control page + A→B buffer + B→A buffer.
+struct Region {
+    base: *mut u8,
+    len: usize,
+    size: usize,
+}
+
+impl Region {
+    fn layout(size: usize) -> (usize, usize) {
+        let slot = size.div_ceil(PAGE) * PAGE;
+        (slot, PAGE + 2 * slot)
+    }
+
+    fn create(size: usize) -> anyhow::Result<(OwnedFd, Region)> {
+        let fd = rustix::fs::memfd_create("fido-bench-floor", rustix::fs::MemfdFlags::CLOEXEC)?;
+        let (_, len) = Self::layout(size);
+        rustix::fs::ftruncate(&fd, len as u64)?;
+        let r = Self::map(&fd, size)?;
+        Ok((fd, r))
+    }
+
+    fn map(fd: impl AsFd, size: usize) -> anyhow::Result<Region> {
+        let (_, len) = Self::layout(size);
+        // SAFETY: a fresh shared mapping of a memfd at least `len` bytes long, placed by
+        // the kernel; unmapped only in Drop.
+        let base = unsafe {
+            rustix::mm::mmap(
+                std::ptr::null_mut(),
+                len,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::SHARED | MapFlags::POPULATE,
+                fd,
+                0,
+            )?
+        } as *mut u8;
+        Ok(Region { base, len, size })
+    }
+
+    fn flag(&self) -> &AtomicU64 {
+        // SAFETY: offset 0 is page-aligned, inside the mapping, and only ever accessed
+        // atomically by both processes.
+        unsafe { &*(self.base as *const AtomicU64) }
+    }
+
+    fn ab(&self) -> *mut u8 {
+        // SAFETY: in bounds (layout).
+        unsafe { self.base.add(PAGE) }
+    }
+
+    fn ba(&self) -> *mut u8 {
+        let (slot, _) = Self::layout(self.size);
+        // SAFETY: in bounds (layout).
+        unsafe { self.base.add(PAGE + slot) }
+    }
+
+    /// The protocol gives the owner of the current turn exclusive use of a buffer.
+    fn read(&self, p: *mut u8) -> u64 {
+        // SAFETY: in bounds; the sender published it with Release before we observed its
+        // sequence number with Acquire, and will not touch it until we reply.
+        fold(unsafe { std::slice::from_raw_parts(p, self.size) })
+    }
+
+    fn write(&self, p: *mut u8, seq: u64) {
+        // SAFETY: in bounds; it is our turn (see `read`), the peer does not access it.
+        unsafe { fill_raw(p, self.size, seq) }
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        // SAFETY: exactly the mapping created in `map`.
+        unsafe {
+            let _ = rustix::mm::munmap(self.base as *mut _, self.len);
+        }
+    }
+}
+
+fn check(got: u64, want: u64) -> anyhow::Result<()> {
+    if got != want {
+        bail!("payload carried sequence {got}, expected {want}");
+    }
+    Ok(())
+}
+
+/// Parent side of `spin-floor` for one size. Returns round-trip samples.
+pub fn spin_floor(size: usize, opts: &Opts) -> anyhow::Result<Vec<u64>> {
+    let place = Placement::detect();
+    let (fd, region) = Region::create(size)?;
+    let _pin = PinGuard::pin(place.parent)?;
+    let peer = Peer::spawn(
+        &[
+            "spin-floor",
+            &format!("size={size}"),
+            &format!("cpu={}", place.peer),
+        ],
+        &[fd.as_fd()],
+    )?;
+    let dog = Watchdog::new(peer.pid(), || {})?;
+    let flag = region.flag();
+    let abort = dog.flag();
+    let rtts = time_round_trips(opts.warmup(), opts.duration(), |k| {
+        region.write(region.ab(), k);
+        flag.store(2 * k - 1, Ordering::Release);
+        spin_until(|| flag.load(Ordering::Acquire) == 2 * k, &abort, STALL)?;
+        check(region.read(region.ba()), k)
+    })?;
+    flag.store(STOP, Ordering::Release);
+    drop(dog);
+    peer.finish(Duration::from_secs(5))?;
+    Ok(rtts)
+}
+
+fn spin_floor_peer(a: &PeerArgs) -> anyhow::Result<()> {
+    let size: usize = a.num("size")?;
+    let fd = peer_fd(0);
+    let region = Region::map(&fd, size)?;
+    let flag = region.flag();
+    let never = AtomicBool::new(false);
+    let mut last = 0u64;
+    loop {
+        // The parent may legitimately think for a long time between points; no stall limit.
+        spin_until(
+            || flag.load(Ordering::Acquire) != last,
+            &never,
+            Duration::MAX,
+        )?;
+        let v = flag.load(Ordering::Acquire);
+        if v == STOP {
+            return Ok(());
+        }
+        let k = v.div_ceil(2);
+        check(region.read(region.ab()), k)?;
+        region.write(region.ba(), k);
+        last = v + 1;
+        flag.store(last, Ordering::Release);
+    }
+}
+
+fn efd_wait(fd: &OwnedFd) -> anyhow::Result<()> {
+    let mut b = [0u8; 8];
+    loop {
+        match rustix::io::read(fd, &mut b) {
+            Ok(_) => return Ok(()),
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => return Err(e).context("eventfd read"),
+        }
+    }
+}
+
+fn efd_ring(fd: &OwnedFd) -> anyhow::Result<()> {
+    rustix::io::write(fd, &1u64.to_ne_bytes()).context("eventfd write")?;
+    Ok(())
+}
+
+/// Parent side of `eventfd-floor` for one size. Returns round-trip samples.
+pub fn eventfd_floor(size: usize, opts: &Opts) -> anyhow::Result<Vec<u64>> {
+    let place = Placement::detect();
+    let (fd, region) = Region::create(size)?;
+    let to_peer = rustix::event::eventfd(0, EventfdFlags::CLOEXEC)?;
+    let to_parent = std::sync::Arc::new(rustix::event::eventfd(0, EventfdFlags::CLOEXEC)?);
+    let _pin = PinGuard::pin(place.parent)?;
+    let peer = Peer::spawn(
+        &[
+            "eventfd-floor",
+            &format!("size={size}"),
+            &format!("cpu={}", place.peer),
+        ],
+        &[fd.as_fd(), to_peer.as_fd(), to_parent.as_fd()],
+    )?;
+    let wake = to_parent.clone();
+    let dog = Watchdog::new(peer.pid(), move || {
+        let _ = efd_ring(&wake);
+    })?;
+    let flag = region.flag();
+    let rtts = time_round_trips(opts.warmup(), opts.duration(), |k| {
+        region.write(region.ab(), k);
+        flag.store(2 * k - 1, Ordering::Release);
+        efd_ring(&to_peer)?;
+        efd_wait(&to_parent)?;
+        if dog.aborted() {
+            bail!("bench peer died");
+        }
+        if flag.load(Ordering::Acquire) != 2 * k {
+            bail!("eventfd-floor: peer out of step");
+        }
+        check(region.read(region.ba()), k)
+    })?;
+    flag.store(STOP, Ordering::Release);
+    efd_ring(&to_peer)?;
+    drop(dog);
+    peer.finish(Duration::from_secs(5))?;
+    Ok(rtts)
+}
+
+fn eventfd_floor_peer(a: &PeerArgs) -> anyhow::Result<()> {
+    let size: usize = a.num("size")?;
+    let (fd, wait, ring) = (peer_fd(0), peer_fd(1), peer_fd(2));
+    let region = Region::map(&fd, size)?;
+    let flag = region.flag();
+    loop {
+        efd_wait(&wait)?;
+        let v = flag.load(Ordering::Acquire);
+        if v == STOP {
+            return Ok(());
+        }
+        let k = v.div_ceil(2);
+        check(region.read(region.ab()), k)?;
+        region.write(region.ba(), k);
+        flag.store(v + 1, Ordering::Release);
+        efd_ring(&ring)?;
+    }
+}
+
+pub(crate) fn peer(kind: &str, a: &PeerArgs) -> Option<anyhow::Result<()>> {
+    match kind {
+        "spin-floor" => Some(spin_floor_peer(a)),
+        "eventfd-floor" => Some(eventfd_floor_peer(a)),
+        _ => None,
+    }
+}
