@@ -62,13 +62,7 @@ impl Config {
     /// `$FIDO_BROKER`, else `$XDG_RUNTIME_DIR/fido/broker.sock`, else
     /// `/run/fido/broker.sock`.
     pub fn default_socket() -> PathBuf {
-        if let Some(p) = std::env::var_os("FIDO_BROKER").filter(|p| !p.is_empty()) {
-            return PathBuf::from(p);
-        }
-        if let Some(d) = std::env::var_os("XDG_RUNTIME_DIR").filter(|p| !p.is_empty()) {
-            return PathBuf::from(d).join("fido").join("broker.sock");
-        }
-        PathBuf::from("/run/fido/broker.sock")
+        fido_proto::default_broker_path()
     }
 
     /// How long a domain may stay silent before it is declared hung.

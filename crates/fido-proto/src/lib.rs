@@ -316,6 +316,18 @@ pub enum ProtoError {
     Invalid(&'static str),
 }
 
+/// Where domains and tools look for the broker: `$FIDO_BROKER`, else
+/// `$XDG_RUNTIME_DIR/fido/broker.sock`, else `/run/fido/broker.sock`.
+pub fn default_broker_path() -> std::path::PathBuf {
+    if let Some(p) = std::env::var_os("FIDO_BROKER").filter(|p| !p.is_empty()) {
+        return p.into();
+    }
+    if let Some(dir) = std::env::var_os("XDG_RUNTIME_DIR").filter(|p| !p.is_empty()) {
+        return std::path::PathBuf::from(dir).join("fido/broker.sock");
+    }
+    "/run/fido/broker.sock".into()
+}
+
 /// Encodes a message with its header.
 pub fn encode<T: Serialize>(msg: &T) -> Result<Vec<u8>, ProtoError> {
     let mut out = vec![0u8; HEADER_LEN];

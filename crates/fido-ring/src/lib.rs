@@ -62,13 +62,12 @@ pub struct TxRing {
     prod: u64,
     rel_cons: u64,
     last_rung: u64,
-    space_epoch: u64,
     peer_data_bell: Arc<OwnedFd>,
 }
 
 impl TxRing {
     pub fn new(local: LocalBlock, peer: PeerBlock, peer_data_bell: Arc<OwnedFd>) -> TxRing {
-        TxRing { local, peer, prod: 0, rel_cons: 0, last_rung: 0, space_epoch: 0, peer_data_bell }
+        TxRing { local, peer, prod: 0, rel_cons: 0, last_rung: 0, peer_data_bell }
     }
 
     /// Messages that may still be sent before the peer releases some.
@@ -141,9 +140,10 @@ impl TxRing {
         Ok(check_advance("release", self.rel_cons, published, self.local.entries())? > 0)
     }
 
-    /// Our sleep word for "waiting for releases" and its epoch (for `wait_until`).
-    pub fn space_sleep_site(&mut self) -> (&std::sync::atomic::AtomicU64, &mut u64) {
-        (self.local.space_sleep(), &mut self.space_epoch)
+    /// Rings the peer's data doorbell unconditionally (to make a sleeping peer
+    /// look at the connection state, e.g. after we closed it).
+    pub fn wake_peer(&self) {
+        let _ = doorbell::ring(self.peer_data_bell.as_fd());
     }
 
     pub fn published(&self) -> u64 {
@@ -164,12 +164,11 @@ pub struct RxRing {
     local: LocalBlock,
     peer: PeerBlock,
     cons: u64,
-    data_epoch: u64,
 }
 
 impl RxRing {
     pub fn new(local: LocalBlock, peer: PeerBlock) -> RxRing {
-        RxRing { local, peer, cons: 0, data_epoch: 0 }
+        RxRing { local, peer, cons: 0 }
     }
 
     /// Copies out the next published descriptor, if any. The caller validates
@@ -191,8 +190,8 @@ impl RxRing {
         Ok(check_advance("publish", self.cons, published, self.local.entries())? > 0)
     }
 
-    pub fn data_sleep_site(&mut self) -> (&std::sync::atomic::AtomicU64, &mut u64) {
-        (self.local.data_sleep(), &mut self.data_epoch)
+    pub fn local(&self) -> &LocalBlock {
+        &self.local
     }
 
     pub fn peer_closed(&self) -> bool {
@@ -215,6 +214,11 @@ pub struct Releaser {
 }
 
 impl Releaser {
+    /// Rings the peer's space doorbell unconditionally.
+    pub fn wake_peer(&self) {
+        let _ = doorbell::ring(self.peer_space_bell.as_fd());
+    }
+
     pub fn new(local: LocalBlock, peer: PeerBlock, peer_space_bell: Arc<OwnedFd>) -> Releaser {
         Releaser { local, peer, prod: 0, last_rung: 0, peer_space_bell }
     }

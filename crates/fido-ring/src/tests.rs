@@ -36,7 +36,8 @@ struct Side {
     rx: RxRing,
     rel: Releaser,
     data_bell: Arc<OwnedFd>,
-    space_bell: Arc<OwnedFd>,
+    /// Kept open for the peer's releaser, which rings it.
+    _space_bell: Arc<OwnedFd>,
 }
 
 fn connect(pair: &Pair, entries: u32) -> (Side, Side) {
@@ -52,14 +53,14 @@ fn connect(pair: &Pair, entries: u32) -> (Side, Side) {
         rx: RxRing::new(la, pb),
         rel: Releaser::new(la, pb, bells[3].clone()),
         data_bell: bells[0].clone(),
-        space_bell: bells[1].clone(),
+        _space_bell: bells[1].clone(),
     };
     let b = Side {
         tx: TxRing::new(lb, pa, bells[0].clone()),
         rx: RxRing::new(lb, pa),
         rel: Releaser::new(lb, pa, bells[1].clone()),
         data_bell: bells[2].clone(),
-        space_bell: bells[3].clone(),
+        _space_bell: bells[3].clone(),
     };
     (a, b)
 }
@@ -140,8 +141,8 @@ fn doorbell_only_when_asleep() {
     assert_eq!(a.tx.publish().unwrap(), Notify::Suppressed);
     b.rx.poll().unwrap().unwrap();
     // Consumer arms: the next publish rings exactly once.
-    let (sleep, epoch) = b.rx.data_sleep_site();
-    protocol::arm(sleep, epoch);
+    let mut epoch = 0;
+    protocol::arm(b.rx.local().data_sleep(), &mut epoch);
     a.tx.push(&desc(2)).unwrap();
     assert_eq!(a.tx.publish().unwrap(), Notify::Rung);
     a.tx.push(&desc(3)).unwrap();
@@ -157,31 +158,22 @@ fn blocking_wait_across_threads_never_loses_a_wakeup() {
     const N: u64 = 20_000;
     let consumer = std::thread::spawn(move || {
         let mut next = 0;
+        let mut epoch = 0;
         let bell = b.data_bell.clone();
         while next < N {
             let rx = &mut b.rx;
             let mut got = None;
-            let outcome = {
-                let (sleep, epoch) = {
-                    // Split borrow: the sleep site and the ring are the same object.
-                    let p: *mut RxRing = rx;
-                    // SAFETY: `ready` below only calls `poll`, which never touches
-                    // the sleep word or epoch; the borrows do not overlap in use.
-                    unsafe { (*p).data_sleep_site() }
-                };
-                let rxp: *mut RxRing = rx;
-                wait_until(
-                    WaitStrategy::Block,
-                    Some(Instant::now() + Duration::from_secs(10)),
-                    SleepSite { sleep, epoch, bell: bell.as_fd(), liveness: None },
-                    || -> Result<bool, RingError> {
-                        // SAFETY: see above.
-                        got = unsafe { (*rxp).poll()? };
-                        Ok(got.is_some())
-                    },
-                )
-                .unwrap()
-            };
+            let local = *rx.local();
+            let outcome = wait_until(
+                WaitStrategy::Block,
+                Some(Instant::now() + Duration::from_secs(10)),
+                SleepSite { sleep: local.data_sleep(), epoch: &mut epoch, bell: bell.as_fd(), liveness: None },
+                || -> Result<bool, RingError> {
+                    got = rx.poll()?;
+                    Ok(got.is_some())
+                },
+            )
+            .unwrap();
             assert_eq!(outcome, WaitOutcome::Ready, "lost wake-up at {next}");
             let d = got.unwrap();
             assert_eq!(d.cookie, next);

@@ -1,0 +1,894 @@
+//! Channels: one connection between two domains, a ring per direction.
+//!
+//! Sending writes a descriptor into the ring in our own arena (no copy: the
+//! descriptor carries global pointers to buffers in our arena, or in an upstream
+//! domain's arena when forwarding). Receiving copies the descriptor out of the
+//! peer's read-only memory, validates every range in it, and hands out a
+//! read-only view. Dropping the view releases the message: its cookie goes into
+//! our release ring, and the sender frees the buffer (or, for a forwarded
+//! message, releases it upstream in turn).
+
+use crate::domain::DomainInner;
+use crate::error::{Error, Result};
+use crate::validate::{validate, Resolver};
+use fido_proto::{ConnId, Counters, GoneReason, PeerInfo, Reply, Request, RingBlock};
+use fido_ring::{
+    block_len, doorbell, wait_until, Descriptor, LocalBlock, Notify, PeerBlock, Releaser, RingError, RxRing, Segment,
+    SleepSite, TxRing, WaitOutcome, WaitStrategy, FLAG_SG_LIST, INLINE_SEGMENTS, MAX_SEGMENTS,
+};
+use fido_shm::{Buf, GPtr, Mapping, ShmError};
+use parking_lot::Mutex;
+use smallvec::SmallVec;
+use std::os::fd::{AsFd, OwnedFd};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const OPEN: u8 = 0;
+const GONE_EXITED: u8 = 1;
+const GONE_HUNG: u8 = 2;
+const GONE_LEFT: u8 = 3;
+const BROKEN: u8 = 4;
+const CLOSED_BY_US: u8 = 5;
+
+/// A connection request waiting in a listener's backlog.
+pub(crate) struct Incoming {
+    pub(crate) conn: ConnId,
+    pub(crate) service: String,
+    pub(crate) peer: PeerInfo,
+    pub(crate) block: RingBlock,
+    pub(crate) fds: Vec<OwnedFd>,
+}
+
+/// What one message is made of.
+enum Parts {
+    Bufs(SmallVec<[Buf; 2]>),
+    Forward(Msg),
+}
+
+/// An outgoing message: buffers from our arena (one, or several gathered), or a
+/// received message being forwarded.
+pub struct Message {
+    tag: u64,
+    opcode: u16,
+    parts: Parts,
+}
+
+impl Message {
+    /// A message of one buffer.
+    pub fn new(buf: Buf) -> Message {
+        Message { tag: 0, opcode: 0, parts: Parts::Bufs(SmallVec::from_iter([buf])) }
+    }
+    /// A scatter-gather message of several buffers (up to 1024). More than two
+    /// travel through an SG list written in our arena.
+    pub fn gather(bufs: Vec<Buf>) -> Message {
+        Message { tag: 0, opcode: 0, parts: Parts::Bufs(SmallVec::from_vec(bufs)) }
+    }
+    /// An application-defined 64-bit tag (e.g. a sequence number).
+    pub fn tag(mut self, tag: u64) -> Message {
+        self.tag = tag;
+        self
+    }
+    pub fn opcode(mut self, opcode: u16) -> Message {
+        self.opcode = opcode;
+        self
+    }
+    pub fn get_tag(&self) -> u64 {
+        self.tag
+    }
+    /// Takes the buffers back (empty for a forwarded message).
+    pub fn into_bufs(self) -> Vec<Buf> {
+        match self.parts {
+            Parts::Bufs(b) => b.into_vec(),
+            Parts::Forward(_) => Vec::new(),
+        }
+    }
+    fn len(&self) -> u64 {
+        match &self.parts {
+            Parts::Bufs(b) => b.iter().map(|b| b.len() as u64).sum(),
+            Parts::Forward(m) => m.len() as u64,
+        }
+    }
+}
+
+impl From<Buf> for Message {
+    fn from(buf: Buf) -> Message {
+        Message::new(buf)
+    }
+}
+
+impl From<Msg> for Message {
+    fn from(msg: Msg) -> Message {
+        Message { tag: msg.tag, opcode: msg.opcode, parts: Parts::Forward(msg) }
+    }
+}
+
+/// A message that was sent but never released by the peer (it died or closed),
+/// handed back to its sender: nothing is lost silently.
+pub struct Undelivered {
+    pub tag: u64,
+    pub opcode: u16,
+    /// The message's buffers (empty when it was a forwarded message; dropping
+    /// this releases it upstream).
+    pub message: Message,
+}
+
+/// `send` failed; the message comes back.
+#[derive(Debug)]
+pub struct SendError {
+    pub error: Error,
+    pub message: Message,
+}
+
+impl std::fmt::Debug for Message {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Message {{ tag: {}, opcode: {}, len: {} }}", self.tag, self.opcode, self.len())
+    }
+}
+
+impl std::fmt::Display for SendError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.error.fmt(f)
+    }
+}
+
+impl std::error::Error for SendError {}
+
+impl From<SendError> for Error {
+    fn from(e: SendError) -> Error {
+        e.error
+    }
+}
+
+struct Outstanding {
+    tag: u64,
+    opcode: u16,
+    parts: Parts,
+    /// The SG list we wrote for this message, if any.
+    _sg_list: Option<Buf>,
+}
+
+/// Sender state: the ring and the table of messages in flight, by cookie.
+struct TxState {
+    ring: TxRing,
+    table: Vec<Option<(u32, Outstanding)>>,
+    free: Vec<u32>,
+    generation: u32,
+    epoch: u64,
+    wait: WaitStrategy,
+    undelivered: Vec<Undelivered>,
+}
+
+struct RxState {
+    ring: RxRing,
+    epoch: u64,
+    wait: WaitStrategy,
+}
+
+/// Single-writer counter: written only under its half's lock, read by anyone.
+#[derive(Default)]
+struct Counter(AtomicU64);
+
+impl Counter {
+    #[inline]
+    fn add(&self, n: u64) {
+        // One writer (the lock holder): a plain load + store, no locked RMW.
+        self.0.store(self.0.load(Ordering::Relaxed) + n, Ordering::Relaxed);
+    }
+    fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+#[derive(Default)]
+struct Stats {
+    sent: Counter,
+    received: Counter,
+    bytes_sent: Counter,
+    bytes_received: Counter,
+    rung: Counter,
+    suppressed: Counter,
+    release_rung: Counter,
+    release_suppressed: Counter,
+}
+
+/// State shared by a channel, its received messages and the domain.
+pub(crate) struct ConnShared {
+    pub(crate) conn: ConnId,
+    pub(crate) service: String,
+    pub(crate) peer: PeerInfo,
+    domain: Arc<DomainInner>,
+    _peer_map: Arc<Mapping>,
+    _block: Buf,
+    local: LocalBlock,
+    data_bell: Arc<OwnedFd>,
+    space_bell: Arc<OwnedFd>,
+    liveness: OwnedFd,
+    releaser: Mutex<Releaser>,
+    state: AtomicU8,
+    broken: Mutex<Option<String>>,
+    stats: Stats,
+    tx: Mutex<TxState>,
+    rx: Mutex<RxState>,
+}
+
+// SAFETY: the raw pointers inside (ring blocks) point into mappings kept alive
+// by `block` and `_peer_map`; every access goes through the rings' atomics or
+// under the tx/rx/releaser locks.
+unsafe impl Send for ConnShared {}
+unsafe impl Sync for ConnShared {}
+
+impl ConnShared {
+    pub(crate) fn is_open(&self) -> bool {
+        self.state.load(Ordering::Acquire) == OPEN
+    }
+
+    pub(crate) fn mark_gone(&self, reason: GoneReason) {
+        let code = match reason {
+            GoneReason::Exited => GONE_EXITED,
+            GoneReason::MissedHeartbeat => GONE_HUNG,
+            GoneReason::Left => GONE_LEFT,
+        };
+        let _ = self.state.compare_exchange(OPEN, code, Ordering::AcqRel, Ordering::Acquire);
+        self.wake_local();
+    }
+
+    fn mark_broken(&self, why: String) -> Error {
+        tracing::warn!(conn = self.conn, peer = self.peer.domain, "closing connection: {why}");
+        *self.broken.lock() = Some(why.clone());
+        let _ = self.state.compare_exchange(OPEN, BROKEN, Ordering::AcqRel, Ordering::Acquire);
+        self.wake_local();
+        Error::Protocol(why)
+    }
+
+    /// Wakes our own waiters so they look at the connection state again.
+    pub(crate) fn wake_local(&self) {
+        let _ = doorbell::ring(self.data_bell.as_fd());
+        let _ = doorbell::ring(self.space_bell.as_fd());
+    }
+
+    fn state_error(&self, state: u8) -> Error {
+        let domain = self.peer.domain;
+        match state {
+            GONE_EXITED => Error::PeerGone { domain, reason: "exited" },
+            GONE_HUNG => Error::PeerGone { domain, reason: "missed heartbeats" },
+            GONE_LEFT => Error::PeerGone { domain, reason: "left" },
+            BROKEN => Error::Protocol(self.broken.lock().clone().unwrap_or_default()),
+            _ => Error::Closed,
+        }
+    }
+
+    /// Ok while the connection is usable.
+    #[inline]
+    fn check(&self) -> Result<()> {
+        match self.state.load(Ordering::Acquire) {
+            OPEN => Ok(()),
+            s => Err(self.state_error(s)),
+        }
+    }
+
+    fn peer_hangup_seen(&self) {
+        // The liveness socket hung up: the peer process is gone (or closed).
+        let _ = self.state.compare_exchange(OPEN, GONE_EXITED, Ordering::AcqRel, Ordering::Acquire);
+    }
+
+    fn release(&self, cookie: u64) {
+        if matches!(self.state.load(Ordering::Acquire), BROKEN | CLOSED_BY_US) {
+            return;
+        }
+        let mut r = self.releaser.lock();
+        match r.release(cookie) {
+            Ok(Notify::Rung) => self.stats.release_rung.add(1),
+            Ok(Notify::Suppressed) => self.stats.release_suppressed.add(1),
+            Err(e) => {
+                drop(r);
+                if self.is_open() {
+                    self.mark_broken(format!("cannot publish release: {e}"));
+                }
+            }
+        }
+    }
+
+    pub(crate) fn add_counters(&self, c: &mut Counters) {
+        let s = &self.stats;
+        c.messages_sent += s.sent.get();
+        c.messages_received += s.received.get();
+        c.bytes_sent += s.bytes_sent.get();
+        c.bytes_received += s.bytes_received.get();
+        c.doorbells_rung += s.rung.get() + s.release_rung.get();
+        c.doorbells_suppressed += s.suppressed.get() + s.release_suppressed.get();
+    }
+}
+
+impl TxState {
+    fn insert(&mut self, o: Outstanding) -> u64 {
+        let index = self.free.pop().expect("window checked before insert");
+        self.generation = self.generation.wrapping_add(1);
+        self.table[index as usize] = Some((self.generation, o));
+        ((self.generation as u64) << 32) | index as u64
+    }
+
+    /// Reaps every release the peer published; an unknown cookie is a lie.
+    fn reap(&mut self) -> std::result::Result<(), String> {
+        loop {
+            let cookie = match self.ring.poll_release() {
+                Ok(Some(c)) => c,
+                Ok(None) => return Ok(()),
+                Err(e) => return Err(e.to_string()),
+            };
+            let index = (cookie & 0xffff_ffff) as usize;
+            let generation = (cookie >> 32) as u32;
+            match self.table.get_mut(index) {
+                Some(slot @ Some(_)) if slot.as_ref().is_some_and(|(g, _)| *g == generation) => {
+                    *slot = None;
+                    self.free.push(index as u32);
+                }
+                _ => return Err(format!("released unknown message cookie {cookie:#x}")),
+            }
+        }
+    }
+
+    /// Hands every unreleased message back as undelivered.
+    fn fail_outstanding(&mut self) {
+        for slot in self.table.iter_mut() {
+            if let Some((_, o)) = slot.take() {
+                self.undelivered.push(Undelivered {
+                    tag: o.tag,
+                    opcode: o.opcode,
+                    message: Message { tag: o.tag, opcode: o.opcode, parts: o.parts },
+                });
+            }
+        }
+        self.free = (0..self.table.len() as u32).rev().collect();
+    }
+}
+
+/// A closed channel whose sent buffers the peer may still be reading.
+pub(crate) struct Lingering {
+    shared: Arc<ConnShared>,
+}
+
+/// Frees lingering channels whose peer released everything or is gone.
+pub(crate) fn sweep_lingering(domain: &DomainInner) {
+    let list = std::mem::take(&mut *domain.lingering.lock());
+    let mut keep = Vec::new();
+    for l in list {
+        let done = {
+            let mut tx = l.shared.tx.lock();
+            let reaped = tx.reap().is_ok();
+            let gone = doorbell::peer_hung_up(l.shared.liveness.as_fd()) || tx.ring.peer_closed();
+            !reaped || gone || tx.ring.in_flight() == 0
+        };
+        if !done {
+            keep.push(l);
+        }
+    }
+    domain.lingering.lock().extend(keep);
+}
+
+/// Resolves peer pointers through the domain's address space, mapping a new
+/// arena (lazily granted by the broker) the first time one shows up.
+struct DomainResolver<'a>(&'a DomainInner);
+
+impl Resolver for DomainResolver<'_> {
+    type Keep = Arc<Mapping>;
+    fn resolve(&self, g: GPtr, len: u64) -> std::result::Result<(NonNull<u8>, Arc<Mapping>), String> {
+        match self.0.space.resolve(g, len) {
+            Ok(r) => Ok(r),
+            Err(ShmError::NotMapped { .. }) => {
+                let (slot, _) = self.0.space.slot_of(g).ok_or("outside the PGVAS window")?;
+                self.0.ensure_mapped(slot).map_err(|e| format!("slot {slot} not granted: {e}"))?;
+                self.0.space.resolve(g, len).map_err(|e| e.to_string())
+            }
+            Err(e) => Err(e.to_string()),
+        }
+    }
+}
+
+/// A connection to another domain. Send and receive from any threads (one
+/// sender and one receiver at a time make progress; others queue on a lock).
+pub struct Channel {
+    shared: Arc<ConnShared>,
+}
+
+impl Channel {
+    fn new_block(domain: &DomainInner, entries: u32) -> Result<(Buf, LocalBlock)> {
+        let len = block_len(entries);
+        let mut block = domain.arena.alloc(len)?;
+        let base = NonNull::new(block.as_mut_ptr()).ok_or_else(|| Error::Invalid("null block".into()))?;
+        // SAFETY: `block` is `len` writable bytes of our arena, 64-aligned (the
+        // allocator's guarantee), used for nothing else, and kept alive by the
+        // ConnShared that owns both it and every copy of the LocalBlock.
+        let local = unsafe { LocalBlock::init(base, len, entries) }.map_err(|e| Error::Invalid(e.to_string()))?;
+        Ok((block, local))
+    }
+
+    /// Maps the peer's arena and opens its ring block.
+    fn open_peer(domain: &DomainInner, peer: &PeerInfo, block: &RingBlock, arena_fd: OwnedFd) -> Result<(Arc<Mapping>, PeerBlock)> {
+        let mapping = domain.space.map_peer(peer.slot, peer.domain, arena_fd, peer.arena_len)?;
+        domain.register_mapping(peer.slot, peer.domain);
+        if block.len < block_len(block.entries) as u64 {
+            return Err(Error::protocol("peer ring block too small"));
+        }
+        let g = mapping.global_base().add(block.offset).ok_or_else(|| Error::protocol("peer ring block offset"))?;
+        let (ptr, _) = domain.space.resolve(g, block.len)?;
+        // SAFETY: `resolve` checked the range lies inside the peer's mapping,
+        // which the ConnShared keeps alive (`_peer_map`) as long as any copy of
+        // the PeerBlock exists.
+        let pb = unsafe { PeerBlock::open(ptr, block.len as usize, block.entries) }.map_err(Error::protocol)?;
+        Ok((mapping, pb))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn assemble(
+        domain: &Arc<DomainInner>,
+        conn: ConnId,
+        service: String,
+        peer: PeerInfo,
+        mapping: Arc<Mapping>,
+        (block, local): (Buf, LocalBlock),
+        peer_block: PeerBlock,
+        (data_bell, space_bell): (OwnedFd, OwnedFd),
+        mut peer_fds: Vec<OwnedFd>,
+    ) -> Channel {
+        let liveness = peer_fds.pop().expect("checked: 3 fds left");
+        let peer_space = Arc::new(peer_fds.pop().expect("checked"));
+        let peer_data = Arc::new(peer_fds.pop().expect("checked"));
+        let entries = local.entries();
+        let wait = domain.opts.wait;
+        let shared = Arc::new(ConnShared {
+            conn,
+            service,
+            peer,
+            domain: domain.clone(),
+            _peer_map: mapping,
+            _block: block,
+            local,
+            data_bell: Arc::new(data_bell),
+            space_bell: Arc::new(space_bell),
+            liveness,
+            releaser: Mutex::new(Releaser::new(local, peer_block, peer_space)),
+            state: AtomicU8::new(OPEN),
+            broken: Mutex::new(None),
+            stats: Stats::default(),
+            tx: Mutex::new(TxState {
+                ring: TxRing::new(local, peer_block, peer_data),
+                table: (0..entries).map(|_| None).collect(),
+                free: (0..entries).rev().collect(),
+                generation: 0,
+                epoch: 0,
+                wait,
+                undelivered: Vec::new(),
+            }),
+            rx: Mutex::new(RxState { ring: RxRing::new(local, peer_block), epoch: 0, wait }),
+        });
+        domain.conns.lock().insert(conn, Arc::downgrade(&shared));
+        Channel { shared }
+    }
+
+    pub(crate) fn connect(domain: &Arc<DomainInner>, service: &str) -> Result<Channel> {
+        let entries = domain.opts.ring_entries;
+        let (block, local) = Self::new_block(domain, entries)?;
+        let bells = (doorbell::new_doorbell()?, doorbell::new_doorbell()?);
+        let ring = RingBlock { offset: block.offset(), len: block_len(entries) as u64, entries };
+        let fds = [bells.0.try_clone()?, bells.1.try_clone()?];
+        let (reply, mut peer_fds) = domain.control.request(Request::Connect { service: service.into(), block: ring }, &fds)?;
+        drop(fds);
+        let (conn, peer, pblock) = match reply {
+            Reply::Connected { conn, peer, block } if peer_fds.len() == 4 && block.entries == entries => (conn, peer, block),
+            other => return Err(Error::protocol(format!("bad connect reply {other:?} with {} fds", peer_fds.len()))),
+        };
+        let arena_fd = peer_fds.remove(0);
+        let (mapping, peer_block) = Self::open_peer(domain, &peer, &pblock, arena_fd)?;
+        Ok(Self::assemble(domain, conn, service.into(), peer, mapping, (block, local), peer_block, bells, peer_fds))
+    }
+
+    pub(crate) fn accept(domain: &Arc<DomainInner>, inc: Incoming) -> Result<Channel> {
+        let Incoming { conn, service, peer, block: pblock, mut fds } = inc;
+        let refuse = |why: String| {
+            domain.control.notify(Request::Refuse { conn, reason: why.clone() });
+            Error::protocol(why)
+        };
+        if fds.len() != 4 {
+            return Err(refuse(format!("incoming connection with {} descriptors", fds.len())));
+        }
+        let entries = pblock.entries;
+        let (block, local) = Self::new_block(domain, entries)?;
+        let (mapping, peer_block) = match Self::open_peer(domain, &peer, &pblock, fds.remove(0)) {
+            Ok(x) => x,
+            Err(e) => return Err(refuse(e.to_string())),
+        };
+        let bells = (doorbell::new_doorbell()?, doorbell::new_doorbell()?);
+        let ring = RingBlock { offset: block.offset(), len: block_len(entries) as u64, entries };
+        let mine = [bells.0.try_clone()?, bells.1.try_clone()?];
+        domain.control.request(Request::Accept { conn, block: ring }, &mine)?;
+        Ok(Self::assemble(domain, conn, service, peer, mapping, (block, local), peer_block, bells, fds))
+    }
+
+    pub fn id(&self) -> ConnId {
+        self.shared.conn
+    }
+    pub fn peer(&self) -> &PeerInfo {
+        &self.shared.peer
+    }
+    pub fn service(&self) -> &str {
+        &self.shared.service
+    }
+
+    /// Sets how this channel waits (both directions).
+    pub fn set_wait(&self, wait: WaitStrategy) {
+        self.shared.tx.lock().wait = wait;
+        self.shared.rx.lock().wait = wait;
+    }
+
+    /// Messages sent and not yet released by the peer.
+    pub fn in_flight(&self) -> u64 {
+        self.shared.tx.lock().ring.in_flight()
+    }
+
+    /// Sends a message, waiting (per the wait strategy) while the window is full.
+    pub fn send(&self, msg: impl Into<Message>) -> std::result::Result<(), SendError> {
+        self.send_inner(msg.into(), None, true)
+    }
+
+    /// Sends, or returns `WouldBlock` with the message when the window is full.
+    pub fn try_send(&self, msg: impl Into<Message>) -> std::result::Result<(), SendError> {
+        self.send_inner(msg.into(), None, false)
+    }
+
+    /// Sends, giving up with `Timeout` (and the message) after `timeout`.
+    pub fn send_timeout(&self, msg: impl Into<Message>, timeout: Duration) -> std::result::Result<(), SendError> {
+        self.send_inner(msg.into(), Some(Instant::now() + timeout), true)
+    }
+
+    /// Forwards a received message to this channel's peer without copying: the
+    /// descriptor carries the same global pointers. The upstream sender gets its
+    /// release when this channel's peer releases.
+    pub fn forward(&self, msg: Msg) -> std::result::Result<(), SendError> {
+        self.send(msg)
+    }
+
+    fn send_inner(&self, msg: Message, deadline: Option<Instant>, block: bool) -> std::result::Result<(), SendError> {
+        let sh = &*self.shared;
+        let mut tx = sh.tx.lock();
+        let fail = |tx: &mut TxState, error: Error, message: Message| {
+            if matches!(error, Error::PeerGone { .. } | Error::Protocol(_) | Error::Closed) {
+                tx.fail_outstanding();
+            }
+            Err(SendError { error, message })
+        };
+        if let Err(e) = sh.check() {
+            return fail(&mut tx, e, msg);
+        }
+        if let Err(why) = tx.reap() {
+            let e = sh.mark_broken(why);
+            return fail(&mut tx, e, msg);
+        }
+        if tx.ring.peer_closed() {
+            return fail(&mut tx, Error::Closed, msg);
+        }
+        let free = match tx.ring.free_slots() {
+            Ok(n) => n,
+            Err(e) => {
+                let e = sh.mark_broken(e.to_string());
+                return fail(&mut tx, e, msg);
+            }
+        };
+        if free == 0 {
+            if !block {
+                return Err(SendError { error: Error::WouldBlock, message: msg });
+            }
+            let local = *tx.ring.local();
+            let wait = tx.wait;
+            let mut epoch = tx.epoch;
+            let outcome = {
+                let txr = &mut *tx;
+                wait_until(
+                    wait,
+                    deadline,
+                    SleepSite { sleep: local.space_sleep(), epoch: &mut epoch, bell: sh.space_bell.as_fd(), liveness: Some(sh.liveness.as_fd()) },
+                    || -> std::result::Result<bool, String> {
+                        txr.reap()?;
+                        Ok(txr.ring.free_slots().map_err(|e| e.to_string())? > 0 || !sh.is_open() || txr.ring.peer_closed())
+                    },
+                )
+            };
+            tx.epoch = epoch;
+            match outcome {
+                Ok(WaitOutcome::Ready) => {}
+                Ok(WaitOutcome::TimedOut) => return Err(SendError { error: Error::Timeout, message: msg }),
+                Ok(WaitOutcome::PeerGone) => {
+                    sh.peer_hangup_seen();
+                    let e = sh.check().err().unwrap_or(Error::Closed);
+                    return fail(&mut tx, e, msg);
+                }
+                Err(why) => {
+                    let e = sh.mark_broken(why);
+                    return fail(&mut tx, e, msg);
+                }
+            }
+            if let Err(e) = sh.check() {
+                return fail(&mut tx, e, msg);
+            }
+            if tx.ring.peer_closed() {
+                return fail(&mut tx, Error::Closed, msg);
+            }
+        }
+        // Build the descriptor.
+        let mut desc = Descriptor { tag: msg.tag, opcode: msg.opcode, ..Default::default() };
+        let mut sg_buf = None;
+        let total;
+        match &msg.parts {
+            Parts::Bufs(bufs) => {
+                if bufs.len() > MAX_SEGMENTS {
+                    return Err(SendError { error: Error::Invalid(format!("{} segments (max {MAX_SEGMENTS})", bufs.len())), message: msg });
+                }
+                total = bufs.iter().map(|b| b.len() as u64).sum::<u64>();
+                if bufs.iter().any(|b| b.is_empty()) {
+                    return Err(SendError { error: Error::Invalid("empty buffer in message".into()), message: msg });
+                }
+                if bufs.len() <= INLINE_SEGMENTS {
+                    for (i, b) in bufs.iter().enumerate() {
+                        desc.segments[i] = Segment { addr: b.gptr().addr(), len: b.len() as u64 };
+                    }
+                } else {
+                    let bytes = bufs.len() * std::mem::size_of::<Segment>();
+                    let mut list = match sh.domain.arena.alloc(bytes) {
+                        Ok(l) => l,
+                        Err(e) => return Err(SendError { error: e.into(), message: msg }),
+                    };
+                    list.truncate(bytes);
+                    for (i, b) in bufs.iter().enumerate() {
+                        list[i * 16..i * 16 + 8].copy_from_slice(&b.gptr().addr().to_ne_bytes());
+                        list[i * 16 + 8..i * 16 + 16].copy_from_slice(&(b.len() as u64).to_ne_bytes());
+                    }
+                    desc.flags = FLAG_SG_LIST;
+                    desc.segments[0] = Segment { addr: list.gptr().addr(), len: bytes as u64 };
+                    sg_buf = Some(list);
+                }
+                desc.nseg = bufs.len() as u16;
+            }
+            Parts::Forward(m) => {
+                total = m.total_len;
+                if let Some(list) = m.sg_list {
+                    desc.flags = FLAG_SG_LIST;
+                    desc.segments[0] = list;
+                } else {
+                    for (i, s) in m.segs.iter().enumerate() {
+                        desc.segments[i] = s.global;
+                    }
+                }
+                desc.nseg = m.nseg;
+            }
+        }
+        desc.total_len = total;
+        desc.cookie = tx.insert(Outstanding { tag: msg.tag, opcode: msg.opcode, parts: msg.parts, _sg_list: sg_buf });
+        tx.ring.push(&desc).expect("window checked above");
+        match tx.ring.publish() {
+            Ok(Notify::Rung) => sh.stats.rung.add(1),
+            Ok(Notify::Suppressed) => sh.stats.suppressed.add(1),
+            Err(e) => tracing::debug!("doorbell: {e}"),
+        }
+        sh.stats.sent.add(1);
+        sh.stats.bytes_sent.add(total);
+        Ok(())
+    }
+
+    /// Receives the next message, waiting per the wait strategy.
+    pub fn recv(&self) -> Result<Msg> {
+        self.recv_inner(None, true).map(|m| m.expect("blocking recv returns a message"))
+    }
+
+    /// Receives a message if one is waiting.
+    pub fn try_recv(&self) -> Result<Option<Msg>> {
+        self.recv_inner(None, false)
+    }
+
+    pub fn recv_timeout(&self, timeout: Duration) -> Result<Msg> {
+        self.recv_inner(Some(Instant::now() + timeout), true)?.ok_or(Error::Timeout)
+    }
+
+    fn recv_inner(&self, deadline: Option<Instant>, block: bool) -> Result<Option<Msg>> {
+        let sh = &*self.shared;
+        let mut rx = sh.rx.lock();
+        loop {
+            // Messages already published are delivered even after the peer died.
+            if sh.state.load(Ordering::Acquire) != BROKEN {
+                match rx.ring.poll() {
+                    Ok(Some(desc)) => return self.accept_descriptor(&desc).map(Some),
+                    Ok(None) => {}
+                    Err(e) => return Err(sh.mark_broken(e.to_string())),
+                }
+            }
+            sh.check()?;
+            if rx.ring.peer_closed() {
+                return Err(Error::Closed);
+            }
+            if !block {
+                return Ok(None);
+            }
+            let local = *rx.ring.local();
+            let wait = rx.wait;
+            let mut epoch = rx.epoch;
+            let ring = &rx.ring;
+            let outcome = wait_until(
+                wait,
+                deadline,
+                SleepSite { sleep: local.data_sleep(), epoch: &mut epoch, bell: sh.data_bell.as_fd(), liveness: Some(sh.liveness.as_fd()) },
+                || -> std::result::Result<bool, RingError> { Ok(ring.pending()? || !sh.is_open() || ring.peer_closed()) },
+            );
+            rx.epoch = epoch;
+            match outcome {
+                Ok(WaitOutcome::Ready) => continue,
+                Ok(WaitOutcome::TimedOut) => return Err(Error::Timeout),
+                Ok(WaitOutcome::PeerGone) => {
+                    if rx.ring.peer_closed() {
+                        return Err(Error::Closed);
+                    }
+                    sh.peer_hangup_seen();
+                }
+                Err(e) => return Err(sh.mark_broken(e.to_string())),
+            }
+        }
+    }
+
+    fn accept_descriptor(&self, desc: &Descriptor) -> Result<Msg> {
+        let sh = &self.shared;
+        let v = match validate(desc, &DomainResolver(&sh.domain)) {
+            Ok(v) => v,
+            Err(e) => {
+                // Release it so the sender can reuse the buffer, then fail the connection.
+                let err = sh.mark_broken(format!("invalid descriptor: {e}"));
+                return Err(err);
+            }
+        };
+        sh.stats.received.add(1);
+        sh.stats.bytes_received.add(v.total_len);
+        Ok(Msg {
+            shared: sh.clone(),
+            cookie: desc.cookie,
+            tag: desc.tag,
+            opcode: desc.opcode,
+            nseg: desc.nseg,
+            total_len: v.total_len,
+            sg_list: v.sg_list.as_ref().map(|(s, _)| *s),
+            _sg_keep: v.sg_list.map(|(_, k)| k),
+            segs: v.segments.into_iter().map(|s| Seg { ptr: s.ptr, len: s.len, global: s.global, _keep: s.keep }).collect(),
+        })
+    }
+
+    /// Messages the peer never released before it died or closed. Call after an
+    /// error to learn exactly what was not delivered.
+    pub fn take_undelivered(&self) -> Vec<Undelivered> {
+        let mut tx = self.shared.tx.lock();
+        if !self.shared.is_open() || tx.ring.peer_closed() {
+            let _ = tx.reap();
+            tx.fail_outstanding();
+        }
+        std::mem::take(&mut tx.undelivered)
+    }
+
+    /// True while the connection is usable.
+    pub fn is_open(&self) -> bool {
+        self.shared.is_open() && !self.shared.tx.lock().ring.peer_closed()
+    }
+
+    /// The eventfd this channel's receiver sleeps on (for epoll/async
+    /// integration): readable when the peer rang because data arrived.
+    pub fn data_doorbell(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.shared.data_bell.as_fd()
+    }
+}
+
+impl Drop for Channel {
+    fn drop(&mut self) {
+        let sh = &self.shared;
+        sh.local.set_closed();
+        let _ = sh.state.compare_exchange(OPEN, CLOSED_BY_US, Ordering::AcqRel, Ordering::Acquire);
+        sh.tx.lock().ring.wake_peer();
+        sh.releaser.lock().wake_peer();
+        sh.domain.control.notify(Request::Close { conn: sh.conn });
+        sh.domain.conns.lock().remove(&sh.conn);
+        sh.add_counters(&mut sh.domain.retired.lock());
+        let in_flight = sh.tx.lock().ring.in_flight();
+        if in_flight > 0 && !doorbell::peer_hung_up(sh.liveness.as_fd()) {
+            sh.domain.lingering.lock().push(Lingering { shared: sh.clone() });
+        }
+    }
+}
+
+struct Seg {
+    ptr: NonNull<u8>,
+    len: usize,
+    global: Segment,
+    _keep: Arc<Mapping>,
+}
+
+/// A received message: a read-only view into the sender's (or an upstream
+/// sender's) arena. Dropping it releases the message to its sender.
+///
+/// The bytes are the sender's memory, mapped read-only here: reading them is
+/// always memory-safe for this process, but a misbehaving sender could change
+/// them while you read (Fido's relaxed trust model). Copy out anything you
+/// must validate and then rely on.
+pub struct Msg {
+    shared: Arc<ConnShared>,
+    cookie: u64,
+    tag: u64,
+    opcode: u16,
+    nseg: u16,
+    total_len: u64,
+    sg_list: Option<Segment>,
+    _sg_keep: Option<Arc<Mapping>>,
+    segs: SmallVec<[Seg; 2]>,
+}
+
+// SAFETY: the segment pointers are into read-only mappings kept alive by the
+// `Arc<Mapping>`s this message holds; nothing writes through them.
+unsafe impl Send for Msg {}
+unsafe impl Sync for Msg {}
+
+impl Msg {
+    pub fn tag(&self) -> u64 {
+        self.tag
+    }
+    pub fn opcode(&self) -> u16 {
+        self.opcode
+    }
+    /// Total payload length.
+    pub fn len(&self) -> usize {
+        self.total_len as usize
+    }
+    pub fn is_empty(&self) -> bool {
+        self.total_len == 0
+    }
+    pub fn segment_count(&self) -> usize {
+        self.segs.len()
+    }
+    /// The payload segments, in order.
+    pub fn segments(&self) -> impl Iterator<Item = &[u8]> {
+        self.segs.iter().map(|s| {
+            // SAFETY: validated against a live mapping that `s._keep` keeps
+            // mapped for as long as `self` (and so this borrow) lives.
+            unsafe { std::slice::from_raw_parts(s.ptr.as_ptr() as *const u8, s.len) }
+        })
+    }
+    /// The payload when it is one segment.
+    pub fn as_slice(&self) -> Option<&[u8]> {
+        if self.segs.len() == 1 {
+            self.segments().next()
+        } else {
+            None
+        }
+    }
+    /// The global pointers of the payload segments (identical in every domain).
+    pub fn global_segments(&self) -> impl Iterator<Item = (GPtr, usize)> + '_ {
+        self.segs.iter().map(|s| (GPtr(s.global.addr), s.len))
+    }
+    /// Copies the payload out (counted in the domain's copied bytes).
+    pub fn to_vec(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(self.len());
+        for s in self.segments() {
+            v.extend_from_slice(s);
+        }
+        self.shared.domain.bytes_copied.fetch_add(v.len() as u64, Ordering::Relaxed);
+        v
+    }
+    /// The domain that sent this message over this connection.
+    pub fn from_domain(&self) -> u64 {
+        self.shared.peer.domain
+    }
+}
+
+impl Drop for Msg {
+    fn drop(&mut self) {
+        self.shared.release(self.cookie);
+    }
+}
+
+impl std::fmt::Debug for Msg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Msg {{ tag: {}, opcode: {}, len: {}, segments: {} }}", self.tag, self.opcode, self.total_len, self.segs.len())
+    }
+}

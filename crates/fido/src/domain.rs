@@ -1,0 +1,509 @@
+//! A domain: this process's membership in a Fido broker, its arena, its view of
+//! the PGVAS window, and the registry.
+
+use crate::channel::{Channel, ConnShared, Incoming};
+use crate::control::{connect_socket, recv_msg, send_msg, Control, EventSink, REQUEST_TIMEOUT};
+use crate::error::{Error, Result};
+use fido_proto::{
+    BrokerMsg, ClientMsg, ConnId, Counters, DomainId, Event, GoneReason, Reply, Request, Resume, Status, TxnOp,
+};
+use fido_ring::WaitStrategy;
+use fido_shm::{AddressMode, AddressSpace, Arena, Buf, Mapping, ModeRequest, UnplacedArena};
+use parking_lot::{Condvar, Mutex};
+use std::collections::{HashMap, VecDeque};
+use std::os::fd::OwnedFd;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Weak};
+use std::time::{Duration, Instant};
+
+/// How to join.
+#[derive(Debug, Clone)]
+pub struct JoinOptions {
+    /// A human-readable name (shown by `fido status`).
+    pub name: String,
+    /// Optional label the broker's policy may match.
+    pub label: Option<String>,
+    /// Size of the exportable arena (sparse; default 1 GiB).
+    pub arena_len: u64,
+    /// Touch every arena page at join so the data path never page-faults.
+    pub prefault: bool,
+    /// PGVAS (default) or forced pointer swizzling.
+    pub address_mode: ModeRequest,
+    /// Broker socket; default: `FIDO_BROKER`, `$XDG_RUNTIME_DIR/fido/broker.sock`, `/run/fido/broker.sock`.
+    pub broker: Option<PathBuf>,
+    /// Descriptors per ring direction (power of two; also the in-flight window).
+    pub ring_entries: u32,
+    /// Default wait strategy of new channels.
+    pub wait: WaitStrategy,
+}
+
+impl JoinOptions {
+    pub fn new(name: impl Into<String>) -> JoinOptions {
+        JoinOptions {
+            name: name.into(),
+            label: None,
+            arena_len: 1 << 30,
+            prefault: false,
+            address_mode: ModeRequest::Auto,
+            broker: None,
+            ring_entries: 256,
+            wait: WaitStrategy::default(),
+        }
+    }
+    pub fn arena_len(mut self, len: u64) -> Self {
+        self.arena_len = len;
+        self
+    }
+    pub fn prefault(mut self, on: bool) -> Self {
+        self.prefault = on;
+        self
+    }
+    pub fn swizzle(mut self, on: bool) -> Self {
+        self.address_mode = if on { ModeRequest::ForceSwizzle } else { ModeRequest::Auto };
+        self
+    }
+    pub fn broker(mut self, path: impl Into<PathBuf>) -> Self {
+        self.broker = Some(path.into());
+        self
+    }
+    pub fn ring_entries(mut self, n: u32) -> Self {
+        self.ring_entries = n;
+        self
+    }
+    pub fn wait(mut self, w: WaitStrategy) -> Self {
+        self.wait = w;
+        self
+    }
+    pub fn label(mut self, label: impl Into<String>) -> Self {
+        self.label = Some(label.into());
+        self
+    }
+}
+
+/// A registry change seen by a watch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WatchEvent {
+    pub path: String,
+    /// `None`: the key was deleted.
+    pub value: Option<Vec<u8>>,
+}
+
+/// A live prefix watch. Dropping it unregisters it.
+pub struct Watch {
+    token: u64,
+    rx: mpsc::Receiver<WatchEvent>,
+    domain: Weak<DomainInner>,
+}
+
+impl Watch {
+    pub fn recv_timeout(&self, timeout: Duration) -> Option<WatchEvent> {
+        self.rx.recv_timeout(timeout).ok()
+    }
+    pub fn try_recv(&self) -> Option<WatchEvent> {
+        self.rx.try_recv().ok()
+    }
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        if let Some(d) = self.domain.upgrade() {
+            d.watches.lock().remove(&self.token);
+            d.control.notify(Request::Unwatch { token: self.token });
+        }
+    }
+}
+
+pub(crate) struct Backlog {
+    queue: Mutex<VecDeque<Incoming>>,
+    ready: Condvar,
+}
+
+/// Accepts connections to a service this domain offers. Dropping it withdraws
+/// the service.
+pub struct Listener {
+    service: String,
+    backlog: Arc<Backlog>,
+    domain: Domain,
+}
+
+impl Listener {
+    pub fn service(&self) -> &str {
+        &self.service
+    }
+
+    /// Waits for the next connection and completes it.
+    pub fn accept(&self) -> Result<Channel> {
+        self.accept_until(None)
+    }
+
+    pub fn accept_timeout(&self, timeout: Duration) -> Result<Channel> {
+        self.accept_until(Some(Instant::now() + timeout))
+    }
+
+    fn accept_until(&self, deadline: Option<Instant>) -> Result<Channel> {
+        let incoming = {
+            let mut q = self.backlog.queue.lock();
+            loop {
+                if let Some(i) = q.pop_front() {
+                    break i;
+                }
+                match deadline {
+                    Some(d) => {
+                        if self.backlog.ready.wait_until(&mut q, d).timed_out() && q.is_empty() {
+                            return Err(Error::Timeout);
+                        }
+                    }
+                    None => self.backlog.ready.wait(&mut q),
+                }
+            }
+        };
+        Channel::accept(&self.domain.inner, incoming)
+    }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        self.domain.inner.services.lock().remove(&self.service);
+        self.domain.inner.control.notify(Request::Withdraw { service: self.service.clone() });
+    }
+}
+
+/// This process's membership in a broker. Cheap to clone; the domain leaves
+/// when the last clone and the last channel are gone (or on [`Domain::leave`]).
+#[derive(Clone)]
+pub struct Domain {
+    pub(crate) inner: Arc<DomainInner>,
+}
+
+struct Watcher {
+    prefix: String,
+    tx: mpsc::Sender<WatchEvent>,
+}
+
+pub(crate) struct MappedPeer {
+    pub(crate) owner: DomainId,
+    pub(crate) dead: bool,
+}
+
+pub(crate) struct DomainInner {
+    pub(crate) id: DomainId,
+    pub(crate) slot: u32,
+    pub(crate) space: Arc<AddressSpace>,
+    pub(crate) arena: Arc<Arena>,
+    pub(crate) control: Arc<Control>,
+    pub(crate) opts: JoinOptions,
+    services: Mutex<HashMap<String, Arc<Backlog>>>,
+    pub(crate) conns: Mutex<HashMap<ConnId, Weak<ConnShared>>>,
+    watches: Mutex<HashMap<u64, Watcher>>,
+    next_token: AtomicU64,
+    pub(crate) mapped: Mutex<HashMap<u32, MappedPeer>>,
+    /// Counters of channels that are gone.
+    pub(crate) retired: Mutex<Counters>,
+    /// Payload bytes this domain copied (zero on every zero-copy path).
+    pub(crate) bytes_copied: AtomicU64,
+    /// Closed channels whose sent messages the peer still holds.
+    pub(crate) lingering: Mutex<Vec<crate::channel::Lingering>>,
+}
+
+impl Domain {
+    /// Joins the broker: creates and seals the arena, registers, reserves the
+    /// PGVAS window and places the arena in the slot the broker assigned.
+    pub fn join(opts: JoinOptions) -> Result<Domain> {
+        if !opts.ring_entries.is_power_of_two() || opts.ring_entries < 2 || opts.ring_entries > 1 << 16 {
+            return Err(Error::Invalid(format!("ring_entries {} must be a power of two in 2..=65536", opts.ring_entries)));
+        }
+        fido_proto::check_name(&opts.name).map_err(|e| Error::Invalid(format!("domain name: {e}")))?;
+        let path = opts.broker.clone().unwrap_or_else(fido_proto::default_broker_path);
+        let unplaced = UnplacedArena::create(opts.arena_len, opts.prefault)?;
+        let sock = connect_socket(&path)?;
+        let join = Request::Join {
+            name: opts.name.clone(),
+            label: opts.label.clone(),
+            arena_len: unplaced.len(),
+            resume: None,
+        };
+        send_msg(&sock, &ClientMsg::Request { id: 1, body: join }, &[unplaced.ro_fd()?])?;
+        let deadline = Instant::now() + REQUEST_TIMEOUT;
+        let (domain, slot, geometry, heartbeat_ms) = loop {
+            if Instant::now() > deadline {
+                return Err(Error::BrokerUnavailable("no answer to join".into()));
+            }
+            match recv_msg(&sock, Some(Duration::from_millis(200)))? {
+                Some((BrokerMsg::Reply { id: 1, body }, _)) => match body? {
+                    Reply::Joined { domain, slot, geometry, heartbeat_ms } => break (domain, slot, geometry, heartbeat_ms),
+                    other => return Err(Error::protocol(format!("unexpected join reply {other:?}"))),
+                },
+                _ => continue,
+            }
+        };
+        let space = Arc::new(AddressSpace::new(geometry, opts.address_mode)?);
+        let arena = unplaced.place(&space, slot, domain)?;
+        let heartbeat = Duration::from_millis(heartbeat_ms.clamp(10, 60_000));
+        let control = Control::new(path, sock, heartbeat);
+        let inner = Arc::new(DomainInner {
+            id: domain,
+            slot,
+            space,
+            arena,
+            control: control.clone(),
+            opts,
+            services: Mutex::new(HashMap::new()),
+            conns: Mutex::new(HashMap::new()),
+            watches: Mutex::new(HashMap::new()),
+            next_token: AtomicU64::new(1),
+            mapped: Mutex::new(HashMap::new()),
+            retired: Mutex::new(Counters::default()),
+            bytes_copied: AtomicU64::new(0),
+            lingering: Mutex::new(Vec::new()),
+        });
+        let weak: Weak<dyn EventSink> = Arc::downgrade(&inner) as Weak<dyn EventSink>;
+        std::thread::Builder::new()
+            .name(format!("fido-control-{domain}"))
+            .spawn(move || control.run(weak))?;
+        tracing::debug!(domain, slot, mode = ?inner.space.mode(), "joined");
+        Ok(Domain { inner })
+    }
+
+    pub fn id(&self) -> DomainId {
+        self.inner.id
+    }
+    pub fn slot(&self) -> u32 {
+        self.inner.slot
+    }
+    pub fn name(&self) -> &str {
+        &self.inner.opts.name
+    }
+    /// Whether global pointers are used as they are (PGVAS) or translated.
+    pub fn address_mode(&self) -> AddressMode {
+        self.inner.space.mode()
+    }
+    pub fn arena(&self) -> &Arc<Arena> {
+        &self.inner.arena
+    }
+    pub fn address_space(&self) -> &Arc<AddressSpace> {
+        &self.inner.space
+    }
+
+    /// Allocates a message buffer in this domain's arena.
+    pub fn alloc(&self, len: usize) -> Result<Buf> {
+        Ok(self.inner.arena.alloc(len)?)
+    }
+
+    /// Allocates a buffer holding a copy of `bytes` (counted as copied bytes).
+    pub fn alloc_copy(&self, bytes: &[u8]) -> Result<Buf> {
+        let mut buf = self.alloc(bytes.len().max(1))?;
+        buf.truncate(bytes.len().max(1));
+        buf[..bytes.len()].copy_from_slice(bytes);
+        buf.truncate(bytes.len());
+        self.inner.bytes_copied.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        Ok(buf)
+    }
+
+    /// Offers a service by name.
+    pub fn offer(&self, service: &str) -> Result<Listener> {
+        let backlog = Arc::new(Backlog { queue: Mutex::new(VecDeque::new()), ready: Condvar::new() });
+        self.inner.services.lock().insert(service.to_string(), backlog.clone());
+        if let Err(e) = self.inner.control.request(Request::Offer { service: service.into() }, &[]) {
+            self.inner.services.lock().remove(service);
+            return Err(e);
+        }
+        Ok(Listener { service: service.into(), backlog, domain: self.clone() })
+    }
+
+    /// Connects to a service offered by some domain.
+    pub fn connect(&self, service: &str) -> Result<Channel> {
+        Channel::connect(&self.inner, service)
+    }
+
+    /// Counters of this domain's data path (all channels, past and present).
+    pub fn counters(&self) -> Counters {
+        self.inner.counters()
+    }
+
+    /// Sends this domain's counters to the broker (shown by `fido status`).
+    pub fn publish_counters(&self) -> Result<()> {
+        self.inner.control.request(Request::Counters { counters: self.counters() }, &[])?;
+        Ok(())
+    }
+
+    /// Broker-wide status.
+    pub fn status(&self) -> Result<Status> {
+        match self.inner.control.request(Request::Status, &[])?.0 {
+            Reply::Status(s) => Ok(s),
+            other => Err(Error::protocol(format!("unexpected reply {other:?}"))),
+        }
+    }
+
+    // ---- registry ----
+
+    pub fn read(&self, path: &str) -> Result<Option<Vec<u8>>> {
+        match self.inner.control.request(Request::Read { path: path.into() }, &[])?.0 {
+            Reply::Value(v) => Ok(v),
+            other => Err(Error::protocol(format!("unexpected reply {other:?}"))),
+        }
+    }
+    pub fn write(&self, path: &str, value: &[u8]) -> Result<()> {
+        self.inner.control.request(Request::Write { path: path.into(), value: value.to_vec() }, &[])?;
+        Ok(())
+    }
+    pub fn list(&self, path: &str) -> Result<Vec<String>> {
+        match self.inner.control.request(Request::List { path: path.into() }, &[])?.0 {
+            Reply::Keys(k) => Ok(k),
+            other => Err(Error::protocol(format!("unexpected reply {other:?}"))),
+        }
+    }
+    /// Deletes a key and its subtree.
+    pub fn delete(&self, path: &str) -> Result<()> {
+        self.inner.control.request(Request::Delete { path: path.into() }, &[])?;
+        Ok(())
+    }
+    /// Runs a multi-key transaction: all checks hold and every write applies, or
+    /// nothing changes. Returns whether it committed and the values read.
+    pub fn transact(&self, ops: Vec<TxnOp>) -> Result<(bool, Vec<Option<Vec<u8>>>)> {
+        match self.inner.control.request(Request::Transaction { ops }, &[])?.0 {
+            Reply::Txn { committed, reads } => Ok((committed, reads)),
+            other => Err(Error::protocol(format!("unexpected reply {other:?}"))),
+        }
+    }
+    /// Watches a key prefix (component-wise): every write or delete at or under
+    /// it arrives on the returned [`Watch`].
+    pub fn watch(&self, prefix: &str) -> Result<Watch> {
+        let token = self.inner.next_token.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = mpsc::channel();
+        self.inner.watches.lock().insert(token, Watcher { prefix: prefix.into(), tx });
+        if let Err(e) = self.inner.control.request(Request::Watch { token, prefix: prefix.into() }, &[]) {
+            self.inner.watches.lock().remove(&token);
+            return Err(e);
+        }
+        Ok(Watch { token, rx, domain: Arc::downgrade(&self.inner) })
+    }
+
+    /// Leaves the broker now. Open channels report `PeerGone` to their peers.
+    pub fn leave(self) -> Result<()> {
+        let r = self.inner.control.request_timeout(Request::Leave, &[], Duration::from_secs(2));
+        self.inner.control.stop();
+        r.map(|_| ())
+    }
+}
+
+impl DomainInner {
+    pub(crate) fn counters(&self) -> Counters {
+        let mut c = *self.retired.lock();
+        let conns: Vec<Arc<ConnShared>> = self.conns.lock().values().filter_map(Weak::upgrade).collect();
+        for conn in conns {
+            conn.add_counters(&mut c);
+        }
+        c.bytes_copied += self.bytes_copied.load(Ordering::Relaxed);
+        c
+    }
+
+    /// Makes sure the arena in `slot` is mapped, asking the broker for a grant
+    /// the first time a pointer into it shows up (a forwarded message).
+    pub(crate) fn ensure_mapped(&self, slot: u32) -> Result<Arc<Mapping>> {
+        if let Some(m) = self.space.mapping(slot) {
+            return Ok(m);
+        }
+        let (reply, mut fds) = self.control.request(Request::GrantSlot { slot }, &[])?;
+        match reply {
+            Reply::Grant { owner, slot: s, arena_len } if s == slot && fds.len() == 1 => {
+                let m = self.space.map_peer(slot, owner, fds.remove(0), arena_len)?;
+                self.mapped.lock().insert(slot, MappedPeer { owner, dead: false });
+                Ok(m)
+            }
+            other => Err(Error::protocol(format!("bad grant reply {other:?} with {} fds", fds.len()))),
+        }
+    }
+
+    pub(crate) fn register_mapping(&self, slot: u32, owner: DomainId) {
+        self.mapped.lock().insert(slot, MappedPeer { owner, dead: false });
+    }
+
+    fn peer_gone(&self, domain: DomainId, conn: Option<ConnId>, reason: GoneReason) {
+        for m in self.mapped.lock().values_mut() {
+            if m.owner == domain {
+                m.dead = true;
+            }
+        }
+        let conns: Vec<Arc<ConnShared>> = self.conns.lock().values().filter_map(Weak::upgrade).collect();
+        for c in conns {
+            if conn.map_or(c.peer.domain == domain, |id| id == c.conn) {
+                c.mark_gone(reason);
+            }
+        }
+    }
+
+    /// Unmaps arenas of dead peers that nothing references any more, and tells
+    /// the broker so it can reuse their slots.
+    fn sweep_mappings(&self) {
+        let mut mapped = self.mapped.lock();
+        let done: Vec<(u32, DomainId)> = mapped
+            .iter()
+            .filter(|(slot, m)| m.dead && self.space.mapping(**slot).is_none_or(|a| Arc::strong_count(&a) <= 2))
+            .map(|(s, m)| (*s, m.owner))
+            .collect();
+        for (slot, owner) in done {
+            mapped.remove(&slot);
+            self.space.unmap(slot);
+            self.control.notify(Request::Unmapped { slot, owner });
+        }
+    }
+}
+
+impl EventSink for DomainInner {
+    fn event(&self, event: Event, fds: Vec<OwnedFd>) {
+        match event {
+            Event::Incoming { conn, service, peer, block } => {
+                let backlog = self.services.lock().get(&service).cloned();
+                match backlog {
+                    Some(b) => {
+                        b.queue.lock().push_back(Incoming { conn, service, peer, block, fds });
+                        b.ready.notify_one();
+                    }
+                    None => self.control.notify(Request::Refuse { conn, reason: "service withdrawn".into() }),
+                }
+            }
+            Event::PeerGone { domain, conn, reason } => self.peer_gone(domain, conn, reason),
+            Event::Closed { conn } => {
+                if let Some(c) = self.conns.lock().get(&conn).and_then(Weak::upgrade) {
+                    c.wake_local();
+                }
+            }
+            Event::Watch { token, path, value } => {
+                if let Some(w) = self.watches.lock().get(&token) {
+                    let _ = w.tx.send(WatchEvent { path, value });
+                }
+            }
+        }
+    }
+
+    fn resume_request(&self) -> Result<(Request, OwnedFd)> {
+        let conns: Vec<Arc<ConnShared>> = self.conns.lock().values().filter_map(Weak::upgrade).collect();
+        let resume = Resume {
+            domain: self.id,
+            slot: self.slot,
+            services: self.services.lock().keys().cloned().collect(),
+            mapped: self.mapped.lock().iter().filter(|(_, m)| !m.dead).map(|(s, m)| (*s, m.owner)).collect(),
+            connections: conns.iter().filter(|c| c.is_open()).map(|c| (c.conn, c.peer.domain, c.service.clone())).collect(),
+            watches: self.watches.lock().iter().map(|(t, w)| (*t, w.prefix.clone())).collect(),
+        };
+        let join = Request::Join {
+            name: self.opts.name.clone(),
+            label: self.opts.label.clone(),
+            arena_len: self.arena.len(),
+            resume: Some(resume),
+        };
+        Ok((join, self.arena.ro_fd()?))
+    }
+
+    fn tick(&self) {
+        crate::channel::sweep_lingering(self);
+        self.sweep_mappings();
+    }
+}
+
+impl Drop for DomainInner {
+    fn drop(&mut self) {
+        self.control.stop();
+    }
+}

@@ -1,0 +1,237 @@
+//! Validation of descriptors read from a peer's ring.
+//!
+//! A descriptor is 64 bytes of peer-controlled data. Before any pointer in it is
+//! used, every segment is resolved against the granted mappings (slot mapped,
+//! offset + length inside the arena, no overflow), an SG list is copied out of
+//! peer memory **once** and then checked (so the peer cannot change it between
+//! check and use), and the lengths must add up. A descriptor that fails is an
+//! error on its connection, never a read outside a granted region.
+//!
+//! Ranges are validated, not bytes: the payload itself is the peer's business.
+
+use fido_ring::{Descriptor, Segment, FLAG_SG_LIST, INLINE_SEGMENTS, MAX_SEGMENTS};
+use fido_shm::GPtr;
+use smallvec::SmallVec;
+use std::ptr::NonNull;
+
+/// Turns a global pointer range into a local one, or says why not.
+pub trait Resolver {
+    /// What keeps the resolved memory mapped (an `Arc<Mapping>` in the library).
+    type Keep;
+    fn resolve(&self, g: GPtr, len: u64) -> Result<(NonNull<u8>, Self::Keep), String>;
+}
+
+/// One checked segment.
+pub struct ValidSegment<K> {
+    pub ptr: NonNull<u8>,
+    pub len: usize,
+    /// The segment as the peer sent it (for forwarding unchanged).
+    pub global: Segment,
+    pub keep: K,
+}
+
+/// A descriptor whose every range was checked.
+pub struct Validated<K> {
+    pub segments: SmallVec<[ValidSegment<K>; 2]>,
+    pub total_len: u64,
+    /// The SG list pointer, when the message came with one (forwarded as is).
+    pub sg_list: Option<(Segment, K)>,
+}
+
+/// Why a descriptor was rejected.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum Invalid {
+    #[error("unknown descriptor flags {0:#x}")]
+    Flags(u16),
+    #[error("reserved descriptor field is not zero")]
+    Reserved,
+    #[error("segment count {0} out of range")]
+    SegmentCount(u16),
+    #[error("segment {index}: empty")]
+    EmptySegment { index: usize },
+    #[error("segment {index}: {reason}")]
+    Segment { index: usize, reason: String },
+    #[error("SG list: {0}")]
+    SgList(String),
+    #[error("total length {claimed} does not match the segments' {actual}")]
+    TotalLength { claimed: u64, actual: u64 },
+    #[error("message length overflows")]
+    Overflow,
+}
+
+/// Checks a descriptor copied out of peer memory.
+pub fn validate<R: Resolver>(desc: &Descriptor, resolver: &R) -> Result<Validated<R::Keep>, Invalid> {
+    if desc.flags & !FLAG_SG_LIST != 0 {
+        return Err(Invalid::Flags(desc.flags));
+    }
+    if desc.reserved != 0 {
+        return Err(Invalid::Reserved);
+    }
+    let nseg = desc.nseg as usize;
+    let mut segments = SmallVec::new();
+    let mut total: u64 = 0;
+    let mut add = |index: usize, seg: Segment, segments: &mut SmallVec<[ValidSegment<R::Keep>; 2]>| {
+        if seg.len == 0 {
+            return Err(Invalid::EmptySegment { index });
+        }
+        let len = usize::try_from(seg.len).map_err(|_| Invalid::Overflow)?;
+        let (ptr, keep) = resolver
+            .resolve(GPtr(seg.addr), seg.len)
+            .map_err(|reason| Invalid::Segment { index, reason })?;
+        total = total.checked_add(seg.len).ok_or(Invalid::Overflow)?;
+        segments.push(ValidSegment { ptr, len, global: seg, keep });
+        Ok(())
+    };
+    let mut sg_list = None;
+    if desc.has_sg_list() {
+        if nseg == 0 || nseg > MAX_SEGMENTS {
+            return Err(Invalid::SegmentCount(desc.nseg));
+        }
+        let list = desc.segments[0];
+        let bytes = nseg as u64 * std::mem::size_of::<Segment>() as u64;
+        if list.len != bytes {
+            return Err(Invalid::SgList(format!("length {} for {} segments", list.len, nseg)));
+        }
+        let (ptr, keep) = resolver.resolve(GPtr(list.addr), bytes).map_err(Invalid::SgList)?;
+        if ptr.as_ptr() as usize % std::mem::align_of::<Segment>() != 0 {
+            return Err(Invalid::SgList("misaligned".into()));
+        }
+        // Copy the whole list out first: the peer may rewrite it at any time.
+        let copied: Vec<Segment> = (0..nseg)
+            .map(|i| {
+                // SAFETY: `resolve` checked that `bytes` = nseg * 16 bytes at
+                // `ptr` lie inside a live mapping (kept by `keep`); the pointer is
+                // 8-aligned (checked above); Segment is two u64s, valid for any
+                // bits. Volatile: another process may write it concurrently.
+                unsafe { std::ptr::read_volatile((ptr.as_ptr() as *const Segment).add(i)) }
+            })
+            .collect();
+        for (i, seg) in copied.into_iter().enumerate() {
+            add(i, seg, &mut segments)?;
+        }
+        sg_list = Some((list, keep));
+    } else {
+        if nseg > INLINE_SEGMENTS {
+            return Err(Invalid::SegmentCount(desc.nseg));
+        }
+        for i in 0..nseg {
+            add(i, desc.segments[i], &mut segments)?;
+        }
+    }
+    if total != desc.total_len {
+        return Err(Invalid::TotalLength { claimed: desc.total_len, actual: total });
+    }
+    Ok(Validated { segments, total_len: total, sg_list })
+}
+
+/// Entry point for the `descriptor` fuzz target: validates an arbitrary 64-byte
+/// descriptor (and an arbitrary "arena" built from the rest of the input)
+/// against a resolver that grants exactly that arena, and checks that every
+/// accepted segment lies inside it.
+#[doc(hidden)]
+pub fn fuzz_descriptor(data: &[u8]) {
+    if data.len() < 64 {
+        return;
+    }
+    let mut raw = [0u8; 64];
+    raw.copy_from_slice(&data[..64]);
+    let words: [u64; 8] = std::array::from_fn(|i| u64::from_le_bytes(raw[i * 8..i * 8 + 8].try_into().unwrap()));
+    let desc = Descriptor {
+        cookie: words[0],
+        tag: words[1],
+        total_len: words[2],
+        opcode: words[3] as u16,
+        flags: (words[3] >> 16) as u16,
+        nseg: (words[3] >> 32) as u16,
+        reserved: (words[3] >> 48) as u16,
+        segments: [Segment { addr: words[4], len: words[5] }, Segment { addr: words[6], len: words[7] }],
+    };
+    // The arena: the rest of the input, at global address 1 << 40, 8-aligned copy.
+    let arena: Vec<u64> = data[64..].chunks(8).map(|c| {
+        let mut b = [0u8; 8];
+        b[..c.len()].copy_from_slice(c);
+        u64::from_le_bytes(b)
+    }).collect();
+    struct Fake<'a>(&'a [u64]);
+    const BASE: u64 = 1 << 40;
+    impl Resolver for Fake<'_> {
+        type Keep = ();
+        fn resolve(&self, g: GPtr, len: u64) -> Result<(NonNull<u8>, ()), String> {
+            let size = self.0.len() as u64 * 8;
+            let off = g.0.checked_sub(BASE).ok_or("below arena")?;
+            if off.checked_add(len).is_none_or(|end| end > size) {
+                return Err("outside arena".into());
+            }
+            let base = NonNull::new(self.0.as_ptr() as *mut u8).unwrap_or(NonNull::dangling());
+            // SAFETY: off + len <= size, so off is within (or one past) the buffer.
+            Ok((unsafe { base.add(off as usize) }, ()))
+        }
+    }
+    let fake = Fake(&arena);
+    if let Ok(v) = validate(&desc, &fake) {
+        let lo = arena.as_ptr() as usize;
+        let hi = lo + arena.len() * 8;
+        let mut sum = 0u64;
+        for s in &v.segments {
+            let p = s.ptr.as_ptr() as usize;
+            assert!(p >= lo && p + s.len <= hi, "accepted segment outside the arena");
+            sum += s.len as u64;
+        }
+        assert_eq!(sum, desc.total_len);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fuzz_input(words: [u64; 8], arena: &[u64]) -> Vec<u8> {
+        let mut v: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+        v.extend(arena.iter().flat_map(|w| w.to_le_bytes()));
+        v
+    }
+
+    #[test]
+    fn accepts_good_and_rejects_forged() {
+        const B: u64 = 1 << 40;
+        // Good inline descriptor: 1 segment of 16 bytes at the arena start.
+        fuzz_descriptor(&fuzz_input([1, 2, 16, 1 << 32, B, 16, 0, 0], &[0; 4]));
+        struct Arena(Vec<u64>);
+        impl Resolver for Arena {
+            type Keep = ();
+            fn resolve(&self, g: GPtr, len: u64) -> Result<(NonNull<u8>, ()), String> {
+                let off = g.0.checked_sub(1 << 40).ok_or("below")?;
+                if off.checked_add(len).is_none_or(|e| e > self.0.len() as u64 * 8) {
+                    return Err("outside".into());
+                }
+                Ok((NonNull::new(unsafe { (self.0.as_ptr() as *mut u8).add(off as usize) }).unwrap(), ()))
+            }
+        }
+        // SG list with two segments, stored in the arena at offset 64.
+        let mut a = vec![0u64; 16];
+        a[8] = B;
+        a[9] = 8;
+        a[10] = B + 8;
+        a[11] = 24;
+        let r = Arena(a);
+        let seg = |addr, len| Segment { addr, len };
+        let d = Descriptor { total_len: 32, nseg: 2, flags: FLAG_SG_LIST, segments: [seg(B + 64, 32), seg(0, 0)], ..Default::default() };
+        let v = validate(&d, &r).unwrap();
+        assert_eq!(v.segments.len(), 2);
+        assert_eq!(v.total_len, 32);
+        let bad = [
+            Descriptor { total_len: 8, nseg: 1, segments: [seg(B + 1000, 8), seg(0, 0)], ..Default::default() },
+            Descriptor { total_len: 8, nseg: 1, segments: [seg(B - 8, 8), seg(0, 0)], ..Default::default() },
+            Descriptor { total_len: u64::MAX, nseg: 1, segments: [seg(B, u64::MAX), seg(0, 0)], ..Default::default() },
+            Descriptor { total_len: 9, nseg: 1, segments: [seg(B, 8), seg(0, 0)], ..Default::default() },
+            Descriptor { total_len: 8, nseg: 3, segments: [seg(B, 8), seg(0, 0)], ..Default::default() },
+            Descriptor { total_len: 8, nseg: 1, flags: 0x80, segments: [seg(B, 8), seg(0, 0)], ..Default::default() },
+            Descriptor { total_len: 0, nseg: 1, segments: [seg(B, 0), seg(0, 0)], ..Default::default() },
+            Descriptor { total_len: 32, nseg: 2, flags: FLAG_SG_LIST, segments: [seg(B + 120, 32), seg(0, 0)], ..Default::default() },
+            Descriptor { total_len: 32, nseg: 2000, flags: FLAG_SG_LIST, segments: [seg(B + 64, 32000), seg(0, 0)], ..Default::default() },
+        ];
+        for (i, d) in bad.iter().enumerate() {
+            assert!(validate(d, &r).is_err(), "forged descriptor {i} accepted");
+        }
+    }
+}
