@@ -211,6 +211,8 @@ pub(crate) struct ConnShared {
     stats: Stats,
     tx: Mutex<TxState>,
     rx: Mutex<RxState>,
+    /// Set once this channel carried a forwarded message (see `reap_forwarded`).
+    forwarding: std::sync::atomic::AtomicBool,
 }
 
 // SAFETY: the raw pointers inside (ring blocks) point into mappings kept alive
@@ -344,6 +346,34 @@ impl TxState {
     }
 }
 
+/// How often a receiver blocked with forwarded messages in flight collects
+/// their releases.
+const REAP_INTERVAL: Duration = Duration::from_micros(200);
+
+/// Collects releases on every channel that forwarded messages; true while any
+/// forwarded message is still in flight. Channels whose sender currently holds
+/// the lock are skipped: that sender reaps them itself.
+pub(crate) fn reap_forwarded(domain: &DomainInner) -> bool {
+    let chans: Vec<Arc<ConnShared>> = {
+        let mut list = domain.forwarding.lock();
+        list.retain(|w| w.strong_count() > 0);
+        list.iter().filter_map(std::sync::Weak::upgrade).collect()
+    };
+    let mut pending = false;
+    for c in chans {
+        if let Some(mut tx) = c.tx.try_lock() {
+            if let Err(why) = tx.reap() {
+                c.mark_broken(why);
+                continue;
+            }
+            pending |= tx.ring.in_flight() > 0 && c.is_open();
+        } else {
+            pending = true;
+        }
+    }
+    pending
+}
+
 /// A closed channel whose sent buffers the peer may still be reading.
 pub(crate) struct Lingering {
     shared: Arc<ConnShared>,
@@ -462,6 +492,7 @@ impl Channel {
                 undelivered: Vec::new(),
             }),
             rx: Mutex::new(RxState { ring: RxRing::new(local, peer_block), epoch: 0, wait }),
+            forwarding: std::sync::atomic::AtomicBool::new(false),
         });
         domain.conns.lock().insert(conn, Arc::downgrade(&shared));
         Channel { shared }
@@ -502,7 +533,10 @@ impl Channel {
         let bells = (doorbell::new_doorbell()?, doorbell::new_doorbell()?);
         let ring = RingBlock { offset: block.offset(), len: block_len(entries) as u64, entries };
         let mine = [bells.0.try_clone()?, bells.1.try_clone()?];
-        domain.control.request(Request::Accept { conn, block: ring }, &mine)?;
+        // Runs on the control thread, which reads the broker's replies itself:
+        // fire and forget. If the client is gone by now, the liveness socket
+        // says so on the first operation.
+        domain.control.notify_with(Request::Accept { conn, block: ring }, &mine)?;
         Ok(Self::assemble(domain, conn, service, peer, mapping, (block, local), peer_block, bells, fds))
     }
 
@@ -524,7 +558,16 @@ impl Channel {
 
     /// Messages sent and not yet released by the peer.
     pub fn in_flight(&self) -> u64 {
-        self.shared.tx.lock().ring.in_flight()
+        let mut tx = self.shared.tx.lock();
+        let _ = tx.reap();
+        tx.ring.in_flight()
+    }
+
+    /// Collects the releases the peer published (freeing our buffers, and
+    /// releasing forwarded messages upstream) without sending anything.
+    pub fn reap(&self) -> Result<()> {
+        let mut tx = self.shared.tx.lock();
+        tx.reap().map_err(|why| self.shared.mark_broken(why))
     }
 
     /// Sends a message, waiting (per the wait strategy) while the window is full.
@@ -650,6 +693,9 @@ impl Channel {
                 desc.nseg = bufs.len() as u16;
             }
             Parts::Forward(m) => {
+                if !sh.forwarding.swap(true, Ordering::Relaxed) {
+                    sh.domain.forwarding.lock().push(Arc::downgrade(&self.shared));
+                }
                 total = m.total_len;
                 if let Some(list) = m.sg_list {
                     desc.flags = FLAG_SG_LIST;
@@ -708,19 +754,31 @@ impl Channel {
             if !block {
                 return Ok(None);
             }
+            // A forwarder blocked here must still pass releases upstream, or a
+            // pipeline deadlocks: the source waits for releases that sit in our
+            // downstream ring. While forwarded messages are in flight, wake up
+            // every REAP_INTERVAL to collect them.
+            let forwarded_in_flight = sh.domain.reap_forwarded();
+            let step_deadline = if forwarded_in_flight {
+                let step = Instant::now() + REAP_INTERVAL;
+                Some(deadline.map_or(step, |d| d.min(step)))
+            } else {
+                deadline
+            };
             let local = *rx.ring.local();
             let wait = rx.wait;
             let mut epoch = rx.epoch;
             let ring = &rx.ring;
             let outcome = wait_until(
                 wait,
-                deadline,
+                step_deadline,
                 SleepSite { sleep: local.data_sleep(), epoch: &mut epoch, bell: sh.data_bell.as_fd(), liveness: Some(sh.liveness.as_fd()) },
                 || -> std::result::Result<bool, RingError> { Ok(ring.pending()? || !sh.is_open() || ring.peer_closed()) },
             );
             rx.epoch = epoch;
             match outcome {
                 Ok(WaitOutcome::Ready) => continue,
+                Ok(WaitOutcome::TimedOut) if deadline.is_none_or(|d| Instant::now() < d) => continue,
                 Ok(WaitOutcome::TimedOut) => return Err(Error::Timeout),
                 Ok(WaitOutcome::PeerGone) => {
                     if rx.ring.peer_closed() {
@@ -767,6 +825,16 @@ impl Channel {
             tx.fail_outstanding();
         }
         std::mem::take(&mut tx.undelivered)
+    }
+
+    /// Test hook: publishes a raw descriptor as a misbehaving peer would (no
+    /// validation, no bookkeeping). Used by the adversarial tests.
+    #[doc(hidden)]
+    pub fn __send_raw_descriptor(&self, desc: Descriptor) -> Result<()> {
+        let mut tx = self.shared.tx.lock();
+        tx.ring.push(&desc).map_err(|e| Error::Invalid(e.to_string()))?;
+        tx.ring.publish()?;
+        Ok(())
     }
 
     /// True while the connection is usable.

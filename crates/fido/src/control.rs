@@ -148,6 +148,13 @@ impl Control {
         }
     }
 
+    /// Sends a request with descriptors without waiting for the reply.
+    pub(crate) fn notify_with(&self, body: Request, fds: &[OwnedFd]) -> Result<()> {
+        let sock = self.sock.lock().clone().ok_or_else(|| Error::BrokerUnavailable("not connected".into()))?;
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        send_msg(&sock, &ClientMsg::Request { id, body }, fds)
+    }
+
     pub(crate) fn stop(&self) {
         self.stop.store(true, Ordering::Relaxed);
         if let Some(s) = self.sock.lock().take() {

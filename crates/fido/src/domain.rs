@@ -2,6 +2,7 @@
 //! the PGVAS window, and the registry.
 
 use crate::channel::{Channel, ConnShared, Incoming};
+use std::sync::OnceLock;
 use crate::control::{connect_socket, recv_msg, send_msg, Control, EventSink, REQUEST_TIMEOUT};
 use crate::error::{Error, Result};
 use fido_proto::{
@@ -114,8 +115,11 @@ impl Drop for Watch {
     }
 }
 
+/// Connections to one service, already set up by the control thread and
+/// waiting for the application to pick them up (a listen backlog: a client's
+/// `connect` completes without waiting for the server to call `accept`).
 pub(crate) struct Backlog {
-    queue: Mutex<VecDeque<Incoming>>,
+    queue: Mutex<VecDeque<Channel>>,
     ready: Condvar,
 }
 
@@ -142,7 +146,7 @@ impl Listener {
     }
 
     fn accept_until(&self, deadline: Option<Instant>) -> Result<Channel> {
-        let incoming = {
+        let channel = {
             let mut q = self.backlog.queue.lock();
             loop {
                 if let Some(i) = q.pop_front() {
@@ -158,7 +162,7 @@ impl Listener {
                 }
             }
         };
-        Channel::accept(&self.domain.inner, incoming)
+        Ok(channel)
     }
 }
 
@@ -204,6 +208,11 @@ pub(crate) struct DomainInner {
     pub(crate) bytes_copied: AtomicU64,
     /// Closed channels whose sent messages the peer still holds.
     pub(crate) lingering: Mutex<Vec<crate::channel::Lingering>>,
+    /// Channels that carried forwarded messages (their releases must flow
+    /// upstream even while this domain only receives).
+    pub(crate) forwarding: Mutex<Vec<Weak<ConnShared>>>,
+    /// Ourselves, for the control thread (which sets up accepted channels).
+    this: OnceLock<Weak<DomainInner>>,
 }
 
 impl Domain {
@@ -256,7 +265,10 @@ impl Domain {
             retired: Mutex::new(Counters::default()),
             bytes_copied: AtomicU64::new(0),
             lingering: Mutex::new(Vec::new()),
+            this: OnceLock::new(),
+            forwarding: Mutex::new(Vec::new()),
         });
+        let _ = inner.this.set(Arc::downgrade(&inner));
         let weak: Weak<dyn EventSink> = Arc::downgrade(&inner) as Weak<dyn EventSink>;
         std::thread::Builder::new()
             .name(format!("fido-control-{domain}"))
@@ -415,6 +427,10 @@ impl DomainInner {
         }
     }
 
+    pub(crate) fn reap_forwarded(&self) -> bool {
+        crate::channel::reap_forwarded(self)
+    }
+
     pub(crate) fn register_mapping(&self, slot: u32, owner: DomainId) {
         self.mapped.lock().insert(slot, MappedPeer { owner, dead: false });
     }
@@ -455,12 +471,16 @@ impl EventSink for DomainInner {
         match event {
             Event::Incoming { conn, service, peer, block } => {
                 let backlog = self.services.lock().get(&service).cloned();
-                match backlog {
-                    Some(b) => {
-                        b.queue.lock().push_back(Incoming { conn, service, peer, block, fds });
-                        b.ready.notify_one();
-                    }
-                    None => self.control.notify(Request::Refuse { conn, reason: "service withdrawn".into() }),
+                let me = self.this.get().and_then(Weak::upgrade);
+                match (backlog, me) {
+                    (Some(b), Some(me)) => match Channel::accept(&me, Incoming { conn, service, peer, block, fds }) {
+                        Ok(ch) => {
+                            b.queue.lock().push_back(ch);
+                            b.ready.notify_one();
+                        }
+                        Err(e) => tracing::warn!(conn, "could not accept connection: {e}"),
+                    },
+                    _ => self.control.notify(Request::Refuse { conn, reason: "service withdrawn".into() }),
                 }
             }
             Event::PeerGone { domain, conn, reason } => self.peer_gone(domain, conn, reason),
