@@ -210,6 +210,7 @@ fn fmt_value(v: f64, unit: &str) -> String {
         "ns" => format!("{:.1} ms", v / 1e6),
         "B/s" if v >= 1e9 => format!("{:.2} GB/s", v / 1e9),
         "B/s" => format!("{:.1} MB/s", v / 1e6),
+        u if v != 0.0 && v.abs() < 0.01 => format!("{v:.2e} {u}"),
         u => format!("{v:.3} {u}"),
     }
 }

@@ -82,6 +82,7 @@ pub(crate) struct Control {
     next_id: AtomicU64,
     pub(crate) heartbeat: Duration,
     stop: AtomicBool,
+    leaving: AtomicBool,
     reconnected: parking_lot::Condvar,
     reconnected_lock: Mutex<()>,
 }
@@ -95,6 +96,7 @@ impl Control {
             next_id: AtomicU64::new(1 << 20),
             heartbeat,
             stop: AtomicBool::new(false),
+            leaving: AtomicBool::new(false),
             reconnected: parking_lot::Condvar::new(),
             reconnected_lock: Mutex::new(()),
         })
@@ -169,43 +171,59 @@ impl Control {
         }
     }
 
-    /// The control thread's body.
+    /// The control thread's body. It holds the domain only while handling a
+    /// message or a tick, so dropping the last handle stops it promptly.
     pub(crate) fn run(self: Arc<Self>, sink: std::sync::Weak<dyn EventSink>) {
         let mut last_beat = Instant::now();
         while !self.stop.load(Ordering::Relaxed) {
-            let Some(sink) = sink.upgrade() else { break };
             let sock = match self.sock.lock().clone() {
                 Some(s) => s,
                 None => {
-                    self.reconnect_with(&*sink);
+                    let Some(strong) = sink.upgrade() else { break };
+                    self.reconnect_with(&*strong);
                     continue;
                 }
             };
             if last_beat.elapsed() >= self.heartbeat {
                 let _ = send_msg(&sock, &ClientMsg::Heartbeat, &[]);
                 last_beat = Instant::now();
-                sink.tick();
+                let Some(strong) = sink.upgrade() else { break };
+                strong.tick();
             }
             match recv_msg(&sock, Some(self.heartbeat / 2)) {
-                Ok(None) => {}
+                Ok(None) => {
+                    if sink.strong_count() == 0 {
+                        break;
+                    }
+                }
                 Ok(Some((BrokerMsg::Reply { id, body }, fds))) => {
                     if let Some(slot) = self.pending.lock().remove(&id) {
                         let _ = slot.try_send((body, fds));
                     }
                 }
-                Ok(Some((BrokerMsg::Event(ev), fds))) => sink.event(ev, fds),
+                Ok(Some((BrokerMsg::Event(ev), fds))) => {
+                    let Some(strong) = sink.upgrade() else { break };
+                    strong.event(ev, fds);
+                }
                 Err(e) => {
-                    if self.stop.load(Ordering::Relaxed) {
+                    if self.stop.load(Ordering::Relaxed) || self.leaving.load(Ordering::Relaxed) {
                         break;
                     }
                     tracing::warn!("lost the broker ({e}); reconnecting");
                     *self.sock.lock() = None;
                     self.fail_pending("broker connection lost");
-                    self.reconnect_with(&*sink);
+                    let Some(strong) = sink.upgrade() else { break };
+                    self.reconnect_with(&*strong);
                 }
             }
         }
         self.fail_pending("domain stopped");
+    }
+
+    /// Marks the domain as leaving: the broker closing the socket after our
+    /// `Leave` is then the end, not a broker restart to recover from.
+    pub(crate) fn set_leaving(&self) {
+        self.leaving.store(true, Ordering::Relaxed);
     }
 
     /// Reconnects and re-registers, retrying with back-off until it works or

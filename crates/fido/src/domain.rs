@@ -393,6 +393,7 @@ impl Domain {
 
     /// Leaves the broker now. Open channels report `PeerGone` to their peers.
     pub fn leave(self) -> Result<()> {
+        self.inner.control.set_leaving();
         let r = self.inner.control.request_timeout(Request::Leave, &[], Duration::from_secs(2));
         self.inner.control.stop();
         r.map(|_| ())

@@ -1,0 +1,330 @@
+//! Helper processes and the things that must never be left behind.
+//!
+//! * [`Kid`]: a re-executed copy of this binary (`fido <hidden subcommand> ...`)
+//!   whose stdout is read line by line on a helper thread. It is killed and
+//!   reaped when dropped, whatever path drops it; the child itself asks the
+//!   kernel to kill it if we die ([`child_prologue`]: `PR_SET_PDEATHSIG`).
+//! * [`EmbeddedBroker`]: a broker thread on a socket inside a temporary
+//!   directory; dropping it shuts the broker down (socket removed) and then
+//!   removes the directory.
+//! * [`interrupted`]: SIGINT/SIGTERM set a flag the long-running commands poll;
+//!   a second signal exits at once (children still die by PDEATHSIG).
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, OnceLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context as _};
+
+/// Environment variable carrying the spawning parent's pid to a helper.
+const PARENT_ENV: &str = "FIDO_CLI_PARENT";
+
+static INTERRUPT: OnceLock<Arc<AtomicBool>> = OnceLock::new();
+
+/// Installs the SIGINT/SIGTERM flag (idempotent). First signal: set the flag;
+/// second: exit with 130 at once.
+pub fn install_interrupt_flag() -> anyhow::Result<()> {
+    if INTERRUPT.get().is_some() {
+        return Ok(());
+    }
+    let flag = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        // Order matters: the conditional exit sees the flag set by an earlier signal.
+        signal_hook::flag::register_conditional_shutdown(sig, 130, flag.clone())?;
+        signal_hook::flag::register(sig, flag.clone())?;
+    }
+    let _ = INTERRUPT.set(flag);
+    Ok(())
+}
+
+/// Whether SIGINT or SIGTERM arrived (always false before [`install_interrupt_flag`]).
+pub fn interrupted() -> bool {
+    INTERRUPT.get().is_some_and(|f| f.load(Ordering::SeqCst))
+}
+
+/// Fails if interrupted.
+pub fn check_interrupt() -> anyhow::Result<()> {
+    if interrupted() {
+        bail!("interrupted");
+    }
+    Ok(())
+}
+
+/// First thing a helper process does: die with the parent (SIGKILL), and refuse
+/// to run if the parent is already gone (the signal would never come).
+pub fn child_prologue() -> anyhow::Result<()> {
+    rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL))?;
+    if let Ok(p) = std::env::var(PARENT_ENV) {
+        let want: i32 = p.parse().context("bad FIDO_CLI_PARENT")?;
+        let ppid = rustix::process::getppid().map(|p| p.as_raw_nonzero().get());
+        if ppid != Some(want) {
+            bail!("helper: parent {want} already gone");
+        }
+    }
+    Ok(())
+}
+
+/// A line printed by a helper, or its stdout closing (`None`).
+type Line = Option<String>;
+
+/// A helper process running this binary.
+pub struct Kid {
+    child: Option<Child>,
+    what: String,
+    lines: mpsc::Receiver<Line>,
+    reader: Option<JoinHandle<()>>,
+    eof: bool,
+}
+
+impl Kid {
+    /// Spawns `current_exe args...` with `FIDO_BROKER=broker`, stdout piped
+    /// (read on a helper thread), stderr inherited.
+    pub fn spawn(args: &[String], broker: &Path) -> anyhow::Result<Kid> {
+        let exe = std::env::current_exe().context("current_exe")?;
+        let mut cmd = Command::new(exe);
+        cmd.args(args)
+            .env("FIDO_BROKER", broker)
+            .env(PARENT_ENV, std::process::id().to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        let mut child = cmd
+            .spawn()
+            .with_context(|| format!("spawning `fido {}`", args.join(" ")))?;
+        let out = child.stdout.take().expect("piped");
+        let (tx, rx) = mpsc::channel();
+        let reader = std::thread::Builder::new()
+            .name("fido-kid-stdout".into())
+            .spawn(move || {
+                let mut r = BufReader::new(out);
+                loop {
+                    let mut s = String::new();
+                    match r.read_line(&mut s) {
+                        Ok(0) | Err(_) => {
+                            let _ = tx.send(None);
+                            return;
+                        }
+                        Ok(_) => {
+                            if tx.send(Some(s.trim_end().to_string())).is_err() {
+                                return;
+                            }
+                        }
+                    }
+                }
+            });
+        let reader = match reader {
+            Ok(r) => r,
+            Err(e) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(e.into());
+            }
+        };
+        Ok(Kid {
+            child: Some(child),
+            what: args.join(" "),
+            lines: rx,
+            reader: Some(reader),
+            eof: false,
+        })
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map(|c| c.id()).unwrap_or(0)
+    }
+
+    /// The next stdout line parsed as JSON, waiting until `deadline` (and
+    /// failing on interrupt, EOF or the deadline).
+    pub fn next_json(&mut self, deadline: Instant) -> anyhow::Result<serde_json::Value> {
+        loop {
+            check_interrupt()?;
+            if self.eof {
+                let note = self.status_note();
+                bail!("`fido {}` exited without reporting{note}", self.what);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                bail!("`fido {}` reported nothing in time", self.what);
+            }
+            match self.lines.recv_timeout(left.min(Duration::from_millis(50))) {
+                Ok(Some(line)) => {
+                    if line.trim().is_empty() {
+                        continue;
+                    }
+                    return serde_json::from_str(&line).with_context(|| {
+                        format!("`fido {}` printed a non-JSON line: {line}", self.what)
+                    });
+                }
+                Ok(None) | Err(mpsc::RecvTimeoutError::Disconnected) => self.eof = true,
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+            }
+        }
+    }
+
+    /// Waits for a JSON line whose `"event"` is `event`.
+    pub fn expect_event(
+        &mut self,
+        event: &str,
+        deadline: Instant,
+    ) -> anyhow::Result<serde_json::Value> {
+        let v = self.next_json(deadline)?;
+        if v.get("event").and_then(|e| e.as_str()) != Some(event) {
+            bail!("`fido {}`: expected a `{event}` line, got {v}", self.what);
+        }
+        Ok(v)
+    }
+
+    fn status_note(&mut self) -> String {
+        let Some(c) = self.child.as_mut() else {
+            return String::new();
+        };
+        // Stdout closed: the process is exiting; give it a moment.
+        for _ in 0..100 {
+            if let Ok(Some(st)) = c.try_wait() {
+                return format!(" ({st})");
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        String::new()
+    }
+
+    /// Waits up to `timeout` for the helper to exit successfully; kills it and
+    /// fails otherwise. Always reaps.
+    pub fn finish(mut self, timeout: Duration) -> anyhow::Result<ExitStatus> {
+        let mut child = self.child.take().expect("not finished twice");
+        let deadline = Instant::now() + timeout;
+        let status = loop {
+            if let Some(st) = child.try_wait()? {
+                break st;
+            }
+            if Instant::now() > deadline || interrupted() {
+                let _ = child.kill();
+                let _ = child.wait();
+                if interrupted() {
+                    bail!("interrupted");
+                }
+                bail!(
+                    "`fido {}` did not exit within {timeout:?}; killed",
+                    self.what
+                );
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        };
+        if let Some(r) = self.reader.take() {
+            let _ = r.join();
+        }
+        if !status.success() {
+            bail!("`fido {}` exited with {status}", self.what);
+        }
+        Ok(status)
+    }
+}
+
+impl Drop for Kid {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        if let Some(r) = self.reader.take() {
+            // The pipe closed with the process; the reader ends.
+            let _ = r.join();
+        }
+    }
+}
+
+/// Finishes every helper (in order), keeping the first error; all are reaped.
+pub fn finish_all(kids: Vec<Kid>, timeout: Duration) -> anyhow::Result<()> {
+    let mut first: Option<anyhow::Error> = None;
+    for k in kids {
+        if let Err(e) = k.finish(timeout) {
+            first.get_or_insert(e);
+        }
+    }
+    first.map_or(Ok(()), Err)
+}
+
+/// A broker on its own thread, in a temporary directory it owns.
+pub struct EmbeddedBroker {
+    socket: PathBuf,
+    handle: fido_broker::ShutdownHandle,
+    thread: Option<JoinHandle<Result<(), fido_broker::BrokerError>>>,
+    dir: Option<tempfile::TempDir>,
+}
+
+impl EmbeddedBroker {
+    pub fn start(prefix: &str) -> anyhow::Result<EmbeddedBroker> {
+        let dir = tempfile::Builder::new()
+            .prefix(prefix)
+            .tempdir()
+            .context("creating a temporary directory")?;
+        let socket = dir.path().join("broker.sock");
+        let config = fido_broker::Config::new(&socket, dir.path().join("state"));
+        let (thread, handle) =
+            fido_broker::Broker::spawn(config).context("starting the embedded broker")?;
+        Ok(EmbeddedBroker {
+            socket,
+            handle,
+            thread: Some(thread),
+            dir: Some(dir),
+        })
+    }
+
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    /// Stops the broker, waits for it, removes the directory.
+    pub fn stop(mut self) -> anyhow::Result<()> {
+        self.stop_inner()
+    }
+
+    fn stop_inner(&mut self) -> anyhow::Result<()> {
+        self.handle.shutdown();
+        let r = match self.thread.take() {
+            Some(t) => match t.join() {
+                Ok(r) => r.map_err(|e| anyhow!("embedded broker: {e}")),
+                Err(_) => Err(anyhow!("embedded broker thread panicked")),
+            },
+            None => Ok(()),
+        };
+        if let Some(d) = self.dir.take() {
+            let path = d.path().to_path_buf();
+            d.close()
+                .with_context(|| format!("removing {}", path.display()))?;
+        }
+        r
+    }
+}
+
+impl Drop for EmbeddedBroker {
+    fn drop(&mut self) {
+        if self.thread.is_some() || self.dir.is_some() {
+            if let Err(e) = self.stop_inner() {
+                eprintln!("fido: {e:#}");
+            }
+        }
+    }
+}
+
+/// Whether a broker answers on `path` (a `SOCK_SEQPACKET` connect succeeds).
+pub fn broker_reachable(path: &Path) -> bool {
+    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+    let Ok(addr) = SocketAddrUnix::new(path) else {
+        return false;
+    };
+    let Ok(s) = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC,
+        None,
+    ) else {
+        return false;
+    };
+    rustix::net::connect(&s, &addr).is_ok()
+}

@@ -1,0 +1,158 @@
+//! `fido status`: joins as a short-lived domain and prints the broker's view.
+
+use std::path::PathBuf;
+
+use anyhow::Context as _;
+use fido::{Domain, JoinOptions, Status};
+use serde_json::{json, Value};
+
+use crate::pipeline::counters_json;
+
+pub fn run(json_out: bool, socket: Option<PathBuf>) -> anyhow::Result<()> {
+    let path = socket.unwrap_or_else(fido::default_broker_path);
+    let opts = JoinOptions::new("fido-status")
+        .broker(&path)
+        .arena_len(1 << 20)
+        .ring_entries(2);
+    let d = Domain::join(opts).with_context(|| format!("no broker at {}", path.display()))?;
+    let st = d.status().context("asking the broker for its status")?;
+    let me = d.id();
+    // Dropped rather than `leave()`d (which races with the control thread and
+    // may log "lost the broker"); the broker sees the socket close at once.
+    drop(d);
+    if json_out {
+        println!("{}", serde_json::to_string_pretty(&to_json(&st))?);
+    } else {
+        print_text(&st, &path, me);
+    }
+    Ok(())
+}
+
+pub fn to_json(st: &Status) -> Value {
+    json!({
+        "broker_pid": st.broker_pid,
+        "domains": st.domains.iter().map(|d| json!({
+            "domain": d.domain,
+            "name": d.name,
+            "pid": d.pid,
+            "uid": d.uid,
+            "slot": d.slot,
+            "arena_len": d.arena_len,
+            "counters": counters_json(&d.counters),
+        })).collect::<Vec<_>>(),
+        "services": st.services.iter().map(|(s, d)| json!({"service": s, "domain": d})).collect::<Vec<_>>(),
+        "connections": st.connections.iter().map(|c| json!({
+            "conn": c.conn, "service": c.service, "client": c.client, "server": c.server,
+        })).collect::<Vec<_>>(),
+    })
+}
+
+fn human_bytes(b: u64) -> String {
+    const U: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i < U.len() - 1 {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.1} {}", U[i])
+    }
+}
+
+/// Left-aligned text table.
+pub fn table(header: &[&str], rows: &[Vec<String>]) -> String {
+    let mut w: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
+    for r in rows {
+        for (i, c) in r.iter().enumerate() {
+            w[i] = w[i].max(c.chars().count());
+        }
+    }
+    let line = |cells: Vec<String>| -> String {
+        let mut s = String::new();
+        for (i, c) in cells.iter().enumerate() {
+            s.push_str(c);
+            s.push_str(&" ".repeat(w[i] - c.chars().count() + 2));
+        }
+        s.trim_end().to_string() + "\n"
+    };
+    let mut out = line(header.iter().map(|s| s.to_string()).collect());
+    for r in rows {
+        out.push_str(&line(r.clone()));
+    }
+    out
+}
+
+fn print_text(st: &Status, path: &std::path::Path, me: u64) {
+    println!("broker: pid {} on {}", st.broker_pid, path.display());
+    println!(
+        "\ndomains ({}; counters are what each domain last published):",
+        st.domains.len()
+    );
+    let rows: Vec<Vec<String>> = st
+        .domains
+        .iter()
+        .map(|d| {
+            let c = &d.counters;
+            vec![
+                d.domain.to_string(),
+                if d.domain == me {
+                    format!("{} (this query)", d.name)
+                } else {
+                    d.name.clone()
+                },
+                d.pid.to_string(),
+                d.slot.to_string(),
+                human_bytes(d.arena_len),
+                format!("{}/{}", c.messages_sent, c.messages_received),
+                format!(
+                    "{}/{}",
+                    human_bytes(c.bytes_sent),
+                    human_bytes(c.bytes_received)
+                ),
+                human_bytes(c.bytes_copied),
+                format!("{}/{}", c.doorbells_rung, c.doorbells_suppressed),
+            ]
+        })
+        .collect();
+    print!(
+        "{}",
+        table(
+            &[
+                "id",
+                "name",
+                "pid",
+                "slot",
+                "arena",
+                "msgs sent/recv",
+                "bytes sent/recv",
+                "copied",
+                "doorbells rung/suppressed"
+            ],
+            &rows
+        )
+    );
+    println!("\nservices ({}):", st.services.len());
+    let rows: Vec<Vec<String>> = st
+        .services
+        .iter()
+        .map(|(s, d)| vec![s.clone(), d.to_string()])
+        .collect();
+    print!("{}", table(&["service", "domain"], &rows));
+    println!("\nconnections ({}):", st.connections.len());
+    let rows: Vec<Vec<String>> = st
+        .connections
+        .iter()
+        .map(|c| {
+            vec![
+                c.conn.to_string(),
+                c.service.clone(),
+                c.client.to_string(),
+                c.server.to_string(),
+            ]
+        })
+        .collect();
+    print!("{}", table(&["conn", "service", "client", "server"], &rows));
+}
