@@ -104,6 +104,18 @@ fn child_main() {
                 }
             }
         }
+        // Receives one message and tries to write into the sender's memory.
+        "vandal" => {
+            let d = join_child("vandal");
+            let ch = connect_retry(&d, &env("FIDO_TEST_SERVICE"), Duration::from_secs(10));
+            let m = ch.recv().unwrap();
+            println!("writing");
+            let p = m.as_slice().unwrap().as_ptr() as *mut u8;
+            // SAFETY: deliberately invalid: the page is mapped read-only, so
+            // the kernel must kill this process here.
+            unsafe { std::ptr::write_volatile(p, 0xff) };
+            println!("wrote");
+        }
         // A broker process (so a test can kill it).
         "broker" => {
             let socket = env("FIDO_BROKER");
@@ -364,4 +376,27 @@ fn broker_restart_does_not_interrupt_a_stream() {
     recv_for(Duration::from_millis(200), &mut next);
     streamer.kill9();
     broker2.kill9();
+}
+
+#[test]
+fn a_peer_writing_our_memory_dies_alone() {
+    let b = TestBroker::start();
+    let d = b.join("owner");
+    let l = d.offer("vandal-svc").unwrap();
+    let mut vandal = ChildProc::spawn("vandal", &b.socket, &[("FIDO_TEST_SERVICE", "vandal-svc")]);
+    let ch = l.accept_timeout(Duration::from_secs(10)).unwrap();
+    let mut buf = d.alloc(64).unwrap();
+    fill(&mut buf, 1, 0);
+    ch.send(buf).unwrap();
+    vandal.expect_line("writing", Duration::from_secs(10));
+    let status = vandal.child.wait().unwrap();
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(status.signal(), Some(rustix::process::Signal::SEGV.as_raw()), "the write must fault: {status:?}");
+    // Our memory is intact and we carry on: the message comes back undelivered.
+    let err = ch.recv_timeout(Duration::from_secs(5)).unwrap_err();
+    assert!(matches!(err, Error::PeerGone { .. }), "got {err:?}");
+    let undelivered = ch.take_undelivered();
+    assert_eq!(undelivered.len(), 1);
+    let bufs = undelivered.into_iter().next().unwrap().message.into_bufs();
+    assert_eq!(check(&bufs[0]).0, 1, "payload untouched");
 }

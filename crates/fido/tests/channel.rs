@@ -1,0 +1,153 @@
+//! Channel semantics within one process (two domains; the second usually runs
+//! swizzled because the first holds the PGVAS window): scatter-gather, window
+//! back-pressure, forged descriptors, counters and doorbell suppression.
+
+mod common;
+
+use common::*;
+use fido::{Descriptor, Error, JoinOptions, Message, Segment, WaitStrategy};
+use std::time::Duration;
+
+fn pair(b: &TestBroker, service: &str, entries: u32) -> (fido::Domain, fido::Domain, fido::Channel, fido::Channel) {
+    let server = b.join_with(JoinOptions::new("server").arena_len(64 << 20).ring_entries(entries));
+    let client = b.join_with(JoinOptions::new("client").arena_len(64 << 20).ring_entries(entries).swizzle(true));
+    let l = server.offer(service).unwrap();
+    let c = client.connect(service).unwrap();
+    let s = l.accept_timeout(Duration::from_secs(5)).unwrap();
+    (server, client, s, c)
+}
+
+#[test]
+fn scatter_gather_and_inline_messages_arrive_intact() {
+    let b = TestBroker::start();
+    let (server, client, s, c) = pair(&b, "sg", 64);
+    for parts in [1usize, 2, 3, 17, 300] {
+        let bufs: Vec<fido::Buf> = (0..parts)
+            .map(|i| {
+                let mut buf = client.alloc(10 + i).unwrap();
+                buf.iter_mut().for_each(|x| *x = i as u8);
+                buf
+            })
+            .collect();
+        c.send(Message::gather(bufs).tag(parts as u64).opcode(3)).unwrap();
+        let m = s.recv_timeout(Duration::from_secs(5)).unwrap();
+        assert_eq!((m.tag(), m.opcode(), m.segment_count()), (parts as u64, 3, parts));
+        for (i, seg) in m.segments().enumerate() {
+            assert_eq!(seg.len(), 10 + i);
+            assert!(seg.iter().all(|x| *x == i as u8));
+        }
+        assert_eq!(m.len(), (0..parts).map(|i| 10 + i).sum::<usize>());
+    }
+    // Every buffer (and SG list) is released back to the client.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while c.in_flight() > 0 {
+        assert!(std::time::Instant::now() < deadline);
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(client.counters().bytes_copied, 0);
+    assert_eq!(server.counters().bytes_copied, 0);
+}
+
+#[test]
+fn full_window_gives_back_pressure_not_memory_growth() {
+    let b = TestBroker::start();
+    let (_server, client, s, c) = pair(&b, "window", 8);
+    let mut held = Vec::new();
+    for i in 0..8u64 {
+        c.send(Message::new(client.alloc_copy(&i.to_le_bytes()).unwrap()).tag(i)).unwrap();
+    }
+    // The receiver holds every message: the window is full.
+    for _ in 0..8 {
+        held.push(s.recv_timeout(Duration::from_secs(5)).unwrap());
+    }
+    let e = c.try_send(client.alloc(8).unwrap()).unwrap_err();
+    assert!(matches!(e.error, Error::WouldBlock));
+    assert_eq!(e.message.into_bufs().len(), 1, "the message comes back");
+    let e = c.send_timeout(client.alloc(8).unwrap(), Duration::from_millis(50)).unwrap_err();
+    assert!(matches!(e.error, Error::Timeout));
+    // Out-of-order release frees one slot.
+    held.remove(5);
+    c.send_timeout(client.alloc(8).unwrap(), Duration::from_secs(5)).unwrap();
+    assert_eq!(c.in_flight(), 8);
+}
+
+#[test]
+fn forged_descriptors_are_an_error_on_their_connection_only() {
+    let b = TestBroker::start();
+    let honest_srv = b.join("victim");
+    let l = honest_srv.offer("victim-svc").unwrap();
+    let evil = b.join_with(JoinOptions::new("evil").arena_len(64 << 20).swizzle(true));
+    let friend = b.join_with(JoinOptions::new("friend").arena_len(64 << 20).swizzle(true));
+    let good_c = friend.connect("victim-svc").unwrap();
+    let good_s = l.accept_timeout(Duration::from_secs(5)).unwrap();
+
+    let base = evil.arena().base().addr();
+    let len = evil.arena().len();
+    let window = evil.address_space().geometry();
+    let unused_slot = window.base + window.slot_size * (window.slots as u64 - 1);
+    let one = |addr: u64, l: u64| Descriptor { total_len: l, nseg: 1, segments: [Segment { addr, len: l }, Segment::default()], ..Default::default() };
+    let forged = [
+        ("pointer past the arena", one(base + len - 8, 64)),
+        ("huge length", one(base, u64::MAX / 2)),
+        ("length overflow", one(base + 64, u64::MAX)),
+        ("slot never granted", one(unused_slot, 64)),
+        ("outside the window", one(0x1000, 64)),
+        ("lengths disagree", Descriptor { total_len: 1, ..one(base, 64) }),
+        ("too many inline segments", Descriptor { nseg: 9, ..one(base, 64) }),
+        ("unknown flag", Descriptor { flags: 0x40, ..one(base, 64) }),
+        ("SG list outside arena", Descriptor { flags: 1, nseg: 4, segments: [Segment { addr: base + len, len: 64 }, Segment::default()], ..Default::default() }),
+    ];
+    for (what, desc) in forged {
+        let c = evil.connect("victim-svc").unwrap();
+        let s = l.accept_timeout(Duration::from_secs(5)).unwrap();
+        c.__send_raw_descriptor(desc).unwrap();
+        match s.recv_timeout(Duration::from_secs(5)) {
+            Err(Error::Protocol(why)) => eprintln!("{what}: {why}"),
+            other => panic!("{what}: expected a protocol error, got {other:?}"),
+        }
+        // The connection stays failed.
+        assert!(matches!(s.try_recv(), Err(Error::Protocol(_))), "{what}");
+        // The honest connection is unaffected.
+        good_c.send(friend.alloc_copy(b"fine").unwrap()).unwrap();
+        assert_eq!(good_s.recv_timeout(Duration::from_secs(5)).unwrap().as_slice().unwrap(), b"fine");
+    }
+}
+
+#[test]
+fn a_busy_stream_rings_almost_no_doorbells() {
+    let b = TestBroker::start();
+    let (server, client, s, c) = pair(&b, "busy", 256);
+    s.set_wait(WaitStrategy::BusyPoll);
+    const N: u64 = 200_000;
+    let receiver = std::thread::spawn(move || {
+        for i in 0..N {
+            let m = s.recv().unwrap();
+            assert_eq!(m.tag(), i);
+        }
+        drop(server);
+    });
+    for i in 0..N {
+        let mut buf = client.alloc(64).unwrap();
+        buf.fill(1);
+        c.send(Message::new(buf).tag(i)).unwrap();
+    }
+    receiver.join().unwrap();
+    let k = client.counters();
+    assert_eq!(k.messages_sent, N);
+    // The consumer never sleeps while it keeps up: far fewer than 1 doorbell per 100 messages.
+    assert!(k.doorbells_rung * 100 < N, "{} doorbells for {N} messages", k.doorbells_rung);
+}
+
+#[test]
+fn a_peer_cannot_write_our_memory() {
+    // The peer mapping of our arena is read-only, enforced by the kernel.
+    let b = TestBroker::start();
+    let (server, _client, _s, _c) = pair(&b, "ro", 8);
+    let slot = server.slot();
+    let client_view = _client.address_space().mapping(slot).expect("client maps the server's arena");
+    assert!(!client_view.is_own());
+    let addr = client_view.local_base() as *mut std::ffi::c_void;
+    // SAFETY: mprotect on a mapping we hold; expected to fail.
+    let r = unsafe { rustix::mm::mprotect(addr, 4096, rustix::mm::MprotectFlags::READ | rustix::mm::MprotectFlags::WRITE) };
+    assert!(r.is_err(), "a peer mapping could be made writable");
+}
