@@ -199,7 +199,7 @@ pub(crate) struct ConnShared {
     pub(crate) service: String,
     pub(crate) peer: PeerInfo,
     domain: Arc<DomainInner>,
-    _peer_map: Arc<Mapping>,
+    peer_map: Arc<Mapping>,
     _block: Buf,
     local: LocalBlock,
     data_bell: Arc<OwnedFd>,
@@ -216,7 +216,7 @@ pub(crate) struct ConnShared {
 }
 
 // SAFETY: the raw pointers inside (ring blocks) point into mappings kept alive
-// by `block` and `_peer_map`; every access goes through the rings' atomics or
+// by `block` and `peer_map`; every access goes through the rings' atomics or
 // under the tx/rx/releaser locks.
 unsafe impl Send for ConnShared {}
 unsafe impl Sync for ConnShared {}
@@ -397,19 +397,33 @@ pub(crate) fn sweep_lingering(domain: &DomainInner) {
     domain.lingering.lock().extend(keep);
 }
 
-/// Resolves peer pointers through the domain's address space, mapping a new
-/// arena (lazily granted by the broker) the first time one shows up.
-struct DomainResolver<'a>(&'a DomainInner);
+/// Resolves peer pointers. The common case — a pointer into the peer's own
+/// arena — is a bounds check against the connection's mapping, which the
+/// message keeps alive through the connection; any other arena (a forwarded
+/// message) goes through the domain's address space, mapping it (lazily
+/// granted by the broker) the first time one shows up.
+struct ConnResolver<'a>(&'a ConnShared);
 
-impl Resolver for DomainResolver<'_> {
-    type Keep = Arc<Mapping>;
-    fn resolve(&self, g: GPtr, len: u64) -> std::result::Result<(NonNull<u8>, Arc<Mapping>), String> {
-        match self.0.space.resolve(g, len) {
-            Ok(r) => Ok(r),
+impl Resolver for ConnResolver<'_> {
+    type Keep = Option<Arc<Mapping>>;
+    #[inline]
+    fn resolve(&self, g: GPtr, len: u64) -> std::result::Result<(NonNull<u8>, Option<Arc<Mapping>>), String> {
+        let peer = &self.0.peer_map;
+        if let Some(off) = g.addr().checked_sub(peer.global_base().addr()) {
+            if off.checked_add(len).is_some_and(|end| end <= peer.len()) {
+                // SAFETY: off + len <= the mapping's length, so the pointer
+                // stays inside the live mapping held by `peer_map`.
+                let p = unsafe { peer.local_base().add(off as usize) };
+                return Ok((NonNull::new(p as *mut u8).ok_or("null mapping")?, None));
+            }
+        }
+        let domain = &self.0.domain;
+        match domain.space.resolve(g, len) {
+            Ok((p, m)) => Ok((p, Some(m))),
             Err(ShmError::NotMapped { .. }) => {
-                let (slot, _) = self.0.space.slot_of(g).ok_or("outside the PGVAS window")?;
-                self.0.ensure_mapped(slot).map_err(|e| format!("slot {slot} not granted: {e}"))?;
-                self.0.space.resolve(g, len).map_err(|e| e.to_string())
+                let (slot, _) = domain.space.slot_of(g).ok_or("outside the PGVAS window")?;
+                domain.ensure_mapped(slot).map_err(|e| format!("slot {slot} not granted: {e}"))?;
+                domain.space.resolve(g, len).map(|(p, m)| (p, Some(m))).map_err(|e| e.to_string())
             }
             Err(e) => Err(e.to_string()),
         }
@@ -444,7 +458,7 @@ impl Channel {
         let g = mapping.global_base().add(block.offset).ok_or_else(|| Error::protocol("peer ring block offset"))?;
         let (ptr, _) = domain.space.resolve(g, block.len)?;
         // SAFETY: `resolve` checked the range lies inside the peer's mapping,
-        // which the ConnShared keeps alive (`_peer_map`) as long as any copy of
+        // which the ConnShared keeps alive (`peer_map`) as long as any copy of
         // the PeerBlock exists.
         let pb = unsafe { PeerBlock::open(ptr, block.len as usize, block.entries) }.map_err(Error::protocol)?;
         Ok((mapping, pb))
@@ -472,7 +486,7 @@ impl Channel {
             service,
             peer,
             domain: domain.clone(),
-            _peer_map: mapping,
+            peer_map: mapping,
             _block: block,
             local,
             data_bell: Arc::new(data_bell),
@@ -604,20 +618,18 @@ impl Channel {
         if let Err(e) = sh.check() {
             return fail(&mut tx, e, msg);
         }
-        if let Err(why) = tx.reap() {
-            let e = sh.mark_broken(why);
-            return fail(&mut tx, e, msg);
+        // Collect releases only once half the window is out: reading the
+        // peer's release index costs a cache-line transfer, so batch it.
+        if tx.ring.in_flight() * 2 >= tx.table.len() as u64 {
+            if let Err(why) = tx.reap() {
+                let e = sh.mark_broken(why);
+                return fail(&mut tx, e, msg);
+            }
         }
         if tx.ring.peer_closed() {
             return fail(&mut tx, Error::Closed, msg);
         }
-        let free = match tx.ring.free_slots() {
-            Ok(n) => n,
-            Err(e) => {
-                let e = sh.mark_broken(e.to_string());
-                return fail(&mut tx, e, msg);
-            }
-        };
+        let free = tx.ring.free_slots();
         if free == 0 {
             if !block {
                 return Err(SendError { error: Error::WouldBlock, message: msg });
@@ -633,7 +645,7 @@ impl Channel {
                     SleepSite { sleep: local.space_sleep(), epoch: &mut epoch, bell: sh.space_bell.as_fd(), liveness: Some(sh.liveness.as_fd()) },
                     || -> std::result::Result<bool, String> {
                         txr.reap()?;
-                        Ok(txr.ring.free_slots().map_err(|e| e.to_string())? > 0 || !sh.is_open() || txr.ring.peer_closed())
+                        Ok(txr.ring.free_slots() > 0 || !sh.is_open() || txr.ring.peer_closed())
                     },
                 )
             };
@@ -793,7 +805,7 @@ impl Channel {
 
     fn accept_descriptor(&self, desc: &Descriptor) -> Result<Msg> {
         let sh = &self.shared;
-        let v = match validate(desc, &DomainResolver(&sh.domain)) {
+        let v = match validate(desc, &ConnResolver(sh)) {
             Ok(v) => v,
             Err(e) => {
                 // Release it so the sender can reuse the buffer, then fail the connection.
@@ -870,7 +882,9 @@ struct Seg {
     ptr: NonNull<u8>,
     len: usize,
     global: Segment,
-    _keep: Arc<Mapping>,
+    /// Keeps a forwarded arena mapped (`None`: the peer's own arena, kept by
+    /// the connection).
+    _keep: Option<Arc<Mapping>>,
 }
 
 /// A received message: a read-only view into the sender's (or an upstream
@@ -888,7 +902,7 @@ pub struct Msg {
     nseg: u16,
     total_len: u64,
     sg_list: Option<Segment>,
-    _sg_keep: Option<Arc<Mapping>>,
+    _sg_keep: Option<Option<Arc<Mapping>>>,
     segs: SmallVec<[Seg; 2]>,
 }
 

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Installs what Fido's tests, benches and fuzz replay need on Debian 12, as root.
+# Idempotent: every step checks first and skips quickly when already satisfied
+# (a second run does no network I/O at all).
+#
+# What is needed, and why (nothing else is):
+#   build-essential  cc/c++/ld: rusqlite's bundled SQLite, libFuzzer (C++), linking
+#   ucx-utils        ucx_perftest, the UCX baseline of `fido bench channel`
+#   ca-certificates, curl   only when Rust itself must be installed (rustup)
+#   cargo-fuzz       only for scripts/fuzz-replay.sh / fuzz-run.sh
+# Not needed: pkg-config (SQLite is bundled), libclang (iceoryx2 runs bindgen
+# only on QNX), procps/iproute2 (no test shells out to ps or ip).
+#
+# FIDO_SKIP_CARGO_FUZZ=1 skips cargo-fuzz (the corpus replay then relies on the
+# stable `cargo test` corpus tests only).
+set -euo pipefail
+
+say() { echo "install-test-deps: $*"; }
+
+SUDO=()
+if [[ $(id -u) -ne 0 ]]; then
+    if command -v sudo >/dev/null; then SUDO=(sudo); fi
+fi
+
+apt_updated=0
+apt_install() {
+    local missing=()
+    for pkg in "$@"; do
+        if ! dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed'; then
+            missing+=("$pkg")
+        fi
+    done
+    if [[ ${#missing[@]} -eq 0 ]]; then
+        say "apt: $* already installed"
+        return
+    fi
+    if [[ $(id -u) -ne 0 && ${#SUDO[@]} -eq 0 ]]; then
+        say "apt: missing ${missing[*]} and not root (no sudo); install them by hand" >&2
+        return 1
+    fi
+    if [[ $apt_updated -eq 0 ]]; then
+        say "apt-get update"
+        "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+        apt_updated=1
+    fi
+    say "apt-get install ${missing[*]}"
+    "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive \
+        apt-get install -y -qq --no-install-recommends "${missing[@]}"
+}
+
+apt_install build-essential ucx-utils
+
+# Rust (stable, via rustup) if there is no cargo at all.
+if [[ -x "$HOME/.cargo/bin/cargo" ]]; then export PATH="$HOME/.cargo/bin:$PATH"; fi
+if command -v cargo >/dev/null; then
+    say "rust: $(cargo --version) already installed"
+else
+    apt_install ca-certificates curl
+    say "rust: installing stable toolchain with rustup"
+    curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs |
+        sh -s -- -y --profile minimal --default-toolchain stable
+    export PATH="$HOME/.cargo/bin:$PATH"
+fi
+
+if [[ "${FIDO_SKIP_CARGO_FUZZ:-0}" == 1 ]]; then
+    say "cargo-fuzz: skipped (FIDO_SKIP_CARGO_FUZZ=1)"
+elif cargo fuzz --version >/dev/null 2>&1; then
+    say "cargo-fuzz: $(cargo fuzz --version) already installed"
+else
+    say "cargo install --locked cargo-fuzz"
+    cargo install --locked cargo-fuzz
+fi
+say "done"
