@@ -71,6 +71,8 @@ if [[ " ${failed_steps[*]} " == *" build "* ]]; then
     skip_because test "build failed"
 else
     step test "${FIDO_CI_TEST_LIMIT:-600}" cargo test --release "${cargo_args[@]}"
+    # The tokio flavour is behind a feature; its test needs it on.
+    step test-async "${FIDO_CI_TEST_LIMIT:-600}" cargo test --release -p fido --features tokio --test async
 fi
 
 step loom "${FIDO_CI_LOOM_LIMIT:-600}" env RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR="$target_dir/loom" \

@@ -849,6 +849,60 @@ impl Channel {
         Ok(())
     }
 
+    /// Announces that the receiver is about to sleep on its data doorbell.
+    /// Returns false (and stays awake) when a message or a state change is
+    /// already there. Used by the async flavour; pair with `disarm_rx`.
+    pub(crate) fn arm_rx(&self) -> bool {
+        let mut rx = self.shared.rx.lock();
+        let local = *rx.ring.local();
+        fido_ring::protocol::arm(local.data_sleep(), &mut rx.epoch);
+        let ready = rx.ring.pending().unwrap_or(true) || !self.shared.is_open() || rx.ring.peer_closed();
+        if ready {
+            fido_ring::protocol::disarm(local.data_sleep(), rx.epoch);
+        }
+        !ready
+    }
+
+    pub(crate) fn disarm_rx(&self) {
+        let rx = self.shared.rx.lock();
+        fido_ring::protocol::disarm(rx.ring.local().data_sleep(), rx.epoch);
+    }
+
+    /// As `arm_rx`, for a sender waiting for window space (releases).
+    pub(crate) fn arm_tx(&self) -> bool {
+        let mut tx = self.shared.tx.lock();
+        let local = *tx.ring.local();
+        let mut epoch = tx.epoch;
+        fido_ring::protocol::arm(local.space_sleep(), &mut epoch);
+        tx.epoch = epoch;
+        let ready = tx.reap().is_err() || tx.ring.free_slots() > 0 || !self.shared.is_open() || tx.ring.peer_closed();
+        if ready {
+            fido_ring::protocol::disarm(local.space_sleep(), tx.epoch);
+        }
+        !ready
+    }
+
+    pub(crate) fn disarm_tx(&self) {
+        let tx = self.shared.tx.lock();
+        fido_ring::protocol::disarm(tx.ring.local().space_sleep(), tx.epoch);
+    }
+
+    pub(crate) fn space_doorbell(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.shared.space_bell.as_fd()
+    }
+
+    pub(crate) fn liveness(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.shared.liveness.as_fd()
+    }
+
+    pub(crate) fn note_peer_hangup(&self) {
+        self.shared.peer_hangup_seen();
+    }
+
+    pub(crate) fn forwarded_in_flight(&self) -> bool {
+        self.shared.domain.reap_forwarded()
+    }
+
     /// True while the connection is usable.
     pub fn is_open(&self) -> bool {
         self.shared.is_open() && !self.shared.tx.lock().ring.peer_closed()

@@ -25,12 +25,16 @@
 //! never let one misbehaving peer affect any connection but its own. The broker
 //! is on the control path only: no message ever passes through it.
 
+#[cfg(feature = "tokio")]
+mod asynch;
 mod channel;
 mod control;
 mod domain;
 mod error;
 pub mod validate;
 
+#[cfg(feature = "tokio")]
+pub use asynch::AsyncChannel;
 pub use channel::{Channel, Message, Msg, SendError, Undelivered};
 pub use domain::{Domain, JoinOptions, Listener, Watch, WatchEvent};
 pub use error::{Error, Result};
