@@ -350,6 +350,13 @@ fn forwarder(a: &Args, entries: u32) -> anyhow::Result<()> {
     let listener = d.offer(a.get("listen")?)?;
     emit(&json!({"event": "ready", "pid": std::process::id(), "domain": d.id()}))?;
     let up = listener.accept().context("accepting upstream")?;
+    // A forwarder is a pure relay: it has nothing to do between messages, so
+    // it sleeps on its doorbell instead of spinning. On a host with fewer
+    // cores than pipeline stages (2 cores, up to 5 processes here), a spinning
+    // relay steals the CPU the source and sink need: measured 4-hop/1-hop
+    // throughput 0.64 spinning vs 0.85 blocking (fido bench channel --quick).
+    up.set_wait(WaitStrategy::Block);
+    down.set_wait(WaitStrategy::Block);
     let mut window = Window::default();
     let mut forwarded = 0u64;
     let mut publisher = Publisher::new();
