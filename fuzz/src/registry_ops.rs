@@ -188,7 +188,7 @@ fn txn_op_ok(op: &TxnOp) -> bool {
     match op {
         TxnOp::Put { path, value } => check_path(path).is_ok() && value.len() <= MAX_VALUE,
         TxnOp::Check { path, expected } => {
-            check_path(path).is_ok() && expected.as_ref().map_or(true, |v| v.len() <= MAX_VALUE)
+            check_path(path).is_ok() && expected.as_ref().is_none_or(|v| v.len() <= MAX_VALUE)
         }
         TxnOp::Delete { path } | TxnOp::Read { path } => check_path(path).is_ok(),
     }

@@ -12,6 +12,23 @@ use std::time::Duration;
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
 
+/// Disarms a sleep word when the waiting future finishes or is cancelled, so
+/// a dropped `recv`/`send` never leaves the peer ringing for nobody.
+struct Armed<'a> {
+    channel: &'a Channel,
+    rx: bool,
+}
+
+impl Drop for Armed<'_> {
+    fn drop(&mut self) {
+        if self.rx {
+            self.channel.disarm_rx();
+        } else {
+            self.channel.disarm_tx();
+        }
+    }
+}
+
 /// A [`Channel`] driven by tokio. Create it inside a tokio runtime.
 pub struct AsyncChannel {
     channel: Channel,
@@ -56,6 +73,7 @@ impl AsyncChannel {
             if !self.channel.arm_rx() {
                 continue;
             }
+            let armed = Armed { channel: &self.channel, rx: true };
             // While forwarded messages are in flight, their releases must keep
             // flowing upstream: wake up now and then to collect them.
             let tick = if self.channel.forwarded_in_flight() { Duration::from_micros(200) } else { Duration::from_secs(3600) };
@@ -70,7 +88,7 @@ impl AsyncChannel {
                     if let Ok(mut g) = g {
                         g.clear_ready();
                     }
-                    self.channel.disarm_rx();
+                    drop(armed);
                     if let Some(m) = self.channel.try_recv()? {
                         return Ok(m);
                     }
@@ -79,7 +97,6 @@ impl AsyncChannel {
                 }
                 _ = tokio::time::sleep(tick) => {}
             }
-            self.channel.disarm_rx();
         }
     }
 
@@ -94,6 +111,7 @@ impl AsyncChannel {
             if !self.channel.arm_tx() {
                 continue;
             }
+            let _armed = Armed { channel: &self.channel, rx: false };
             tokio::select! {
                 g = self.space.readable() => {
                     if let Ok(mut g) = g {
@@ -108,7 +126,6 @@ impl AsyncChannel {
                     self.channel.note_peer_hangup();
                 }
             }
-            self.channel.disarm_tx();
         }
     }
 }

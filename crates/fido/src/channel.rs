@@ -8,6 +8,10 @@
 //! our release ring, and the sender frees the buffer (or, for a forwarded
 //! message, releases it upstream in turn).
 
+// `SendError` carries the unsent message back by value: boxing it would cost an
+// allocation on every failed `try_send`, the call that polls a full window.
+#![allow(clippy::result_large_err)]
+
 use crate::domain::DomainInner;
 use crate::error::{Error, Result};
 use crate::validate::{validate, Resolver};
@@ -611,6 +615,12 @@ impl Channel {
         let mut tx = sh.tx.lock();
         let fail = |tx: &mut TxState, error: Error, message: Message| {
             if matches!(error, Error::PeerGone { .. } | Error::Protocol(_) | Error::Closed) {
+                // What the peer released before it went is delivered: collect
+                // those releases first, so only the rest comes back (a resend
+                // of an "undelivered" message must never duplicate one).
+                if !matches!(error, Error::Protocol(_)) {
+                    let _ = tx.reap();
+                }
                 tx.fail_outstanding();
             }
             Err(SendError { error, message })
@@ -808,7 +818,8 @@ impl Channel {
         let v = match validate(desc, &ConnResolver(sh)) {
             Ok(v) => v,
             Err(e) => {
-                // Release it so the sender can reuse the buffer, then fail the connection.
+                // Fail the connection; the sender gets its buffers back as
+                // undelivered when it notices.
                 let err = sh.mark_broken(format!("invalid descriptor: {e}"));
                 return Err(err);
             }
@@ -849,6 +860,7 @@ impl Channel {
         Ok(())
     }
 
+    #[cfg(feature = "tokio")]
     /// Announces that the receiver is about to sleep on its data doorbell.
     /// Returns false (and stays awake) when a message or a state change is
     /// already there. Used by the async flavour; pair with `disarm_rx`.
@@ -863,11 +875,13 @@ impl Channel {
         !ready
     }
 
+    #[cfg(feature = "tokio")]
     pub(crate) fn disarm_rx(&self) {
         let rx = self.shared.rx.lock();
         fido_ring::protocol::disarm(rx.ring.local().data_sleep(), rx.epoch);
     }
 
+    #[cfg(feature = "tokio")]
     /// As `arm_rx`, for a sender waiting for window space (releases).
     pub(crate) fn arm_tx(&self) -> bool {
         let mut tx = self.shared.tx.lock();
@@ -882,23 +896,28 @@ impl Channel {
         !ready
     }
 
+    #[cfg(feature = "tokio")]
     pub(crate) fn disarm_tx(&self) {
         let tx = self.shared.tx.lock();
         fido_ring::protocol::disarm(tx.ring.local().space_sleep(), tx.epoch);
     }
 
+    #[cfg(feature = "tokio")]
     pub(crate) fn space_doorbell(&self) -> std::os::fd::BorrowedFd<'_> {
         self.shared.space_bell.as_fd()
     }
 
+    #[cfg(feature = "tokio")]
     pub(crate) fn liveness(&self) -> std::os::fd::BorrowedFd<'_> {
         self.shared.liveness.as_fd()
     }
 
+    #[cfg(feature = "tokio")]
     pub(crate) fn note_peer_hangup(&self) {
         self.shared.peer_hangup_seen();
     }
 
+    #[cfg(feature = "tokio")]
     pub(crate) fn forwarded_in_flight(&self) -> bool {
         self.shared.domain.reap_forwarded()
     }
@@ -908,8 +927,9 @@ impl Channel {
         self.shared.is_open() && !self.shared.tx.lock().ring.peer_closed()
     }
 
-    /// The eventfd this channel's receiver sleeps on (for epoll/async
-    /// integration): readable when the peer rang because data arrived.
+    /// The eventfd this channel's receiver sleeps on. The peer rings it only
+    /// after the receiver announced it is going to sleep (blocking `recv`, or
+    /// [`crate::AsyncChannel`]), so it is not a readiness signal on its own.
     pub fn data_doorbell(&self) -> std::os::fd::BorrowedFd<'_> {
         self.shared.data_bell.as_fd()
     }

@@ -239,6 +239,15 @@ impl Control {
                     tracing::info!("re-registered with the broker");
                     return;
                 }
+                Err(Error::Broker(e)) if matches!(e.code, ErrorCode::Denied | ErrorCode::AlreadyJoined) => {
+                    // The new broker knows this domain is dead (it missed its
+                    // heartbeats) or someone holds its id: stop retrying.
+                    // Established channels keep working peer to peer.
+                    tracing::error!("broker refused to resume this domain: {e}");
+                    self.stop.store(true, Ordering::Relaxed);
+                    self.reconnected.notify_all();
+                    return;
+                }
                 Err(e) => {
                     tracing::debug!("broker not back yet: {e}");
                     std::thread::sleep(delay);

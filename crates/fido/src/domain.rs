@@ -204,6 +204,8 @@ pub(crate) struct DomainInner {
     pub(crate) mapped: Mutex<HashMap<u32, MappedPeer>>,
     /// Counters of channels that are gone.
     pub(crate) retired: Mutex<Counters>,
+    /// Counters as last sent to the broker.
+    published: Mutex<Counters>,
     /// Payload bytes this domain copied (zero on every zero-copy path).
     pub(crate) bytes_copied: AtomicU64,
     /// Closed channels whose sent messages the peer still holds.
@@ -263,6 +265,7 @@ impl Domain {
             next_token: AtomicU64::new(1),
             mapped: Mutex::new(HashMap::new()),
             retired: Mutex::new(Counters::default()),
+            published: Mutex::new(Counters::default()),
             bytes_copied: AtomicU64::new(0),
             lingering: Mutex::new(Vec::new()),
             this: OnceLock::new(),
@@ -520,6 +523,13 @@ impl EventSink for DomainInner {
     fn tick(&self) {
         crate::channel::sweep_lingering(self);
         self.sweep_mappings();
+        // Keep `fido status` current: publish the counters when they changed.
+        let now = self.counters();
+        let mut last = self.published.lock();
+        if *last != now {
+            *last = now;
+            self.control.notify(Request::Counters { counters: now });
+        }
     }
 }
 

@@ -60,11 +60,8 @@ fn child_main() {
             let out = connect_retry(&d, &env("FIDO_TEST_OUT"), Duration::from_secs(10));
             println!("ready");
             let inp = l.accept().unwrap();
-            loop {
-                match inp.recv() {
-                    Ok(m) => out.forward(m).unwrap(),
-                    Err(_) => break,
-                }
+            while let Ok(m) = inp.recv() {
+                out.forward(m).unwrap();
             }
             println!("copied {}", d.counters().bytes_copied);
         }
