@@ -581,6 +581,14 @@ impl Channel {
         tx.ring.in_flight()
     }
 
+    /// Like [`Channel::in_flight`], but reports a peer that lied in its
+    /// releases instead of hiding it.
+    pub fn in_flight_checked(&self) -> Result<u64> {
+        let mut tx = self.shared.tx.lock();
+        tx.reap().map_err(|why| self.shared.mark_broken(why))?;
+        Ok(tx.ring.in_flight())
+    }
+
     /// Collects the releases the peer published (freeing our buffers, and
     /// releasing forwarded messages upstream) without sending anything.
     pub fn reap(&self) -> Result<()> {
@@ -858,6 +866,22 @@ impl Channel {
         tx.ring.push(&desc).map_err(|e| Error::Invalid(e.to_string()))?;
         tx.ring.publish()?;
         Ok(())
+    }
+
+    /// Test hook: overwrites our published indices as a lying peer would
+    /// (`data`: the descriptor publish index; `releases`: the release index),
+    /// and rings the peer. Used by the adversarial tests.
+    #[doc(hidden)]
+    pub fn __forge_indices(&self, data: Option<u64>, releases: Option<u64>) {
+        let local = self.shared.local;
+        if let Some(v) = data {
+            local.data_prod().store(v, Ordering::Release);
+        }
+        if let Some(v) = releases {
+            local.rel_prod().store(v, Ordering::Release);
+        }
+        self.shared.tx.lock().ring.wake_peer();
+        self.shared.releaser.lock().wake_peer();
     }
 
     #[cfg(feature = "tokio")]
