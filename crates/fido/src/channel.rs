@@ -280,7 +280,9 @@ impl ConnShared {
     }
 
     fn release(&self, cookie: u64) {
-        if matches!(self.state.load(Ordering::Acquire), BROKEN | CLOSED_BY_US) {
+        // Releases keep flowing after either side closed: the peer frees its
+        // buffers only once we are done with them (or gone).
+        if self.state.load(Ordering::Acquire) == BROKEN {
             return;
         }
         let mut r = self.releaser.lock();
@@ -391,7 +393,8 @@ pub(crate) fn sweep_lingering(domain: &DomainInner) {
         let done = {
             let mut tx = l.shared.tx.lock();
             let reaped = tx.reap().is_ok();
-            let gone = doorbell::peer_hung_up(l.shared.liveness.as_fd()) || tx.ring.peer_closed();
+            // Not `peer_closed`: a peer that closed may still hold our messages.
+            let gone = doorbell::peer_hung_up(l.shared.liveness.as_fd());
             !reaped || gone || tx.ring.in_flight() == 0
         };
         if !done {
@@ -622,7 +625,10 @@ impl Channel {
         let sh = &*self.shared;
         let mut tx = sh.tx.lock();
         let fail = |tx: &mut TxState, error: Error, message: Message| {
-            if matches!(error, Error::PeerGone { .. } | Error::Protocol(_) | Error::Closed) {
+            // A peer that closed gracefully may still be reading messages it
+            // received: those stay outstanding until it releases them (or
+            // dies). A dead or lying peer gets everything unreleased reported.
+            if matches!(error, Error::PeerGone { .. } | Error::Protocol(_)) {
                 // What the peer released before it went is delivered: collect
                 // those releases first, so only the rest comes back (a resend
                 // of an "undelivered" message must never duplicate one).
@@ -851,8 +857,12 @@ impl Channel {
     /// error to learn exactly what was not delivered.
     pub fn take_undelivered(&self) -> Vec<Undelivered> {
         let mut tx = self.shared.tx.lock();
-        if !self.shared.is_open() || tx.ring.peer_closed() {
-            let _ = tx.reap();
+        let _ = tx.reap();
+        // After a graceful close, only a peer that is also gone (its liveness
+        // socket hung up: it dropped everything or died) gives up what it holds.
+        let peer_gone = !self.shared.is_open()
+            || (tx.ring.peer_closed() && doorbell::peer_hung_up(self.shared.liveness.as_fd()));
+        if peer_gone {
             tx.fail_outstanding();
         }
         std::mem::take(&mut tx.undelivered)

@@ -151,3 +151,35 @@ fn a_peer_cannot_write_our_memory() {
     let r = unsafe { rustix::mm::mprotect(addr, 4096, rustix::mm::MprotectFlags::READ | rustix::mm::MprotectFlags::WRITE) };
     assert!(r.is_err(), "a peer mapping could be made writable");
 }
+
+#[test]
+fn a_peer_that_closes_keeps_what_it_holds_valid() {
+    let b = TestBroker::start();
+    let (_server, client, s, c) = pair(&b, "close-hold", 8);
+    for i in 0..3u64 {
+        let mut buf = client.alloc(64).unwrap();
+        fill(&mut buf, i, 0);
+        c.send(Message::new(buf).tag(i)).unwrap();
+    }
+    let held: Vec<fido::Msg> = (0..3).map(|_| s.recv_timeout(Duration::from_secs(5)).unwrap()).collect();
+    drop(s); // the receiver closes its channel but keeps the messages
+    let e = c.send_timeout(client.alloc(8).unwrap(), Duration::from_secs(5)).unwrap_err();
+    assert!(matches!(e.error, Error::Closed), "got {:?}", e.error);
+    // Still held by the peer: not undelivered, and their buffers are not reused.
+    assert!(c.take_undelivered().is_empty());
+    assert_eq!(c.in_flight(), 3);
+    for _ in 0..100 {
+        let mut junk = client.alloc(64).unwrap();
+        junk.fill(0xee);
+    }
+    for (i, m) in held.iter().enumerate() {
+        assert_eq!(check(m.as_slice().unwrap()).0, i as u64, "a held message changed under its reader");
+    }
+    drop(held);
+    // Releases still flow after the close.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while c.in_flight() > 0 {
+        assert!(std::time::Instant::now() < deadline, "releases did not come back after close");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
