@@ -600,8 +600,9 @@ pub(crate) fn peer_fd(i: usize) -> OwnedFd {
     unsafe { OwnedFd::from_raw_fd(PEER_FD0 + i as RawFd) }
 }
 
-/// `key=value` arguments of a peer.
-pub(crate) struct PeerArgs(HashMap<String, String>);
+/// `key=value` arguments of a peer process (also used by the `fido` CLI's
+/// own role processes).
+pub struct PeerArgs(HashMap<String, String>);
 
 impl PeerArgs {
     pub fn parse(args: &[String]) -> PeerArgs {
@@ -625,6 +626,9 @@ impl PeerArgs {
         T::Err: std::error::Error + Send + Sync + 'static,
     {
         Ok(self.get(k)?.parse()?)
+    }
+    pub fn opt(&self, k: &str) -> Option<&str> {
+        self.0.get(k).map(|s| s.as_str())
     }
     pub fn flag(&self, k: &str) -> bool {
         matches!(self.0.get(k).map(|s| s.as_str()), Some("1") | Some("true"))

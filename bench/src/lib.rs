@@ -47,6 +47,7 @@ mod sock;
 mod ucx;
 
 pub use harness::{
+    PeerArgs,
     fill, fold, latency_record, mono_ns, percentiles, pin_to, print_table, quantile, size_label,
     spawn_peer, spawn_peer_with, spin_until, time_round_trips, write_json, Histogram, Opts, Peer,
     PinGuard, Placement, Record, Watchdog, PEER_FD0,

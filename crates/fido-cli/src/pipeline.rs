@@ -34,36 +34,8 @@ const OP_WARMUP: u16 = 1;
 const OP_MEASURED: u16 = 2;
 const OP_END: u16 = 3;
 
-/// Key=value arguments of a role.
-pub struct Args(std::collections::HashMap<String, String>);
-
-impl Args {
-    pub fn parse(args: &[String]) -> Args {
-        Args(
-            args.iter()
-                .filter_map(|a| {
-                    a.split_once('=')
-                        .map(|(k, v)| (k.to_string(), v.to_string()))
-                })
-                .collect(),
-        )
-    }
-    pub fn get(&self, k: &str) -> anyhow::Result<&str> {
-        self.0
-            .get(k)
-            .map(|s| s.as_str())
-            .with_context(|| format!("argument {k}= missing"))
-    }
-    pub fn num<T: std::str::FromStr>(&self, k: &str) -> anyhow::Result<T>
-    where
-        T::Err: std::error::Error + Send + Sync + 'static,
-    {
-        Ok(self.get(k)?.parse()?)
-    }
-    pub fn opt(&self, k: &str) -> Option<&str> {
-        self.0.get(k).map(|s| s.as_str())
-    }
-}
+/// Key=value arguments of a role (the bench harness's parser).
+pub use fido_bench::PeerArgs as Args;
 
 /// Prints one JSON line on stdout and flushes it.
 pub fn emit(v: &Value) -> anyhow::Result<()> {
