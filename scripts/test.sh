@@ -14,7 +14,7 @@
 #   fuzz-replay  scripts/fuzz-replay.sh: every corpus through the libFuzzer+ASan
 #                build of its target (nightly, or stable + RUSTC_BOOTSTRAP=1)
 #
-# Knobs: FIDO_CI_CARGO_ARGS (default "--workspace"; e.g. "-p fido-shm -p fido-ring"
+# Knobs: FIDO_CI_CARGO_ARGS (default "--workspace --features fido/tokio"; e.g. "-p fido-shm -p fido-ring"
 # while a crate does not build), FIDO_CI_FUZZ=0 skips fuzz-replay,
 # FIDO_CI_SKIP_DEPS=1 skips deps; FIDO_CI_{BUILD,TEST,LOOM,FUZZ}_LIMIT set the
 # per-step time limits in seconds (defaults 1200/600/600/600: a cold run on 2
@@ -26,7 +26,9 @@ cd "$(dirname "$0")/.."
 
 if [[ -x "$HOME/.cargo/bin/cargo" ]]; then export PATH="$HOME/.cargo/bin:$PATH"; fi
 target_dir="${CARGO_TARGET_DIR:-$PWD/target}"
-read -r -a cargo_args <<<"${FIDO_CI_CARGO_ARGS:---workspace}"
+# The tokio flavour is behind a feature: build and test with it on, in both
+# steps, so the test step reuses the build.
+read -r -a cargo_args <<<"${FIDO_CI_CARGO_ARGS:---workspace --features fido/tokio}"
 
 passed=0 failed=0
 failed_steps=()
@@ -71,8 +73,6 @@ if [[ " ${failed_steps[*]} " == *" build "* ]]; then
     skip_because test "build failed"
 else
     step test "${FIDO_CI_TEST_LIMIT:-600}" cargo test --release "${cargo_args[@]}"
-    # The tokio flavour is behind a feature; its test needs it on.
-    step test-async "${FIDO_CI_TEST_LIMIT:-600}" cargo test --release -p fido --features tokio --test async
 fi
 
 step loom "${FIDO_CI_LOOM_LIMIT:-600}" env RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR="$target_dir/loom" \
