@@ -15,8 +15,12 @@
 //! for that connection or slot; reuse a `DomainId`, or a slot that is still
 //! mapped somewhere.
 
+mod account;
+pub mod policy;
 mod server;
 mod sys;
+
+pub use policy::{Glob, Policy, Quotas, Rule};
 
 use std::fs::{DirBuilder, File, OpenOptions};
 use std::os::fd::{AsFd, OwnedFd};
@@ -45,6 +49,10 @@ pub struct Config {
     pub heartbeat_misses: u32,
     /// PGVAS geometry handed to every domain.
     pub geometry: PgvasGeometry,
+    /// Who may join and do what, with per-domain quotas, and the socket
+    /// file's mode and group. Default: [`Policy::default_for_self`] (only
+    /// the broker's own uid may join).
+    pub policy: Arc<Policy>,
 }
 
 impl Config {
@@ -56,6 +64,7 @@ impl Config {
             heartbeat: Duration::from_millis(500),
             heartbeat_misses: 6,
             geometry: PgvasGeometry::DEFAULT,
+            policy: Arc::new(Policy::default_for_self()),
         }
     }
 
@@ -182,7 +191,7 @@ impl Broker {
                 .map_err(|e| BrokerError::Registry(e.to_string()))?;
         }
 
-        let (listener, socket_id) = bind_socket(&config.socket)?;
+        let (listener, socket_id) = bind_socket(&config.socket, &config.policy)?;
         let shutdown = rustix::event::eventfd(
             0,
             rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
@@ -248,7 +257,7 @@ impl Broker {
     }
 }
 
-fn bind_socket(path: &Path) -> Result<(OwnedFd, (u64, u64)), BrokerError> {
+fn bind_socket(path: &Path, policy: &Policy) -> Result<(OwnedFd, (u64, u64)), BrokerError> {
     if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
         DirBuilder::new()
             .recursive(true)
@@ -305,6 +314,17 @@ fn bind_socket(path: &Path) -> Result<(OwnedFd, (u64, u64)), BrokerError> {
         Err(Errno::ADDRINUSE) => return Err(BrokerError::AddrInUse(path.to_path_buf())),
         Err(e) => return Err(sys_err("bind")(e)),
     }
+    // The policy decides who joins; the file mode (default 0666) and group
+    // decide who may talk to the broker at all. Set before listen(), so no
+    // connection is accepted under the umask's mode.
+    if let Some(gid) = policy.socket_gid {
+        std::os::unix::fs::lchown(path, None, Some(gid)).map_err(io_err(path))?;
+    }
+    std::fs::set_permissions(
+        path,
+        std::os::unix::fs::PermissionsExt::from_mode(policy.socket_mode),
+    )
+    .map_err(io_err(path))?;
     rustix::net::listen(&listener, 128).map_err(sys_err("listen"))?;
     let meta = std::fs::symlink_metadata(path).map_err(io_err(path))?;
     Ok((listener, (meta.dev(), meta.ino())))

@@ -25,6 +25,8 @@ use rustix::event::epoll;
 use rustix::io::Errno;
 use rustix::net::SocketFlags;
 
+use crate::account::RegAccount;
+use crate::policy::{JoinDenied, Rule};
 use crate::sys::{self, Recv};
 use crate::{BrokerError, Config};
 
@@ -85,6 +87,8 @@ struct Domain {
     services: BTreeSet<String>,
     /// Slots (of other domains, or its own) this domain has mapped.
     maps: BTreeSet<u32>,
+    /// The policy rule that admitted it; decides its rights and quotas for its life.
+    rule: Arc<Rule>,
 }
 
 /// A PGVAS slot in use: by a live owner, or pinned by domains that still map
@@ -136,6 +140,10 @@ pub(crate) struct Server {
     grace_end: Instant,
     after_reply: Vec<(DomainId, Event)>,
     buf: Vec<u8>,
+    /// The policy's rules, shared with the domains they admitted.
+    rules: Vec<Arc<Rule>>,
+    /// Who is charged for which application registry key.
+    acct: RegAccount,
 }
 
 impl Server {
@@ -165,6 +173,12 @@ impl Server {
         add(listener.as_fd(), KEY_LISTENER)?;
         add(shutdown.as_fd(), KEY_SHUTDOWN)?;
         let grace_end = Instant::now() + cfg.heartbeat_timeout();
+        let rules = cfg.policy.rules.iter().cloned().map(Arc::new).collect();
+        tracing::info!(
+            policy = cfg.policy.source,
+            rules = cfg.policy.rules.len(),
+            "access policy loaded"
+        );
         Ok(Server {
             cfg,
             listener,
@@ -185,6 +199,8 @@ impl Server {
             grace_end,
             after_reply: Vec::new(),
             buf: vec![0u8; fido_proto::MAX_MESSAGE],
+            rules,
+            acct: RegAccount::default(),
         })
     }
 
@@ -654,6 +670,19 @@ impl Server {
                     ));
                 };
                 let owner = s.owner;
+                let already = s.mappers.contains(&dom);
+                if owner != dom && !already && !self.connected_path(dom, owner) {
+                    return Err(self.deny(
+                        dom,
+                        format!(
+                            "no grant of slot {slot}: this domain has no connection path to its owner, domain {owner} \
+                             (a grant needs a chain of established connections, as a forwarded pointer travels)"
+                        ),
+                    ));
+                }
+                let Some(s) = self.slots.get_mut(&slot) else {
+                    return Err(internal("slot vanished", slot));
+                };
                 let arena = s
                     .arena
                     .as_ref()
@@ -699,23 +728,48 @@ impl Server {
             }
             Request::Write { path, value } => {
                 check_writable(&path)?;
+                self.check_reg_access(dom, &path, false)?;
+                let op = [TxnOp::Put { path, value }];
+                let overlay = self.charge(dom, &op)?;
+                let [TxnOp::Put { path, value }] = &op else {
+                    unreachable!()
+                };
                 let events = self
                     .reg
-                    .write(&path, &value)
+                    .write(path, value)
                     .map_err(|e| internal("registry write", e))?;
+                self.acct.commit(overlay);
                 self.deliver(events);
                 Ok(Some((Reply::Ok, Vec::new())))
             }
             Request::Delete { path } => {
                 check_writable(&path)?;
+                self.check_reg_access(dom, &path, true)?;
+                let op = [TxnOp::Delete { path }];
+                let overlay = self.charge(dom, &op)?;
+                let [TxnOp::Delete { path }] = &op else {
+                    unreachable!()
+                };
                 let events = self
                     .reg
-                    .delete(&path)
+                    .delete(path)
                     .map_err(|e| internal("registry delete", e))?;
+                self.acct.commit(overlay);
                 self.deliver(events);
                 Ok(Some((Reply::Ok, Vec::new())))
             }
             Request::Watch { token, prefix } => {
+                let limit = self.domains.get(&dom).map_or(0, |d| d.rule.quotas.watches);
+                let held = self.reg.watch_count(dom) as u64;
+                // Re-using a token replaces that watch: it does not add one.
+                if held >= limit && !self.reg.unwatch(dom, token) {
+                    return Err(self.quota(
+                        dom,
+                        format!(
+                            "too many registry watches: this domain holds {held} (limit {limit})"
+                        ),
+                    ));
+                }
                 self.reg
                     .watch(dom, token, &prefix)
                     .map_err(|e| internal("registry watch", e))?;
@@ -728,14 +782,25 @@ impl Server {
             Request::Transaction { ops } => {
                 for op in &ops {
                     match op {
-                        TxnOp::Put { path, .. } | TxnOp::Delete { path } => check_writable(path)?,
+                        TxnOp::Put { path, .. } => {
+                            check_writable(path)?;
+                            self.check_reg_access(dom, path, false)?;
+                        }
+                        TxnOp::Delete { path } => {
+                            check_writable(path)?;
+                            self.check_reg_access(dom, path, true)?;
+                        }
                         TxnOp::Check { .. } | TxnOp::Read { .. } => {}
                     }
                 }
+                let overlay = self.charge(dom, &ops)?;
                 let out = self
                     .reg
                     .transact(&ops)
                     .map_err(|e| internal("registry transaction", e))?;
+                if out.committed {
+                    self.acct.commit(overlay);
+                }
                 self.deliver(out.events);
                 Ok(Some((
                     Reply::Txn {
@@ -797,6 +862,36 @@ impl Server {
                     geo.slot_size
                 ),
             ));
+        }
+        let (pid, uid, gid) = {
+            let c = self
+                .clients
+                .get(&key)
+                .expect("client exists while handling its message");
+            (c.pid, c.uid, c.gid)
+        };
+        let rule = match self.cfg.policy.decide(uid, gid, label.as_deref()) {
+            Ok(i) => self.rules[i].clone(),
+            Err(why) => {
+                let reason = match why {
+                    JoinDenied::NoRule => "no rule matches".to_string(),
+                    JoinDenied::Forbidden(r) => format!("rule {r} says join = false"),
+                };
+                let msg = format!(
+                    "uid {uid} (gid {gid}, label {label:?}) may not join: {reason} (policy {})",
+                    self.cfg.policy.source
+                );
+                tracing::warn!(pid, uid, gid, name, "denied: {msg}");
+                return Err(err(ErrorCode::Denied, msg));
+            }
+        };
+        if arena_len > rule.quotas.arena_bytes {
+            let msg = format!(
+                "arena of {arena_len} bytes is over this domain's quota (limit {}; rule {})",
+                rule.quotas.arena_bytes, rule.name
+            );
+            tracing::warn!(pid, uid, name, "quota: {msg}");
+            return Err(err(ErrorCode::Quota, msg));
         }
         fido_shm::check_grant(arena.as_fd(), arena_len).map_err(|e| {
             err(
@@ -869,14 +964,9 @@ impl Server {
             }
         };
 
-        let (pid, uid) = {
-            let c = self
-                .clients
-                .get_mut(&key)
-                .expect("client exists while handling its message");
+        if let Some(c) = self.clients.get_mut(&key) {
             c.domain = Some(id);
-            (c.pid, c.uid)
-        };
+        }
         match self.slots.get_mut(&slot) {
             Some(s) => {
                 s.live = true;
@@ -906,6 +996,7 @@ impl Server {
                 counters: Counters::default(),
                 services: BTreeSet::new(),
                 maps: BTreeSet::new(),
+                rule,
             },
         );
         let base = format!("/domain/{id}");
@@ -922,6 +1013,9 @@ impl Server {
             tracing::info!(domain = id, slot, name, pid, uid, "domain resumed");
         } else {
             tracing::info!(domain = id, slot, name, pid, uid, "domain joined");
+        }
+        if let Some(d) = self.domains.get(&id) {
+            tracing::debug!(domain = id, rule = d.rule.name, "policy rule");
         }
         let joined = Reply::Joined {
             domain: id,
@@ -1095,11 +1189,137 @@ impl Server {
             }
         }
 
+        let limit = self.domains.get(&id).map_or(0, |d| d.rule.quotas.watches);
         for (token, prefix) in r.watches {
+            if self.reg.watch_count(id) as u64 >= limit {
+                tracing::warn!(
+                    domain = id,
+                    token,
+                    prefix,
+                    limit,
+                    "resumed watch over quota dropped"
+                );
+                continue;
+            }
             if let Err(e) = self.reg.watch(id, token, &prefix) {
                 tracing::warn!(domain = id, token, prefix, error = %e, "resumed watch dropped");
             }
         }
+    }
+
+    // ----- policy and quotas --------------------------------------------------
+
+    /// A `Denied` error naming the rule, logged at warn.
+    fn deny(&self, dom: DomainId, what: String) -> RemoteError {
+        let (rule, uid, pid) = self.domains.get(&dom).map_or(("?".to_string(), 0, 0), |d| {
+            (d.rule.name.clone(), d.uid, d.pid)
+        });
+        let msg = format!(
+            "denied: {what} (policy {}, rule {rule})",
+            self.cfg.policy.source
+        );
+        tracing::warn!(domain = dom, uid, pid, "{msg}");
+        err(ErrorCode::Denied, msg)
+    }
+
+    /// A `Quota` error (the message carries the limit), logged at warn.
+    fn quota(&self, dom: DomainId, what: String) -> RemoteError {
+        let rule = self.domains.get(&dom).map_or("?", |d| d.rule.name.as_str());
+        let msg = format!("{what}; rule {rule}");
+        tracing::warn!(domain = dom, "quota: {msg}");
+        err(ErrorCode::Quota, msg)
+    }
+
+    /// May `dom` write (or, with `delete`, delete the subtree of) `path`?
+    fn check_reg_access(&self, dom: DomainId, path: &str, delete: bool) -> Result<(), RemoteError> {
+        let Some(d) = self.domains.get(&dom) else {
+            return Err(internal("registry", "caller has no domain"));
+        };
+        let ok = if delete {
+            d.rule
+                .may_delete(path, || self.reg.list(path).map_or(true, |c| !c.is_empty()))
+        } else {
+            d.rule.may_write(path)
+        };
+        if ok {
+            return Ok(());
+        }
+        let what = if delete {
+            format!("may not delete {path} (and its subtree)")
+        } else {
+            format!("may not write {path}")
+        };
+        Err(self.deny(dom, what))
+    }
+
+    /// Checks the registry quotas for `ops` run by `dom`; the returned charges
+    /// are committed once the registry has applied them.
+    fn charge(&self, dom: DomainId, ops: &[TxnOp]) -> Result<crate::account::Overlay, RemoteError> {
+        let q = match self.domains.get(&dom) {
+            Some(d) => d.rule.quotas,
+            None => return Err(internal("registry", "caller has no domain")),
+        };
+        let (keys0, bytes0) = self.acct.usage(dom);
+        let (overlay, (keys, bytes)) = self.acct.simulate(dom, ops);
+        // Growing past a limit is refused; shrinking is always allowed.
+        if keys > q.registry_keys && keys > keys0 {
+            return Err(self.quota(
+                dom,
+                format!(
+                    "too many registry keys: this would hold {keys} (limit {})",
+                    q.registry_keys
+                ),
+            ));
+        }
+        if bytes > q.registry_bytes && bytes > bytes0 {
+            return Err(self.quota(
+                dom,
+                format!(
+                    "too many registry bytes: this would hold {bytes} bytes of values (limit {})",
+                    q.registry_bytes
+                ),
+            ));
+        }
+        Ok(overlay)
+    }
+
+    /// Established and pending connections `dom` is an end of.
+    fn open_connections(&self, dom: DomainId) -> u64 {
+        let est = self
+            .conns
+            .values()
+            .filter(|c| c.client == dom || c.server == dom)
+            .count();
+        let pend = self
+            .pending
+            .values()
+            .filter(|p| p.client == dom || p.server == dom)
+            .count();
+        (est + pend) as u64
+    }
+
+    /// Is `to` reachable from `from` over established connections (either
+    /// direction, any number of hops)? This is how a pointer into `to`'s arena
+    /// can legitimately reach `from`: forwarded along a chain of connections.
+    fn connected_path(&self, from: DomainId, to: DomainId) -> bool {
+        let mut adj: HashMap<DomainId, Vec<DomainId>> = HashMap::new();
+        for c in self.conns.values() {
+            adj.entry(c.client).or_default().push(c.server);
+            adj.entry(c.server).or_default().push(c.client);
+        }
+        let mut seen = HashSet::from([from]);
+        let mut queue = VecDeque::from([from]);
+        while let Some(d) = queue.pop_front() {
+            if d == to {
+                return true;
+            }
+            for &n in adj.get(&d).map(Vec::as_slice).unwrap_or(&[]) {
+                if seen.insert(n) {
+                    queue.push_back(n);
+                }
+            }
+        }
+        false
     }
 
     fn write_conn_keys(&mut self, conn: ConnId) {
@@ -1116,6 +1336,13 @@ impl Server {
     // ----- services and connections -------------------------------------------
 
     fn offer(&mut self, dom: DomainId, service: String) -> Handled {
+        if !self
+            .domains
+            .get(&dom)
+            .is_some_and(|d| d.rule.may_offer(&service))
+        {
+            return Err(self.deny(dom, format!("may not offer service {service:?}")));
+        }
         if let Some(owner) = self.services.get(&service) {
             return Err(err(
                 ErrorCode::ServiceTaken,
@@ -1142,6 +1369,15 @@ impl Server {
         block: RingBlock,
         fds: Vec<OwnedFd>,
     ) -> Handled {
+        // The policy first: a denied domain learns nothing and gets nothing,
+        // and the server never hears of it.
+        if !self
+            .domains
+            .get(&dom)
+            .is_some_and(|d| d.rule.may_connect(&service))
+        {
+            return Err(self.deny(dom, format!("may not connect to service {service:?}")));
+        }
         check_bells("Connect", &fds)?;
         let Some(&server) = self.services.get(&service) else {
             return Err(err(
@@ -1149,6 +1385,32 @@ impl Server {
                 format!("no domain offers service {service:?}"),
             ));
         };
+        let limit = self
+            .domains
+            .get(&dom)
+            .map_or(0, |d| d.rule.quotas.connections);
+        let open = self.open_connections(dom);
+        if open >= limit {
+            return Err(self.quota(
+                dom,
+                format!("too many connections: this domain has {open} open (limit {limit})"),
+            ));
+        }
+        if server != dom {
+            let limit = self
+                .domains
+                .get(&server)
+                .map_or(0, |d| d.rule.quotas.connections);
+            let open = self.open_connections(server);
+            if open >= limit {
+                return Err(self.quota(
+                    dom,
+                    format!(
+                        "domain {server} offering {service:?} is at its connection limit ({open} open, limit {limit})"
+                    ),
+                ));
+            }
+        }
         let peer = self
             .peer_info(dom)
             .ok_or_else(|| internal("connect", "caller has no domain"))?;
@@ -1316,6 +1578,7 @@ impl Server {
             ),
         }
         self.reg.drop_owner(id);
+        self.acct.forget(id);
 
         for s in &d.services {
             self.services.remove(s);

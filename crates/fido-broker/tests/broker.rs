@@ -461,6 +461,12 @@ fn grant_slot() {
     let mut c = b.client();
     let (ida, slota) = a.join("a");
     c.join("c");
+    // Only along a chain of connections (see also tests/policy.rs).
+    assert_eq!(
+        c.err_code(Request::GrantSlot { slot: slota }),
+        ErrorCode::Denied
+    );
+    let _l = link(&mut a, &mut c, "svc");
     let (r, fds) = c.request_fds(Request::GrantSlot { slot: slota }, &[]);
     assert_eq!(
         r,

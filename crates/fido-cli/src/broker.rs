@@ -26,6 +26,8 @@ pub struct BrokerArgs {
     pub socket: Option<PathBuf>,
     pub heartbeat_ms: Option<u64>,
     pub heartbeat_misses: Option<u32>,
+    /// Access policy (TOML); without it only the broker's own uid may join.
+    pub policy: Option<PathBuf>,
 }
 
 pub fn run(a: BrokerArgs) -> anyhow::Result<()> {
@@ -41,6 +43,21 @@ pub fn run(a: BrokerArgs) -> anyhow::Result<()> {
     if let Some(n) = a.heartbeat_misses {
         config.heartbeat_misses = n;
     }
+    let policy_note = match &a.policy {
+        Some(path) => {
+            // A policy that does not load is fatal: never fall back to another one.
+            let p = fido_broker::Policy::load(path)
+                .map_err(|e| anyhow::anyhow!("{e}"))
+                .context("refusing to start: the policy file is invalid")?;
+            let note = format!("policy {} ({} rules)", path.display(), p.rules.len());
+            config.policy = std::sync::Arc::new(p);
+            note
+        }
+        None => format!(
+            "built-in default policy: only uid {} may join",
+            rustix::process::geteuid().as_raw()
+        ),
+    };
     let broker = Broker::bind(config).context("starting the broker")?;
     let handle = broker.shutdown_handle();
     let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])
@@ -55,7 +72,7 @@ pub fn run(a: BrokerArgs) -> anyhow::Result<()> {
             }
         })?;
     eprintln!(
-        "fido broker: listening on {} (state in {})",
+        "fido broker: listening on {} (state in {}; {policy_note})",
         socket.display(),
         state.display()
     );

@@ -1,0 +1,709 @@
+//! Access policy and per-domain quotas.
+//!
+//! A policy is an ordered list of rules. At join, the broker picks the first
+//! rule whose selectors (uids/users, gids/groups, labels) all match the
+//! joining domain — uid and gid from `SO_PEERCRED`, label from
+//! `Request::Join` — and that rule decides everything about the domain for
+//! its whole life: whether it may join at all, which service names it may
+//! offer and connect to, where in the registry it may write, and its quotas.
+//! No matching rule means the join is denied.
+//!
+//! The format (TOML) is documented with an example in `docs/SECURITY.md`.
+//! Without a policy file the broker uses [`Policy::default_for_uid`]: only the
+//! broker's own uid may join, and it may do everything.
+
+use std::ffi::CString;
+use std::fmt;
+use std::path::Path;
+
+use serde::Deserialize;
+
+/// Built-in quota defaults, used where neither `[defaults]` nor a rule says otherwise.
+pub const DEFAULT_QUOTAS: Quotas = Quotas {
+    arena_bytes: u64::MAX,
+    connections: 4096,
+    registry_keys: 65_536,
+    registry_bytes: 64 << 20,
+    watches: 4096,
+};
+
+/// Default mode of the broker's socket file: anyone may connect, the policy
+/// decides who may join.
+pub const DEFAULT_SOCKET_MODE: u32 = 0o666;
+
+/// Per-domain limits (all inclusive maxima).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Quotas {
+    /// Largest `arena_len` accepted at join, in bytes (further capped by the PGVAS slot size).
+    pub arena_bytes: u64,
+    /// Open connections (established or pending) where the domain is client or server.
+    pub connections: u64,
+    /// Registry keys the domain holds (keys it wrote last and nobody deleted since).
+    pub registry_keys: u64,
+    /// Sum of the value lengths of those keys, in bytes.
+    pub registry_bytes: u64,
+    /// Registry watches the domain holds at once.
+    pub watches: u64,
+}
+
+/// A `*`/`?` glob. `*` matches any run of characters except `/`, `**` any run
+/// including `/`, `?` exactly one character except `/`; everything else
+/// matches itself. A pattern ending in `/**` also matches the part before it
+/// (`/app/**` matches `/app`). For service names and labels, which contain no
+/// `/`, `*` simply matches anything.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Glob {
+    text: String,
+    toks: Vec<Tok>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Tok {
+    Lit(u8),
+    One,
+    Star,
+    DStar,
+}
+
+impl Glob {
+    /// Compiles a pattern; it must be non-empty.
+    pub fn new(pattern: &str) -> Result<Glob, String> {
+        if pattern.is_empty() {
+            return Err("empty glob pattern".into());
+        }
+        let b = pattern.as_bytes();
+        let mut toks = Vec::with_capacity(b.len());
+        let mut i = 0;
+        while i < b.len() {
+            match b[i] {
+                b'*' if b.get(i + 1) == Some(&b'*') => {
+                    toks.push(Tok::DStar);
+                    i += 2;
+                    while b.get(i) == Some(&b'*') {
+                        i += 1;
+                    }
+                    continue;
+                }
+                b'*' => toks.push(Tok::Star),
+                b'?' => toks.push(Tok::One),
+                c => toks.push(Tok::Lit(c)),
+            }
+            i += 1;
+        }
+        Ok(Glob {
+            text: pattern.to_string(),
+            toks,
+        })
+    }
+
+    /// The pattern as written.
+    pub fn as_str(&self) -> &str {
+        &self.text
+    }
+
+    /// Does `s` match? O(len(pattern) × len(s)), no recursion.
+    pub fn matches(&self, s: &str) -> bool {
+        if self.match_bytes(s.as_bytes()) {
+            return true;
+        }
+        // `prefix/**` also matches `prefix` itself.
+        if self.text.ends_with("/**") && !s.ends_with('/') {
+            let mut with = Vec::with_capacity(s.len() + 1);
+            with.extend_from_slice(s.as_bytes());
+            with.push(b'/');
+            return self.match_bytes(&with);
+        }
+        false
+    }
+
+    /// True if every key at or below `path` matches too (the pattern ends in
+    /// `/**` and `path` matches it).
+    pub fn covers_subtree(&self, path: &str) -> bool {
+        self.text.ends_with("/**") && self.matches(path)
+    }
+
+    fn match_bytes(&self, s: &[u8]) -> bool {
+        // cur[j]: the tokens seen so far match s[..j].
+        let n = s.len();
+        let mut cur = vec![false; n + 1];
+        cur[0] = true;
+        let mut next = vec![false; n + 1];
+        for t in &self.toks {
+            next.iter_mut().for_each(|x| *x = false);
+            match *t {
+                Tok::Lit(c) => {
+                    for j in 0..n {
+                        next[j + 1] = cur[j] && s[j] == c;
+                    }
+                }
+                Tok::One => {
+                    for j in 0..n {
+                        next[j + 1] = cur[j] && s[j] != b'/';
+                    }
+                }
+                Tok::Star => {
+                    next[0] = cur[0];
+                    for j in 0..n {
+                        next[j + 1] = cur[j + 1] || (next[j] && s[j] != b'/');
+                    }
+                }
+                Tok::DStar => {
+                    next[0] = cur[0];
+                    for j in 0..n {
+                        next[j + 1] = cur[j + 1] || next[j];
+                    }
+                }
+            }
+            std::mem::swap(&mut cur, &mut next);
+        }
+        cur[n]
+    }
+}
+
+impl fmt::Debug for Glob {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}", self.text)
+    }
+}
+
+/// One rule of the policy, with names already resolved to ids.
+#[derive(Debug, Clone)]
+pub struct Rule {
+    /// `name = "…"` in the file, else `#N` (1-based position).
+    pub name: String,
+    /// Matches if the peer's uid is one of these (`uids` and resolved `users`); empty: any uid.
+    pub uids: Vec<u32>,
+    /// Matches if the peer's primary gid (from `SO_PEERCRED`) is one of these
+    /// (`gids` and resolved `groups`); empty: any gid.
+    pub gids: Vec<u32>,
+    /// Matches if the join label matches one of these; empty: any label or
+    /// none. A domain that gives no label never matches a rule with labels.
+    pub labels: Vec<Glob>,
+    /// May the domain join at all (a rule with `join = false` is an explicit deny).
+    pub join: bool,
+    /// Service names the domain may offer.
+    pub offer: Vec<Glob>,
+    /// Service names the domain may connect to.
+    pub connect: Vec<Glob>,
+    /// Registry paths the domain may write and delete (never the broker-managed subtrees).
+    pub registry_write: Vec<Glob>,
+    /// The domain's quotas (the rule's own, else `[defaults]`, else built-in).
+    pub quotas: Quotas,
+}
+
+impl Rule {
+    /// Do the selectors match this peer?
+    pub fn selects(&self, uid: u32, gid: u32, label: Option<&str>) -> bool {
+        (self.uids.is_empty() || self.uids.contains(&uid))
+            && (self.gids.is_empty() || self.gids.contains(&gid))
+            && (self.labels.is_empty()
+                || label.is_some_and(|l| self.labels.iter().any(|g| g.matches(l))))
+    }
+
+    /// May offer `service`?
+    pub fn may_offer(&self, service: &str) -> bool {
+        self.offer.iter().any(|g| g.matches(service))
+    }
+
+    /// May connect to `service`?
+    pub fn may_connect(&self, service: &str) -> bool {
+        self.connect.iter().any(|g| g.matches(service))
+    }
+
+    /// May write the key `path`?
+    pub fn may_write(&self, path: &str) -> bool {
+        self.registry_write.iter().any(|g| g.matches(path))
+    }
+
+    /// May delete `path` and its subtree? Either a pattern covers the whole
+    /// subtree, or `path` matches and it has no children (`has_children`).
+    pub fn may_delete(&self, path: &str, has_children: impl FnOnce() -> bool) -> bool {
+        if self.registry_write.iter().any(|g| g.covers_subtree(path)) {
+            return true;
+        }
+        self.may_write(path) && !has_children()
+    }
+}
+
+/// The broker's access policy: rules matched in order, first match decides.
+#[derive(Debug, Clone)]
+pub struct Policy {
+    /// The rules, in file order.
+    pub rules: Vec<Rule>,
+    /// Mode of the socket file (`[socket] mode`, default `0o666`).
+    pub socket_mode: u32,
+    /// Group of the socket file (`[socket] group`), if set.
+    pub socket_gid: Option<u32>,
+    /// Where the policy came from, for log and error messages.
+    pub source: String,
+}
+
+/// Why a join was refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum JoinDenied {
+    /// No rule selects this peer.
+    NoRule,
+    /// The first rule that selects it says `join = false`.
+    Forbidden(String),
+}
+
+impl Policy {
+    /// The default without a policy file: one rule that lets `uid` (the
+    /// broker's own) join and do everything, with the built-in quotas.
+    pub fn default_for_uid(uid: u32) -> Policy {
+        let all = |p: &str| vec![Glob::new(p).expect("valid")];
+        Policy {
+            rules: vec![Rule {
+                name: format!("default (the broker's own uid {uid})"),
+                uids: vec![uid],
+                gids: Vec::new(),
+                labels: Vec::new(),
+                join: true,
+                offer: all("*"),
+                connect: all("*"),
+                registry_write: all("/**"),
+                quotas: DEFAULT_QUOTAS,
+            }],
+            socket_mode: DEFAULT_SOCKET_MODE,
+            socket_gid: None,
+            source: "built-in default policy".into(),
+        }
+    }
+
+    /// The default for the effective uid of this process.
+    pub fn default_for_self() -> Policy {
+        Policy::default_for_uid(rustix::process::geteuid().as_raw())
+    }
+
+    /// Reads and checks a policy file. Errors name the file and, for syntax
+    /// errors, the line and column.
+    pub fn load(path: &Path) -> Result<Policy, String> {
+        let text =
+            std::fs::read_to_string(path).map_err(|e| format!("policy {}: {e}", path.display()))?;
+        Policy::parse(&text, &path.display().to_string())
+    }
+
+    /// Parses a policy from TOML text; `source` names it in messages.
+    pub fn parse(text: &str, source: &str) -> Result<Policy, String> {
+        let raw: RawPolicy = toml::from_str(text).map_err(|e| format!("policy {source}: {e}"))?;
+        raw.resolve(source)
+            .map_err(|e| format!("policy {source}: {e}"))
+    }
+
+    /// The index of the rule deciding for this peer, if it may join.
+    pub fn decide(&self, uid: u32, gid: u32, label: Option<&str>) -> Result<usize, JoinDenied> {
+        match self.rules.iter().position(|r| r.selects(uid, gid, label)) {
+            None => Err(JoinDenied::NoRule),
+            Some(i) if !self.rules[i].join => {
+                Err(JoinDenied::Forbidden(self.rules[i].name.clone()))
+            }
+            Some(i) => Ok(i),
+        }
+    }
+}
+
+// ----- the file format --------------------------------------------------------
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawPolicy {
+    #[serde(default)]
+    defaults: RawQuotas,
+    #[serde(default)]
+    socket: RawSocket,
+    #[serde(default, rename = "rule")]
+    rules: Vec<RawRule>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawSocket {
+    mode: Option<u32>,
+    group: Option<String>,
+    gid: Option<u32>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawQuotas {
+    arena_bytes: Option<Size>,
+    connections: Option<u64>,
+    registry_keys: Option<u64>,
+    registry_bytes: Option<Size>,
+    watches: Option<u64>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRule {
+    name: Option<String>,
+    #[serde(default)]
+    uids: Vec<u32>,
+    #[serde(default)]
+    users: Vec<String>,
+    #[serde(default)]
+    gids: Vec<u32>,
+    #[serde(default)]
+    groups: Vec<String>,
+    #[serde(default)]
+    labels: Vec<String>,
+    #[serde(default = "yes")]
+    join: bool,
+    #[serde(default)]
+    offer: Vec<String>,
+    #[serde(default)]
+    connect: Vec<String>,
+    #[serde(default)]
+    registry_write: Vec<String>,
+    arena_bytes: Option<Size>,
+    connections: Option<u64>,
+    registry_keys: Option<u64>,
+    registry_bytes: Option<Size>,
+    watches: Option<u64>,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// A byte count: an integer, or a string with a binary suffix ("64KiB", "16M", "1G").
+#[derive(Deserialize, Clone)]
+#[serde(untagged)]
+enum Size {
+    N(u64),
+    S(String),
+}
+
+impl Size {
+    fn bytes(&self, what: &str) -> Result<u64, String> {
+        match self {
+            Size::N(n) => Ok(*n),
+            Size::S(s) => parse_size(s).ok_or_else(|| {
+                format!(
+                    "{what} = {s:?}: not a size (an integer, or e.g. \"64KiB\", \"16M\", \"1G\")"
+                )
+            }),
+        }
+    }
+}
+
+/// `"4096"`, `"64K"`, `"64KiB"`, `"16M"`, `"1G"`, `"1 GiB"` (binary units).
+pub fn parse_size(s: &str) -> Option<u64> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: u64 = num.parse().ok()?;
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        "t" | "tb" | "tib" => 40,
+        _ => return None,
+    };
+    n.checked_mul(1u64 << shift)
+}
+
+impl RawQuotas {
+    fn over(&self, base: Quotas) -> Result<Quotas, String> {
+        Ok(Quotas {
+            arena_bytes: match &self.arena_bytes {
+                Some(s) => s.bytes("arena_bytes")?,
+                None => base.arena_bytes,
+            },
+            connections: self.connections.unwrap_or(base.connections),
+            registry_keys: self.registry_keys.unwrap_or(base.registry_keys),
+            registry_bytes: match &self.registry_bytes {
+                Some(s) => s.bytes("registry_bytes")?,
+                None => base.registry_bytes,
+            },
+            watches: self.watches.unwrap_or(base.watches),
+        })
+    }
+}
+
+fn globs(what: &str, rule: &str, list: &[String]) -> Result<Vec<Glob>, String> {
+    list.iter()
+        .map(|p| Glob::new(p).map_err(|e| format!("rule {rule}: {what}: {e}")))
+        .collect()
+}
+
+impl RawPolicy {
+    fn resolve(self, source: &str) -> Result<Policy, String> {
+        let defaults = self.defaults.over(DEFAULT_QUOTAS)?;
+        let mut rules = Vec::with_capacity(self.rules.len());
+        for (i, r) in self.rules.into_iter().enumerate() {
+            let name = match &r.name {
+                Some(n) => n.clone(),
+                None => format!("#{}", i + 1),
+            };
+            let mut uids = r.uids.clone();
+            for u in &r.users {
+                uids.push(lookup_user(u).map_err(|e| format!("rule {name}: {e}"))?);
+            }
+            let mut gids = r.gids.clone();
+            for g in &r.groups {
+                gids.push(lookup_group(g).map_err(|e| format!("rule {name}: {e}"))?);
+            }
+            for p in &r.registry_write {
+                if !p.starts_with('/') {
+                    return Err(format!(
+                        "rule {name}: registry_write pattern {p:?} must start with '/'"
+                    ));
+                }
+            }
+            let quotas = RawQuotas {
+                arena_bytes: r.arena_bytes.clone(),
+                connections: r.connections,
+                registry_keys: r.registry_keys,
+                registry_bytes: r.registry_bytes.clone(),
+                watches: r.watches,
+            }
+            .over(defaults)
+            .map_err(|e| format!("rule {name}: {e}"))?;
+            rules.push(Rule {
+                labels: globs("labels", &name, &r.labels)?,
+                offer: globs("offer", &name, &r.offer)?,
+                connect: globs("connect", &name, &r.connect)?,
+                registry_write: globs("registry_write", &name, &r.registry_write)?,
+                uids,
+                gids,
+                join: r.join,
+                quotas,
+                name,
+            });
+        }
+        let socket_mode = self.socket.mode.unwrap_or(DEFAULT_SOCKET_MODE);
+        if socket_mode & !0o777 != 0 {
+            return Err(format!(
+                "[socket] mode {socket_mode:#o} has bits beyond 0o777"
+            ));
+        }
+        let socket_gid = match (&self.socket.group, self.socket.gid) {
+            (Some(_), Some(_)) => return Err("[socket]: give either group or gid, not both".into()),
+            (Some(g), None) => Some(lookup_group(g)?),
+            (None, g) => g,
+        };
+        Ok(Policy {
+            rules,
+            socket_mode,
+            socket_gid,
+            source: source.to_string(),
+        })
+    }
+}
+
+/// uid of a user name (getpwnam_r, so NSS sources count too).
+pub fn lookup_user(name: &str) -> Result<u32, String> {
+    let c = CString::new(name).map_err(|_| format!("user {name:?}: contains NUL"))?;
+    let mut buf = vec![0 as libc::c_char; 16384];
+    // SAFETY: all-zero is a valid `passwd` (null pointers, zero ids).
+    let mut pw: libc::passwd = unsafe { std::mem::zeroed() };
+    let mut out: *mut libc::passwd = std::ptr::null_mut();
+    // SAFETY: every pointer is valid for the call and `buf` outlives it.
+    let rc =
+        unsafe { libc::getpwnam_r(c.as_ptr(), &mut pw, buf.as_mut_ptr(), buf.len(), &mut out) };
+    if rc != 0 {
+        return Err(format!(
+            "user {name:?}: {}",
+            std::io::Error::from_raw_os_error(rc)
+        ));
+    }
+    if out.is_null() {
+        return Err(format!("user {name:?} does not exist"));
+    }
+    Ok(pw.pw_uid)
+}
+
+/// gid of a group name (getgrnam_r).
+pub fn lookup_group(name: &str) -> Result<u32, String> {
+    let c = CString::new(name).map_err(|_| format!("group {name:?}: contains NUL"))?;
+    let mut buf = vec![0 as libc::c_char; 65536];
+    // SAFETY: all-zero is a valid `group`.
+    let mut gr: libc::group = unsafe { std::mem::zeroed() };
+    let mut out: *mut libc::group = std::ptr::null_mut();
+    // SAFETY: every pointer is valid for the call and `buf` outlives it.
+    let rc =
+        unsafe { libc::getgrnam_r(c.as_ptr(), &mut gr, buf.as_mut_ptr(), buf.len(), &mut out) };
+    if rc != 0 {
+        return Err(format!(
+            "group {name:?}: {}",
+            std::io::Error::from_raw_os_error(rc)
+        ));
+    }
+    if out.is_null() {
+        return Err(format!("group {name:?} does not exist"));
+    }
+    Ok(gr.gr_gid)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Reference matcher: plain backtracking, obviously right, exponential.
+    fn naive(p: &[u8], s: &[u8]) -> bool {
+        match p.first() {
+            None => s.is_empty(),
+            Some(b'*') if p.get(1) == Some(&b'*') => {
+                let mut k = 2;
+                while p.get(k) == Some(&b'*') {
+                    k += 1;
+                }
+                (0..=s.len()).any(|i| naive(&p[k..], &s[i..]))
+            }
+            Some(b'*') => {
+                let mut i = 0;
+                loop {
+                    if naive(&p[1..], &s[i..]) {
+                        return true;
+                    }
+                    if i == s.len() || s[i] == b'/' {
+                        return false;
+                    }
+                    i += 1;
+                }
+            }
+            Some(b'?') => !s.is_empty() && s[0] != b'/' && naive(&p[1..], &s[1..]),
+            Some(&c) => !s.is_empty() && s[0] == c && naive(&p[1..], &s[1..]),
+        }
+    }
+
+    #[test]
+    fn glob_examples() {
+        let g = |p: &str| Glob::new(p).unwrap();
+        assert!(g("svc-*").matches("svc-echo"));
+        assert!(g("svc-*").matches("svc-"));
+        assert!(!g("svc-*").matches("other-echo"));
+        assert!(g("*").matches("anything.at:all"));
+        assert!(g("a?c").matches("abc"));
+        assert!(!g("a?c").matches("ac"));
+        assert!(g("/app/*").matches("/app/x"));
+        assert!(!g("/app/*").matches("/app/x/y"));
+        assert!(g("/app/**").matches("/app/x/y"));
+        assert!(g("/app/**").matches("/app"));
+        assert!(!g("/app/**").matches("/apple"));
+        assert!(!g("/app/**").matches("/"));
+        assert!(g("/**").matches("/anything/at/all"));
+        assert!(g("/app/**").covers_subtree("/app/x"));
+        assert!(!g("/app/*").covers_subtree("/app/x"));
+        assert!(Glob::new("").is_err());
+    }
+
+    /// A small deterministic fuzz: the DP matcher agrees with the naive one.
+    #[test]
+    fn glob_agrees_with_naive_matcher() {
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut rnd = |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        };
+        let alpha = b"ab/*?";
+        let salpha = b"ab/";
+        for _ in 0..20_000 {
+            let pl = 1 + rnd(7) as usize;
+            let sl = rnd(9) as usize;
+            let p: Vec<u8> = (0..pl)
+                .map(|_| alpha[rnd(alpha.len() as u64) as usize])
+                .collect();
+            let s: Vec<u8> = (0..sl)
+                .map(|_| salpha[rnd(salpha.len() as u64) as usize])
+                .collect();
+            let ps = String::from_utf8(p.clone()).unwrap();
+            let ss = String::from_utf8(s.clone()).unwrap();
+            let g = Glob::new(&ps).unwrap();
+            assert_eq!(
+                g.match_bytes(&s),
+                naive(&p, &s),
+                "pattern {ps:?} text {ss:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn parse_and_decide() {
+        let text = r#"
+            [defaults]
+            connections = 8
+            registry_bytes = "1MiB"
+
+            [socket]
+            mode = 0o660
+
+            [[rule]]
+            name = "nobody-in"
+            uids = [4242]
+            join = false
+
+            [[rule]]
+            name = "apps"
+            uids = [1000, 1001]
+            labels = ["prod-*"]
+            offer = ["svc-*"]
+            connect = ["db", "cache-?"]
+            registry_write = ["/app/**"]
+            arena_bytes = "64MiB"
+            watches = 3
+
+            [[rule]]
+            users = ["root"]
+            offer = ["*"]
+        "#;
+        let p = Policy::parse(text, "test").unwrap();
+        assert_eq!(p.socket_mode, 0o660);
+        assert_eq!(
+            p.decide(4242, 0, None),
+            Err(JoinDenied::Forbidden("nobody-in".into()))
+        );
+        let i = p.decide(1000, 5, Some("prod-eu")).unwrap();
+        let r = &p.rules[i];
+        assert_eq!(r.name, "apps");
+        assert_eq!(r.quotas.arena_bytes, 64 << 20);
+        assert_eq!(r.quotas.watches, 3);
+        assert_eq!(r.quotas.connections, 8);
+        assert_eq!(r.quotas.registry_bytes, 1 << 20);
+        assert_eq!(r.quotas.registry_keys, DEFAULT_QUOTAS.registry_keys);
+        assert!(r.may_offer("svc-a") && !r.may_offer("db"));
+        assert!(r.may_connect("cache-1") && !r.may_connect("cache-12"));
+        assert!(r.may_write("/app/x/y") && !r.may_write("/other"));
+        assert_eq!(p.decide(1000, 5, None), Err(JoinDenied::NoRule), "no label");
+        assert_eq!(p.decide(1000, 5, Some("dev")), Err(JoinDenied::NoRule));
+        let root = p.decide(0, 0, None).unwrap();
+        assert_eq!(p.rules[root].name, "#3");
+        assert!(p.rules[root].join);
+        assert!(
+            p.rules[root].connect.is_empty(),
+            "omitted lists allow nothing"
+        );
+        assert!(!p.rules[root].may_write("/app/x"));
+    }
+
+    #[test]
+    fn bad_policies_are_refused_with_clear_messages() {
+        let e = Policy::parse("[[rule]]\nuids = [1\n", "bad.toml").unwrap_err();
+        assert!(e.contains("bad.toml") && e.contains("line"), "{e}");
+        let e = Policy::parse("[[rule]]\nuid = [1]\n", "x").unwrap_err();
+        assert!(e.contains("uid"), "{e}");
+        let e = Policy::parse("[[rule]]\nusers = [\"no-such-user-fido\"]\n", "x").unwrap_err();
+        assert!(e.contains("does not exist"), "{e}");
+        let e = Policy::parse("[[rule]]\noffer = [\"\"]\n", "x").unwrap_err();
+        assert!(e.contains("empty"), "{e}");
+        let e = Policy::parse("[[rule]]\narena_bytes = \"lots\"\n", "x").unwrap_err();
+        assert!(e.contains("not a size"), "{e}");
+        let e = Policy::parse("[[rule]]\nregistry_write = [\"app/**\"]\n", "x").unwrap_err();
+        assert!(e.contains("must start with"), "{e}");
+        assert!(Policy::parse("", "empty").unwrap().rules.is_empty());
+    }
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("4096"), Some(4096));
+        assert_eq!(parse_size("64KiB"), Some(64 << 10));
+        assert_eq!(parse_size("16M"), Some(16 << 20));
+        assert_eq!(parse_size("1 GiB"), Some(1 << 30));
+        assert_eq!(parse_size("1x"), None);
+        assert_eq!(parse_size("G"), None);
+    }
+}
