@@ -34,7 +34,9 @@ pub(crate) fn connect_socket(path: &Path) -> Result<OwnedFd> {
 }
 
 /// Receives one message, blocking up to `timeout`.
-pub(crate) fn recv_msg(sock: &OwnedFd, timeout: Option<Duration>) -> Result<Option<(BrokerMsg, Vec<OwnedFd>)>> {
+/// `buf` is the caller's reusable receive buffer (grown to the largest
+/// control message once).
+pub(crate) fn recv_msg(sock: &OwnedFd, buf: &mut Vec<u8>, timeout: Option<Duration>) -> Result<Option<(BrokerMsg, Vec<OwnedFd>)>> {
     use rustix::event::{poll, PollFd, PollFlags, Timespec};
     let ts = timeout.map(|t| Timespec { tv_sec: t.as_secs() as i64, tv_nsec: t.subsec_nanos() as i64 });
     let mut fds = [PollFd::new(sock, PollFlags::IN)];
@@ -44,8 +46,8 @@ pub(crate) fn recv_msg(sock: &OwnedFd, timeout: Option<Duration>) -> Result<Opti
         Err(rustix::io::Errno::INTR) => return Ok(None),
         Err(e) => return Err(e.into()),
     }
-    let mut buf = vec![0u8; fido_proto::MAX_MESSAGE];
-    match wire::recv(sock.as_fd(), &mut buf)? {
+    buf.resize(fido_proto::MAX_MESSAGE, 0);
+    match wire::recv(sock.as_fd(), buf)? {
         wire::Recv::Eof => Err(Error::BrokerUnavailable("broker closed the connection".into())),
         wire::Recv::WouldBlock => Ok(None),
         wire::Recv::Msg { len, fds, truncated } => {
@@ -175,6 +177,7 @@ impl Control {
     /// message or a tick, so dropping the last handle stops it promptly.
     pub(crate) fn run(self: Arc<Self>, sink: std::sync::Weak<dyn EventSink>) {
         let mut last_beat = Instant::now();
+        let mut buf = Vec::new();
         while !self.stop.load(Ordering::Relaxed) {
             let sock = match self.sock.lock().clone() {
                 Some(s) => s,
@@ -190,7 +193,7 @@ impl Control {
                 let Some(strong) = sink.upgrade() else { break };
                 strong.tick();
             }
-            match recv_msg(&sock, Some(self.heartbeat / 2)) {
+            match recv_msg(&sock, &mut buf, Some(self.heartbeat / 2)) {
                 Ok(None) => {
                     if sink.strong_count() == 0 {
                         break;
@@ -263,8 +266,9 @@ impl Control {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         send_msg(&sock, &ClientMsg::Request { id, body: join }, &[arena_fd])?;
         let deadline = Instant::now() + REQUEST_TIMEOUT;
+        let mut buf = Vec::new();
         while Instant::now() < deadline {
-            match recv_msg(&sock, Some(Duration::from_millis(200)))? {
+            match recv_msg(&sock, &mut buf, Some(Duration::from_millis(200)))? {
                 Some((BrokerMsg::Reply { id: rid, body }, _)) if rid == id => {
                     return match body {
                         Ok(Reply::Joined { .. }) => Ok(sock),

@@ -236,11 +236,12 @@ impl Domain {
         };
         send_msg(&sock, &ClientMsg::Request { id: 1, body: join }, &[unplaced.ro_fd()?])?;
         let deadline = Instant::now() + REQUEST_TIMEOUT;
+        let mut buf = Vec::new();
         let (domain, slot, geometry, heartbeat_ms) = loop {
             if Instant::now() > deadline {
                 return Err(Error::BrokerUnavailable("no answer to join".into()));
             }
-            match recv_msg(&sock, Some(Duration::from_millis(200)))? {
+            match recv_msg(&sock, &mut buf, Some(Duration::from_millis(200)))? {
                 Some((BrokerMsg::Reply { id: 1, body }, _)) => match body? {
                     Reply::Joined { domain, slot, geometry, heartbeat_ms } => break (domain, slot, geometry, heartbeat_ms),
                     other => return Err(Error::protocol(format!("unexpected join reply {other:?}"))),
