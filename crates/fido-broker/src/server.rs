@@ -138,6 +138,8 @@ pub(crate) struct Server {
     /// Connections re-reported by one side only; checked when the grace period ends.
     unconfirmed: BTreeSet<ConnId>,
     grace_end: Instant,
+    /// Set once the end-of-grace work ran.
+    grace_over: bool,
     after_reply: Vec<(DomainId, Event)>,
     buf: Vec<u8>,
     /// The policy's rules, shared with the domains they admitted.
@@ -197,6 +199,7 @@ impl Server {
             reserved,
             unconfirmed: BTreeSet::new(),
             grace_end,
+            grace_over: false,
             after_reply: Vec::new(),
             buf: vec![0u8; fido_proto::MAX_MESSAGE],
             rules,
@@ -1645,11 +1648,20 @@ impl Server {
             }
             self.maybe_free(*slot);
         }
+        // Every domain that still maps the dead domain's arena — through a
+        // connection or through forwarded pointers — must learn it is dead, or
+        // it never unmaps it and the slot is never freed. Connection peers
+        // heard above; tell the rest (conn: None = "this domain, everywhere").
+        let mut mappers: Vec<DomainId> = Vec::new();
         if let Some(s) = self.slots.get_mut(&d.slot) {
             if s.owner == id {
                 s.live = false;
                 s.arena = None;
+                mappers = s.mappers.iter().copied().filter(|m| *m != id).collect();
             }
+        }
+        for m in mappers {
+            self.send_event(m, Event::PeerGone { domain: id, conn: None, reason }, Vec::new());
         }
         self.maybe_free(d.slot);
 
@@ -1669,6 +1681,27 @@ impl Server {
             self.doom(key, GoneReason::MissedHeartbeat);
         }
 
+        if now >= self.grace_end && !self.grace_over {
+            self.grace_over = true;
+            // Arenas of domains that did not come back, still mapped by
+            // domains that did: tell the mappers their owners are gone so they
+            // unmap them and the slots can be freed.
+            let orphaned: Vec<(DomainId, Vec<DomainId>)> = self
+                .slots
+                .values()
+                .filter(|s| !s.live && !self.domains.contains_key(&s.owner))
+                .map(|s| (s.owner, s.mappers.iter().copied().collect()))
+                .collect();
+            for (owner, mappers) in orphaned {
+                for m in mappers {
+                    self.send_event(
+                        m,
+                        Event::PeerGone { domain: owner, conn: None, reason: GoneReason::MissedHeartbeat },
+                        Vec::new(),
+                    );
+                }
+            }
+        }
         if now >= self.grace_end && (!self.reserved.is_empty() || !self.unconfirmed.is_empty()) {
             self.reserved.clear();
             for conn in std::mem::take(&mut self.unconfirmed) {

@@ -38,7 +38,9 @@
 //! * `X tag...` — a reported message was sent again;
 //! * `R tag|a-b...` — the origin sender knows these were released: everything
 //!   it sent on a channel once `in_flight()` is 0, and on a failed channel
-//!   everything it sent there minus what `take_undelivered` returned;
+//!   everything it sent there minus what `take_undelivered` returned, once the
+//!   channel settled (see [`settle`]: a peer that closed gracefully releases
+//!   later; only a gone peer's unreleased messages are handed back);
 //! * `P why`, `A why` — a protocol error between honest peers; an inconsistent
 //!   report (e.g. `take_undelivered` returned a message already confirmed released);
 //! * `ready`, `done` (a sender drained: everything it sent is released or
@@ -69,7 +71,12 @@
 //! entries; after every domain exited, the broker's fds (against the count of
 //! a fresh broker with no domain), its `memfd:` fds, and the domains, services
 //! and connections it still lists; after the broker stopped, files in the
-//! state directory other than the lock and the registry.
+//! state directory other than the lock and the registry. And, after the drain
+//! with every domain still running, *stale mappings*: read-only mappings of an
+//! arena that no live domain owns (a dead domain's memory kept alive).
+//!
+//! `FIDO_CHAOS_TRACE=1` copies every record into `driver.log` (in `--log-dir`),
+//! the timeline of kills, restarts, domain ids and slots.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::fs::File;
@@ -231,17 +238,28 @@ fn verify(m: &Msg) -> Result<u64, String> {
         return Err("no segments".into());
     };
     if first.len() < HDR {
-        return Err(format!("first segment {} B, shorter than the header", first.len()));
+        return Err(format!(
+            "first segment {} B, shorter than the header",
+            first.len()
+        ));
     }
     let w = |i: usize| u64::from_le_bytes(first[i * 8..i * 8 + 8].try_into().unwrap());
     if w(0) != MAGIC {
         return Err(format!("bad magic {:#x}", w(0)));
     }
     if w(1) != m.tag() {
-        return Err(format!("header tag {:#x} != descriptor tag {:#x}", w(1), m.tag()));
+        return Err(format!(
+            "header tag {:#x} != descriptor tag {:#x}",
+            w(1),
+            m.tag()
+        ));
     }
     if w(2) != m.len() as u64 {
-        return Err(format!("header length {} != descriptor length {}", w(2), m.len()));
+        return Err(format!(
+            "header length {} != descriptor length {}",
+            w(2),
+            m.len()
+        ));
     }
     if w(3) != segs.len() as u64 {
         return Err(format!("header says {} segments, got {}", w(3), segs.len()));
@@ -261,12 +279,19 @@ static STOP: AtomicBool = AtomicBool::new(false);
 static WHO: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 
 fn epoch() -> f64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
 }
 
 /// A line in the role's log (its stderr): what happened to its connections.
 fn elog(msg: impl std::fmt::Display) {
-    eprintln!("{:.6} {} {msg}", epoch(), WHO.get().map(|s| s.as_str()).unwrap_or("?"));
+    eprintln!(
+        "{:.6} {} {msg}",
+        epoch(),
+        WHO.get().map(|s| s.as_str()).unwrap_or("?")
+    );
 }
 
 /// Announces the role: a `ready` record with its domain and slot.
@@ -278,12 +303,20 @@ fn ready(d: &Domain, j: &mut Journal) -> anyhow::Result<()> {
 }
 
 fn describe(c: &Channel) -> String {
-    format!("conn {} (peer d{} s{})", c.id(), c.peer().domain, c.peer().slot)
+    format!(
+        "conn {} (peer d{} s{})",
+        c.id(),
+        c.peer().domain,
+        c.peer().slot
+    )
 }
 
 /// Where a received message's segments live: `d<from> [slot+offset ...]`.
 fn whereabouts(m: &Msg) -> String {
-    let segs: Vec<String> = m.global_segments().map(|(g, len)| format!("{:#x}+{len}", g.addr())).collect();
+    let segs: Vec<String> = m
+        .global_segments()
+        .map(|(g, len)| format!("{:#x}+{len}", g.addr()))
+        .collect();
     format!("from d{} segments [{}]", m.from_domain(), segs.join(" "))
 }
 static EXIT: AtomicBool = AtomicBool::new(false);
@@ -298,18 +331,20 @@ fn exiting() -> bool {
 /// The driver's commands arrive on stdin: `stop` (drain, stop sending new
 /// messages), `exit` or EOF (leave).
 fn watch_stdin() -> anyhow::Result<()> {
-    std::thread::Builder::new().name("chaos-stdin".into()).spawn(|| {
-        let stdin = std::io::stdin();
-        for line in stdin.lock().lines() {
-            match line.as_deref().map(str::trim) {
-                Ok("stop") => STOP.store(true, Ordering::Relaxed),
-                Ok("exit") | Err(_) => break,
-                Ok(_) => {}
+    std::thread::Builder::new()
+        .name("chaos-stdin".into())
+        .spawn(|| {
+            let stdin = std::io::stdin();
+            for line in stdin.lock().lines() {
+                match line.as_deref().map(str::trim) {
+                    Ok("stop") => STOP.store(true, Ordering::Relaxed),
+                    Ok("exit") | Err(_) => break,
+                    Ok(_) => {}
+                }
             }
-        }
-        STOP.store(true, Ordering::Relaxed);
-        EXIT.store(true, Ordering::Relaxed);
-    })?;
+            STOP.store(true, Ordering::Relaxed);
+            EXIT.store(true, Ordering::Relaxed);
+        })?;
     Ok(())
 }
 
@@ -353,7 +388,11 @@ impl Journal {
             while j + 1 < sorted.len() && sorted[j + 1] == sorted[j] + 1 {
                 j += 1;
             }
-            toks.push(if j > i { format!("{}-{}", sorted[i], sorted[j]) } else { sorted[i].to_string() });
+            toks.push(if j > i {
+                format!("{}-{}", sorted[i], sorted[j])
+            } else {
+                sorted[i].to_string()
+            });
             i = j + 1;
         }
         for chunk in toks.chunks(256) {
@@ -413,13 +452,19 @@ fn offer_retry(d: &Domain, service: &str) -> anyhow::Result<Listener> {
                 tracing::debug!("offer {service}: {e}; retrying");
                 std::thread::sleep(Duration::from_millis(50));
             }
-            Err(e) => return Err(e).with_context(|| format!("offering {service} (60 s of retries)")),
+            Err(e) => {
+                return Err(e).with_context(|| format!("offering {service} (60 s of retries)"))
+            }
         }
     }
 }
 
 /// Connects, retrying; `None` when asked to exit. Fails after 60 s of failures.
-fn connect_retry(d: &Domain, service: &str, since: &mut Option<Instant>) -> anyhow::Result<Option<Channel>> {
+fn connect_retry(
+    d: &Domain,
+    service: &str,
+    since: &mut Option<Instant>,
+) -> anyhow::Result<Option<Channel>> {
     match d.connect(service) {
         Ok(c) => {
             *since = None;
@@ -429,7 +474,8 @@ fn connect_retry(d: &Domain, service: &str, since: &mut Option<Instant>) -> anyh
         Err(e) => {
             let t0 = *since.get_or_insert_with(Instant::now);
             if t0.elapsed() > Duration::from_secs(60) {
-                return Err(e).with_context(|| format!("connecting to {service}: failing for 60 s"));
+                return Err(e)
+                    .with_context(|| format!("connecting to {service}: failing for 60 s"));
             }
             tracing::debug!("connect {service}: {e}; retrying");
             std::thread::sleep(Duration::from_millis(20));
@@ -438,16 +484,59 @@ fn connect_retry(d: &Domain, service: &str, since: &mut Option<Instant>) -> anyh
     }
 }
 
-/// A connection failed: journal what `take_undelivered` reports and what we
-/// therefore know was released; returns the undelivered messages.
-fn fail_channel(ch: Channel, why: &Error, on_ch: &mut Vec<u64>, j: &mut Journal, origin: bool) -> Vec<(u64, Message)> {
-    let mut und = ch.take_undelivered();
+/// How long a failed connection may take to settle (every message it carried
+/// released or reported) before that counts as a problem.
+const SETTLE: Duration = Duration::from_secs(10);
+
+/// Waits until every message outstanding on a failed connection is either
+/// released or handed back by `take_undelivered`. A peer that closed
+/// gracefully keeps what it received valid and releases it later; only once it
+/// is gone (or lied) does `take_undelivered` return what it never released. So
+/// poll: done when `take_undelivered` hands something back (it hands back
+/// everything unreleased at once) or nothing is in flight any more.
+fn settle(ch: &Channel) -> (Vec<fido::Undelivered>, bool) {
+    let deadline = Instant::now() + SETTLE;
+    let mut und = Vec::new();
+    loop {
+        let u = ch.take_undelivered();
+        let got = !u.is_empty();
+        und.extend(u);
+        if got || ch.in_flight() == 0 {
+            return (und, true);
+        }
+        if Instant::now() > deadline {
+            return (und, false);
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// A connection failed: waits until it settles, journals what
+/// `take_undelivered` reports and what we therefore know was released; returns
+/// the undelivered messages.
+fn fail_channel(
+    ch: Channel,
+    why: &Error,
+    on_ch: &mut Vec<u64>,
+    j: &mut Journal,
+    origin: bool,
+) -> Vec<(u64, Message)> {
+    let t0 = Instant::now();
+    let (mut und, settled) = settle(&ch);
     elog(format_args!(
-        "{} failed: {why}; {} undelivered reported, {} outstanding on it",
+        "{} failed: {why}; {} undelivered reported, {} outstanding on it; settled in {:.1} ms",
         describe(&ch),
         und.len(),
-        on_ch.len()
+        on_ch.len(),
+        t0.elapsed().as_secs_f64() * 1e3
     ));
+    if !settled {
+        j.line(&format!(
+            "A {} failed ({why}) but after {SETTLE:?} {} of its messages are neither released nor reported undelivered",
+            describe(&ch),
+            ch.in_flight()
+        ));
+    }
     und.sort_by_key(|u| u.tag);
     let reported: HashSet<u64> = und.iter().map(|u| u.tag).collect();
     j.tags('U', und.iter().map(|u| u.tag));
@@ -459,8 +548,12 @@ fn fail_channel(ch: Channel, why: &Error, on_ch: &mut Vec<u64>, j: &mut Journal,
             ));
         }
     }
-    if origin {
-        let released: Vec<u64> = on_ch.iter().copied().filter(|t| !reported.contains(t)).collect();
+    if origin && settled {
+        let released: Vec<u64> = on_ch
+            .iter()
+            .copied()
+            .filter(|t| !reported.contains(t))
+            .collect();
         j.released(&released);
     }
     on_ch.clear();
@@ -534,9 +627,16 @@ fn sender(a: &Args, echo: bool) -> anyhow::Result<()> {
             for m in &got {
                 match verify(m) {
                     Ok(r) if split_tag(r).0 == stream => ok.push(m.tag()),
-                    Ok(r) => j.line(&format!("C {} reply to {r:#x}, not to one of our requests", m.tag())),
+                    Ok(r) => j.line(&format!(
+                        "C {} reply to {r:#x}, not to one of our requests",
+                        m.tag()
+                    )),
                     Err(why) => {
-                        elog(format_args!("corrupted reply {:#x}: {why}; {}", m.tag(), whereabouts(m)));
+                        elog(format_args!(
+                            "corrupted reply {:#x}: {why}; {}",
+                            m.tag(),
+                            whereabouts(m)
+                        ));
                         j.line(&format!("C {} {why}", m.tag()))
                     }
                 }
@@ -546,7 +646,7 @@ fn sender(a: &Args, echo: bool) -> anyhow::Result<()> {
             drop(got);
         }
         if failed.is_none() && !c.is_open() {
-            failed = Some(Error::Closed);
+            failed = Some(Error::Invalid("is_open() turned false".into()));
         }
         if let Some(e) = failed {
             note_error(&mut j, "connection to the next hop", &e);
@@ -566,7 +666,11 @@ fn sender(a: &Args, echo: bool) -> anyhow::Result<()> {
         let next_msg = if let Some(p) = pending.pop_front() {
             Some(p)
         } else if !draining && now >= due {
-            due = if now.duration_since(due) > Duration::from_millis(100) { now + interval } else { due + interval };
+            due = if now.duration_since(due) > Duration::from_millis(100) {
+                now + interval
+            } else {
+                due + interval
+            };
             seq += 1;
             let tag = tag_of(stream, seq);
             j.line(&format!("S {stream} {seq}"));
@@ -580,7 +684,9 @@ fn sender(a: &Args, echo: bool) -> anyhow::Result<()> {
                 done = true;
             }
             j.flush()?;
-            let wait = due.saturating_duration_since(Instant::now()).min(Duration::from_millis(2));
+            let wait = due
+                .saturating_duration_since(Instant::now())
+                .min(Duration::from_millis(2));
             std::thread::sleep(wait.max(Duration::from_micros(200)));
             continue;
         };
@@ -594,7 +700,10 @@ fn sender(a: &Args, echo: bool) -> anyhow::Result<()> {
                     j.tags('X', [tag]);
                 }
             }
-            Err(SendError { error: Error::Timeout | Error::WouldBlock, message }) => pending.push_front((message, reported)),
+            Err(SendError {
+                error: Error::Timeout | Error::WouldBlock,
+                message,
+            }) => pending.push_front((message, reported)),
             Err(SendError { error, message }) => {
                 note_error(&mut j, "send", &error);
                 pending.push_front((message, reported));
@@ -635,7 +744,11 @@ fn forwarder(a: &Args) -> anyhow::Result<()> {
         if !on_down.is_empty() && dn.in_flight() == 0 {
             on_down.clear();
         }
-        let mut failed: Option<Error> = if dn.is_open() { None } else { Some(Error::Closed) };
+        let mut failed: Option<Error> = if dn.is_open() {
+            None
+        } else {
+            Some(Error::Invalid("is_open() turned false".into()))
+        };
         if failed.is_none() {
             if let Some((m, reported)) = held.pop_front() {
                 let tag = m.get_tag();
@@ -647,7 +760,10 @@ fn forwarder(a: &Args) -> anyhow::Result<()> {
                             j.flush()?;
                         }
                     }
-                    Err(SendError { error: Error::Timeout | Error::WouldBlock, message }) => held.push_front((message, reported)),
+                    Err(SendError {
+                        error: Error::Timeout | Error::WouldBlock,
+                        message,
+                    }) => held.push_front((message, reported)),
                     Err(SendError { error, message }) => {
                         held.push_front((message, reported));
                         failed = Some(error);
@@ -693,7 +809,10 @@ fn forwarder(a: &Args) -> anyhow::Result<()> {
         }
     }
     if !held.is_empty() {
-        j.line(&format!("A forwarder exits holding {} messages", held.len()));
+        j.line(&format!(
+            "A forwarder exits holding {} messages",
+            held.len()
+        ));
     }
     j.flush()?;
     Ok(())
@@ -713,7 +832,12 @@ fn receive_batch(u: &Channel, first: Msg, j: &mut Journal) -> anyhow::Result<()>
         match verify(m) {
             Ok(_) => ok.push(m.tag()),
             Err(why) => {
-                elog(format_args!("corrupted message {:#x} on {}: {why}; {}", m.tag(), describe(u), whereabouts(m)));
+                elog(format_args!(
+                    "corrupted message {:#x} on {}: {why}; {}",
+                    m.tag(),
+                    describe(u),
+                    whereabouts(m)
+                ));
                 j.line(&format!("C {} {why}", m.tag()))
             }
         }
@@ -805,7 +929,10 @@ fn echo_server(a: &Args) -> anyhow::Result<()> {
             let tag = r.get_tag();
             match c.send_timeout(r, Duration::from_millis(5)) {
                 Ok(()) => on_ch.push(tag),
-                Err(SendError { error: Error::Timeout | Error::WouldBlock, message }) => reply = Some(message),
+                Err(SendError {
+                    error: Error::Timeout | Error::WouldBlock,
+                    message,
+                }) => reply = Some(message),
                 Err(SendError { error, message }) => {
                     // Handed back unsent: reported to us, dropped.
                     j.tags('U', [message.get_tag()]);
@@ -824,7 +951,11 @@ fn echo_server(a: &Args) -> anyhow::Result<()> {
                             reply = Some(build(&d, &mut rng, tag_of(stream, seq), m.tag())?);
                         }
                         Err(why) => {
-                            elog(format_args!("corrupted request {:#x}: {why}; {}", m.tag(), whereabouts(&m)));
+                            elog(format_args!(
+                                "corrupted request {:#x}: {why}; {}",
+                                m.tag(),
+                                whereabouts(&m)
+                            ));
                             j.line(&format!("C {} {why}", m.tag()))
                         }
                     }
@@ -836,7 +967,7 @@ fn echo_server(a: &Args) -> anyhow::Result<()> {
             }
         }
         if failed.is_none() && !c.is_open() {
-            failed = Some(Error::Closed);
+            failed = Some(Error::Invalid("is_open() turned false".into()));
         }
         if let Some(e) = failed {
             note_error(&mut j, "client", &e);
@@ -915,7 +1046,14 @@ const GROUPS: [&str; 3] = ["A", "B", "echo"];
 
 fn specs(run: &str) -> Vec<Spec> {
     let svc = |s: &str| Some(format!("chaos-{s}-{run}"));
-    let s = |name, kind, group, terminal, listen: Option<String>, next: Option<String>| Spec { name, kind, group, terminal, listen, next };
+    let s = |name, kind, group, terminal, listen: Option<String>, next: Option<String>| Spec {
+        name,
+        kind,
+        group,
+        terminal,
+        listen,
+        next,
+    };
     vec![
         s("sinkA", Kind::Sink, 0, true, svc("sinkA"), None),
         s("fwdA", Kind::Fwd, 0, false, svc("fwdA"), svc("sinkA")),
@@ -969,11 +1107,19 @@ struct Ledger {
     protocol: u64,
     inconsistent: u64,
     problems: Vec<String>,
+    logged: u64,
 }
 
 impl Ledger {
     fn problem(&mut self, s: String) {
-        tl(format_args!("PROBLEM {s}"));
+        // A livelock can repeat one problem millions of times: keep the
+        // timeline readable.
+        self.logged += 1;
+        if self.logged <= 5000 {
+            tl(format_args!("PROBLEM {s}"));
+        } else if self.logged == 5001 {
+            tl("PROBLEM ... (further problems are counted, not logged)");
+        }
         if self.problems.len() < 40 {
             eprintln!("chaos: {s}");
             self.problems.push(s);
@@ -997,7 +1143,11 @@ impl Ledger {
             Some(c) => f(c),
             None => {
                 self.phantom += 1;
-                self.problem(format!("{who}: record for unknown message {tag:#x} (stream {}, seq {})", tag >> SEQ_BITS, tag & SEQ_MASK));
+                self.problem(format!(
+                    "{who}: record for unknown message {tag:#x} (stream {}, seq {})",
+                    tag >> SEQ_BITS,
+                    tag & SEQ_MASK
+                ));
             }
         }
     }
@@ -1028,7 +1178,10 @@ struct Totals {
 
 impl Ledger {
     fn totals(&mut self) -> Totals {
-        let mut t = Totals { corrupted: self.corrupted + self.phantom, ..Default::default() };
+        let mut t = Totals {
+            corrupted: self.corrupted + self.phantom,
+            ..Default::default()
+        };
         let mut probs = Vec::new();
         for (id, s) in &self.streams {
             t.streams += 1;
@@ -1038,7 +1191,9 @@ impl Ledger {
                 if seq > s.announced {
                     if c.delivered > 0 || c.corrupt > 0 {
                         t.corrupted += (c.delivered + c.corrupt) as u64;
-                        probs.push(format!("stream {id} seq {seq}: delivered but never announced (phantom)"));
+                        probs.push(format!(
+                            "stream {id} seq {seq}: delivered but never announced (phantom)"
+                        ));
                     }
                     continue;
                 }
@@ -1059,7 +1214,9 @@ impl Ledger {
                     t.released += 1;
                     if c.delivered == 0 && c.corrupt == 0 {
                         t.lost_released += 1;
-                        probs.push(format!("stream {id} seq {seq}: confirmed released but never delivered"));
+                        probs.push(format!(
+                            "stream {id} seq {seq}: confirmed released but never delivered"
+                        ));
                     }
                 } else if s.done {
                     if c.reported > 0 && !s.resends {
@@ -1122,6 +1279,8 @@ struct Fleet {
     broker_restarts: u64,
     unexpected_exits: u64,
     stalls: u64,
+    /// `FIDO_CHAOS_TRACE=1`: copy every journal record into driver.log.
+    trace: bool,
 }
 
 /// The driver's timeline (`driver.log` in the log directory): kills, starts,
@@ -1163,8 +1322,10 @@ impl Fleet {
         // the main thread, which lives until the end).
         unsafe {
             cmd.pre_exec(|| {
-                rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL))
-                    .map_err(std::io::Error::from)
+                rustix::process::set_parent_process_death_signal(Some(
+                    rustix::process::Signal::KILL,
+                ))
+                .map_err(std::io::Error::from)
             });
         }
         let child = cmd.spawn().context("spawning the broker")?;
@@ -1223,7 +1384,11 @@ impl Fleet {
         if let Some(n) = &spec.next {
             args.push(format!("next={n}"));
         }
-        let rate = if spec.kind == Kind::EchoClient { self.rate / 2.0 } else { self.rate };
+        let rate = if spec.kind == Kind::EchoClient {
+            self.rate / 2.0
+        } else {
+            self.rate
+        };
         args.push(format!("rate={rate}"));
         let mut child = Command::new(&self.exe)
             .args(&args)
@@ -1238,21 +1403,23 @@ impl Fleet {
         let out = child.stdout.take().expect("piped");
         let stdin = child.stdin.take();
         let tx = self.tx.clone();
-        let reader = std::thread::Builder::new().name(format!("chaos-{}", spec.name)).spawn(move || {
-            let mut r = BufReader::new(out);
-            let mut s = String::new();
-            loop {
-                s.clear();
-                match r.read_line(&mut s) {
-                    Ok(0) | Err(_) => break,
-                    Ok(_) => {
-                        if tx.send(Ev::Line(inst, s.trim_end().to_string())).is_err() {
-                            return;
+        let reader = std::thread::Builder::new()
+            .name(format!("chaos-{}", spec.name))
+            .spawn(move || {
+                let mut r = BufReader::new(out);
+                let mut s = String::new();
+                loop {
+                    s.clear();
+                    match r.read_line(&mut s) {
+                        Ok(0) | Err(_) => break,
+                        Ok(_) => {
+                            if tx.send(Ev::Line(inst, s.trim_end().to_string())).is_err() {
+                                return;
+                            }
                         }
                     }
                 }
-            }
-        });
+            });
         let reader = match reader {
             Ok(r) => r,
             Err(e) => {
@@ -1264,25 +1431,53 @@ impl Fleet {
         if let Some(s) = stream {
             self.ledger.streams.insert(
                 s,
-                StreamLedger { announced: 0, cells: Vec::new(), killed: false, done: false, resends: spec.kind.resends() },
+                StreamLedger {
+                    announced: 0,
+                    cells: Vec::new(),
+                    killed: false,
+                    done: false,
+                    resends: spec.kind.resends(),
+                },
             );
         }
         self.inst_role.insert(inst, i);
-        tl(format_args!("{} inst {inst} started, pid {}, stream {stream:?}", spec.name, child.id()));
-        self.running[i] = Some(Running { inst, child, stdin, reader: Some(reader), stream, ready_at: None, done: false });
+        tl(format_args!(
+            "{} inst {inst} started, pid {}, stream {stream:?}",
+            spec.name,
+            child.id()
+        ));
+        self.running[i] = Some(Running {
+            inst,
+            child,
+            stdin,
+            reader: Some(reader),
+            stream,
+            ready_at: None,
+            done: false,
+        });
         Ok(())
     }
 
     /// Kills (if still running) and reaps a role, reads the rest of its
     /// journal; returns its exit status.
     fn stop_role(&mut self, i: usize, kill: bool) -> anyhow::Result<Option<ExitStatus>> {
-        let Some(mut r) = self.running[i].take() else { return Ok(None) };
+        let Some(mut r) = self.running[i].take() else {
+            return Ok(None);
+        };
         if kill {
             let _ = r.child.kill();
-            tl(format_args!("{} inst {} pid {} killed", self.specs[i].name, r.inst, r.child.id()));
+            tl(format_args!(
+                "{} inst {} pid {} killed",
+                self.specs[i].name,
+                r.inst,
+                r.child.id()
+            ));
         }
         drop(r.stdin.take());
-        let st = r.child.wait().with_context(|| format!("reaping {}", self.specs[i].name))?;
+        let st = r
+            .child
+            .wait()
+            .with_context(|| format!("reaping {}", self.specs[i].name))?;
         if let Some(h) = r.reader.take() {
             let _ = h.join();
         }
@@ -1328,9 +1523,14 @@ impl Fleet {
     }
 
     fn handle(&mut self, inst: u64, line: &str) {
-        let Some(&i) = self.inst_role.get(&inst) else { return };
+        let Some(&i) = self.inst_role.get(&inst) else {
+            return;
+        };
         let now = Instant::now();
         let who = self.specs[i].name;
+        if self.trace {
+            tl(format_args!("{who}/{inst}: {line}"));
+        }
         let (kind, rest) = line.split_once(' ').unwrap_or((line, ""));
         let current = self.running[i].as_ref().is_some_and(|r| r.inst == inst);
         match kind {
@@ -1363,7 +1563,8 @@ impl Fleet {
                 let mut n = 0;
                 for t in parse_tags(rest) {
                     n += 1;
-                    self.ledger.each(t, who, |c| c.delivered = c.delivered.saturating_add(1));
+                    self.ledger
+                        .each(t, who, |c| c.delivered = c.delivered.saturating_add(1));
                 }
                 if n > 0 && self.specs[i].terminal {
                     self.delivered_in(self.specs[i].group, now);
@@ -1371,20 +1572,27 @@ impl Fleet {
             }
             "C" => {
                 self.ledger.corrupted += 1;
-                let tag = rest.split_ascii_whitespace().next().and_then(|t| t.parse().ok()).unwrap_or(0);
+                let tag = rest
+                    .split_ascii_whitespace()
+                    .next()
+                    .and_then(|t| t.parse().ok())
+                    .unwrap_or(0);
                 if let Some(c) = self.ledger.cell(tag) {
                     c.corrupt = c.corrupt.saturating_add(1);
                 }
-                self.ledger.problem(format!("{who}: corrupted message: {rest}"));
+                self.ledger
+                    .problem(format!("{who}: corrupted message: {rest}"));
             }
             "U" => {
                 for t in parse_tags(rest) {
-                    self.ledger.each(t, who, |c| c.reported = c.reported.saturating_add(1));
+                    self.ledger
+                        .each(t, who, |c| c.reported = c.reported.saturating_add(1));
                 }
             }
             "X" => {
                 for t in parse_tags(rest) {
-                    self.ledger.each(t, who, |c| c.resent = c.resent.saturating_add(1));
+                    self.ledger
+                        .each(t, who, |c| c.resent = c.resent.saturating_add(1));
                 }
             }
             "R" => {
@@ -1403,13 +1611,17 @@ impl Fleet {
             }
             "P" => {
                 self.ledger.protocol += 1;
-                self.ledger.problem(format!("{who}: protocol error between honest peers: {rest}"));
+                self.ledger.problem(format!(
+                    "{who}: protocol error between honest peers: {rest}"
+                ));
             }
             "A" => {
                 self.ledger.inconsistent += 1;
                 self.ledger.problem(format!("{who}: {rest}"));
             }
-            _ => self.ledger.problem(format!("{who}: unexpected output: {line}")),
+            _ => self
+                .ledger
+                .problem(format!("{who}: unexpected output: {line}")),
         }
     }
 
@@ -1442,7 +1654,8 @@ impl Fleet {
             if let Some(st) = c.try_wait()? {
                 self.broker = None;
                 self.unexpected_exits += 1;
-                self.ledger.problem(format!("the broker exited on its own: {st}"));
+                self.ledger
+                    .problem(format!("the broker exited on its own: {st}"));
                 self.start_broker()?;
             }
         }
@@ -1466,20 +1679,25 @@ impl Fleet {
     }
 
     fn all_ready(&self) -> bool {
-        self.broker.is_some() && self.running.iter().all(|r| r.as_ref().is_some_and(|r| r.ready_at.is_some()))
+        self.broker.is_some()
+            && self
+                .running
+                .iter()
+                .all(|r| r.as_ref().is_some_and(|r| r.ready_at.is_some()))
     }
 
     fn check_stalls(&mut self, limit: Duration) {
         let now = Instant::now();
-        for g in 0..GROUPS.len() {
+        for (g, group) in GROUPS.iter().enumerate() {
             if !self.stalled[g] && now.duration_since(self.last_delivery[g]) > limit {
                 self.stalled[g] = true;
                 self.stalls += 1;
                 self.ledger.problem(format!(
-                    "pipeline {} delivered nothing for {:.0} s (stall); broker status: {}",
-                    GROUPS[g],
+                    "pipeline {group} delivered nothing for {:.0} s (stall); broker status: {}",
                     limit.as_secs_f64(),
-                    self.status_json().map(|v| v.to_string()).unwrap_or_else(|e| format!("{e:#}"))
+                    self.status_json()
+                        .map(|v| v.to_string())
+                        .unwrap_or_else(|e| format!("{e:#}"))
                 ));
             }
         }
@@ -1510,7 +1728,11 @@ impl Fleet {
         }
         let out = child.wait_with_output()?;
         if !out.status.success() {
-            bail!("fido status: {} {}", out.status, String::from_utf8_lossy(&out.stderr).trim());
+            bail!(
+                "fido status: {} {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
         }
         Ok(serde_json::from_slice(&out.stdout)?)
     }
@@ -1530,22 +1752,64 @@ impl Drop for Fleet {
 }
 
 fn fd_count(pid: &str) -> usize {
-    std::fs::read_dir(format!("/proc/{pid}/fd")).map(|d| d.count()).unwrap_or(0)
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| d.count())
+        .unwrap_or(0)
 }
 
 fn memfd_count(pid: &str) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/fd"))
         .map(|d| {
             d.flatten()
-                .filter(|e| std::fs::read_link(e.path()).is_ok_and(|l| l.to_string_lossy().starts_with("/memfd:")))
+                .filter(|e| {
+                    std::fs::read_link(e.path())
+                        .is_ok_and(|l| l.to_string_lossy().starts_with("/memfd:"))
+                })
                 .count()
         })
         .unwrap_or(0)
 }
 
+/// Arenas mapped read-only by a role whose owner is not a live role: the
+/// arena of a dead domain kept alive (its memory is not freed while mapped).
+/// A domain's own arena is its one `rw-s` mapping of a `memfd:fido-arena`;
+/// a peer's is `r--s` of the same inode.
+fn stale_mappings(pids: &[(&str, u32)]) -> Vec<String> {
+    let mut own: HashSet<String> = HashSet::new();
+    let mut peers: Vec<(String, String, String)> = Vec::new();
+    for (name, pid) in pids {
+        let Ok(maps) = std::fs::read_to_string(format!("/proc/{pid}/maps")) else {
+            continue;
+        };
+        for l in maps.lines().filter(|l| l.contains("memfd:fido-arena")) {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            if f.len() < 5 {
+                continue;
+            }
+            let (range, perms, inode) = (f[0], f[1], f[4]);
+            if perms.starts_with("rw") {
+                own.insert(inode.to_string());
+            } else {
+                peers.push((name.to_string(), range.to_string(), inode.to_string()));
+            }
+        }
+    }
+    peers
+        .into_iter()
+        .filter(|(_, _, ino)| !own.contains(ino))
+        .map(|(name, range, ino)| {
+            format!("{name} maps {range} (memfd inode {ino}), owned by no live domain")
+        })
+        .collect()
+}
+
 fn dev_shm() -> HashSet<String> {
     std::fs::read_dir("/dev/shm")
-        .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
         .unwrap_or_default()
 }
 
@@ -1555,14 +1819,19 @@ fn survivors(token: &str) -> Vec<u32> {
     let needle = format!("{RUN_ENV}={token}");
     let mut out = Vec::new();
     for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+            continue;
+        };
         if pid == me {
             continue;
         }
-        let tagged = std::fs::read(e.path().join("environ")).is_ok_and(|env| env.split(|b| *b == 0).any(|v| v == needle.as_bytes()));
+        let tagged = std::fs::read(e.path().join("environ"))
+            .is_ok_and(|env| env.split(|b| *b == 0).any(|v| v == needle.as_bytes()));
         let child = std::fs::read_to_string(e.path().join("stat")).is_ok_and(|s| {
             // pid (comm) state ppid ...
-            s.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().nth(1).map(|p| p == me.to_string())).unwrap_or(false)
+            s.rsplit_once(')')
+                .and_then(|(_, r)| r.split_whitespace().nth(1).map(|p| p == me.to_string()))
+                .unwrap_or(false)
         });
         if tagged || child {
             out.push(pid);
@@ -1605,8 +1874,16 @@ fn count(case: &str, value: u64, unit: &str, check_zero: bool, note: impl Into<S
 }
 
 fn print_rows(rows: &[Row]) {
-    let w0 = rows.iter().map(|r| r.rec.case.len()).max().unwrap_or(4).max(4);
-    println!("{:<w0$}  {:>12}  {:<10}  {:<5}  note", "case", "value", "unit", "check");
+    let w0 = rows
+        .iter()
+        .map(|r| r.rec.case.len())
+        .max()
+        .unwrap_or(4)
+        .max(4);
+    println!(
+        "{:<w0$}  {:>12}  {:<10}  {:<5}  note",
+        "case", "value", "unit", "check"
+    );
     println!("{}", "-".repeat(w0 + 40));
     for r in rows {
         let v = if r.rec.metric == "count" {
@@ -1619,7 +1896,10 @@ fn print_rows(rows: &[Row]) {
             Some(false) => "FAIL",
             None => "",
         };
-        println!("{:<w0$}  {:>12}  {:<10}  {:<5}  {}", r.rec.case, v, r.rec.unit, c, r.note);
+        println!(
+            "{:<w0$}  {:>12}  {:<10}  {:<5}  {}",
+            r.rec.case, v, r.rec.unit, c, r.note
+        );
     }
 }
 
@@ -1630,13 +1910,19 @@ pub fn run(o: Opts) -> anyhow::Result<bool> {
         bail!("--interval-ms: MIN-MAX with MIN <= MAX, MAX > 0");
     }
     let seed = o.seed.unwrap_or_else(|| {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1)
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(1)
     });
     let self_fd0 = fd_count("self");
     let shm0 = dev_shm();
     let t_start = Instant::now();
     let token = format!("{}-{seed:x}", std::process::id());
-    let dir = tempfile::Builder::new().prefix("fido-chaos-").tempdir().context("creating a temporary directory")?;
+    let dir = tempfile::Builder::new()
+        .prefix("fido-chaos-")
+        .tempdir()
+        .context("creating a temporary directory")?;
     let logs = match &o.log_dir {
         Some(d) => d.clone(),
         None => dir.path().join("logs"),
@@ -1674,6 +1960,7 @@ pub fn run(o: Opts) -> anyhow::Result<bool> {
         broker_restarts: 0,
         unexpected_exits: 0,
         stalls: 0,
+        trace: std::env::var_os("FIDO_CHAOS_TRACE").is_some_and(|v| v == "1"),
     };
     eprintln!(
         "chaos: seed {seed}, {} s, kill every {}-{} ms, {} msg/s per source; logs in {}",
@@ -1697,7 +1984,10 @@ pub fn run(o: Opts) -> anyhow::Result<bool> {
         f.reap_unexpected()?;
         f.pump(Duration::from_millis(20));
         if Instant::now() > deadline {
-            bail!("roles not ready within 60 s (see the logs in {})", logs.display());
+            bail!(
+                "roles not ready within 60 s (see the logs in {})",
+                logs.display()
+            );
         }
     }
     f.last_delivery = [Instant::now(); 3];
@@ -1706,10 +1996,13 @@ pub fn run(o: Opts) -> anyhow::Result<bool> {
     let mut rng = Rng::new(seed);
     let stall = Duration::from_secs_f64(o.stall_secs);
     let chaos_end = Instant::now() + Duration::from_secs_f64(o.seconds);
-    let mut next_kill = Instant::now() + Duration::from_millis(rng.range(o.interval_ms.0, o.interval_ms.1));
+    let mut next_kill =
+        Instant::now() + Duration::from_millis(rng.range(o.interval_ms.0, o.interval_ms.1));
     while Instant::now() < chaos_end {
         proc::check_interrupt()?;
-        let wake = next_kill.min(chaos_end).min(Instant::now() + Duration::from_millis(50));
+        let wake = next_kill
+            .min(chaos_end)
+            .min(Instant::now() + Duration::from_millis(50));
         f.pump(wake.saturating_duration_since(Instant::now()));
         f.reap_unexpected()?;
         f.check_stalls(stall);
@@ -1719,12 +2012,20 @@ pub fn run(o: Opts) -> anyhow::Result<bool> {
         // Victim: one of the domains (weight 1 each) or the broker (weight 2).
         let pick = rng.below(n as u64 + 2) as usize;
         let now = Instant::now();
-        let pause = Duration::from_millis(if rng.chance(0.5) { 0 } else { rng.range(1, 300) });
+        let pause = Duration::from_millis(if rng.chance(0.5) {
+            0
+        } else {
+            rng.range(1, 300)
+        });
         if pick >= n {
             f.kill_broker()?;
             *f.kills.entry("broker").or_default() += 1;
             // Sometimes a domain dies while the broker is down.
-            let also = if rng.chance(0.3) { Some(rng.below(n as u64) as usize) } else { None };
+            let also = if rng.chance(0.3) {
+                Some(rng.below(n as u64) as usize)
+            } else {
+                None
+            };
             if let Some(i) = also {
                 f.stop_role(i, true)?;
                 *f.kills.entry(f.specs[i].name).or_default() += 1;
@@ -1733,20 +2034,36 @@ pub fn run(o: Opts) -> anyhow::Result<bool> {
             f.start_broker()?;
             f.broker_restarts += 1;
             for g in 0..GROUPS.len() {
-                f.recoveries.push(Recovery { group: g, killed_at: now, role: None, broker: true });
+                f.recoveries.push(Recovery {
+                    group: g,
+                    killed_at: now,
+                    role: None,
+                    broker: true,
+                });
             }
             if let Some(i) = also {
                 f.start_role(i)?;
-                f.recoveries.push(Recovery { group: f.specs[i].group, killed_at: now, role: Some(i), broker: false });
+                f.recoveries.push(Recovery {
+                    group: f.specs[i].group,
+                    killed_at: now,
+                    role: Some(i),
+                    broker: false,
+                });
             }
         } else {
             f.stop_role(pick, true)?;
             *f.kills.entry(f.specs[pick].name).or_default() += 1;
             std::thread::sleep(pause);
             f.start_role(pick)?;
-            f.recoveries.push(Recovery { group: f.specs[pick].group, killed_at: now, role: Some(pick), broker: false });
+            f.recoveries.push(Recovery {
+                group: f.specs[pick].group,
+                killed_at: now,
+                role: Some(pick),
+                broker: false,
+            });
         }
-        next_kill = Instant::now() + Duration::from_millis(rng.range(o.interval_ms.0, o.interval_ms.1));
+        next_kill =
+            Instant::now() + Duration::from_millis(rng.range(o.interval_ms.0, o.interval_ms.1));
     }
     let chaos_secs = t_start.elapsed().as_secs_f64();
 
@@ -1763,7 +2080,9 @@ pub fn run(o: Opts) -> anyhow::Result<bool> {
     }
     let t_drain = Instant::now();
     let senders: Vec<usize> = (0..n).filter(|&i| f.specs[i].kind.resends()).collect();
-    let servers: Vec<usize> = (0..n).filter(|&i| f.specs[i].kind == Kind::EchoServer).collect();
+    let servers: Vec<usize> = (0..n)
+        .filter(|&i| f.specs[i].kind == Kind::EchoServer)
+        .collect();
     for phase in [&senders, &servers] {
         for &i in phase.iter() {
             f.send_cmd(i, "stop");
@@ -1773,20 +2092,54 @@ pub fn run(o: Opts) -> anyhow::Result<bool> {
             proc::check_interrupt()?;
             f.pump(Duration::from_millis(20));
             f.reap_unexpected()?;
-            let pending: Vec<usize> = phase.iter().copied().filter(|&i| !f.running[i].as_ref().is_some_and(|r| r.done)).collect();
+            let pending: Vec<usize> = phase
+                .iter()
+                .copied()
+                .filter(|&i| !f.running[i].as_ref().is_some_and(|r| r.done))
+                .collect();
             if pending.is_empty() {
                 break;
+            }
+            // A role restarted after a crash meanwhile must hear it too.
+            for &i in &pending {
+                f.send_cmd(i, "stop");
             }
             if Instant::now() > deadline {
                 for &i in &pending {
                     drain_timeouts += 1;
-                    f.ledger.problem(format!("{} did not drain within 60 s (messages still in flight: a hang?)", f.specs[i].name));
+                    f.ledger.problem(format!(
+                        "{} did not drain within 60 s (messages still in flight: a hang?)",
+                        f.specs[i].name
+                    ));
                 }
                 break;
             }
         }
     }
     let drain_secs = t_drain.elapsed().as_secs_f64();
+
+    // ---- stale mappings: nothing is in flight now, so no domain has a reason
+    // to map an arena whose owner is gone ----
+    let mut stale: Vec<String>;
+    let deadline = Instant::now() + Duration::from_secs(3);
+    loop {
+        f.pump(Duration::from_millis(100));
+        let pids: Vec<(&'static str, u32)> = (0..n)
+            .filter_map(|i| {
+                f.running[i]
+                    .as_ref()
+                    .map(|r| (f.specs[i].name, r.child.id()))
+            })
+            .collect();
+        stale = stale_mappings(&pids);
+        if stale.is_empty() || Instant::now() > deadline {
+            break;
+        }
+    }
+    for s in &stale {
+        f.ledger
+            .problem(format!("dead domain's arena still mapped: {s}"));
+    }
 
     // ---- exit ----
     let mut bad_exits = 0u64;
@@ -1805,10 +2158,14 @@ pub fn run(o: Opts) -> anyhow::Result<bool> {
                 let st = f.stop_role(i, !exited)?;
                 if !exited {
                     bad_exits += 1;
-                    f.ledger.problem(format!("{} did not exit within 15 s of `exit`; killed", f.specs[i].name));
+                    f.ledger.problem(format!(
+                        "{} did not exit within 15 s of `exit`; killed",
+                        f.specs[i].name
+                    ));
                 } else if let Some(st) = st.filter(|s| !s.success()) {
                     bad_exits += 1;
-                    f.ledger.problem(format!("{} exited with {st}", f.specs[i].name));
+                    f.ledger
+                        .problem(format!("{} exited with {st}", f.specs[i].name));
                 }
                 break;
             }
@@ -1828,7 +2185,11 @@ pub fn run(o: Opts) -> anyhow::Result<bool> {
             Ok(v) => {
                 let len = |k: &str| v[k].as_array().map(|a| a.len()).unwrap_or(0);
                 // `fido status` itself is one domain.
-                let (d, s, c) = (len("domains").saturating_sub(1), len("services"), len("connections"));
+                let (d, s, c) = (
+                    len("domains").saturating_sub(1),
+                    len("services"),
+                    len("connections"),
+                );
                 broker_state = (d + s + c) as u64;
                 broker_state_note = format!("{d} domains, {s} services, {c} connections left");
             }
@@ -1841,7 +2202,8 @@ pub fn run(o: Opts) -> anyhow::Result<bool> {
         std::thread::sleep(Duration::from_millis(300));
         broker_fds = fd_count(&bpid) as i64 - broker_fd0 as i64;
         broker_memfds = memfd_count(&bpid);
-        if (broker_state == 0 && broker_fds <= 0 && broker_memfds == 0) || Instant::now() > deadline {
+        if (broker_state == 0 && broker_fds <= 0 && broker_memfds == 0) || Instant::now() > deadline
+        {
             break;
         }
     }
@@ -1856,21 +2218,27 @@ pub fn run(o: Opts) -> anyhow::Result<bool> {
             if let Some(st) = c.try_wait()? {
                 broker_exit_ok = st.success();
                 if !broker_exit_ok {
-                    f.ledger.problem(format!("the broker exited with {st} on SIGTERM"));
+                    f.ledger
+                        .problem(format!("the broker exited with {st} on SIGTERM"));
                 }
                 break;
             }
             if Instant::now() > deadline {
                 let _ = c.kill();
                 let _ = c.wait();
-                f.ledger.problem("the broker did not stop within 10 s of SIGTERM".into());
+                f.ledger
+                    .problem("the broker did not stop within 10 s of SIGTERM".into());
                 break;
             }
             std::thread::sleep(Duration::from_millis(10));
         }
     }
     let mut state_files: Vec<String> = std::fs::read_dir(&f.state)
-        .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
         .unwrap_or_default();
     state_files.retain(|n| n != "broker.lock" && !n.starts_with("registry.sqlite"));
     if f.socket.exists() {
@@ -1885,13 +2253,18 @@ pub fn run(o: Opts) -> anyhow::Result<bool> {
     let problems = f.ledger.problems.clone();
     let kills = f.kills.clone();
     let total_kills: u64 = kills.values().sum();
-    let (broker_restarts, unexpected_exits, stalls) = (f.broker_restarts, f.unexpected_exits, f.stalls);
+    let (broker_restarts, unexpected_exits, stalls) =
+        (f.broker_restarts, f.unexpected_exits, f.stalls);
     let mut rec_dom = std::mem::take(&mut f.recovery_domain_ms);
     let mut rec_brk = std::mem::take(&mut f.recovery_broker_ms);
     drop(f);
     drop(TIMELINE.lock().unwrap().take());
     let logs_kept = o.log_dir.is_some();
-    let log_tails = if logs_kept { String::new() } else { tails(&logs) };
+    let log_tails = if logs_kept {
+        String::new()
+    } else {
+        tails(&logs)
+    };
     dir.close().context("removing the temporary directory")?;
 
     // ---- host-side leaks ----
@@ -1909,33 +2282,194 @@ pub fn run(o: Opts) -> anyhow::Result<bool> {
     let shm_new: Vec<String> = dev_shm().difference(&shm0).cloned().collect();
 
     let mut rows = vec![
-        count("messages", t.messages, "msgs", false, format!("{} streams (sender incarnations)", t.streams)),
-        count("delivered", t.delivered, "msgs", false, "verified deliveries at final receivers"),
-        count("released", t.released, "msgs", false, "release confirmed to the origin sender"),
-        count("corrupted", t.corrupted, "msgs", true, "checksum/header mismatch or phantom"),
-        count("duplicated-silent", t.duplicated_silent, "msgs", true, "extra deliveries not explained by a report"),
-        count("redelivered-reported", t.redelivered_reported, "msgs", false, "delivered, reported undelivered after a crash, resent"),
-        count("lost-silent", t.lost_released + t.lost_unaccounted, "msgs", true, format!("{} released-undelivered, {} unaccounted", t.lost_released, t.lost_unaccounted)),
-        count("reported-undelivered", t.reported, "msgs", false, format!("reports on every hop; {} resent", t.resent)),
-        count("dropped-reported", t.dropped_reported, "msgs", false, "echo replies reported undelivered (client gone), not resent"),
-        count("unconfirmed-sender-killed", t.unconfirmed_killed, "msgs", false, "sender killed before learning the fate"),
-        count("undrained", t.undrained, "msgs", true, "sender alive but never drained"),
-        count("kills", total_kills, "kills", false, kills.iter().map(|(k, v)| format!("{k}:{v}")).collect::<Vec<_>>().join(" ")),
+        count(
+            "messages",
+            t.messages,
+            "msgs",
+            false,
+            format!("{} streams (sender incarnations)", t.streams),
+        ),
+        count(
+            "delivered",
+            t.delivered,
+            "msgs",
+            false,
+            "verified deliveries at final receivers",
+        ),
+        count(
+            "released",
+            t.released,
+            "msgs",
+            false,
+            "release confirmed to the origin sender",
+        ),
+        count(
+            "corrupted",
+            t.corrupted,
+            "msgs",
+            true,
+            "checksum/header mismatch or phantom",
+        ),
+        count(
+            "duplicated-silent",
+            t.duplicated_silent,
+            "msgs",
+            true,
+            "extra deliveries not explained by a report",
+        ),
+        count(
+            "redelivered-reported",
+            t.redelivered_reported,
+            "msgs",
+            false,
+            "delivered, reported undelivered after a crash, resent",
+        ),
+        count(
+            "lost-silent",
+            t.lost_released + t.lost_unaccounted,
+            "msgs",
+            true,
+            format!(
+                "{} released-undelivered, {} unaccounted",
+                t.lost_released, t.lost_unaccounted
+            ),
+        ),
+        count(
+            "reported-undelivered",
+            t.reported,
+            "msgs",
+            false,
+            format!("reports on every hop; {} resent", t.resent),
+        ),
+        count(
+            "dropped-reported",
+            t.dropped_reported,
+            "msgs",
+            false,
+            "echo replies reported undelivered (client gone), not resent",
+        ),
+        count(
+            "unconfirmed-sender-killed",
+            t.unconfirmed_killed,
+            "msgs",
+            false,
+            "sender killed before learning the fate",
+        ),
+        count(
+            "undrained",
+            t.undrained,
+            "msgs",
+            true,
+            "sender alive but never drained",
+        ),
+        count(
+            "kills",
+            total_kills,
+            "kills",
+            false,
+            kills
+                .iter()
+                .map(|(k, v)| format!("{k}:{v}"))
+                .collect::<Vec<_>>()
+                .join(" "),
+        ),
         count("broker-restarts", broker_restarts, "restarts", false, ""),
-        count("unexpected-exits", unexpected_exits, "processes", true, "a role or the broker died without being killed"),
-        count("protocol-errors", ledger_protocol, "errors", true, "Error::Protocol between honest peers"),
-        count("inconsistent-reports", ledger_inconsistent, "reports", true, "take_undelivered vs confirmed releases"),
-        count("stalls", stalls, "stalls", true, format!("a pipeline delivered nothing for {} s", o.stall_secs)),
-        count("drain-timeouts", drain_timeouts, "roles", true, "did not drain within 60 s at the end"),
-        count("bad-exits", bad_exits + u64::from(!broker_exit_ok), "processes", true, "non-zero exit or no exit at the end"),
-        count("leaked-fds", (self_fd1 as i64 - self_fd0 as i64).max(0) as u64 + broker_fds.max(0) as u64, "fds", true, format!("driver {self_fd0}->{self_fd1}; broker {broker_fds:+} vs fresh")),
-        count("leaked-memfds", (self_memfd + broker_memfds) as u64, "fds", true, "memfd fds in the driver and the broker with no domain left"),
-        count("leaked-shm", shm_new.len() as u64, "entries", true, shm_new.join(" ")),
-        count("leaked-processes", procs.len() as u64, "processes", true, format!("{procs:?}")),
-        count("leaked-broker-state", broker_state, "entries", true, broker_state_note),
-        count("leaked-state-files", state_files.len() as u64, "files", true, state_files.join(" ")),
+        count(
+            "unexpected-exits",
+            unexpected_exits,
+            "processes",
+            true,
+            "a role or the broker died without being killed",
+        ),
+        count(
+            "protocol-errors",
+            ledger_protocol,
+            "errors",
+            true,
+            "Error::Protocol between honest peers",
+        ),
+        count(
+            "inconsistent-reports",
+            ledger_inconsistent,
+            "reports",
+            true,
+            "take_undelivered vs confirmed releases",
+        ),
+        count(
+            "stalls",
+            stalls,
+            "stalls",
+            true,
+            format!("a pipeline delivered nothing for {} s", o.stall_secs),
+        ),
+        count(
+            "drain-timeouts",
+            drain_timeouts,
+            "roles",
+            true,
+            "did not drain within 60 s at the end",
+        ),
+        count(
+            "bad-exits",
+            bad_exits + u64::from(!broker_exit_ok),
+            "processes",
+            true,
+            "non-zero exit or no exit at the end",
+        ),
+        count(
+            "leaked-fds",
+            (self_fd1 as i64 - self_fd0 as i64).max(0) as u64 + broker_fds.max(0) as u64,
+            "fds",
+            true,
+            format!("driver {self_fd0}->{self_fd1}; broker {broker_fds:+} vs fresh"),
+        ),
+        count(
+            "leaked-memfds",
+            (self_memfd + broker_memfds) as u64,
+            "fds",
+            true,
+            "memfd fds in the driver and the broker with no domain left",
+        ),
+        count(
+            "stale-mappings",
+            stale.len() as u64,
+            "mappings",
+            true,
+            "arenas of dead domains still mapped by live ones after the drain",
+        ),
+        count(
+            "leaked-shm",
+            shm_new.len() as u64,
+            "entries",
+            true,
+            shm_new.join(" "),
+        ),
+        count(
+            "leaked-processes",
+            procs.len() as u64,
+            "processes",
+            true,
+            format!("{procs:?}"),
+        ),
+        count(
+            "leaked-broker-state",
+            broker_state,
+            "entries",
+            true,
+            broker_state_note,
+        ),
+        count(
+            "leaked-state-files",
+            state_files.len() as u64,
+            "files",
+            true,
+            state_files.join(" "),
+        ),
     ];
-    for (case, v) in [("recovery-domain-kill", &mut rec_dom), ("recovery-broker-kill", &mut rec_brk)] {
+    for (case, v) in [
+        ("recovery-domain-kill", &mut rec_dom),
+        ("recovery-broker-kill", &mut rec_brk),
+    ] {
         let (p50, p99, max) = pct(v);
         rows.push(Row {
             rec: Record {
@@ -1974,7 +2508,10 @@ pub fn run(o: Opts) -> anyhow::Result<bool> {
     println!("# fido bench chaos: seed {seed}, {:.0} s of chaos, {} processes (broker separate), kills every {}-{} ms", o.seconds, n + 1, o.interval_ms.0, o.interval_ms.1);
     print_rows(&rows);
     if !sane {
-        println!("# FAIL: nothing was measured (messages {}, kills {total_kills})", t.messages);
+        println!(
+            "# FAIL: nothing was measured (messages {}, kills {total_kills})",
+            t.messages
+        );
     }
     if !problems.is_empty() {
         println!("# problems ({} shown):", problems.len());
@@ -1985,7 +2522,14 @@ pub fn run(o: Opts) -> anyhow::Result<bool> {
     if !ok && !log_tails.is_empty() {
         eprintln!("{log_tails}");
     }
-    println!("# {}", if ok { "all checks passed" } else { "CHECKS FAILED" });
+    println!(
+        "# {}",
+        if ok {
+            "all checks passed"
+        } else {
+            "CHECKS FAILED"
+        }
+    );
     if let Some(p) = &o.json {
         let recs: Vec<Record> = rows.into_iter().map(|r| r.rec).collect();
         fido_bench::write_json(p, &recs)?;
@@ -1996,16 +2540,25 @@ pub fn run(o: Opts) -> anyhow::Result<bool> {
 /// The last lines of every non-empty log (printed when a check failed).
 fn tails(dir: &Path) -> String {
     let mut out = String::new();
-    let Ok(d) = std::fs::read_dir(dir) else { return out };
+    let Ok(d) = std::fs::read_dir(dir) else {
+        return out;
+    };
     let mut files: Vec<PathBuf> = d.flatten().map(|e| e.path()).collect();
     files.sort();
     for p in files {
-        let Ok(s) = std::fs::read_to_string(&p) else { continue };
+        let Ok(s) = std::fs::read_to_string(&p) else {
+            continue;
+        };
         let lines: Vec<&str> = s.lines().collect();
         if lines.is_empty() {
             continue;
         }
-        out.push_str(&format!("--- {} (last {} of {} lines)\n", p.display(), lines.len().min(15), lines.len()));
+        out.push_str(&format!(
+            "--- {} (last {} of {} lines)\n",
+            p.display(),
+            lines.len().min(15),
+            lines.len()
+        ));
         for l in &lines[lines.len().saturating_sub(15)..] {
             out.push_str(l);
             out.push('\n');

@@ -380,6 +380,30 @@ pub(crate) fn reap_forwarded(domain: &DomainInner) -> bool {
     pending
 }
 
+impl Drop for ConnShared {
+    fn drop(&mut self) {
+        // Forwarded messages the downstream never released must not be
+        // released upstream now: a release means "delivered", and the upstream
+        // sender would believe it. Keep them held for the life of the domain;
+        // the upstream sees them in flight, and reported undelivered if this
+        // domain dies. (Messages handed to the application through
+        // `take_undelivered` are its to resend or drop.)
+        let tx = self.tx.get_mut();
+        let held: Vec<Msg> = tx
+            .table
+            .iter_mut()
+            .filter_map(|slot| match slot.take() {
+                Some((_, Outstanding { parts: Parts::Forward(m), .. })) => Some(m),
+                _ => None,
+            })
+            .collect();
+        if !held.is_empty() {
+            tracing::warn!(conn = self.conn, held = held.len(), "downstream went away holding forwarded messages; keeping them unreleased");
+            self.domain.orphaned.lock().extend(held);
+        }
+    }
+}
+
 /// A closed channel whose sent buffers the peer may still be reading.
 pub(crate) struct Lingering {
     shared: Arc<ConnShared>,

@@ -213,6 +213,9 @@ pub(crate) struct DomainInner {
     /// Channels that carried forwarded messages (their releases must flow
     /// upstream even while this domain only receives).
     pub(crate) forwarding: Mutex<Vec<Weak<ConnShared>>>,
+    /// Forwarded messages whose downstream went away without releasing them:
+    /// held (never released upstream) for the life of the domain.
+    pub(crate) orphaned: Mutex<Vec<crate::channel::Msg>>,
     /// Ourselves, for the control thread (which sets up accepted channels).
     this: OnceLock<Weak<DomainInner>>,
 }
@@ -271,6 +274,7 @@ impl Domain {
             lingering: Mutex::new(Vec::new()),
             this: OnceLock::new(),
             forwarding: Mutex::new(Vec::new()),
+            orphaned: Mutex::new(Vec::new()),
         });
         let _ = inner.this.set(Arc::downgrade(&inner));
         let weak: Weak<dyn EventSink> = Arc::downgrade(&inner) as Weak<dyn EventSink>;
@@ -508,7 +512,9 @@ impl EventSink for DomainInner {
             domain: self.id,
             slot: self.slot,
             services: self.services.lock().keys().cloned().collect(),
-            mapped: self.mapped.lock().iter().filter(|(_, m)| !m.dead).map(|(s, m)| (*s, m.owner)).collect(),
+            // Dead owners' arenas we still map too: the new broker must keep
+            // those slots pinned until we unmap them.
+            mapped: self.mapped.lock().iter().map(|(s, m)| (*s, m.owner)).collect(),
             connections: conns.iter().filter(|c| c.is_open()).map(|c| (c.conn, c.peer.domain, c.service.clone())).collect(),
             watches: self.watches.lock().iter().map(|(t, w)| (*t, w.prefix.clone())).collect(),
         };
