@@ -96,8 +96,12 @@ struct Domain {
 struct Slot {
     owner: DomainId,
     live: bool,
-    /// The owner's arena, read-only; kept while the owner lives, for grants.
+    /// The owner's arena, read-only; kept while the owner lives and, after it
+    /// died, while some domain still maps it (messages forwarded from the dead
+    /// domain may still travel downstream and need a grant).
     arena: Option<OwnedFd>,
+    /// Length of that arena.
+    len: u64,
     mappers: BTreeSet<DomainId>,
 }
 
@@ -666,15 +670,28 @@ impl Server {
             }
             Request::Close { conn } => self.close(dom, conn),
             Request::GrantSlot { slot } => {
-                let Some(s) = self.slots.get_mut(&slot).filter(|s| s.live) else {
+                // A live owner's arena, or a dead owner's that someone still
+                // maps (a message it sent may still be on its way downstream).
+                let Some(s) = self
+                    .slots
+                    .get_mut(&slot)
+                    .filter(|s| s.live || (s.arena.is_some() && !s.mappers.is_empty()))
+                else {
                     return Err(err(
                         ErrorCode::NoSuchDomain,
-                        format!("no live domain owns slot {slot}"),
+                        format!("no domain owns slot {slot}"),
                     ));
                 };
                 let owner = s.owner;
+                let live = s.live;
                 let already = s.mappers.contains(&dom);
-                if owner != dom && !already && !self.connected_path(dom, owner) {
+                let holders: Vec<DomainId> = s.mappers.iter().copied().collect();
+                let reachable = if live {
+                    self.connected_path(dom, owner)
+                } else {
+                    holders.iter().any(|h| *h == dom || self.connected_path(dom, *h))
+                };
+                if owner != dom && !already && !reachable {
                     return Err(self.deny(
                         dom,
                         format!(
@@ -692,9 +709,18 @@ impl Server {
                     .ok_or_else(|| internal("slot has no arena", slot))?;
                 let fd = sys::dup(arena.as_fd()).map_err(|e| internal("dup", e))?;
                 s.mappers.insert(dom);
-                let arena_len = self.domains.get(&owner).map_or(0, |d| d.arena_len);
+                let arena_len = s.len;
                 if let Some(d) = self.domains.get_mut(&dom) {
                     d.maps.insert(slot);
+                }
+                if !live {
+                    // Say first that the owner is dead, so the requester unmaps
+                    // the arena once it is done with it.
+                    self.send_event(
+                        dom,
+                        Event::PeerGone { domain: owner, conn: None, reason: GoneReason::Exited },
+                        Vec::new(),
+                    );
                 }
                 Ok(Some((
                     Reply::Grant {
@@ -974,6 +1000,7 @@ impl Server {
             Some(s) => {
                 s.live = true;
                 s.arena = Some(arena);
+                s.len = arena_len;
             }
             None => {
                 self.slots.insert(
@@ -982,6 +1009,7 @@ impl Server {
                         owner: id,
                         live: true,
                         arena: Some(arena),
+                        len: arena_len,
                         mappers: BTreeSet::new(),
                     },
                 );
@@ -1123,6 +1151,7 @@ impl Server {
                             owner,
                             live: false,
                             arena: None,
+                            len: 0,
                             mappers: BTreeSet::from([id]),
                         },
                     );
@@ -1656,7 +1685,6 @@ impl Server {
         if let Some(s) = self.slots.get_mut(&d.slot) {
             if s.owner == id {
                 s.live = false;
-                s.arena = None;
                 mappers = s.mappers.iter().copied().filter(|m| *m != id).collect();
             }
         }

@@ -436,19 +436,26 @@ fn slot_is_reused_only_after_every_mapper_unmaps() {
     drop(client);
     let _ = server.event_where(|e| matches!(e, Event::PeerGone { .. }));
 
-    // The slot is pinned: a new domain gets another one, and it cannot be granted.
+    // The slot is pinned: a new domain gets another one. The dead arena stays
+    // grantable only along connections to a domain that still maps it (a
+    // message forwarded from it may still travel); n1 has none.
     let mut n1 = b.client();
     let (_, s1) = n1.join("n1");
     assert_ne!(s1, cslot);
     assert_eq!(
         n1.err_code(Request::GrantSlot { slot: cslot }),
-        ErrorCode::NoSuchDomain
+        ErrorCode::Denied
     );
 
     server.ok(Request::Unmapped {
         slot: cslot,
         owner: cid,
     });
+    // Freed: nothing to grant any more.
+    assert_eq!(
+        n1.err_code(Request::GrantSlot { slot: cslot }),
+        ErrorCode::NoSuchDomain
+    );
     let mut n2 = b.client();
     let (_, s2) = n2.join("n2");
     assert_eq!(s2, cslot, "freed slot is reused");

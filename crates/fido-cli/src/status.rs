@@ -17,9 +17,8 @@ pub fn run(json_out: bool, socket: Option<PathBuf>) -> anyhow::Result<()> {
     let d = Domain::join(opts).with_context(|| format!("no broker at {}", path.display()))?;
     let st = d.status().context("asking the broker for its status")?;
     let me = d.id();
-    // Dropped rather than `leave()`d (which races with the control thread and
-    // may log "lost the broker"); the broker sees the socket close at once.
-    drop(d);
+    // Leave explicitly: the broker records a clean departure at once.
+    let _ = d.leave();
     if json_out {
         println!("{}", serde_json::to_string_pretty(&to_json(&st))?);
     } else {

@@ -435,26 +435,36 @@ pub(crate) fn sweep_lingering(domain: &DomainInner) {
 /// granted by the broker) the first time one shows up.
 struct ConnResolver<'a>(&'a ConnShared);
 
+/// The local address of `len` bytes at `g` if they lie inside `map`.
+#[inline]
+fn within(map: &Mapping, g: GPtr, len: u64) -> Option<NonNull<u8>> {
+    let off = g.addr().checked_sub(map.global_base().addr())?;
+    if off.checked_add(len)? > map.len() {
+        return None;
+    }
+    // SAFETY: off + len <= the mapping's length, so the pointer stays inside
+    // the live mapping, which the caller keeps alive (an `Arc<Mapping>`).
+    NonNull::new(unsafe { map.local_base().add(off as usize) } as *mut u8)
+}
+
 impl Resolver for ConnResolver<'_> {
     type Keep = Option<Arc<Mapping>>;
     #[inline]
     fn resolve(&self, g: GPtr, len: u64) -> std::result::Result<(NonNull<u8>, Option<Arc<Mapping>>), String> {
-        let peer = &self.0.peer_map;
-        if let Some(off) = g.addr().checked_sub(peer.global_base().addr()) {
-            if off.checked_add(len).is_some_and(|end| end <= peer.len()) {
-                // SAFETY: off + len <= the mapping's length, so the pointer
-                // stays inside the live mapping held by `peer_map`.
-                let p = unsafe { peer.local_base().add(off as usize) };
-                return Ok((NonNull::new(p as *mut u8).ok_or("null mapping")?, None));
-            }
+        if let Some(p) = within(&self.0.peer_map, g, len) {
+            return Ok((p, None));
         }
         let domain = &self.0.domain;
         match domain.space.resolve(g, len) {
             Ok((p, m)) => Ok((p, Some(m))),
             Err(ShmError::NotMapped { .. }) => {
                 let (slot, _) = domain.space.slot_of(g).ok_or("outside the PGVAS window")?;
-                domain.ensure_mapped(slot).map_err(|e| format!("slot {slot} not granted: {e}"))?;
-                domain.space.resolve(g, len).map(|(p, m)| (p, Some(m))).map_err(|e| e.to_string())
+                let m = domain.ensure_mapped(slot).map_err(|e| format!("slot {slot} not granted: {e}"))?;
+                // Resolve against the mapping just made (not the table, which a
+                // concurrent sweep could already have emptied).
+                let p = within(&m, g, len)
+                    .ok_or_else(|| format!("{len} bytes at {:#x} outside slot {slot}'s arena", g.addr()))?;
+                Ok((p, Some(m)))
             }
             Err(e) => Err(e.to_string()),
         }

@@ -202,6 +202,8 @@ pub(crate) struct DomainInner {
     watches: Mutex<HashMap<u64, Watcher>>,
     next_token: AtomicU64,
     pub(crate) mapped: Mutex<HashMap<u32, MappedPeer>>,
+    /// Domains this domain has heard are dead.
+    dead: Mutex<std::collections::HashSet<DomainId>>,
     /// Counters of channels that are gone.
     pub(crate) retired: Mutex<Counters>,
     /// Counters as last sent to the broker.
@@ -268,6 +270,7 @@ impl Domain {
             watches: Mutex::new(HashMap::new()),
             next_token: AtomicU64::new(1),
             mapped: Mutex::new(HashMap::new()),
+            dead: Mutex::new(std::collections::HashSet::new()),
             retired: Mutex::new(Counters::default()),
             published: Mutex::new(Counters::default()),
             bytes_copied: AtomicU64::new(0),
@@ -429,7 +432,7 @@ impl DomainInner {
         match reply {
             Reply::Grant { owner, slot: s, arena_len } if s == slot && fds.len() == 1 => {
                 let m = self.space.map_peer(slot, owner, fds.remove(0), arena_len)?;
-                self.mapped.lock().insert(slot, MappedPeer { owner, dead: false });
+                self.register_mapping(slot, owner);
                 Ok(m)
             }
             other => Err(Error::protocol(format!("bad grant reply {other:?} with {} fds", fds.len()))),
@@ -441,10 +444,14 @@ impl DomainInner {
     }
 
     pub(crate) fn register_mapping(&self, slot: u32, owner: DomainId) {
-        self.mapped.lock().insert(slot, MappedPeer { owner, dead: false });
+        let dead = self.dead.lock().contains(&owner);
+        self.mapped.lock().insert(slot, MappedPeer { owner, dead });
     }
 
     fn peer_gone(&self, domain: DomainId, conn: Option<ConnId>, reason: GoneReason) {
+        // Remembered for arenas of this domain mapped later (a grant of a dead
+        // domain's arena that a forwarded message still points into).
+        self.dead.lock().insert(domain);
         for m in self.mapped.lock().values_mut() {
             if m.owner == domain {
                 m.dead = true;
