@@ -274,11 +274,6 @@ impl ConnShared {
         }
     }
 
-    fn peer_hangup_seen(&self) {
-        // The liveness socket hung up: the peer process is gone (or closed).
-        let _ = self.state.compare_exchange(OPEN, GONE_EXITED, Ordering::AcqRel, Ordering::Acquire);
-    }
-
     fn release(&self, cookie: u64) {
         // Releases keep flowing after either side closed: the peer frees its
         // buffers only once we are done with them (or gone).
@@ -712,7 +707,8 @@ impl Channel {
                 Ok(WaitOutcome::Ready) => {}
                 Ok(WaitOutcome::TimedOut) => return Err(SendError { error: Error::Timeout, message: msg }),
                 Ok(WaitOutcome::PeerGone) => {
-                    sh.peer_hangup_seen();
+                    // The liveness socket hung up: the peer process is gone.
+                    sh.mark_gone(GoneReason::Exited);
                     let e = sh.check().err().unwrap_or(Error::Closed);
                     return fail(&mut tx, e, msg);
                 }
@@ -854,7 +850,8 @@ impl Channel {
                     if rx.ring.peer_closed() {
                         return Err(Error::Closed);
                     }
-                    sh.peer_hangup_seen();
+                    // The liveness socket hung up: the peer process is gone.
+                    sh.mark_gone(GoneReason::Exited);
                 }
                 Err(e) => return Err(sh.mark_broken(e.to_string())),
             }
@@ -982,7 +979,7 @@ impl Channel {
 
     #[cfg(feature = "tokio")]
     pub(crate) fn note_peer_hangup(&self) {
-        self.shared.peer_hangup_seen();
+        self.shared.mark_gone(GoneReason::Exited);
     }
 
     #[cfg(feature = "tokio")]
