@@ -1,0 +1,1 @@
+//! vPipe C ABI (`include/fido/pipe.h`).

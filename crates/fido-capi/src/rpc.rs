@@ -1,0 +1,1 @@
+//! VMRPC C ABI (`include/fido/rpc.h`).
