@@ -16,7 +16,7 @@ use fido_proto::{
 };
 
 use super::{err, Handled, Server};
-use crate::pipe::{check_fd, check_op, Engine, JobSpec};
+use crate::pipe::{check_fd, check_op, check_overlap, Engine, JobSpec};
 
 struct PipeRec {
     domain: DomainId,
@@ -165,6 +165,7 @@ impl Server {
                     ));
                 }
                 check_op(&op, p.src_kind, p.dst_kind).map_err(|m| err(ErrorCode::BadDescriptor, m))?;
+                check_overlap(&op, p.src.as_fd(), p.dst.as_fd()).map_err(|m| err(ErrorCode::BadRequest, m))?;
                 let (src, dst) = (p.src.clone(), p.dst.clone());
                 self.pipe_start(dom, req, Some(pipe), src, dst, op);
                 Ok(None)
@@ -174,6 +175,7 @@ impl Server {
                 self.pipe_quota(dom)?;
                 let (sk, dk) = kinds(&src, &dst)?;
                 check_op(&op, sk, dk).map_err(|m| err(ErrorCode::BadDescriptor, m))?;
+                check_overlap(&op, src.as_fd(), dst.as_fd()).map_err(|m| err(ErrorCode::BadRequest, m))?;
                 self.pipe_start(dom, req, None, Arc::new(src), Arc::new(dst), op);
                 Ok(None)
             }

@@ -107,6 +107,30 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let r = c.file_to_file(&src, &dst, 0, len, 0)?;
         report("file->file    fido pipe (broker engine)", r.moved, t.elapsed());
     }
+    // Small transfers: per-operation latency (what a file server pays per response).
+    let (tx, rx) = UnixStream::pair()?;
+    let d = drain(rx);
+    let p = c.create(&src, &tx)?;
+    let n = 2000;
+    let mut lat = Vec::with_capacity(n);
+    for i in 0..n {
+        let t = Instant::now();
+        p.file_to_socket((i as u64 * 4096) % len, 4096)?;
+        lat.push(t.elapsed());
+    }
+    lat.sort();
+    println!("4 KiB file->socket on a pipe: p50 {:?} p99 {:?} ({n} ops)", lat[n / 2], lat[n * 99 / 100]);
+    let mut lat = Vec::with_capacity(n);
+    for i in 0..n {
+        let t = Instant::now();
+        c.file_to_socket(&src, &tx, (i as u64 * 4096) % len, 4096)?;
+        lat.push(t.elapsed());
+    }
+    lat.sort();
+    println!("4 KiB file->socket one-shot:  p50 {:?} p99 {:?} ({n} ops)", lat[n / 2], lat[n * 99 / 100]);
+    drop(p);
+    drop(tx);
+    d.join().unwrap();
     drop(c);
     shutdown.shutdown();
     let _ = thread.join();

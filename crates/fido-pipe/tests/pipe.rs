@@ -92,6 +92,29 @@ fn file_to_file_edges_and_positions_untouched() {
         out.read_exact_at(&mut back, out_off).unwrap();
         assert_eq!(sum(&back), sum(&data[in_off as usize..(in_off + len) as usize]), "{in_off} {len} {out_off}");
     }
+    // One file as both source and sink: fine without overlap, refused with
+    // (a chunked copy is not a memmove).
+    let (_, same) = rw_file(b.dir.path(), "same");
+    same.write_all_at(&data[..8192], 0).unwrap();
+    let t = c.file_to_file(&same, &same, 0, 4096, 4096).unwrap();
+    assert_eq!(t.moved, 4096);
+    let mut back = vec![0u8; 4096];
+    same.read_exact_at(&mut back, 4096).unwrap();
+    assert!(back == data[..4096], "same-file copy differs");
+    match c.file_to_file(&same, &same, 0, 4096, 100) {
+        Err(Error::Refused(e)) => assert!(e.code == ErrorCode::BadRequest && e.message.contains("overlap"), "{e}"),
+        other => panic!("{other:?}"),
+    }
+    // A sink on another filesystem (tmpfs), when there is one: copy_file_range
+    // may refuse (EXDEV on older kernels) and the engine falls back to splice.
+    if let Ok(shm) = tempfile::tempdir_in("/dev/shm") {
+        let (_, x) = rw_file(shm.path(), "xdev");
+        let t = c.file_to_file(&f, &x, 4096, 3 << 20, 1).unwrap();
+        assert_eq!(t.moved, 3 << 20);
+        let mut back = vec![0u8; 3 << 20];
+        x.read_exact_at(&mut back, 1).unwrap();
+        assert!(sum(&back) == sum(&data[4096..4096 + (3 << 20)]), "cross-filesystem copy differs");
+    }
     // Past EOF of the source.
     let t = p.file_to_file(size as u64 + 1, 10, 0).unwrap();
     assert_eq!((t.moved, t.eof), (0, true));
