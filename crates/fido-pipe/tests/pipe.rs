@@ -676,3 +676,51 @@ fn setting_weights_needs_a_live_domain() {
     }
     c.set_weight(&c.domain().to_string(), 7).unwrap();
 }
+
+#[test]
+fn work_conserving_engine_orders_by_weight_when_saturated() {
+    // No capacity figure, one lane: the engine is the bottleneck and picks the
+    // domain with the least bytes/weight for every chunk.
+    let b = TestBroker::with(|c| {
+        c.pipe.capacity = fido_broker::Capacity::Unlimited;
+        c.pipe.lanes = 1;
+        c.pipe.chunk = 128 << 10;
+    });
+    let (p, f) = rw_file(b.dir.path(), "sparse");
+    f.set_len(1 << 40).unwrap();
+    drop(f);
+    let f = std::fs::File::open(p).unwrap();
+    let admin = b.client("admin");
+    let mut run = Vec::new();
+    for (name, w) in [("light", 1u32), ("heavy", 3)] {
+        let c = b.client(name);
+        admin.set_weight(name, w).unwrap();
+        let (tx, mut rx) = stream_pair();
+        let d = std::thread::spawn(move || {
+            let mut buf = vec![0u8; 1 << 20];
+            while matches!(rx.read(&mut buf), Ok(n) if n > 0) {}
+        });
+        let pipe = c.create(&f, &tx).unwrap();
+        let op = pipe.start(PipeOp::FileToSocket { off: 0, len: 1 << 40 }).unwrap();
+        run.push((c, pipe, tx, d, op));
+    }
+    let totals = |st: &fido_pipe::Status| -> Vec<u64> {
+        run.iter()
+            .map(|(c, ..)| st.pipes.iter().find(|d| d.domain == c.domain()).map_or(0, |d| d.bytes_total))
+            .collect()
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    let t0 = totals(&admin.status().unwrap());
+    std::thread::sleep(Duration::from_millis(1500));
+    let t1 = totals(&admin.status().unwrap());
+    let moved: Vec<f64> = t0.iter().zip(&t1).map(|(a, b)| (b - a) as f64).collect();
+    let share = moved[1] / (moved[0] + moved[1]);
+    eprintln!("moved {moved:?}, heavy share {share:.3}");
+    assert!((share - 0.75).abs() < 0.1, "heavy share {share} (want 0.75)");
+    for (c, pipe, tx, d, op) in run {
+        pipe.cancel().unwrap();
+        assert!(matches!(op.wait(), Err(Error::Cancelled { .. })));
+        drop((pipe, tx, c));
+        d.join().unwrap();
+    }
+}
