@@ -59,7 +59,8 @@ const WAKE: u64 = u64::MAX;
 pub enum Capacity {
     /// No cap; weights decide who goes first when the lanes are busy.
     Unlimited,
-    /// Measured at startup (file → socket splice through one lane).
+    /// Measured when the first transfer arrives (150 ms of file → socket
+    /// splice through one lane); unlimited until then.
     Auto,
     /// A fixed figure in bytes per second.
     BytesPerSec(u64),
@@ -268,6 +269,7 @@ impl Engine {
             last_refill: Instant::now(),
             last_rate: Instant::now(),
             files: FileWorkers::new(wake.clone()),
+            calibration_done: false,
         };
         let thread = std::thread::Builder::new()
             .name("fido-pipe".into())
@@ -434,6 +436,7 @@ struct Core {
     last_refill: Instant,
     last_rate: Instant,
     files: FileWorkers,
+    calibration_done: bool,
 }
 
 fn ud(job: u64, tag: u64) -> u64 {
@@ -441,21 +444,29 @@ fn ud(job: u64, tag: u64) -> u64 {
 }
 
 impl Core {
+    /// Measures the capacity (`auto`) the first time there is work, so a
+    /// broker whose domains never use pipes never pays for it.
+    fn ensure_capacity(&mut self) {
+        if self.cfg.capacity != Capacity::Auto || self.calibration_done {
+            return;
+        }
+        self.calibration_done = true;
+        match calibrate(self.cfg.chunk) {
+            Ok(n) => {
+                tracing::info!(bytes_per_s = n, "pipe engine calibrated");
+                self.capacity = Some(n);
+                let mut sh = self.shared.lock();
+                sh.calibrated = true;
+                sh.capacity = Some(n);
+            }
+            Err(e) => tracing::warn!(error = %e, "pipe engine calibration failed; capacity unlimited"),
+        }
+    }
+
     fn run(&mut self) {
         self.capacity = match self.cfg.capacity {
-            Capacity::Unlimited => None,
+            Capacity::Unlimited | Capacity::Auto => None,
             Capacity::BytesPerSec(n) => Some(n),
-            Capacity::Auto => match calibrate(self.cfg.chunk) {
-                Ok(n) => {
-                    tracing::info!(bytes_per_s = n, "pipe engine calibrated");
-                    self.shared.lock().calibrated = true;
-                    Some(n)
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "pipe engine calibration failed; capacity unlimited");
-                    None
-                }
-            },
         };
         self.shared.lock().capacity = self.capacity;
         self.arm_wake();
@@ -552,6 +563,7 @@ impl Core {
     }
 
     fn start(&mut self, spec: JobSpec) {
+        self.ensure_capacity();
         let (pr, pw) = match rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC) {
             Ok(p) => p,
             Err(e) => {

@@ -35,7 +35,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let len = mib << 20;
     let src_path = dir.path().join("src");
     {
-        let block: Vec<u8> = (0..1u32 << 20).map(|i| (i * 31 >> 3) as u8).collect();
+        let block: Vec<u8> = (0..1u32 << 20).map(|i| ((i * 31) >> 3) as u8).collect();
         let mut f = std::fs::File::create(&src_path)?;
         for _ in 0..mib {
             std::io::Write::write_all(&mut f, &block)?;
