@@ -95,11 +95,13 @@ pub struct PipeConfig {
     pub lanes: u32,
     /// Bytes per chunk (the size asked of each engine pipe).
     pub chunk: u32,
+    /// Run the engine at all (`false`: pipe requests are refused with `Unavailable`).
+    pub enabled: bool,
 }
 
 impl Default for PipeConfig {
     fn default() -> Self {
-        PipeConfig { capacity: Capacity::Auto, work_conserving: true, lanes: 4, chunk: 1 << 20 }
+        PipeConfig { capacity: Capacity::Auto, work_conserving: true, lanes: 4, chunk: 1 << 20, enabled: true }
     }
 }
 
@@ -231,6 +233,8 @@ pub(crate) struct Engine {
     shared: Arc<Mutex<Shared>>,
     cfg: PipeConfig,
     thread: Option<JoinHandle<()>>,
+    /// Why there is no engine (io_uring unavailable): pipe requests are refused.
+    unavailable: Option<String>,
 }
 
 fn eventfd() -> Result<OwnedFd, Errno> {
@@ -246,13 +250,23 @@ impl Engine {
         let sys = |what| move |source| crate::BrokerError::Sys { what, source };
         let wake = Arc::new(eventfd().map_err(sys("eventfd"))?);
         let done_fd = Arc::new(eventfd().map_err(sys("eventfd"))?);
-        let ring = IoUring::new(512).map_err(|e| crate::BrokerError::Sys {
-            what: "io_uring_setup (the pipe engine needs io_uring)",
-            source: Errno::from_io_error(&e).unwrap_or(Errno::NOSYS),
-        })?;
         let (tx, rx) = mpsc::channel();
         let (done_tx, done_rx) = mpsc::channel();
         let shared = Arc::new(Mutex::new(Shared::default()));
+        if !cfg.enabled {
+            let why = "the pipe engine is disabled on this broker (--pipe-disable)".to_string();
+            return Ok(Engine { tx, wake, done_rx, done_fd, shared, cfg, thread: None, unavailable: Some(why) });
+        }
+        let ring = match IoUring::new(512) {
+            Ok(r) => r,
+            Err(e) => {
+                // The rest of the broker works without it (io_uring may be
+                // disabled by sysctl or a seccomp profile).
+                let why = format!("the pipe engine needs io_uring, which is unavailable here ({e})");
+                tracing::warn!("{why}; pipe requests will be refused");
+                return Ok(Engine { tx, wake, done_rx, done_fd, shared, cfg, thread: None, unavailable: Some(why) });
+            }
+        };
         let mut core = Core {
             ring,
             wake_buf: Box::new([0u8; 8]),
@@ -275,7 +289,12 @@ impl Engine {
             .name("fido-pipe".into())
             .spawn(move || core.run())
             .map_err(|e| crate::BrokerError::Io { path: "<pipe engine thread>".into(), source: e })?;
-        Ok(Engine { tx, wake, done_rx, done_fd, shared, cfg, thread: Some(thread) })
+        Ok(Engine { tx, wake, done_rx, done_fd, shared, cfg, thread: Some(thread), unavailable: None })
+    }
+
+    /// Why the engine cannot run, if it cannot.
+    pub(crate) fn unavailable(&self) -> Option<&str> {
+        self.unavailable.as_deref()
     }
 
     fn cmd(&self, c: Cmd) {

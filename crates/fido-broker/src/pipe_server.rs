@@ -130,6 +130,11 @@ impl Server {
         body: Request,
         fds: Vec<OwnedFd>,
     ) -> Handled {
+        if let (Some(why), Request::PipeCreate | Request::PipeRun { .. } | Request::PipeOnce { .. }) =
+            (self.pipes.engine.unavailable(), &body)
+        {
+            return Err(err(ErrorCode::Unavailable, why.to_string()));
+        }
         match body {
             Request::PipeCreate => {
                 let (src, dst) = two_fds("PipeCreate", fds)?;
@@ -271,6 +276,9 @@ impl Server {
 
     /// Pipe engine settings and per-domain figures for `Status`.
     pub(super) fn pipe_status(&self) -> (Option<fido_proto::PipeEngineStatus>, Vec<fido_proto::PipeDomainStatus>) {
+        if self.pipes.engine.unavailable().is_some() {
+            return (None, Vec::new());
+        }
         let (engine, mut doms) = self.pipes.engine.status();
         for d in doms.iter_mut() {
             d.pipes = self.pipes.pipes.values().filter(|p| p.domain == d.domain).count() as u32;

@@ -724,3 +724,20 @@ fn work_conserving_engine_orders_by_weight_when_saturated() {
         d.join().unwrap();
     }
 }
+
+#[test]
+fn a_broker_without_the_engine_refuses_pipes_clearly() {
+    let b = TestBroker::with(|c| c.pipe.enabled = false);
+    let c = b.client("noengine");
+    let (_, f) = file_with(b.dir.path(), "src", b"abc");
+    let (tx, _rx) = stream_pair();
+    match c.create(&f, &tx) {
+        Err(Error::Refused(e)) => {
+            assert_eq!(e.code, ErrorCode::Unavailable);
+            assert!(e.message.contains("disabled"), "{e}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(c.file_to_socket(&f, &tx, 0, 3), Err(Error::Refused(e)) if e.code == ErrorCode::Unavailable));
+    assert!(c.status().unwrap().pipe_engine.is_none());
+}
