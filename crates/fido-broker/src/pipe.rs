@@ -46,6 +46,9 @@ use rustix::io::Errno;
 pub const SLOW: Duration = Duration::from_millis(20);
 /// How often credits are refilled and rates updated.
 const TICK: Duration = Duration::from_millis(5);
+/// How long a cancelled splice may take to return before the transfer is
+/// reported cancelled anyway.
+const CANCEL_GRACE: Duration = Duration::from_secs(2);
 /// How long calibration moves bytes at startup.
 const CALIBRATION: Duration = Duration::from_millis(150);
 
@@ -398,6 +401,10 @@ struct Job {
     /// An SQE of this job is in the ring (its CQE not yet seen).
     inflight: bool,
     cancel: bool,
+    /// When the cancel was asked (a splice that ignores it is given up on).
+    cancel_at: Option<Instant>,
+    /// The result was already reported (given up on); only its CQE is awaited.
+    reported: bool,
     lane: bool,
     issued: Instant,
     eof: bool,
@@ -627,6 +634,8 @@ impl Core {
             state: State::Queued,
             inflight: false,
             cancel: false,
+            cancel_at: None,
+            reported: false,
             lane: false,
             issued: Instant::now(),
             eof: false,
@@ -657,6 +666,7 @@ impl Core {
             return;
         }
         j.cancel = true;
+        j.cancel_at = Some(Instant::now());
         if j.in_worker {
             // A copy_file_range call cannot be interrupted; report now and
             // ignore its result (the worker keeps the descriptors until it returns).
@@ -697,12 +707,32 @@ impl Core {
     }
 
     fn release_slow(&mut self, now: Instant) {
-        for j in self.jobs.values_mut() {
+        let mut give_up = Vec::new();
+        for (id, j) in self.jobs.iter_mut() {
             if j.lane && now.duration_since(j.issued) > SLOW {
                 j.lane = false;
                 self.lanes_used -= 1;
             }
+            if !j.reported && j.inflight && j.cancel_at.is_some_and(|t| now.duration_since(t) > CANCEL_GRACE) {
+                give_up.push(*id);
+            }
         }
+        for id in give_up {
+            self.give_up(id);
+        }
+    }
+
+    /// A cancelled splice that did not return within [`CANCEL_GRACE`]: report
+    /// the transfer cancelled now, so its client is not held; the job stays
+    /// (its descriptors open) until the kernel finally completes the request.
+    fn give_up(&mut self, id: u64) {
+        let Some(j) = self.jobs.get_mut(&id) else { return };
+        j.reported = true;
+        let result = PipeResult { moved: j.moved, consumed: j.consumed, end: PipeEnd::Cancelled };
+        let dom = j.spec.domain;
+        tracing::warn!(job = id, domain = dom, "a cancelled splice did not return; reported cancelled, still waiting for the kernel");
+        let _ = self.done_tx.send(Done { id, result });
+        ring_bell(&self.done_fd);
     }
 
     fn pick(&self) -> Option<DomainId> {
@@ -987,9 +1017,11 @@ impl Core {
             d.running = d.running.saturating_sub(1);
             d.queue.retain(|q| *q != id);
         }
-        let result = PipeResult { moved: j.moved, consumed: j.consumed, end };
-        let _ = self.done_tx.send(Done { id, result });
-        ring_bell(&self.done_fd);
+        if !j.reported {
+            let result = PipeResult { moved: j.moved, consumed: j.consumed, end };
+            let _ = self.done_tx.send(Done { id, result });
+            ring_bell(&self.done_fd);
+        }
         self.gc(dom);
     }
 
