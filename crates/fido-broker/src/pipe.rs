@@ -689,16 +689,22 @@ impl Core {
         }
         self.last_refill = now;
         let Some(cap) = self.capacity else { return };
-        let sum: f64 = self.doms.values().filter(|d| d.running > 0).map(|d| d.weight as f64).sum();
+        // Busy: a chunk waits for dispatch or moves in a lane. A transfer
+        // waiting on a stalled descriptor (polling, or slow past SLOW) is not
+        // busy: its share goes to those that can use it.
+        let moving: std::collections::HashSet<DomainId> =
+            self.jobs.values().filter(|j| j.lane).map(|j| j.spec.domain).collect();
+        let busy = |id: &DomainId, d: &Dom| !d.queue.is_empty() || moving.contains(id);
+        let sum: f64 = self.doms.iter().filter(|(id, d)| busy(id, d)).map(|(_, d)| d.weight as f64).sum();
         if sum == 0.0 {
             return;
         }
         let chunk = self.cfg.chunk as f64;
-        for d in self.doms.values_mut() {
+        for (id, d) in self.doms.iter_mut() {
             let share = cap as f64 * d.weight as f64 / sum;
             // At most ~20 ms of share (or one chunk) banked: bursts stay short.
             let ceiling = (share * 0.02).max(chunk);
-            if d.running > 0 {
+            if !d.queue.is_empty() || moving.contains(id) {
                 d.credits = (d.credits + share * dt).min(ceiling);
             } else {
                 d.credits = d.credits.min(ceiling);
