@@ -745,3 +745,48 @@ fn a_broker_without_the_engine_refuses_pipes_clearly() {
     assert!(matches!(c.file_to_socket(&f, &tx, 0, 3), Err(Error::Refused(e)) if e.code == ErrorCode::Unavailable));
     assert!(c.status().unwrap().pipe_engine.is_none());
 }
+
+#[test]
+fn a_stalled_domain_does_not_keep_its_share_in_strict_mode() {
+    let cap = 24u64 << 20;
+    let b = TestBroker::with(|c| {
+        c.pipe.capacity = fido_broker::Capacity::BytesPerSec(cap);
+        c.pipe.work_conserving = false;
+        c.pipe.chunk = 256 << 10;
+    });
+    // Domain "stalled" waits on a socket nobody writes.
+    let stalled = b.client("stalled");
+    let (_quiet, src) = stream_pair();
+    let (_, out) = rw_file(b.dir.path(), "never");
+    let _stuck = stalled.start_once(&src, &out, PipeOp::SocketToFile { off: 0, len: 1 << 30 }).unwrap();
+    // Domain "mover" sends a sparse file to a drained socket.
+    let mover = b.client("mover");
+    let (p, f) = rw_file(b.dir.path(), "sparse");
+    f.set_len(1 << 40).unwrap();
+    drop(f);
+    let f = std::fs::File::open(p).unwrap();
+    let (tx, mut rx) = stream_pair();
+    let d = std::thread::spawn(move || {
+        let mut buf = vec![0u8; 1 << 20];
+        while matches!(rx.read(&mut buf), Ok(n) if n > 0) {}
+    });
+    let pipe = mover.create(&f, &tx).unwrap();
+    let op = pipe.start(PipeOp::FileToSocket { off: 0, len: 1 << 40 }).unwrap();
+    let total = |c: &fido_pipe::Client| {
+        let st = c.status().unwrap();
+        st.pipes.iter().find(|d| d.domain == c.domain()).map_or(0, |d| d.bytes_total)
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    let t0 = total(&mover);
+    let start = Instant::now();
+    std::thread::sleep(Duration::from_millis(1500));
+    let rate = (total(&mover) - t0) as f64 / start.elapsed().as_secs_f64();
+    eprintln!("mover: {:.1} MiB/s of {} MiB/s", rate / (1 << 20) as f64, cap >> 20);
+    // Equal weights: a stalled peer that kept its share would hold the mover to ~50 %.
+    assert!(rate > cap as f64 * 0.7, "mover got {rate} B/s of {cap}");
+    assert!(rate < cap as f64 * 1.3, "mover got {rate} B/s over the cap {cap}");
+    pipe.cancel().unwrap();
+    assert!(matches!(op.wait(), Err(Error::Cancelled { .. })));
+    drop((pipe, tx));
+    d.join().unwrap();
+}
