@@ -38,6 +38,11 @@ pub use fido_proto::{
     PipeResult, RemoteError, Status,
 };
 
+/// A length meaning "until the source ends" (the largest length the protocol
+/// takes, 2^62 bytes): `p.socket_to_socket(UNTIL_EOF)` returns at EOF with
+/// `eof: true` and the exact count.
+pub const UNTIL_EOF: u64 = fido_proto::MAX_PIPE_LEN;
+
 /// How long a plain request (create, cancel, weight, status) waits for its reply.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(15);
 
