@@ -158,6 +158,20 @@ fn socket_to_file_and_socket_to_socket() {
     feeder.join().unwrap();
     assert_eq!(sum(&got.join().unwrap()), sum(&data));
 
+    // Until EOF: a stream of unknown length.
+    let (a, src) = stream_pair();
+    let (dst, z) = stream_pair();
+    let feeder = feed(a, data.clone());
+    let got = drain(z);
+    let t = c.socket_to_socket(&src, &dst, fido_pipe::UNTIL_EOF).unwrap();
+    assert_eq!((t.moved, t.eof), (data.len() as u64, true));
+    drop(dst);
+    feeder.join().unwrap();
+    assert_eq!(sum(&got.join().unwrap()), sum(&data));
+    fn shared<T: Send + Sync>() {}
+    shared::<fido_pipe::Client>();
+    shared::<fido_pipe::Pipe>();
+
     // TCP on loopback too (a real socket type the server will use).
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap();
