@@ -61,6 +61,15 @@ pub fn run(a: BrokerArgs) -> anyhow::Result<()> {
             rustix::process::geteuid().as_raw()
         ),
     };
+    // Pipes hold the descriptors clients hand over (two per pipe, two more
+    // per running transfer): raise the soft descriptor limit to the hard one.
+    let lim = rustix::process::getrlimit(rustix::process::Resource::Nofile);
+    if lim.current < lim.maximum {
+        let raised = rustix::process::Rlimit { current: lim.maximum, maximum: lim.maximum };
+        if let Err(e) = rustix::process::setrlimit(rustix::process::Resource::Nofile, raised) {
+            tracing::warn!(error = %e, "could not raise the descriptor limit");
+        }
+    }
     let broker = Broker::bind(config).context("starting the broker")?;
     let handle = broker.shutdown_handle();
     let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])
