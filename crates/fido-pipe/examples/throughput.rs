@@ -126,6 +126,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             t.elapsed(),
         );
     }
+    // The control round trip alone (no engine), for comparison.
+    let n = 2000;
+    let mut lat = Vec::with_capacity(n);
+    for _ in 0..n {
+        let t = Instant::now();
+        c.status()?;
+        lat.push(t.elapsed());
+    }
+    lat.sort();
+    println!("broker round trip (Status):   p50 {:?} p99 {:?} ({n} ops)", lat[n / 2], lat[n * 99 / 100]);
     // Small transfers: per-operation latency (what a file server pays per response).
     let (tx, rx) = UnixStream::pair()?;
     let d = drain(rx);
