@@ -3,7 +3,7 @@
 //! It admits domains (join: a [`DomainId`](fido_proto::DomainId) that is never
 //! reused and a PGVAS slot), hands out read-only arena grants, brokers
 //! connections between a client and the domain offering a service (exchanging
-//! arena grants, doorbell eventfds and a liveness socket pair), keeps the
+//! arena grants, doorbell ring ends and a liveness socket pair), keeps the
 //! registry (a tree of keys with watches and transactions, persisted in SQLite),
 //! and detects deaths — socket EOF at once, hangs by missed heartbeats — telling
 //! the peers and firing watches.

@@ -1804,18 +1804,18 @@ fn check_bells(what: &str, fds: &[OwnedFd]) -> Result<(), RemoteError> {
         return Err(err(
             ErrorCode::BadDescriptor,
             format!(
-                "{what} carries exactly two descriptors (data and space doorbell eventfds); got {}",
+                "{what} carries exactly two descriptors (data and space doorbells); got {}",
                 fds.len()
             ),
         ));
     }
     for (i, fd) in fds.iter().enumerate() {
-        if !sys::is_eventfd(fd.as_fd()) {
+        if !sys::is_doorbell(fd.as_fd()) {
             let kind = sys::fd_kind(fd.as_fd()).unwrap_or_else(|| "unknown".into());
             let which = if i == 0 { "data" } else { "space" };
             return Err(err(
                 ErrorCode::BadDescriptor,
-                format!("{what}: the {which} doorbell is not an eventfd ({kind})"),
+                format!("{what}: the {which} doorbell is not a Unix stream socket ({kind})"),
             ));
         }
     }

@@ -74,7 +74,7 @@ fn expect_err(r: Result<Reply, RemoteError>, code: ErrorCode, needle: &str) -> S
 
 /// Connect with fresh doorbells; returns the request id.
 fn send_connect(raw: &mut Raw, svc: &str) -> u64 {
-    let bells = [eventfd(), eventfd()];
+    let bells = [bell(), bell()];
     raw.send_request(
         Request::Connect {
             service: svc.into(),
@@ -91,7 +91,7 @@ fn connect_accepted(server: &mut Raw, client: &mut Raw, svc: &str) -> u64 {
     let Event::Incoming { conn, .. } = ev else {
         unreachable!()
     };
-    let bells = [eventfd(), eventfd()];
+    let bells = [bell(), bell()];
     let (r, _) = server.request_fds(
         Request::Accept { conn, block: BLOCK },
         &[bells[0].as_fd(), bells[1].as_fd()],
@@ -103,7 +103,16 @@ fn connect_accepted(server: &mut Raw, client: &mut Raw, svc: &str) -> u64 {
     conn
 }
 
-/// Memfds, eventfds and sockets this process holds.
+/// Whether our descriptor number `n` is a stream socket (a doorbell end or a
+/// liveness socket).
+fn is_stream(n: &str) -> bool {
+    let fd: std::os::fd::RawFd = n.parse().unwrap();
+    // SAFETY: borrowed only for this call, while the descriptor is open.
+    let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+    matches!(rustix::net::sockopt::socket_type(fd), Ok(rustix::net::SocketType::STREAM))
+}
+
+/// Memfds, eventfds, doorbells and other sockets this process holds.
 fn fd_census() -> BTreeMap<&'static str, usize> {
     let mut out = BTreeMap::new();
     for e in std::fs::read_dir("/proc/self/fd").unwrap().flatten() {
@@ -115,6 +124,8 @@ fn fd_census() -> BTreeMap<&'static str, usize> {
             "memfd"
         } else if t == "anon_inode:[eventfd]" {
             "eventfd"
+        } else if t.starts_with("socket:") && is_stream(e.file_name().to_str().unwrap()) {
+            "stream"
         } else if t.starts_with("socket:") {
             "socket"
         } else {
@@ -638,7 +649,7 @@ fn denied_domain_gets_no_grant_and_no_doorbell_across_uids() {
     assert_eq!(service, "other-ok");
     assert_eq!(peer.uid, ub.uid);
     assert_eq!(fds.len(), 4);
-    let bells = [eventfd(), eventfd()];
+    let bells = [bell(), bell()];
     let (r, _) = root.request_fds(
         Request::Accept { conn, block: BLOCK },
         &[bells[0].as_fd(), bells[1].as_fd()],
@@ -739,7 +750,7 @@ fn child_main() {
         "client" => {
             let slot_a: u32 = std::env::var("FIDO_POLICY_SLOT").unwrap().parse().unwrap();
             join_as(&mut raw, "cli-b", None, ARENA_LEN).unwrap();
-            let bells = [eventfd(), eventfd()];
+            let bells = [bell(), bell()];
             let before = fd_census();
             let id = raw.send_request(
                 Request::Connect {
@@ -775,7 +786,7 @@ fn child_main() {
                 "may not write",
             );
             let after = fd_census();
-            assert_eq!(before, after, "no new memfd, eventfd or socket");
+            assert_eq!(before, after, "no new memfd, doorbell, liveness or other socket");
             println!("@@ denied-ok {after:?}");
             // The census does see a real grant: the allowed connection brings 4.
             let id = raw.send_request(
@@ -792,7 +803,8 @@ fn child_main() {
                 got.get("memfd"),
                 Some(&(before.get("memfd").unwrap_or(&0) + 1))
             );
-            assert_eq!(got.get("eventfd"), Some(&(before["eventfd"] + 2)));
+            // Two doorbells and a liveness socket.
+            assert_eq!(got.get("stream"), Some(&(before["stream"] + 3)));
             drop(fds);
             // Still no path to A (A is connected to nobody).
             expect_err(

@@ -125,6 +125,54 @@ pub fn eventfd() -> OwnedFd {
     .unwrap()
 }
 
+/// A doorbell as the library makes one: the broker is handed the ring end
+/// (`as_fd`), the maker keeps the wait end.
+pub struct Bell {
+    pub wait: OwnedFd,
+    pub ring: OwnedFd,
+}
+
+impl AsFd for Bell {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.ring.as_fd()
+    }
+}
+
+pub fn bell() -> Bell {
+    let (wait, ring) = rustix::net::socketpair(
+        rustix::net::AddressFamily::UNIX,
+        rustix::net::SocketType::STREAM,
+        rustix::net::SocketFlags::CLOEXEC | rustix::net::SocketFlags::NONBLOCK,
+        None,
+    )
+    .unwrap();
+    Bell { wait, ring }
+}
+
+pub fn is_doorbell(fd: &OwnedFd) -> bool {
+    fido_proto::wire::is_doorbell(fd.as_fd())
+}
+
+/// Rings a doorbell `n` times through a ring end.
+pub fn ring_bell(fd: &OwnedFd, n: usize) {
+    for _ in 0..n {
+        rustix::net::send(fd, &[1], rustix::net::SendFlags::DONTWAIT).unwrap();
+    }
+}
+
+/// How many rings are pending on a wait end (consumes them).
+pub fn rings(wait: &OwnedFd) -> usize {
+    let mut n = 0;
+    let mut b = [0u8; 64];
+    while let Ok((got, _)) = rustix::net::recv(wait, &mut b, rustix::net::RecvFlags::DONTWAIT) {
+        if got == 0 {
+            break;
+        }
+        n += got;
+    }
+    n
+}
+
 pub fn fd_kind(fd: BorrowedFd<'_>) -> String {
     let link = format!("/proc/self/fd/{}", fd.as_raw_fd());
     rustix::fs::readlinkat(rustix::fs::CWD, link.as_str(), Vec::new())
