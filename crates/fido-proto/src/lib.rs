@@ -223,6 +223,11 @@ pub enum GoneReason {
     Exited,
     MissedHeartbeat,
     Left,
+    /// The broker removed the domain: a reloaded policy no longer admits it.
+    Evicted,
+    /// Only this connection ended: the policy no longer allows its client to
+    /// connect to the service. Both domains live on.
+    Revoked,
 }
 
 /// Per-domain data-path counters.

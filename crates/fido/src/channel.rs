@@ -35,6 +35,8 @@ const GONE_HUNG: u8 = 2;
 const GONE_LEFT: u8 = 3;
 const BROKEN: u8 = 4;
 const CLOSED_BY_US: u8 = 5;
+const GONE_EVICTED: u8 = 6;
+const GONE_REVOKED: u8 = 7;
 
 /// A connection request waiting in a listener's backlog.
 pub(crate) struct Incoming {
@@ -237,6 +239,8 @@ impl ConnShared {
             GoneReason::Exited => GONE_EXITED,
             GoneReason::MissedHeartbeat => GONE_HUNG,
             GoneReason::Left => GONE_LEFT,
+            GoneReason::Evicted => GONE_EVICTED,
+            GoneReason::Revoked => GONE_REVOKED,
         };
         let _ = self.state.compare_exchange(OPEN, code, Ordering::AcqRel, Ordering::Acquire);
         self.wake_local();
@@ -262,6 +266,8 @@ impl ConnShared {
             GONE_EXITED => Error::PeerGone { domain, reason: "exited" },
             GONE_HUNG => Error::PeerGone { domain, reason: "missed heartbeats" },
             GONE_LEFT => Error::PeerGone { domain, reason: "left" },
+            GONE_EVICTED => Error::PeerGone { domain, reason: "evicted by the broker's policy" },
+            GONE_REVOKED => Error::PeerGone { domain, reason: "connection revoked by the broker's policy" },
             BROKEN => Error::Protocol(self.broken.lock().clone().unwrap_or_default()),
             _ => Error::Closed,
         }

@@ -35,6 +35,14 @@ pub struct TestBroker {
     pub config: Config,
     pub thread: Option<JoinHandle<Result<(), BrokerError>>>,
     pub handle: ShutdownHandle,
+    pub reload: fido_broker::ReloadHandle,
+}
+
+/// Binds a broker and runs it on its own thread, keeping both handles.
+fn spawn(config: Config) -> (JoinHandle<Result<(), BrokerError>>, ShutdownHandle, fido_broker::ReloadHandle) {
+    let broker = Broker::bind(config).unwrap();
+    let (handle, reload) = (broker.shutdown_handle(), broker.reload_handle());
+    (std::thread::spawn(move || broker.run()), handle, reload)
 }
 
 pub fn config_in(dir: &Path) -> Config {
@@ -50,12 +58,13 @@ impl TestBroker {
         let dir = tempfile::tempdir().unwrap();
         let mut config = config_in(dir.path());
         tweak(&mut config);
-        let (thread, handle) = Broker::spawn(config.clone()).unwrap();
+        let (thread, handle, reload) = spawn(config.clone());
         TestBroker {
             dir,
             config,
             thread: Some(thread),
             handle,
+            reload,
         }
     }
 
@@ -70,9 +79,10 @@ impl TestBroker {
     /// Starts a new broker on the same socket and state directory.
     pub fn restart(&mut self) {
         self.stop();
-        let (thread, handle) = Broker::spawn(self.config.clone()).unwrap();
+        let (thread, handle, reload) = spawn(self.config.clone());
         self.thread = Some(thread);
         self.handle = handle;
+        self.reload = reload;
     }
 
     pub fn client(&self) -> Raw {
