@@ -55,6 +55,10 @@ impl<'a> Ctx<'a> {
     pub fn str(&self, s: ShmStr) -> Result<crate::frame::ShmStrRef<'a>, Fault> {
         self.view.str(s)
     }
+    /// The packed arguments as sent (the C ABI hands them to C handlers).
+    pub fn root_bytes(&self) -> &'a [u8] {
+        self.root
+    }
     /// The packed arguments (for generated code).
     pub fn root(&self) -> RootReader<'a> {
         RootReader::new(self.root)
