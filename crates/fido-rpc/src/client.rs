@@ -51,7 +51,13 @@ impl CancelToken {
 /// A reply: the result value (copied out of the reply's root) and the reply
 /// message itself, which keeps every view of the server's memory valid.
 /// Dropping it releases the reply (the server frees what it built). Views
-/// borrow the `Reply`, so none can outlive the release.
+/// borrow the `Reply`, so none can outlive the release:
+///
+/// ```compile_fail
+/// fn leak(r: fido_rpc::Reply<fido_rpc::ShmSlice<u8>>) -> &'static [u8] {
+///     r.slice(*r.get()).unwrap() // error: returns a value referencing data owned by `r`
+/// }
+/// ```
 pub struct Reply<R> {
     msg: Msg,
     value: R,
