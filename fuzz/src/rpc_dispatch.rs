@@ -64,7 +64,7 @@ fn env() -> &'static Env {
 /// Runs one input; panics if the property fails. Returns the reply's status
 /// and fault code.
 pub fn run(data: &[u8]) -> Option<(u32, u32)> {
-    let Some((&mode, rest)) = data.split_first() else { return None };
+    let (&mode, rest) = data.split_first()?;
     // Aligned copy (u64 words) so in-place slices of u64 fields can be valid.
     let mut mem = vec![0u64; rest.len().div_ceil(8).max(HEADER_LEN / 8)];
     let len = rest.len().max(HEADER_LEN);

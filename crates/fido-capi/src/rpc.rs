@@ -414,7 +414,7 @@ impl Dispatch for CService {
         let root = cx.root_bytes();
         // The handle lives on this stack frame and is valid only during the
         // handler: the lifetime is erased for C and nothing keeps it after.
-        let mut call = fido_rpc_ctx { cx: cx as *mut Ctx<'_> as *mut Ctx<'static> };
+        let mut call = fido_rpc_ctx { cx: (cx as *mut Ctx<'_>).cast::<Ctx<'static>>() };
         // SAFETY: a C function from the table the server was given; `root`
         // is readable for `root.len()` bytes for the whole call.
         let rc = unsafe { h(self.user as *mut c_void, &mut call, root.as_ptr() as *const c_void, root.len()) };

@@ -13,7 +13,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let iters: usize = std::env::args().nth(1).map(|s| s.parse()).transpose()?.unwrap_or(20_000);
     let dir = tempfile::tempdir()?;
     let sock = dir.path().join("broker.sock");
-    let (_t, shutdown) = fido_broker::Broker::spawn(fido_broker::Config::new(&sock, &dir.path().join("state")))?;
+    let (_t, shutdown) = fido_broker::Broker::spawn(fido_broker::Config::new(&sock, dir.path().join("state")))?;
     let join = |n: &str| Domain::join(JoinOptions::new(n).broker(&sock).arena_len(64 << 20));
     let sd = join("server")?;
     let cd = join("client")?;

@@ -301,7 +301,7 @@ impl<'a> View<'a> {
     #[inline]
     pub fn slice<T: Pod>(&self, h: ShmSlice<T>) -> Result<&'a [T], Fault> {
         let size = std::mem::size_of::<T>() as u64;
-        if h.len() == 0 {
+        if h.is_empty() {
             return Ok(&[]);
         }
         if size == 0 {

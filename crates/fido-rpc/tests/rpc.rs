@@ -46,11 +46,7 @@ impl Test for Arc<TestImpl> {
         a + b as u64
     }
     fn div(&self, _cx: &mut Ctx<'_>, a: u64, b: u64) -> Result<u64, TestError> {
-        if b == 0 {
-            Err(TestError { code: 42 })
-        } else {
-            Ok(a / b)
-        }
+        a.checked_div(b).ok_or(TestError { code: 42 })
     }
     fn sleep(&self, cx: &mut Ctx<'_>, ms: u64) -> Result<u64, Fault> {
         if cx.deadline_ns().is_some() {

@@ -19,7 +19,7 @@ impl TestBroker {
     pub fn start() -> TestBroker {
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("broker.sock");
-        let mut c = fido_broker::Config::new(&socket, &dir.path().join("state"));
+        let mut c = fido_broker::Config::new(&socket, dir.path().join("state"));
         c.heartbeat = Duration::from_millis(100);
         c.heartbeat_misses = 5;
         let (thread, shutdown) = fido_broker::Broker::spawn(c).unwrap();
