@@ -12,9 +12,23 @@ fn lib_dir() -> PathBuf {
     exe.parent().unwrap().parent().unwrap().to_path_buf()
 }
 
+/// `cargo test` builds this crate as an rlib only: build libfido.so (same
+/// profile, same target dir) so the C program links today's code.
+fn build_lib(root: &Path, lib: &Path) {
+    let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    cmd.args(["build", "-p", "fido-capi", "--lib"]).current_dir(root);
+    if lib.file_name().is_some_and(|n| n == "release") {
+        cmd.arg("--release");
+    }
+    cmd.env("CARGO_TARGET_DIR", lib.parent().unwrap());
+    let st = cmd.status().expect("run cargo build");
+    assert!(st.success(), "building libfido failed");
+}
+
 fn build_demo(out: &Path) -> PathBuf {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let lib = lib_dir();
+    build_lib(&root, &lib);
     assert!(lib.join("libfido.so").exists(), "libfido.so not built in {}", lib.display());
     let bin = out.join("rpc_demo");
     let st = Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()))
