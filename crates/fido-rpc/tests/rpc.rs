@@ -159,9 +159,27 @@ fn pointers_outside_the_grant_are_refused() {
 
 #[test]
 fn sequences_send_and_recv() {
+    sequences(false);
+}
+
+/// Without the PGVAS window every handle is translated (swizzled): the same
+/// calls must give the same answers.
+#[test]
+fn sequences_send_and_recv_swizzled() {
+    sequences(true);
+}
+
+fn sequences(swizzle: bool) {
     let b = TestBroker::start();
-    let sd = b.join("server");
-    let cd = b.join("client");
+    let join = |n: &str| fido::Domain::join(fido::JoinOptions::new(n).broker(&b.socket).arena_len(64 << 20).swizzle(swizzle)).unwrap();
+    let sd = join("server");
+    let cd = join("client");
+    // (Two domains of one process share one PGVAS window: the second one
+    // joined is swizzled anyway; forcing it makes both so.)
+    if swizzle {
+        assert_ne!(cd.address_mode(), fido::AddressMode::Pgvas);
+        assert_ne!(sd.address_mode(), fido::AddressMode::Pgvas);
+    }
     let _h = Server::spawn(&sd, "bench", BenchServer(BenchImpl), ServerOptions::default()).unwrap();
     let c = BenchClient::connect(&cd, "bench").unwrap();
     c.null(c.frame().unwrap()).unwrap();
