@@ -240,33 +240,48 @@ impl Default for ServerOptions {
 /// death) reaches them.
 struct ConnCalls {
     ch: Channel,
-    running: Mutex<HashMap<u64, Arc<AtomicBool>>>,
-    limit: usize,
+    st: Mutex<CallTable>,
 }
 
+#[derive(Default)]
+struct CallTable {
+    running: HashMap<u64, Arc<AtomicBool>>,
+    /// Cancels that arrived before their call was registered (another worker
+    /// received the call and has not got here yet), with their arrival time.
+    /// Old ones are for calls that already finished: purged.
+    early: HashMap<u64, std::time::Instant>,
+}
+
+/// Pending early cancels kept per connection (a flood beyond this is dropped).
+const EARLY_CANCELS: usize = 4096;
+
 impl ConnCalls {
-    fn flag(&self, id: u64) -> Option<Arc<AtomicBool>> {
-        let mut r = self.running.lock();
-        if let Some(f) = r.get(&id) {
-            return Some(f.clone());
-        }
-        if r.len() >= self.limit {
-            return None;
-        }
-        let f = Arc::new(AtomicBool::new(false));
-        r.insert(id, f.clone());
-        Some(f)
+    fn register(&self, id: u64) -> Arc<AtomicBool> {
+        let mut t = self.st.lock();
+        let cancelled = t.early.remove(&id).is_some();
+        let f = Arc::new(AtomicBool::new(cancelled));
+        t.running.insert(id, f.clone());
+        f
+    }
+    fn unregister(&self, id: u64) {
+        self.st.lock().running.remove(&id);
     }
     fn cancel(&self, id: u64) {
-        // A cancel may overtake its call (another worker received the call
-        // and has not registered it yet): leave a cancelled flag behind, but
-        // never more than `limit` of them.
-        if let Some(f) = self.flag(id) {
+        let mut t = self.st.lock();
+        if let Some(f) = t.running.get(&id) {
             f.store(true, Ordering::Release);
+            return;
+        }
+        if t.early.len() >= EARLY_CANCELS {
+            let now = std::time::Instant::now();
+            t.early.retain(|_, at| now.duration_since(*at) < Duration::from_secs(2));
+        }
+        if t.early.len() < EARLY_CANCELS {
+            t.early.insert(id, std::time::Instant::now());
         }
     }
     fn cancel_all(&self) {
-        for f in self.running.lock().values() {
+        for f in self.st.lock().running.values() {
             f.store(true, Ordering::Release);
         }
     }
@@ -319,7 +334,7 @@ impl Server {
                             if let Some(w) = opts.wait {
                                 ch.set_wait(w);
                             }
-                            let cc = Arc::new(ConnCalls { ch, running: Mutex::new(HashMap::new()), limit: 65536 });
+                            let cc = Arc::new(ConnCalls { ch, st: Mutex::new(CallTable::default()) });
                             for i in 0..opts.workers.max(1) {
                                 let (cc, svc, st, d) = (cc.clone(), svc.clone(), st.clone(), domain.clone());
                                 let t = std::thread::Builder::new()
@@ -382,13 +397,10 @@ fn handle(svc: &dyn Dispatch, cc: &ConnCalls, arena: &Arc<Arena>, open: &dyn Fn(
             cc.cancel(id);
         }
         op @ (OP_CALL | OP_ONEWAY) => {
-            let Some(flag) = cc.flag(id) else {
-                tracing::warn!(conn = cc.ch.id(), "too many calls in flight; dropping call {id}");
-                return;
-            };
+            let flag = cc.register(id);
             let first: &[u8] = msg.segments().next().unwrap_or(&[]);
             let out = dispatch_call(svc, first, &msg, id, msg.from_domain(), &flag, open, arena);
-            cc.running.lock().remove(&id);
+            cc.unregister(id);
             // Release the arguments before replying: once the client has the
             // reply, nothing of ours still reads its memory.
             drop(msg);
