@@ -697,7 +697,7 @@ impl Drop for Pipe {
 }
 
 /// An operation under way. Wait for it ([`wait`](Pending::wait)), poll it
-/// ([`try_result`](Pending::try_result), or [`as_fd`](Pending::bell_fd): an
+/// ([`try_result`](Pending::try_result), or [`bell_fd`](Pending::bell_fd): an
 /// eventfd readable once it finished, for epoll loops), or `.await` it.
 /// Dropping it does not cancel the transfer (use [`Pipe::cancel`]).
 pub struct Pending {
