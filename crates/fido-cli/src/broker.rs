@@ -29,6 +29,8 @@ pub struct BrokerArgs {
     pub heartbeat_misses: Option<u32>,
     /// Access policy (TOML); without it only the broker's own uid may join.
     pub policy: Option<PathBuf>,
+    /// Pipe engine settings (`--pipe-capacity`, `--pipe-strict`, `--pipe-lanes`).
+    pub pipe: fido_broker::PipeConfig,
 }
 
 /// SIGHUP: reads the policy file again and hands it to the broker. Without a
@@ -58,6 +60,7 @@ pub fn run(a: BrokerArgs) -> anyhow::Result<()> {
         None => default_state_dir()?,
     };
     let mut config = Config::new(&socket, &state);
+    config.pipe = a.pipe.clone();
     if let Some(ms) = a.heartbeat_ms {
         config.heartbeat = Duration::from_millis(ms);
     }
@@ -79,6 +82,15 @@ pub fn run(a: BrokerArgs) -> anyhow::Result<()> {
             rustix::process::geteuid().as_raw()
         ),
     };
+    // Pipes hold the descriptors clients hand over (two per pipe, two more
+    // per running transfer): raise the soft descriptor limit to the hard one.
+    let lim = rustix::process::getrlimit(rustix::process::Resource::Nofile);
+    if lim.current < lim.maximum {
+        let raised = rustix::process::Rlimit { current: lim.maximum, maximum: lim.maximum };
+        if let Err(e) = rustix::process::setrlimit(rustix::process::Resource::Nofile, raised) {
+            tracing::warn!(error = %e, "could not raise the descriptor limit");
+        }
+    }
     let broker = Broker::bind(config).context("starting the broker")?;
     let handle = broker.shutdown_handle();
     let reload = broker.reload_handle();
