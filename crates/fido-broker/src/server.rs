@@ -273,7 +273,6 @@ impl Server {
                         tracing::info!(domains = self.domains.len(), "broker shutting down");
                         return Ok(());
                     }
-                    KEY_PIPE => self.pipe_completions(),
                     KEY_RELOAD => {
                         let mut b = [0u8; 8];
                         let _ = rustix::io::read(self.reload.event.as_fd(), &mut b);
@@ -286,6 +285,7 @@ impl Server {
                             }
                         }
                     }
+                    KEY_PIPE => self.pipe_completions(),
                     key => self.client_ready(key, flags),
                 }
                 self.reap();
