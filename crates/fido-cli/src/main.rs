@@ -24,6 +24,12 @@ mod bench;
 mod broker;
 mod chaos;
 mod demo;
+mod pipe_bench;
+mod pipe_cli;
+mod pipe_fido;
+mod pipe_move;
+mod pipe_proxy;
+mod pipe_serve;
 mod pipeline;
 mod proc;
 mod status;
@@ -84,6 +90,11 @@ enum Cmd {
         /// Hops (links); the pipeline has hops+1 processes.
         #[arg(long, default_value_t = 3)]
         hops: usize,
+    },
+    /// Applications on the pipe engine: a static-file HTTP server, a TCP proxy.
+    Pipe {
+        #[command(subcommand)]
+        cmd: pipe_cli::PipeCmd,
     },
     /// Benchmarks (separate processes, baselines in the same run).
     Bench {
@@ -158,6 +169,7 @@ fn hidden(args: &[String]) -> Option<anyhow::Result<()>> {
         }),
         Some("__demo-role") => Some(pipeline::role_main(&args[1..])),
         Some("__chaos-role") => Some(chaos::role_main(&args[1..])),
+        Some("__pipe-role") => Some(pipe_bench::role_main(&args[1..])),
         _ => None,
     }
 }
@@ -194,6 +206,7 @@ fn main() -> ExitCode {
         })
         .map(|_| true),
         Cmd::Status { json, socket } => status::run(json, socket).map(|_| true),
+        Cmd::Pipe { cmd } => pipe_cli::run(cmd).map(|_| true),
         Cmd::Demo {
             seconds,
             size,
