@@ -26,9 +26,6 @@ pub const CHUNK: usize = 128 << 10;
 
 /// A way of moving bytes between descriptors (see the module documentation).
 pub trait Mover: Send + Sync {
-    /// Short name, as used for the bench's `system` column.
-    fn name(&self) -> &'static str;
-
     /// `len` bytes of `file` at `off` to the socket `sock`. Returns the bytes
     /// sent: fewer than `len` only if the file ended first.
     fn file_to_socket(
@@ -111,10 +108,6 @@ fn chunk(left: Option<u64>) -> usize {
 pub struct ReadWrite;
 
 impl Mover for ReadWrite {
-    fn name(&self) -> &'static str {
-        "readwrite"
-    }
-
     fn file_to_socket(
         &self,
         file: BorrowedFd<'_>,
@@ -235,7 +228,7 @@ impl SplicePipe {
                 self.w.as_fd(),
                 None,
                 want,
-                SpliceFlags::MOVE | SpliceFlags::MORE,
+                SpliceFlags::MOVE,
             )
         })?;
         let mut left = n;
@@ -247,7 +240,7 @@ impl SplicePipe {
                     to,
                     out_off.as_deref_mut(),
                     left,
-                    SpliceFlags::MOVE | SpliceFlags::MORE,
+                    SpliceFlags::MOVE,
                 )
             })?;
             if m == 0 {
@@ -260,10 +253,6 @@ impl SplicePipe {
 }
 
 impl Mover for Sendfile {
-    fn name(&self) -> &'static str {
-        "sendfile"
-    }
-
     fn file_to_socket(
         &self,
         file: BorrowedFd<'_>,
@@ -371,5 +360,21 @@ impl Strategy {
             Strategy::Sendfile => "sendfile",
             Strategy::Readwrite => "readwrite",
         }
+    }
+}
+
+/// Reads `sock` until EOF, discarding the bytes with as little CPU as the
+/// kernel allows (splice into `/dev/null`, never copied to user space). The
+/// benchmarks' sink: its cost is the same whichever strategy fed the socket.
+pub fn drain_to_null(sock: BorrowedFd<'_>) -> io::Result<u64> {
+    let null = std::fs::OpenOptions::new().write(true).open("/dev/null")?;
+    let p = SplicePipe::new()?;
+    let mut done = 0u64;
+    loop {
+        let n = p.relay(sock, null.as_fd(), None, 1 << 20)?;
+        if n == 0 {
+            return Ok(done);
+        }
+        done += n as u64;
     }
 }
