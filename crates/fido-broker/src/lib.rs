@@ -16,10 +16,12 @@
 //! mapped somewhere.
 
 mod account;
+pub mod pipe;
 pub mod policy;
 mod server;
 mod sys;
 
+pub use pipe::{Capacity, PipeConfig};
 pub use policy::{Glob, Policy, Quotas, Rule};
 
 use std::fs::{DirBuilder, File, OpenOptions};
@@ -53,6 +55,8 @@ pub struct Config {
     /// file's mode and group. Default: [`Policy::default_for_self`] (only
     /// the broker's own uid may join).
     pub policy: Arc<Policy>,
+    /// The pipe engine's capacity, sharing mode, lanes and chunk size.
+    pub pipe: PipeConfig,
 }
 
 impl Config {
@@ -65,6 +69,7 @@ impl Config {
             heartbeat_misses: 6,
             geometry: PgvasGeometry::DEFAULT,
             policy: Arc::new(Policy::default_for_self()),
+            pipe: PipeConfig::default(),
         }
     }
 

@@ -35,7 +35,12 @@ pub(crate) const MANAGED: [&str; 3] = ["/domain", "/service", "/connection"];
 
 const KEY_LISTENER: u64 = 0;
 const KEY_SHUTDOWN: u64 = 1;
-const FIRST_CLIENT_KEY: u64 = 2;
+/// The pipe engine's completion eventfd.
+const KEY_PIPE: u64 = 2;
+const FIRST_CLIENT_KEY: u64 = 3;
+
+#[path = "pipe_server.rs"]
+mod pipes;
 
 /// Messages handled per client per wake-up, so one chatty client cannot starve others.
 const MAX_BATCH: usize = 64;
@@ -150,6 +155,8 @@ pub(crate) struct Server {
     rules: Vec<Arc<Rule>>,
     /// Who is charged for which application registry key.
     acct: RegAccount,
+    /// vPipe: pipes, running transfers, the engine.
+    pipes: pipes::PipeState,
 }
 
 impl Server {
@@ -178,6 +185,8 @@ impl Server {
         };
         add(listener.as_fd(), KEY_LISTENER)?;
         add(shutdown.as_fd(), KEY_SHUTDOWN)?;
+        let pipe_state = pipes::PipeState::new(&cfg)?;
+        add(pipe_state.engine.done_fd(), KEY_PIPE)?;
         let grace_end = Instant::now() + cfg.heartbeat_timeout();
         let rules = cfg.policy.rules.iter().cloned().map(Arc::new).collect();
         tracing::info!(
@@ -208,6 +217,7 @@ impl Server {
             buf: vec![0u8; fido_proto::MAX_MESSAGE],
             rules,
             acct: RegAccount::default(),
+            pipes: pipe_state,
         })
     }
 
@@ -253,6 +263,7 @@ impl Server {
                         tracing::info!(domains = self.domains.len(), "broker shutting down");
                         return Ok(());
                     }
+                    KEY_PIPE => self.pipe_completions(),
                     key => self.client_ready(key, flags),
                 }
                 self.reap();
@@ -621,7 +632,10 @@ impl Server {
         fds: Vec<OwnedFd>,
     ) -> Handled {
         // Only Connect and Accept carry descriptors; everywhere else they are a mistake.
-        let takes_fds = matches!(body, Request::Connect { .. } | Request::Accept { .. });
+        let takes_fds = matches!(
+            body,
+            Request::Connect { .. } | Request::Accept { .. } | Request::PipeCreate | Request::PipeOnce { .. }
+        );
         if !takes_fds && !fds.is_empty() {
             return Err(err(
                 ErrorCode::BadDescriptor,
@@ -840,6 +854,12 @@ impl Server {
                 )))
             }
             Request::Status => Ok(Some((Reply::Status(self.status()), Vec::new()))),
+            body @ (Request::PipeCreate
+            | Request::PipeRun { .. }
+            | Request::PipeOnce { .. }
+            | Request::PipeCancel { .. }
+            | Request::PipeDestroy { .. }
+            | Request::PipeWeight { .. }) => self.pipe_request(key, dom, id, body, fds),
             Request::Counters { counters } => {
                 if let Some(d) = self.domains.get_mut(&dom) {
                     d.counters = counters;
@@ -1611,6 +1631,7 @@ impl Server {
         }
         self.reg.drop_owner(id);
         self.acct.forget(id);
+        self.pipe_domain_gone(id);
 
         for s in &d.services {
             self.services.remove(s);
@@ -1769,7 +1790,10 @@ impl Server {
     }
 
     fn status(&self) -> Status {
+        let (pipe_engine, pipes) = self.pipe_status();
         Status {
+            pipe_engine,
+            pipes,
             broker_pid: rustix::process::getpid().as_raw_nonzero().get(),
             domains: self
                 .domains

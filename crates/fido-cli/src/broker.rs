@@ -28,6 +28,8 @@ pub struct BrokerArgs {
     pub heartbeat_misses: Option<u32>,
     /// Access policy (TOML); without it only the broker's own uid may join.
     pub policy: Option<PathBuf>,
+    /// Pipe engine settings (`--pipe-capacity`, `--pipe-strict`, `--pipe-lanes`).
+    pub pipe: fido_broker::PipeConfig,
 }
 
 pub fn run(a: BrokerArgs) -> anyhow::Result<()> {
@@ -37,6 +39,7 @@ pub fn run(a: BrokerArgs) -> anyhow::Result<()> {
         None => default_state_dir()?,
     };
     let mut config = Config::new(&socket, &state);
+    config.pipe = a.pipe.clone();
     if let Some(ms) = a.heartbeat_ms {
         config.heartbeat = Duration::from_millis(ms);
     }

@@ -19,7 +19,7 @@ use clap::Subcommand;
 use crate::pipe_move::{self, Mover, Strategy};
 
 #[derive(Subcommand)]
-pub enum PipeCmd {
+pub enum AppCmd {
     /// Serve DIR over HTTP/1.1 (GET/HEAD, keep-alive, ranges); bodies go file→socket through the broker's pipe engine.
     Serve {
         /// Directory to serve (nothing outside it is reachable, symlinks included).
@@ -61,9 +61,9 @@ pub fn mover(s: Strategy) -> anyhow::Result<Arc<dyn Mover>> {
     })
 }
 
-pub fn run(cmd: PipeCmd) -> anyhow::Result<()> {
+pub fn run(cmd: AppCmd) -> anyhow::Result<()> {
     match cmd {
-        PipeCmd::Serve {
+        AppCmd::Serve {
             dir,
             port,
             addr,
@@ -81,7 +81,7 @@ pub fn run(cmd: PipeCmd) -> anyhow::Result<()> {
             announce(&format!("serving on http://{}/ ({})", srv.local_addr()?, strategy.system()))?;
             srv.run()
         }
-        PipeCmd::Proxy {
+        AppCmd::Proxy {
             listen,
             upstream,
             strategy,
