@@ -134,8 +134,12 @@ impl Ctx {
     /// Spawns `fido args...` with CPU A as its whole affinity mask (children
     /// inherit the mask of the thread that forks them).
     fn spawn_on_app(&self, args: &[String]) -> anyhow::Result<Kid> {
+        self.spawn_on_app_with(args, self.broker.socket())
+    }
+
+    fn spawn_on_app_with(&self, args: &[String], broker: &Path) -> anyhow::Result<Kid> {
         let _g = PinGuard::pin(self.app_cpu)?;
-        Kid::spawn(args, self.broker.socket())
+        Kid::spawn(args, broker)
     }
 
     fn busy(&self, n: usize) -> anyhow::Result<Vec<Kid>> {
@@ -450,6 +454,8 @@ fn fair_plan(quick: bool) -> FairPlan {
 }
 
 const WEIGHTS: [u32; 3] = [1, 1, 2];
+/// Engine capacity of the weight experiment (vPipe: ~117 MB/s, a 1 Gb/s wire).
+const FAIR_CAPACITY: u64 = 120_000_000;
 
 fn fairness(cx: &Ctx, o: &PipeBenchOpts, out: &mut Vec<Record>) -> anyhow::Result<bool> {
     let case = "fairness-1-1-2";
@@ -465,7 +471,21 @@ fn fairness(cx: &Ctx, o: &PipeBenchOpts, out: &mut Vec<Record>) -> anyhow::Resul
         if !file.exists() {
             make_file(&file, 64 << 20)?;
         }
-        let t0 = fido_bench::mono_ns() + 200_000_000;
+        // The engine must be the bottleneck for weights to matter (vPipe's was a
+        // 1 Gb/s wire): a broker of its own with a fixed capacity, not work-conserving.
+        let capped = match mode {
+            Strategy::Fido => Some(EmbeddedBroker::start_with_pipe(
+                "fido-bench-pipe-fair-",
+                fido_broker::PipeConfig {
+                    capacity: fido_broker::Capacity::BytesPerSec(FAIR_CAPACITY),
+                    work_conserving: false,
+                    ..Default::default()
+                },
+            )?),
+            _ => None,
+        };
+        let broker_path = capped.as_ref().map_or(cx.broker.socket(), |b| b.socket()).to_path_buf();
+        let t0 = fido_bench::mono_ns() + 300_000_000;
         let mut kids = Vec::new();
         let mut sinks = Vec::new();
         for i in 0..3 {
@@ -482,7 +502,7 @@ fn fairness(cx: &Ctx, o: &PipeBenchOpts, out: &mut Vec<Record>) -> anyhow::Resul
                 format!("start_ns={start_ns}"),
                 format!("end_ns={end_ns}"),
             ];
-            kids.push(cx.spawn_on_app(&args)?);
+            kids.push(cx.spawn_on_app_with(&args, &broker_path)?);
             sinks.push(s);
         }
         let deadline = Instant::now() + Duration::from_secs_f64(plan.ends[0] + 120.0);
@@ -540,7 +560,7 @@ fn cum_at(s: &Series, t: u64) -> u64 {
     }
 }
 
-/// `__pipe-role stream`: file→socket in 2 MiB pieces from `start_ns` to
+/// `__pipe-role stream`: file→socket in 1 MiB pieces from `start_ns` to
 /// `end_ns`, with this domain's weight; reports every piece's completion.
 fn role_stream(a: &PeerArgs) -> anyhow::Result<()> {
     let mode = strategy(a.get("mode")?)?;
@@ -554,7 +574,7 @@ fn role_stream(a: &PeerArgs) -> anyhow::Result<()> {
     let f = File::open(a.get("src")?)?;
     let size = f.metadata()?.len();
     let s = TcpStream::connect(a.get("out")?)?;
-    const PIECE: u64 = 2 << 20;
+    const PIECE: u64 = 1 << 20;
     let now = fido_bench::mono_ns();
     if start_ns > now {
         std::thread::sleep(Duration::from_nanos(start_ns - now));

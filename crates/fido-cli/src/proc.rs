@@ -281,12 +281,18 @@ pub struct EmbeddedBroker {
 
 impl EmbeddedBroker {
     pub fn start(prefix: &str) -> anyhow::Result<EmbeddedBroker> {
+        Self::start_with_pipe(prefix, fido_broker::PipeConfig::default())
+    }
+
+    /// [`EmbeddedBroker::start`] with the pipe engine configured as `pipe`.
+    pub fn start_with_pipe(prefix: &str, pipe: fido_broker::PipeConfig) -> anyhow::Result<EmbeddedBroker> {
         let dir = tempfile::Builder::new()
             .prefix(prefix)
             .tempdir()
             .context("creating a temporary directory")?;
         let socket = dir.path().join("broker.sock");
-        let config = fido_broker::Config::new(&socket, dir.path().join("state"));
+        let mut config = fido_broker::Config::new(&socket, dir.path().join("state"));
+        config.pipe = pipe;
         let (thread, handle) =
             fido_broker::Broker::spawn(config).context("starting the embedded broker")?;
         Ok(EmbeddedBroker {
