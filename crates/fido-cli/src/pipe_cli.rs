@@ -71,7 +71,10 @@ pub fn run(cmd: AppCmd) -> anyhow::Result<()> {
             idle_secs,
             max_conns,
         } => {
-            let m = mover(strategy)?;
+            let m = match strategy {
+                Strategy::Fido => crate::pipe_fido::mover_with_stall(Duration::from_secs(idle_secs.max(1)))?,
+                s => mover(s)?,
+            };
             let cfg = crate::pipe_serve::ServeConfig {
                 root: dir,
                 idle_timeout: Duration::from_secs(idle_secs.max(1)),

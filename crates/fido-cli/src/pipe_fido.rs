@@ -12,16 +12,26 @@ use std::io;
 use std::os::fd::BorrowedFd;
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context as _;
-use fido_pipe::{Client, ClientOptions, Transfer};
+use fido_pipe::{Client, ClientOptions, PipeOp, Transfer};
 
 use crate::pipe_move::Mover;
 
 /// The engine as a [`Mover`].
 pub struct FidoPipe {
     client: Client,
+    /// file→socket only: a piece of [`STALL_PIECE`] bytes that does not finish
+    /// within this long means the client stopped reading; the socket is shut
+    /// down (which fails the engine's write at once) and the call fails with
+    /// `TimedOut` — what `SO_SNDTIMEO` does for the in-process strategies.
+    stall: Option<Duration>,
 }
+
+/// Bytes per engine request when a stall timeout applies (a client slower than
+/// STALL_PIECE per timeout — 70 KB/s with 4 MiB and 60 s — is dropped).
+const STALL_PIECE: u64 = 4 << 20;
 
 fn io_err(e: fido_pipe::Error) -> io::Error {
     match e {
@@ -58,7 +68,32 @@ fn until(len: Option<u64>, mut op: impl FnMut(u64, u64) -> fido_pipe::Result<Tra
 
 impl Mover for FidoPipe {
     fn file_to_socket(&self, file: BorrowedFd<'_>, off: u64, len: u64, sock: BorrowedFd<'_>) -> io::Result<u64> {
-        until(Some(len), |done, want| self.client.file_to_socket(file, sock, off + done, want))
+        let Some(stall) = self.stall else {
+            return until(Some(len), |done, want| self.client.file_to_socket(file, sock, off + done, want));
+        };
+        let mut done = 0u64;
+        while done < len {
+            let want = (len - done).min(STALL_PIECE);
+            let op = PipeOp::FileToSocket { off: off + done, len: want };
+            let mut p = self.client.start_once(file, sock, op).map_err(io_err)?;
+            let t = match p.wait_timeout(stall) {
+                Some(r) => r.map_err(io_err)?,
+                None => {
+                    let _ = rustix::net::shutdown(sock, rustix::net::Shutdown::ReadWrite);
+                    // The engine's write now fails promptly; wait for it to let go.
+                    let _ = p.wait_timeout(Duration::from_secs(10));
+                    return Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        format!("the client read nothing for {stall:?}"),
+                    ));
+                }
+            };
+            done += t.moved;
+            if t.eof || t.moved == 0 {
+                break;
+            }
+        }
+        Ok(done)
     }
 
     fn socket_to_socket(&self, from: BorrowedFd<'_>, to: BorrowedFd<'_>, len: Option<u64>) -> io::Result<u64> {
@@ -103,7 +138,14 @@ pub fn available(broker: &Path) -> bool {
 
 /// A mover on the broker named by `$FIDO_BROKER` (or the default socket).
 pub fn mover() -> anyhow::Result<Arc<dyn Mover>> {
-    Ok(Arc::new(FidoPipe { client: connect(&format!("fido-pipe-{}", std::process::id()), None)? }))
+    Ok(Arc::new(FidoPipe { client: connect(&format!("fido-pipe-{}", std::process::id()), None)?, stall: None }))
+}
+
+/// [`mover`] for a server: file→socket gives up on a client that reads
+/// nothing for `stall`.
+pub fn mover_with_stall(stall: Duration) -> anyhow::Result<Arc<dyn Mover>> {
+    let client = connect(&format!("fido-pipe-serve-{}", std::process::id()), None)?;
+    Ok(Arc::new(FidoPipe { client, stall: Some(stall) }))
 }
 
 /// A mover whose domain has pipe weight `w` (set live: the caller must be root
@@ -113,5 +155,5 @@ pub fn mover_weighted(w: u32) -> anyhow::Result<Arc<dyn Mover>> {
     client
         .set_weight(&client.domain().to_string(), w)
         .with_context(|| format!("setting pipe weight {w}"))?;
-    Ok(Arc::new(FidoPipe { client }))
+    Ok(Arc::new(FidoPipe { client, stall: None }))
 }

@@ -424,3 +424,35 @@ fn bench_pipe_quick_fairness_plot() {
     let png = std::fs::read(&png).unwrap();
     assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
 }
+
+#[test]
+fn serve_drops_a_client_that_stops_reading() {
+    let top = tempfile::tempdir().unwrap();
+    // Far more than loopback socket buffers hold, so the server must wait on us.
+    let big = pattern(48 << 20, 5);
+    std::fs::write(top.path().join("huge.bin"), &big).unwrap();
+    let b = broker();
+    let mut servers = Vec::new();
+    let mut stalled = Vec::new();
+    for s in strategies() {
+        let (p, addr) = start(
+            &["serve", top.path().to_str().unwrap(), "--port", "0", "--strategy", s, "--idle-secs", "1"],
+            Some(&b.socket),
+        );
+        let mut c = TcpStream::connect(addr).unwrap();
+        c.write_all(b"GET /huge.bin HTTP/1.1\r\nHost: t\r\n\r\n").unwrap();
+        stalled.push((s, c));
+        servers.push((p, addr));
+    }
+    // Read nothing for well over the 1 s timeout.
+    std::thread::sleep(Duration::from_secs(5));
+    for ((s, mut c), (_, addr)) in stalled.into_iter().zip(&servers) {
+        c.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        let mut got = Vec::new();
+        let _ = c.read_to_end(&mut got); // EOF or a reset: either way it ends
+        assert!(got.len() < big.len(), "{s}: a stalled client still got the whole body");
+        // The server is fine for everybody else.
+        let out = curl(&[&format!("http://{addr}/huge.bin")]);
+        assert!(out.stdout == big, "{s}: body differs after dropping a stalled client");
+    }
+}
