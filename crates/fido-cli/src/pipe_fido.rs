@@ -12,7 +12,8 @@ use std::io;
 use std::os::fd::BorrowedFd;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Duration;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use fido_pipe::{Client, ClientOptions, PipeOp, Transfer};
@@ -21,12 +22,20 @@ use crate::pipe_move::Mover;
 
 /// The engine as a [`Mover`].
 pub struct FidoPipe {
-    client: Client,
+    /// The current client; replaced after the broker went away (see [`FidoPipe::client`]).
+    client: Mutex<Session>,
+    name: String,
     /// file→socket only: a piece of [`STALL_PIECE`] bytes that does not finish
     /// within this long means the client stopped reading; the socket is shut
     /// down (which fails the engine's write at once) and the call fails with
     /// `TimedOut` — what `SO_SNDTIMEO` does for the in-process strategies.
     stall: Option<Duration>,
+}
+
+struct Session {
+    client: Option<Client>,
+    /// When the last reconnection was tried (at most one try per second).
+    tried: Option<Instant>,
 }
 
 /// Bytes per engine request when a stall timeout applies (a client slower than
@@ -50,7 +59,7 @@ fn io_err(e: fido_pipe::Error) -> io::Error {
 const MAX_REQUEST: u64 = 1 << 62;
 
 /// Runs one-shot operations until `len` bytes moved or the source ended.
-fn until(len: Option<u64>, mut op: impl FnMut(u64, u64) -> fido_pipe::Result<Transfer>) -> io::Result<u64> {
+fn until(len: Option<u64>, mut op: impl FnMut(u64, u64) -> io::Result<Transfer>) -> io::Result<u64> {
     let mut done = 0u64;
     loop {
         let want = match len {
@@ -58,7 +67,7 @@ fn until(len: Option<u64>, mut op: impl FnMut(u64, u64) -> fido_pipe::Result<Tra
             Some(l) => (l - done).min(MAX_REQUEST),
             None => MAX_REQUEST,
         };
-        let t = op(done, want).map_err(io_err)?;
+        let t = op(done, want)?;
         done += t.moved;
         if t.eof || t.moved == 0 {
             return Ok(done);
@@ -66,20 +75,73 @@ fn until(len: Option<u64>, mut op: impl FnMut(u64, u64) -> fido_pipe::Result<Tra
     }
 }
 
+impl FidoPipe {
+    fn new(client: Client, name: String, stall: Option<Duration>) -> FidoPipe {
+        FidoPipe {
+            client: Mutex::new(Session { client: Some(client), tried: None }),
+            name,
+            stall,
+        }
+    }
+
+    /// The client to use. A broker restart leaves the old client dead (its
+    /// requests fail with `BrokerUnavailable`, so the transfer under way fails and
+    /// its connection is closed); the next call joins the new broker, so a long
+    /// running server or proxy heals by itself. Tries at most once per second.
+    fn client(&self) -> io::Result<Client> {
+        let mut s = self.client.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(c) = &s.client {
+            return Ok(c.clone());
+        }
+        if s.tried.is_some_and(|t| t.elapsed() < Duration::from_secs(1)) {
+            return Err(io::Error::new(io::ErrorKind::NotConnected, "the broker's pipe engine is unavailable"));
+        }
+        s.tried = Some(Instant::now());
+        match connect(&self.name, None) {
+            Ok(c) => {
+                tracing::info!("rejoined the broker for its pipe engine");
+                s.client = Some(c.clone());
+                Ok(c)
+            }
+            Err(e) => Err(io::Error::new(io::ErrorKind::NotConnected, format!("{e:#}"))),
+        }
+    }
+}
+
+impl FidoPipe {
+    /// Runs `f` on the current client; a `BrokerUnavailable` drops that client so
+    /// the next call rejoins.
+    fn call<T>(&self, f: impl FnOnce(&Client) -> fido_pipe::Result<T>) -> io::Result<T> {
+        let c = self.client()?;
+        self.check(f(&c))
+    }
+
+    /// Maps an engine result; a `BrokerUnavailable` drops the current client.
+    fn check<T>(&self, r: fido_pipe::Result<T>) -> io::Result<T> {
+        r.map_err(|e| {
+            if matches!(e, fido_pipe::Error::BrokerUnavailable(_)) {
+                let mut s = self.client.lock().unwrap_or_else(|p| p.into_inner());
+                s.client = None;
+            }
+            io_err(e)
+        })
+    }
+}
+
 impl Mover for FidoPipe {
     fn file_to_socket(&self, file: BorrowedFd<'_>, off: u64, len: u64, sock: BorrowedFd<'_>) -> io::Result<u64> {
         let Some(stall) = self.stall else {
-            return until(Some(len), |done, want| self.client.file_to_socket(file, sock, off + done, want));
+            return until(Some(len), |done, want| self.call(|c| c.file_to_socket(file, sock, off + done, want)));
         };
         let mut done = 0u64;
         while done < len {
             let want = (len - done).min(STALL_PIECE);
             let op = PipeOp::FileToSocket { off: off + done, len: want };
-            let mut p = self.client.start_once(file, sock, op).map_err(io_err)?;
+            let mut p = self.call(|c| c.start_once(file, sock, op))?;
             let t = match p.wait_timeout(stall) {
-                Some(r) => r.map_err(io_err)?,
+                Some(r) => self.check(r)?,
                 None => {
-                    let _ = rustix::net::shutdown(sock, rustix::net::Shutdown::ReadWrite);
+                    let _ = rustix::net::shutdown(sock, rustix::net::Shutdown::Both);
                     // The engine's write now fails promptly; wait for it to let go.
                     let _ = p.wait_timeout(Duration::from_secs(10));
                     return Err(io::Error::new(
@@ -97,11 +159,11 @@ impl Mover for FidoPipe {
     }
 
     fn socket_to_socket(&self, from: BorrowedFd<'_>, to: BorrowedFd<'_>, len: Option<u64>) -> io::Result<u64> {
-        until(len, |_, want| self.client.socket_to_socket(from, to, want))
+        until(len, |_, want| self.call(|c| c.socket_to_socket(from, to, want)))
     }
 
     fn socket_to_file(&self, sock: BorrowedFd<'_>, file: BorrowedFd<'_>, off: u64, len: u64) -> io::Result<u64> {
-        until(Some(len), |done, want| self.client.socket_to_file(sock, file, off + done, want))
+        until(Some(len), |done, want| self.call(|c| c.socket_to_file(sock, file, off + done, want)))
     }
 
     fn file_to_file(
@@ -113,7 +175,7 @@ impl Mover for FidoPipe {
         dst_off: u64,
     ) -> io::Result<u64> {
         until(Some(len), |done, want| {
-            self.client.file_to_file(src, dst, src_off + done, want, dst_off + done)
+            self.call(|c| c.file_to_file(src, dst, src_off + done, want, dst_off + done))
         })
     }
 }
@@ -138,22 +200,24 @@ pub fn available(broker: &Path) -> bool {
 
 /// A mover on the broker named by `$FIDO_BROKER` (or the default socket).
 pub fn mover() -> anyhow::Result<Arc<dyn Mover>> {
-    Ok(Arc::new(FidoPipe { client: connect(&format!("fido-pipe-{}", std::process::id()), None)?, stall: None }))
+    let name = format!("fido-pipe-{}", std::process::id());
+    Ok(Arc::new(FidoPipe::new(connect(&name, None)?, name, None)))
 }
 
 /// [`mover`] for a server: file→socket gives up on a client that reads
 /// nothing for `stall`.
 pub fn mover_with_stall(stall: Duration) -> anyhow::Result<Arc<dyn Mover>> {
-    let client = connect(&format!("fido-pipe-serve-{}", std::process::id()), None)?;
-    Ok(Arc::new(FidoPipe { client, stall: Some(stall) }))
+    let name = format!("fido-pipe-serve-{}", std::process::id());
+    Ok(Arc::new(FidoPipe::new(connect(&name, None)?, name, Some(stall))))
 }
 
 /// A mover whose domain has pipe weight `w` (set live: the caller must be root
 /// or the broker's uid).
 pub fn mover_weighted(w: u32) -> anyhow::Result<Arc<dyn Mover>> {
-    let client = connect(&format!("fido-pipe-{}", std::process::id()), None)?;
+    let name = format!("fido-pipe-{}", std::process::id());
+    let client = connect(&name, None)?;
     client
         .set_weight(&client.domain().to_string(), w)
         .with_context(|| format!("setting pipe weight {w}"))?;
-    Ok(Arc::new(FidoPipe { client, stall: None }))
+    Ok(Arc::new(FidoPipe::new(client, name, None)))
 }

@@ -37,12 +37,23 @@ struct Broker {
 
 fn broker() -> Broker {
     let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("broker.sock");
+    let (p, socket) = broker_in(dir.path());
+    Broker {
+        _p: p,
+        socket,
+        _dir: dir,
+    }
+}
+
+/// Starts `fido broker` with its socket and state in `dir`; waits for the socket.
+fn broker_in(dir: &Path) -> (Proc, PathBuf) {
+    let socket = dir.join("broker.sock");
+    let _ = std::fs::remove_file(&socket);
     let child = Command::new(FIDO)
         .args(["broker", "--socket"])
         .arg(&socket)
         .arg("--state-dir")
-        .arg(dir.path().join("state"))
+        .arg(dir.join("state"))
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())
@@ -54,11 +65,7 @@ fn broker() -> Broker {
         assert!(t.elapsed() < Duration::from_secs(30), "broker did not start");
         std::thread::sleep(Duration::from_millis(20));
     }
-    Broker {
-        _p: p,
-        socket,
-        _dir: dir,
-    }
+    (p, socket)
 }
 
 /// Strategies to test, and a broker when the engine is part of this build.
@@ -454,5 +461,34 @@ fn serve_drops_a_client_that_stops_reading() {
         // The server is fine for everybody else.
         let out = curl(&[&format!("http://{addr}/huge.bin")]);
         assert!(out.stdout == big, "{s}: body differs after dropping a stalled client");
+    }
+}
+
+#[test]
+fn serve_heals_after_a_broker_restart() {
+    if !engine_built() {
+        return;
+    }
+    let (_top, root, big) = site();
+    let dir = tempfile::tempdir().unwrap();
+    let (b1, socket) = broker_in(dir.path());
+    let (_srv, addr) = start(
+        &["serve", root.to_str().unwrap(), "--port", "0", "--strategy", "fido"],
+        Some(&socket),
+    );
+    let url = format!("http://{addr}/big.bin");
+    assert!(curl(&[&url]).stdout == big);
+    drop(b1); // SIGKILL: the engine and the server's session die with it
+    let (_b2, _) = broker_in(dir.path());
+    // The first requests may fail (the server notices the dead session); it rejoins
+    // on its own (at most one try per second) and serves again.
+    let t = Instant::now();
+    loop {
+        let out = curl(&[&url]);
+        if out.stdout == big {
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(60), "the server never rejoined the new broker");
+        std::thread::sleep(Duration::from_millis(200));
     }
 }
