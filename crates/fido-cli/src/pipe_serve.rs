@@ -352,7 +352,18 @@ fn respond(sh: &Shared, sock: &mut TcpStream, req: &Request) -> io::Result<bool>
 /// only. `None` for anything that is not an origin-form path, has bad escapes,
 /// NUL bytes or a `..` segment (the latter could only mean leaving DIR).
 fn resolve_target(target: &[u8]) -> Option<PathBuf> {
-    let path = target.split(|b| *b == b'?' || *b == b'#').next()?;
+    let mut path = target.split(|b| *b == b'?' || *b == b'#').next()?;
+    // Absolute form (`GET http://host/x`), which servers must accept (RFC 9112
+    // §3.2.2): only the path matters here.
+    for scheme in [&b"http://"[..], &b"https://"[..]] {
+        if path.len() > scheme.len() && path[..scheme.len()].eq_ignore_ascii_case(scheme) {
+            let rest = &path[scheme.len()..];
+            path = match rest.iter().position(|b| *b == b'/') {
+                Some(i) => &rest[i..],
+                None => b"/",
+            };
+        }
+    }
     if path.first() != Some(&b'/') {
         return None;
     }
@@ -516,7 +527,10 @@ mod tests {
         assert!(resolve_target(b"/a%2f..%2fb").is_none());
         assert!(resolve_target(b"/a%00").is_none());
         assert!(resolve_target(b"/a%4").is_none());
-        assert!(resolve_target(b"http://x/").is_none());
+        assert_eq!(resolve_target(b"http://x/a?q").unwrap(), PathBuf::from("a"));
+        assert_eq!(resolve_target(b"HTTP://x").unwrap(), PathBuf::new());
+        assert!(resolve_target(b"http://x/../y").is_none());
+        assert!(resolve_target(b"ftp://x/").is_none());
         assert!(resolve_target(b"*").is_none());
     }
 
