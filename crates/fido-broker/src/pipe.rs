@@ -59,7 +59,8 @@ const WAKE: u64 = u64::MAX;
 pub enum Capacity {
     /// No cap; weights decide who goes first when the lanes are busy.
     Unlimited,
-    /// Measured at startup (file → socket splice through one lane).
+    /// Measured when the first transfer arrives (150 ms of file → socket
+    /// splice through one lane); unlimited until then.
     Auto,
     /// A fixed figure in bytes per second.
     BytesPerSec(u64),
@@ -94,11 +95,13 @@ pub struct PipeConfig {
     pub lanes: u32,
     /// Bytes per chunk (the size asked of each engine pipe).
     pub chunk: u32,
+    /// Run the engine at all (`false`: pipe requests are refused with `Unavailable`).
+    pub enabled: bool,
 }
 
 impl Default for PipeConfig {
     fn default() -> Self {
-        PipeConfig { capacity: Capacity::Auto, work_conserving: true, lanes: 4, chunk: 1 << 20 }
+        PipeConfig { capacity: Capacity::Auto, work_conserving: true, lanes: 4, chunk: 1 << 20, enabled: true }
     }
 }
 
@@ -166,6 +169,19 @@ pub(crate) fn check_op(op: &PipeOp, source: PipeFdKind, sink: PipeFdKind) -> Res
     Ok(())
 }
 
+/// A file→file copy within one file must not overlap: chunked copies are not
+/// `memmove`, the result would repeat data.
+pub(crate) fn check_overlap(op: &PipeOp, src: BorrowedFd<'_>, dst: BorrowedFd<'_>) -> Result<(), String> {
+    let PipeOp::FileToFile { in_off, len, out_off } = *op else { return Ok(()) };
+    let (Ok(a), Ok(b)) = (rustix::fs::fstat(src), rustix::fs::fstat(dst)) else { return Ok(()) };
+    if (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino) && len > 0 && in_off < out_off + len && out_off < in_off + len {
+        return Err(format!(
+            "source range {in_off}+{len} and sink range {out_off}+{len} overlap in the same file"
+        ));
+    }
+    Ok(())
+}
+
 // ----- the engine handle (main loop side) -------------------------------------
 
 /// A transfer handed to the engine.
@@ -217,6 +233,8 @@ pub(crate) struct Engine {
     shared: Arc<Mutex<Shared>>,
     cfg: PipeConfig,
     thread: Option<JoinHandle<()>>,
+    /// Why there is no engine (io_uring unavailable): pipe requests are refused.
+    unavailable: Option<String>,
 }
 
 fn eventfd() -> Result<OwnedFd, Errno> {
@@ -232,13 +250,23 @@ impl Engine {
         let sys = |what| move |source| crate::BrokerError::Sys { what, source };
         let wake = Arc::new(eventfd().map_err(sys("eventfd"))?);
         let done_fd = Arc::new(eventfd().map_err(sys("eventfd"))?);
-        let ring = IoUring::new(512).map_err(|e| crate::BrokerError::Sys {
-            what: "io_uring_setup (the pipe engine needs io_uring)",
-            source: Errno::from_io_error(&e).unwrap_or(Errno::NOSYS),
-        })?;
         let (tx, rx) = mpsc::channel();
         let (done_tx, done_rx) = mpsc::channel();
         let shared = Arc::new(Mutex::new(Shared::default()));
+        if !cfg.enabled {
+            let why = "the pipe engine is disabled on this broker (--pipe-disable)".to_string();
+            return Ok(Engine { tx, wake, done_rx, done_fd, shared, cfg, thread: None, unavailable: Some(why) });
+        }
+        let ring = match IoUring::new(512) {
+            Ok(r) => r,
+            Err(e) => {
+                // The rest of the broker works without it (io_uring may be
+                // disabled by sysctl or a seccomp profile).
+                let why = format!("the pipe engine needs io_uring, which is unavailable here ({e})");
+                tracing::warn!("{why}; pipe requests will be refused");
+                return Ok(Engine { tx, wake, done_rx, done_fd, shared, cfg, thread: None, unavailable: Some(why) });
+            }
+        };
         let mut core = Core {
             ring,
             wake_buf: Box::new([0u8; 8]),
@@ -254,12 +282,19 @@ impl Engine {
             lanes_used: 0,
             last_refill: Instant::now(),
             last_rate: Instant::now(),
+            files: FileWorkers::new(wake.clone()),
+            calibration_done: false,
         };
         let thread = std::thread::Builder::new()
             .name("fido-pipe".into())
             .spawn(move || core.run())
             .map_err(|e| crate::BrokerError::Io { path: "<pipe engine thread>".into(), source: e })?;
-        Ok(Engine { tx, wake, done_rx, done_fd, shared, cfg, thread: Some(thread) })
+        Ok(Engine { tx, wake, done_rx, done_fd, shared, cfg, thread: Some(thread), unavailable: None })
+    }
+
+    /// Why the engine cannot run, if it cannot.
+    pub(crate) fn unavailable(&self) -> Option<&str> {
+        self.unavailable.as_deref()
     }
 
     fn cmd(&self, c: Cmd) {
@@ -367,6 +402,11 @@ struct Job {
     issued: Instant,
     eof: bool,
     failed: Option<(i32, String)>,
+    /// file→file: chunks go to a file worker (`copy_file_range`) until the
+    /// kernel says it cannot (then splice, like every other operation).
+    copy_range: bool,
+    /// A file worker holds a chunk of this job.
+    in_worker: bool,
 }
 
 struct Dom {
@@ -414,6 +454,8 @@ struct Core {
     lanes_used: u32,
     last_refill: Instant,
     last_rate: Instant,
+    files: FileWorkers,
+    calibration_done: bool,
 }
 
 fn ud(job: u64, tag: u64) -> u64 {
@@ -421,21 +463,29 @@ fn ud(job: u64, tag: u64) -> u64 {
 }
 
 impl Core {
+    /// Measures the capacity (`auto`) the first time there is work, so a
+    /// broker whose domains never use pipes never pays for it.
+    fn ensure_capacity(&mut self) {
+        if self.cfg.capacity != Capacity::Auto || self.calibration_done {
+            return;
+        }
+        self.calibration_done = true;
+        match calibrate(self.cfg.chunk) {
+            Ok(n) => {
+                tracing::info!(bytes_per_s = n, "pipe engine calibrated");
+                self.capacity = Some(n);
+                let mut sh = self.shared.lock();
+                sh.calibrated = true;
+                sh.capacity = Some(n);
+            }
+            Err(e) => tracing::warn!(error = %e, "pipe engine calibration failed; capacity unlimited"),
+        }
+    }
+
     fn run(&mut self) {
         self.capacity = match self.cfg.capacity {
-            Capacity::Unlimited => None,
+            Capacity::Unlimited | Capacity::Auto => None,
             Capacity::BytesPerSec(n) => Some(n),
-            Capacity::Auto => match calibrate(self.cfg.chunk) {
-                Ok(n) => {
-                    tracing::info!(bytes_per_s = n, "pipe engine calibrated");
-                    self.shared.lock().calibrated = true;
-                    Some(n)
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "pipe engine calibration failed; capacity unlimited");
-                    None
-                }
-            },
         };
         self.shared.lock().capacity = self.capacity;
         self.arm_wake();
@@ -450,12 +500,17 @@ impl Core {
                     Err(mpsc::TryRecvError::Empty) => break,
                 }
             }
+            for (id, res) in self.files.results() {
+                self.file_done(id, res);
+            }
             let now = Instant::now();
             self.refill(now);
             self.release_slow(now);
             self.dispatch();
             self.publish(now);
-            let ts = types::Timespec::from(TICK);
+            // Idle: nothing to refill or time out, sleep until a command comes.
+            let wait = if self.jobs.is_empty() { Duration::from_secs(1) } else { TICK };
+            let ts = types::Timespec::from(wait);
             let args = types::SubmitArgs::new().timespec(&ts);
             match self.ring.submitter().submit_with_args(1, &args) {
                 Ok(_) => {}
@@ -527,6 +582,7 @@ impl Core {
     }
 
     fn start(&mut self, spec: JobSpec) {
+        self.ensure_capacity();
         let (pr, pw) = match rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC) {
             Ok(p) => p,
             Err(e) => {
@@ -554,6 +610,7 @@ impl Core {
             PipeOp::FileToFile { in_off, out_off, .. } => (in_off as i64, out_off as i64),
         };
         let id = spec.id;
+        let spec_op = spec.op;
         let dom_id = spec.domain;
         let weight = spec.weight;
         let job = Job {
@@ -574,6 +631,8 @@ impl Core {
             issued: Instant::now(),
             eof: false,
             failed: None,
+            copy_range: matches!(spec_op, PipeOp::FileToFile { .. }),
+            in_worker: false,
         };
         self.jobs.insert(id, job);
         // A domain that becomes busy starts at the current virtual time: idling banks nothing.
@@ -598,7 +657,12 @@ impl Core {
             return;
         }
         j.cancel = true;
-        if j.inflight {
+        if j.in_worker {
+            // A copy_file_range call cannot be interrupted; report now and
+            // ignore its result (the worker keeps the descriptors until it returns).
+            j.in_worker = false;
+            self.finish(id);
+        } else if j.inflight {
             let tag = if matches!(j.state, State::PollIn | State::PollOut) { TAG_POLL } else { TAG_SPLICE };
             let sqe = opcode::AsyncCancel::new(ud(id, tag)).build().user_data(ud(id, TAG_CANCEL));
             self.push(sqe);
@@ -678,6 +742,22 @@ impl Core {
             self.finish(id);
             return;
         }
+        if j.copy_range {
+            let len = j.to_read.min(j.chunk as u64) as usize;
+            j.state = State::Fill;
+            j.in_worker = true;
+            j.issued = Instant::now();
+            let chunk = FileChunk {
+                job: id,
+                src: j.spec.src.clone(),
+                dst: j.spec.dst.clone(),
+                in_off: j.src_off as u64,
+                out_off: j.dst_off as u64,
+                len,
+            };
+            self.files.submit(chunk);
+            return;
+        }
         let len = j.to_read.min(j.chunk as u64) as u32;
         let sqe = opcode::Splice::new(
             types::Fd(j.spec.src.as_raw_fd()),
@@ -730,6 +810,41 @@ impl Core {
                 j.lane = false;
                 self.lanes_used -= 1;
             }
+        }
+    }
+
+    /// A file worker finished a `copy_file_range` chunk.
+    fn file_done(&mut self, id: u64, res: Result<usize, Errno>) {
+        let Some(j) = self.jobs.get_mut(&id) else { return };
+        j.in_worker = false;
+        let dom = j.spec.domain;
+        match res {
+            Ok(0) => j.eof = true,
+            Ok(n) => {
+                let n = n as u64;
+                j.moved += n;
+                j.consumed += n;
+                j.to_read -= n;
+                j.src_off += n as i64;
+                j.dst_off += n as i64;
+                self.charge(dom, n);
+            }
+            // Not possible between these two files (another filesystem on an
+            // old kernel, overlapping ranges of one file, a special
+            // filesystem): the rest goes through a pipe.
+            Err(e) if [Errno::XDEV, Errno::INVAL, Errno::OPNOTSUPP, Errno::NOSYS].contains(&e) => {
+                j.copy_range = false;
+            }
+            Err(e) => j.failed = Some((e.raw_os_error(), format!("copy_file_range: {e}"))),
+        }
+        self.drop_lane(id);
+        let Some(j) = self.jobs.get_mut(&id) else { return };
+        if j.cancel || j.eof || j.failed.is_some() || j.to_read == 0 {
+            return self.finish(id);
+        }
+        j.state = State::Queued;
+        if let Some(d) = self.doms.get_mut(&dom) {
+            d.queue.push_back(id);
         }
     }
 
@@ -986,4 +1101,82 @@ fn calibrate(chunk: u32) -> Result<u64, Errno> {
     res?;
     let secs = start.elapsed().as_secs_f64().max(1e-6);
     Ok(((moved as f64 / secs) as u64).max(1 << 20))
+}
+
+// ----- file workers: copy_file_range, off the engine thread --------------------
+
+/// One `copy_file_range` chunk for a file worker.
+struct FileChunk {
+    job: u64,
+    src: Arc<OwnedFd>,
+    dst: Arc<OwnedFd>,
+    in_off: u64,
+    out_off: u64,
+    len: usize,
+}
+
+/// Threads that run `copy_file_range` (which io_uring cannot issue). One more
+/// is started whenever every existing one is busy, up to [`MAX_FILE_WORKERS`],
+/// so a chunk stuck on a hung filesystem holds one thread, not the others.
+struct FileWorkers {
+    tx: mpsc::Sender<FileChunk>,
+    rx: Arc<std::sync::Mutex<mpsc::Receiver<FileChunk>>>,
+    done_tx: mpsc::Sender<(u64, Result<usize, Errno>)>,
+    done_rx: mpsc::Receiver<(u64, Result<usize, Errno>)>,
+    wake: Arc<OwnedFd>,
+    idle: Arc<std::sync::atomic::AtomicUsize>,
+    threads: usize,
+}
+
+const MAX_FILE_WORKERS: usize = 16;
+
+impl FileWorkers {
+    fn new(wake: Arc<OwnedFd>) -> FileWorkers {
+        let (tx, rx) = mpsc::channel();
+        let (done_tx, done_rx) = mpsc::channel();
+        FileWorkers {
+            tx,
+            rx: Arc::new(std::sync::Mutex::new(rx)),
+            done_tx,
+            done_rx,
+            wake,
+            idle: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
+            threads: 0,
+        }
+    }
+
+    fn submit(&mut self, chunk: FileChunk) {
+        use std::sync::atomic::Ordering;
+        if self.idle.load(Ordering::Acquire) == 0 && self.threads < MAX_FILE_WORKERS {
+            let (rx, done, wake, idle) =
+                (self.rx.clone(), self.done_tx.clone(), self.wake.clone(), self.idle.clone());
+            let spawned = std::thread::Builder::new().name("fido-pipe-file".into()).spawn(move || loop {
+                idle.fetch_add(1, Ordering::AcqRel);
+                let next = rx.lock().map(|r| r.recv());
+                idle.fetch_sub(1, Ordering::AcqRel);
+                let Ok(Ok(c)) = next else { return };
+                let (mut i, mut o) = (c.in_off, c.out_off);
+                let r = loop {
+                    match rustix::fs::copy_file_range(&*c.src, Some(&mut i), &*c.dst, Some(&mut o), c.len) {
+                        Err(Errno::INTR) => continue,
+                        r => break r,
+                    }
+                };
+                drop(c.src);
+                drop(c.dst);
+                if done.send((c.job, r)).is_err() {
+                    return;
+                }
+                ring_bell(&wake);
+            });
+            if spawned.is_ok() {
+                self.threads += 1;
+            }
+        }
+        let _ = self.tx.send(chunk);
+    }
+
+    fn results(&self) -> Vec<(u64, Result<usize, Errno>)> {
+        self.done_rx.try_iter().collect()
+    }
 }

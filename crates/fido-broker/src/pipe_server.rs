@@ -16,7 +16,7 @@ use fido_proto::{
 };
 
 use super::{err, Handled, Server};
-use crate::pipe::{check_fd, check_op, Engine, JobSpec};
+use crate::pipe::{check_fd, check_op, check_overlap, Engine, JobSpec};
 
 struct PipeRec {
     domain: DomainId,
@@ -130,6 +130,11 @@ impl Server {
         body: Request,
         fds: Vec<OwnedFd>,
     ) -> Handled {
+        if let (Some(why), Request::PipeCreate | Request::PipeRun { .. } | Request::PipeOnce { .. }) =
+            (self.pipes.engine.unavailable(), &body)
+        {
+            return Err(err(ErrorCode::Unavailable, why.to_string()));
+        }
         match body {
             Request::PipeCreate => {
                 let (src, dst) = two_fds("PipeCreate", fds)?;
@@ -165,6 +170,7 @@ impl Server {
                     ));
                 }
                 check_op(&op, p.src_kind, p.dst_kind).map_err(|m| err(ErrorCode::BadDescriptor, m))?;
+                check_overlap(&op, p.src.as_fd(), p.dst.as_fd()).map_err(|m| err(ErrorCode::BadRequest, m))?;
                 let (src, dst) = (p.src.clone(), p.dst.clone());
                 self.pipe_start(dom, req, Some(pipe), src, dst, op);
                 Ok(None)
@@ -174,6 +180,7 @@ impl Server {
                 self.pipe_quota(dom)?;
                 let (sk, dk) = kinds(&src, &dst)?;
                 check_op(&op, sk, dk).map_err(|m| err(ErrorCode::BadDescriptor, m))?;
+                check_overlap(&op, src.as_fd(), dst.as_fd()).map_err(|m| err(ErrorCode::BadRequest, m))?;
                 self.pipe_start(dom, req, None, Arc::new(src), Arc::new(dst), op);
                 Ok(None)
             }
@@ -269,6 +276,9 @@ impl Server {
 
     /// Pipe engine settings and per-domain figures for `Status`.
     pub(super) fn pipe_status(&self) -> (Option<fido_proto::PipeEngineStatus>, Vec<fido_proto::PipeDomainStatus>) {
+        if self.pipes.engine.unavailable().is_some() {
+            return (None, Vec::new());
+        }
         let (engine, mut doms) = self.pipes.engine.status();
         for d in doms.iter_mut() {
             d.pipes = self.pipes.pipes.values().filter(|p| p.domain == d.domain).count() as u32;

@@ -79,6 +79,9 @@ enum Cmd {
         /// Pipe engine: chunks moved at once
         #[arg(long, default_value_t = 4)]
         pipe_lanes: u32,
+        /// Do not run the pipe engine (pipe requests get Unavailable)
+        #[arg(long)]
+        pipe_disable: bool,
     },
     /// vPipe: let the broker move bytes between descriptors (see docs/PIPE.md).
     Pipe {
@@ -225,6 +228,7 @@ fn main() -> ExitCode {
             pipe_capacity,
             pipe_strict,
             pipe_lanes,
+            pipe_disable,
         } => broker::run(broker::BrokerArgs {
             state_dir,
             socket,
@@ -235,6 +239,7 @@ fn main() -> ExitCode {
                 capacity: pipe_capacity,
                 work_conserving: !pipe_strict,
                 lanes: pipe_lanes.max(1),
+                enabled: !pipe_disable,
                 ..Default::default()
             },
         })

@@ -29,12 +29,12 @@ use std::sync::{Arc, Weak};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
-use fido_proto::{wire, BrokerMsg, ClientMsg, ErrorCode, Reply, Request};
+use fido_proto::{wire, BrokerMsg, ClientMsg, Reply, Request};
 use parking_lot::{Condvar, Mutex};
 use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
 
 pub use fido_proto::{
-    DomainId, PipeDomainStatus, PipeEnd, PipeEngineStatus, PipeFdKind, PipeId, PipeOp,
+    DomainId, ErrorCode, PipeDomainStatus, PipeEnd, PipeEngineStatus, PipeFdKind, PipeId, PipeOp,
     PipeResult, RemoteError, Status,
 };
 

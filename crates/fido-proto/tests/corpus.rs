@@ -166,9 +166,6 @@ fn broker_seeds() -> Vec<BrokerMsg> {
                 pipes: vec![PipeDomainStatus { domain: 2, weight: 2, credits: -4096, bytes_per_s: 1 << 20, bytes_total: 1 << 30, pipes: 1, running: 1 }],
             }),
         ),
-        ok(12, Reply::PipeCreated { pipe: 5, source: PipeFdKind::File, sink: PipeFdKind::Stream }),
-        ok(13, Reply::PipeDone(PipeResult { moved: 4096, consumed: 4096, end: PipeEnd::Eof })),
-        ok(14, Reply::PipeDone(PipeResult { moved: 1, consumed: 2, end: PipeEnd::Failed { errno: 32, message: "sink: EPIPE".into() } })),
         BrokerMsg::Reply { id: 10, body: Err(RemoteError::new(ErrorCode::NoSuchService, "no echo")) },
         BrokerMsg::Reply { id: 11, body: Err(RemoteError::new(ErrorCode::Internal, "")) },
         BrokerMsg::Event(Event::Incoming { conn: 78, service: "echo".into(), peer: peer(), block: block() }),
@@ -177,6 +174,9 @@ fn broker_seeds() -> Vec<BrokerMsg> {
         BrokerMsg::Event(Event::Closed { conn: 77 }),
         BrokerMsg::Event(Event::Watch { token: 1, path: "/service/echo".into(), value: Some(b"2".to_vec()) }),
         BrokerMsg::Event(Event::Watch { token: 1, path: "/service/echo".into(), value: None }),
+        ok(12, Reply::PipeCreated { pipe: 5, source: PipeFdKind::File, sink: PipeFdKind::Stream }),
+        ok(13, Reply::PipeDone(PipeResult { moved: 4096, consumed: 4096, end: PipeEnd::Eof })),
+        ok(14, Reply::PipeDone(PipeResult { moved: 1, consumed: 2, end: PipeEnd::Failed { errno: 32, message: "sink: EPIPE".into() } })),
     ]
 }
 
