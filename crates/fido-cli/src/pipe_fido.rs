@@ -6,19 +6,23 @@
 //! One [`fido_pipe::Client`] (a domain of its own, joined through
 //! `$FIDO_BROKER` or the default socket) is shared by every thread; each
 //! transfer is a one-shot operation, so concurrent connections never wait for
-//! each other's pipe.
+//! each other's pipe. A request the engine declines before moving anything
+//! (quota, no engine) is moved in-process with `sendfile`/`splice` instead; a
+//! dead broker is rejoined on the next call.
 
 use std::io;
 use std::os::fd::BorrowedFd;
 use std::path::Path;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
+use fido_proto::ErrorCode;
 use fido_pipe::{Client, ClientOptions, PipeOp, Transfer};
 
-use crate::pipe_move::Mover;
+use crate::pipe_move::{Mover, Sendfile};
 
 /// The engine as a [`Mover`].
 pub struct FidoPipe {
@@ -58,8 +62,42 @@ fn io_err(e: fido_pipe::Error) -> io::Error {
 /// stream of unknown length is forwarded in requests of this size.
 const MAX_REQUEST: u64 = 1 << 62;
 
-/// Runs one-shot operations until `len` bytes moved or the source ended.
-fn until(len: Option<u64>, mut op: impl FnMut(u64, u64) -> io::Result<Transfer>) -> io::Result<u64> {
+/// The engine declined a request before moving anything (over the domain's
+/// `pipes` quota, or the broker runs without an engine): the caller moves the
+/// rest in-process instead of failing the transfer.
+#[derive(Debug)]
+struct Declined(String);
+
+impl std::fmt::Display for Declined {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "the pipe engine declined: {}", self.0)
+    }
+}
+
+impl std::error::Error for Declined {}
+
+fn declined(e: &io::Error) -> bool {
+    e.get_ref().is_some_and(|i| i.is::<Declined>())
+}
+
+/// Says once per process that transfers fall back to in-process moves.
+fn note_fallback(e: &io::Error) {
+    static SAID: AtomicBool = AtomicBool::new(false);
+    if !SAID.swap(true, Ordering::Relaxed) {
+        tracing::warn!("{e}; moving such transfers in-process (sendfile/splice) instead (said once)");
+    } else {
+        tracing::debug!("{e}; in-process fallback");
+    }
+}
+
+/// Runs one-shot operations until `len` bytes moved or the source ended. If the
+/// engine declines a request (nothing of it moved), `fallback(done)` moves the
+/// rest in-process.
+fn until(
+    len: Option<u64>,
+    mut op: impl FnMut(u64, u64) -> io::Result<Transfer>,
+    fallback: impl FnOnce(u64) -> io::Result<u64>,
+) -> io::Result<u64> {
     let mut done = 0u64;
     loop {
         let want = match len {
@@ -67,7 +105,14 @@ fn until(len: Option<u64>, mut op: impl FnMut(u64, u64) -> io::Result<Transfer>)
             Some(l) => (l - done).min(MAX_REQUEST),
             None => MAX_REQUEST,
         };
-        let t = op(done, want)?;
+        let t = match op(done, want) {
+            Ok(t) => t,
+            Err(e) if declined(&e) => {
+                note_fallback(&e);
+                return Ok(done + fallback(done)?);
+            }
+            Err(e) => return Err(e),
+        };
         done += t.moved;
         if t.eof || t.moved == 0 {
             return Ok(done);
@@ -123,6 +168,11 @@ impl FidoPipe {
                 let mut s = self.client.lock().unwrap_or_else(|p| p.into_inner());
                 s.client = None;
             }
+            if let fido_pipe::Error::Refused(r) = &e {
+                if matches!(r.code, ErrorCode::Quota | ErrorCode::Unavailable) {
+                    return io::Error::other(Declined(e.to_string()));
+                }
+            }
             io_err(e)
         })
     }
@@ -131,15 +181,34 @@ impl FidoPipe {
 impl Mover for FidoPipe {
     fn file_to_socket(&self, file: BorrowedFd<'_>, off: u64, len: u64, sock: BorrowedFd<'_>) -> io::Result<u64> {
         let Some(stall) = self.stall else {
-            return until(Some(len), |done, want| self.call(|c| c.file_to_socket(file, sock, off + done, want)));
+            return until(
+                Some(len),
+                |done, want| self.call(|c| c.file_to_socket(file, sock, off + done, want)),
+                |done| Sendfile.file_to_socket(file, off + done, len - done, sock),
+            );
         };
         let mut done = 0u64;
         while done < len {
             let want = (len - done).min(STALL_PIECE);
             let op = PipeOp::FileToSocket { off: off + done, len: want };
-            let mut p = self.call(|c| c.start_once(file, sock, op))?;
+            let mut p = match self.call(|c| c.start_once(file, sock, op)) {
+                Ok(p) => p,
+                Err(e) if declined(&e) => {
+                    note_fallback(&e);
+                    // Not under the stall timer: the socket's SO_SNDTIMEO covers it.
+                    return Ok(done + Sendfile.file_to_socket(file, off + done, len - done, sock)?);
+                }
+                Err(e) => return Err(e),
+            };
             let t = match p.wait_timeout(stall) {
-                Some(r) => self.check(r)?,
+                Some(r) => match self.check(r) {
+                    Ok(t) => t,
+                    Err(e) if declined(&e) => {
+                        note_fallback(&e);
+                        return Ok(done + Sendfile.file_to_socket(file, off + done, len - done, sock)?);
+                    }
+                    Err(e) => return Err(e),
+                },
                 None => {
                     let _ = rustix::net::shutdown(sock, rustix::net::Shutdown::Both);
                     // The engine's write now fails promptly; wait for it to let go.
@@ -159,11 +228,19 @@ impl Mover for FidoPipe {
     }
 
     fn socket_to_socket(&self, from: BorrowedFd<'_>, to: BorrowedFd<'_>, len: Option<u64>) -> io::Result<u64> {
-        until(len, |_, want| self.call(|c| c.socket_to_socket(from, to, want)))
+        until(
+            len,
+            |_, want| self.call(|c| c.socket_to_socket(from, to, want)),
+            |done| Sendfile.socket_to_socket(from, to, len.map(|l| l - done)),
+        )
     }
 
     fn socket_to_file(&self, sock: BorrowedFd<'_>, file: BorrowedFd<'_>, off: u64, len: u64) -> io::Result<u64> {
-        until(Some(len), |done, want| self.call(|c| c.socket_to_file(sock, file, off + done, want)))
+        until(
+            Some(len),
+            |done, want| self.call(|c| c.socket_to_file(sock, file, off + done, want)),
+            |done| Sendfile.socket_to_file(sock, file, off + done, len - done),
+        )
     }
 
     fn file_to_file(
@@ -174,9 +251,11 @@ impl Mover for FidoPipe {
         dst: BorrowedFd<'_>,
         dst_off: u64,
     ) -> io::Result<u64> {
-        until(Some(len), |done, want| {
-            self.call(|c| c.file_to_file(src, dst, src_off + done, want, dst_off + done))
-        })
+        until(
+            Some(len),
+            |done, want| self.call(|c| c.file_to_file(src, dst, src_off + done, want, dst_off + done)),
+            |done| Sendfile.file_to_file(src, src_off + done, len - done, dst, dst_off + done),
+        )
     }
 }
 

@@ -47,11 +47,18 @@ fn broker() -> Broker {
 
 /// Starts `fido broker` with its socket and state in `dir`; waits for the socket.
 fn broker_in(dir: &Path) -> (Proc, PathBuf) {
+    broker_with(dir, &[])
+}
+
+fn broker_with(dir: &Path, extra: &[&str]) -> (Proc, PathBuf) {
     let socket = dir.join("broker.sock");
     let _ = std::fs::remove_file(&socket);
     let child = Command::new(FIDO)
         .args(["broker", "--socket"])
         .arg(&socket)
+        .args(extra)
+        // The quota test makes the broker warn on every refused pipe.
+        .env("RUST_LOG", "error")
         .arg("--state-dir")
         .arg(dir.join("state"))
         .stdin(Stdio::null())
@@ -490,5 +497,35 @@ fn serve_heals_after_a_broker_restart() {
         }
         assert!(t.elapsed() < Duration::from_secs(60), "the server never rejoined the new broker");
         std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[test]
+fn serve_over_the_pipe_quota_falls_back_in_process() {
+    if !engine_built() {
+        return;
+    }
+    let (_top, root, big) = site();
+    let dir = tempfile::tempdir().unwrap();
+    // One pipe at a time for our uid: concurrent bodies exceed it.
+    let uid = rustix::process::geteuid().as_raw();
+    let policy = dir.path().join("policy.toml");
+    std::fs::write(&policy, format!("[[rule]]\nname = \"tiny\"\nuids = [{uid}]\npipes = 1\n")).unwrap();
+    let (_b, socket) = broker_with(dir.path(), &["--policy", policy.to_str().unwrap()]);
+    let (_srv, addr) = start(
+        &["serve", root.to_str().unwrap(), "--port", "0", "--strategy", "fido"],
+        Some(&socket),
+    );
+    let url = format!("http://{addr}/big.bin");
+    let fetchers: Vec<_> = (0..6)
+        .map(|_| {
+            let url = url.clone();
+            std::thread::spawn(move || curl(&[&url, &url, &url]).stdout)
+        })
+        .collect();
+    for f in fetchers {
+        let got = f.join().unwrap();
+        assert_eq!(got.len(), 3 * big.len());
+        assert!(got.chunks(big.len()).all(|c| c == big), "a body differs");
     }
 }
