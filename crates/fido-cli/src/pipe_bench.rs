@@ -170,7 +170,9 @@ pub fn run(o: &PipeBenchOpts) -> anyhow::Result<bool> {
     if crate::pipe_fido::available(broker.socket()) {
         modes.push(Strategy::Fido);
     } else {
-        eprintln!("# fido-pipe: the pipe engine is not available in this build; its points are skipped");
+        eprintln!(
+            "# fido-pipe: the pipe engine is not available in this build; its points are skipped"
+        );
     }
     modes.extend([Strategy::Sendfile, Strategy::Readwrite]);
     let cx = Ctx {
@@ -188,7 +190,8 @@ pub fn run(o: &PipeBenchOpts) -> anyhow::Result<bool> {
             // measured point.
             let w = cx.dir.path().join("warmup.bin");
             make_file(&w, 8 << 20)?;
-            transfer_point(&cx, Kind::FileToSocket, Strategy::Fido, 0, 8 << 20, &w).context("engine warm-up")?;
+            transfer_point(&cx, Kind::FileToSocket, Strategy::Fido, 0, 8 << 20, &w)
+                .context("engine warm-up")?;
             std::fs::remove_file(&w)?;
         }
         transfers(&cx, o, &mut records)?;
@@ -205,7 +208,11 @@ pub fn run(o: &PipeBenchOpts) -> anyhow::Result<bool> {
          transfers {} MiB; cpu_s_per_gib = the application's CPU time per GiB moved",
         transfer_len(o.quick) >> 20
     );
-    eprintln!("({} records in {:.1} s)", records.len(), t.elapsed().as_secs_f64());
+    eprintln!(
+        "({} records in {:.1} s)",
+        records.len(),
+        t.elapsed().as_secs_f64()
+    );
     if let Some(p) = &o.json {
         fido_bench::write_json(p, &records)?;
     }
@@ -310,7 +317,14 @@ fn transfers(cx: &Ctx, o: &PipeBenchOpts, out: &mut Vec<Record>) -> anyhow::Resu
                 };
                 let (bytes, secs, cpu) = transfer_point(cx, kind, mode, busy, len, &srcp)
                     .with_context(|| format!("{case} {}", mode.system()))?;
-                out.push(record(&case, mode.system(), "bytes_per_s", bytes as f64 / secs, "B/s", bytes));
+                out.push(record(
+                    &case,
+                    mode.system(),
+                    "bytes_per_s",
+                    bytes as f64 / secs,
+                    "B/s",
+                    bytes,
+                ));
                 out.push(record(
                     &case,
                     mode.system(),
@@ -407,7 +421,10 @@ fn role_app(a: &PeerArgs) -> anyhow::Result<()> {
         }
         Kind::SocketToFile => {
             let s = TcpStream::connect(a.get("in")?)?;
-            let f = OpenOptions::new().write(true).create_new(true).open(a.get("dst")?)?;
+            let f = OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(a.get("dst")?)?;
             let (t0, c0) = (Instant::now(), cpu_time_s());
             (t0, c0, m.socket_to_file(s.as_fd(), f.as_fd(), 0, len)?)
         }
@@ -421,7 +438,10 @@ fn role_app(a: &PeerArgs) -> anyhow::Result<()> {
         }
         Kind::FileToFile => {
             let f = File::open(a.get("src")?)?;
-            let d = OpenOptions::new().write(true).create_new(true).open(a.get("dst")?)?;
+            let d = OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(a.get("dst")?)?;
             let (t0, c0) = (Instant::now(), cpu_time_s());
             (t0, c0, m.file_to_file(f.as_fd(), 0, len, d.as_fd(), 0)?)
         }
@@ -492,7 +512,10 @@ fn fairness(cx: &Ctx, o: &PipeBenchOpts, out: &mut Vec<Record>) -> anyhow::Resul
             )?),
             _ => None,
         };
-        let broker_path = capped.as_ref().map_or(cx.broker.socket(), |b| b.socket()).to_path_buf();
+        let broker_path = capped
+            .as_ref()
+            .map_or(cx.broker.socket(), |b| b.socket())
+            .to_path_buf();
         let t0 = fido_bench::mono_ns() + 300_000_000;
         let mut kids = Vec::new();
         let mut sinks = Vec::new();
@@ -534,19 +557,45 @@ fn fairness(cx: &Ctx, o: &PipeBenchOpts, out: &mut Vec<Record>) -> anyhow::Resul
             .collect();
         let total: f64 = moved.iter().sum();
         if total <= 0.0 {
-            bail!("{case} {}: nothing moved while all three clients ran", mode.system());
+            bail!(
+                "{case} {}: nothing moved while all three clients ran",
+                mode.system()
+            );
         }
         let secs = (b - a) as f64 / 1e9;
         for i in 0..3 {
             let c = format!("{case}-c{}-w{}", i + 1, WEIGHTS[i]);
-            out.push(record(&c, mode.system(), "share", moved[i] / total, "", moved[i] as u64));
-            out.push(record(&c, mode.system(), "bytes_per_s", moved[i] / secs, "B/s", moved[i] as u64));
+            out.push(record(
+                &c,
+                mode.system(),
+                "share",
+                moved[i] / total,
+                "",
+                moved[i] as u64,
+            ));
+            out.push(record(
+                &c,
+                mode.system(),
+                "bytes_per_s",
+                moved[i] / secs,
+                "B/s",
+                moved[i] as u64,
+            ));
         }
         let x: Vec<f64> = (0..3).map(|i| moved[i] / WEIGHTS[i] as f64).collect();
         let jain = x.iter().sum::<f64>().powi(2) / (3.0 * x.iter().map(|v| v * v).sum::<f64>());
         out.push(record(case, mode.system(), "jain_weighted", jain, "", 3));
-        out.push(record(case, mode.system(), "bytes_per_s", total / secs, "B/s", total as u64));
-        let arr: [Series; 3] = series.try_into().map_err(|_| anyhow::anyhow!("three series"))?;
+        out.push(record(
+            case,
+            mode.system(),
+            "bytes_per_s",
+            total / secs,
+            "B/s",
+            total as u64,
+        ));
+        let arr: [Series; 3] = series
+            .try_into()
+            .map_err(|_| anyhow::anyhow!("three series"))?;
         panels.push((mode.system().to_string(), arr, (t0 as f64) / 1e9));
         if mode == Strategy::Fido && jain < 0.99 {
             eprintln!("# fairness-1-1-2: fido-pipe weighted Jain index {jain:.3} < 0.99");
@@ -615,7 +664,11 @@ fn plot(path: &Path, panels: &[(String, [Series; 3], f64)], plan: &FairPlan) -> 
     root.fill(&WHITE)?;
     let areas = root.split_evenly((panels.len(), 1));
     let total = plan.ends[0];
-    let colors = [RGBColor(31, 119, 180), RGBColor(255, 127, 14), RGBColor(44, 160, 44)];
+    let colors = [
+        RGBColor(31, 119, 180),
+        RGBColor(255, 127, 14),
+        RGBColor(44, 160, 44),
+    ];
     for ((name, series, t0), area) in panels.iter().zip(areas.iter()) {
         let t0_ns = (t0 * 1e9) as u64;
         let rates: Vec<Vec<(f64, f64)>> = series
@@ -633,18 +686,16 @@ fn plot(path: &Path, panels: &[(String, [Series; 3], f64)], plan: &FairPlan) -> 
                 v
             })
             .collect();
-        let ymax = rates
-            .iter()
-            .flatten()
-            .map(|p| p.1)
-            .fold(1.0f64, f64::max)
-            * 1.1;
+        let ymax = rates.iter().flatten().map(|p| p.1).fold(1.0f64, f64::max) * 1.1;
         let mut b = ChartBuilder::on(area);
         b.margin(12);
         if font {
-            b.caption(format!("{name}: file→socket, weights 1:1:2"), ("sans-serif", 20))
-                .x_label_area_size(36)
-                .y_label_area_size(64);
+            b.caption(
+                format!("{name}: file→socket, weights 1:1:2"),
+                ("sans-serif", 20),
+            )
+            .x_label_area_size(36)
+            .y_label_area_size(64);
         }
         let mut chart = b.build_cartesian_2d(0.0..total, 0.0..ymax)?;
         if font {
@@ -654,14 +705,20 @@ fn plot(path: &Path, panels: &[(String, [Series; 3], f64)], plan: &FairPlan) -> 
                 .y_desc("MB/s")
                 .draw()?;
         } else {
-            chart.configure_mesh().disable_x_mesh().disable_y_mesh().draw()?;
+            chart
+                .configure_mesh()
+                .disable_x_mesh()
+                .disable_y_mesh()
+                .draw()?;
         }
         for (i, r) in rates.iter().enumerate() {
             let c = colors[i];
             let s = chart.draw_series(LineSeries::new(r.clone(), c.stroke_width(2)))?;
             if font {
                 s.label(format!("client {} (w={})", i + 1, WEIGHTS[i]))
-                    .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
+                    .legend(move |(x, y)| {
+                        PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2))
+                    });
             }
         }
         if font {
@@ -772,7 +829,11 @@ fn nginx(
 ) -> anyhow::Result<Daemon> {
     let d = dir.join(format!("nginx-{tag}"));
     std::fs::create_dir_all(d.join("tmp"))?;
-    let root_user = if rustix::process::geteuid().is_root() { "user root;\n" } else { "" };
+    let root_user = if rustix::process::geteuid().is_root() {
+        "user root;\n"
+    } else {
+        ""
+    };
     let body = match upstream {
         None => format!(
             "http {{\n access_log off;\n sendfile on;\n tcp_nopush on;\n tcp_nodelay on;\n \
@@ -813,8 +874,11 @@ fn nginx(
         .spawn()
         .context("starting nginx")?;
     let dm = Daemon { child: Some(child) };
-    wait_port(SocketAddr::from(([127, 0, 0, 1], port)), Instant::now() + Duration::from_secs(20))
-        .with_context(|| format!("nginx ({})", d.join("error.log").display()))?;
+    wait_port(
+        SocketAddr::from(([127, 0, 0, 1], port)),
+        Instant::now() + Duration::from_secs(20),
+    )
+    .with_context(|| format!("nginx ({})", d.join("error.log").display()))?;
     Ok(dm)
 }
 
@@ -840,7 +904,10 @@ fn wrk(wrk: &Path, url: &str, secs: u64) -> anyhow::Result<(f64, u64)> {
         .with_context(|| format!("no Requests/sec in wrk output:\n{text}"))?;
     let n = text
         .lines()
-        .find_map(|l| l.split_once(" requests in ").map(|(a, _)| a.trim().to_string()))
+        .find_map(|l| {
+            l.split_once(" requests in ")
+                .map(|(a, _)| a.trim().to_string())
+        })
         .and_then(|v| v.parse::<u64>().ok())
         .unwrap_or(0);
     Ok((rps, n))
@@ -849,7 +916,12 @@ fn wrk(wrk: &Path, url: &str, secs: u64) -> anyhow::Result<(f64, u64)> {
 const WEB_FILE: u64 = 1 << 20;
 
 fn web(cx: &Ctx, o: &PipeBenchOpts, out: &mut Vec<Record>) -> anyhow::Result<()> {
-    let cases = ["serve-wrk", "serve-wrk-busy0", "proxy-wrk", "proxy-wrk-busy0"];
+    let cases = [
+        "serve-wrk",
+        "serve-wrk-busy0",
+        "proxy-wrk",
+        "proxy-wrk-busy0",
+    ];
     let systems = ["fido-pipe", "sendfile", "readwrite", "nginx"];
     if !cases.iter().any(|c| systems.iter().any(|s| o.wants(s, c))) {
         return Ok(());
@@ -943,7 +1015,14 @@ fn web(cx: &Ctx, o: &PipeBenchOpts, out: &mut Vec<Record>) -> anyhow::Result<()>
             check_get(addr)?;
             let (rps, n) = wrk(&wrk_bin, &url, secs).with_context(|| format!("{case} {sys}"))?;
             out.push(record(case, sys, "requests_per_s", rps, "req/s", n));
-            out.push(record(case, sys, "bytes_per_s", rps * WEB_FILE as f64, "B/s", n));
+            out.push(record(
+                case,
+                sys,
+                "bytes_per_s",
+                rps * WEB_FILE as f64,
+                "B/s",
+                n,
+            ));
         }
     }
     Ok(())
@@ -972,7 +1051,10 @@ fn check_get(addr: SocketAddr) -> anyhow::Result<()> {
         .context("no response head")?;
     let head = String::from_utf8_lossy(&buf[..head_end]);
     if !head.starts_with("HTTP/1.1 200") || (buf.len() - head_end - 4) as u64 != WEB_FILE {
-        bail!("bad response from {addr}: {head} with {} body bytes", buf.len() - head_end - 4);
+        bail!(
+            "bad response from {addr}: {head} with {} body bytes",
+            buf.len() - head_end - 4
+        );
     }
     Ok(())
 }

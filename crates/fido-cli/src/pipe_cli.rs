@@ -72,7 +72,9 @@ pub fn run(cmd: AppCmd) -> anyhow::Result<()> {
             max_conns,
         } => {
             let m = match strategy {
-                Strategy::Fido => crate::pipe_fido::mover_with_stall(Duration::from_secs(idle_secs.max(1)))?,
+                Strategy::Fido => {
+                    crate::pipe_fido::mover_with_stall(Duration::from_secs(idle_secs.max(1)))?
+                }
                 s => mover(s)?,
             };
             let cfg = crate::pipe_serve::ServeConfig {
@@ -81,7 +83,11 @@ pub fn run(cmd: AppCmd) -> anyhow::Result<()> {
                 max_conns,
             };
             let srv = crate::pipe_serve::Server::bind(SocketAddr::new(addr, port), cfg, m)?;
-            announce(&format!("serving on http://{}/ ({})", srv.local_addr()?, strategy.system()))?;
+            announce(&format!(
+                "serving on http://{}/ ({})",
+                srv.local_addr()?,
+                strategy.system()
+            ))?;
             srv.run()
         }
         AppCmd::Proxy {

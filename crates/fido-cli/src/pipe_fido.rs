@@ -13,14 +13,14 @@
 use std::io;
 use std::os::fd::BorrowedFd;
 use std::path::Path;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use fido_proto::ErrorCode;
 use fido_pipe::{Client, ClientOptions, PipeOp, Transfer};
+use fido_proto::ErrorCode;
 
 use crate::pipe_move::{Mover, Sendfile};
 
@@ -50,9 +50,17 @@ fn io_err(e: fido_pipe::Error) -> io::Error {
     match e {
         // The errno of the failed splice (peer reset, broken pipe, ...), so callers
         // see the same error kinds as with the in-process strategies.
-        fido_pipe::Error::Transfer { errno, message, moved, .. } if errno != 0 => {
+        fido_pipe::Error::Transfer {
+            errno,
+            message,
+            moved,
+            ..
+        } if errno != 0 => {
             let os = io::Error::from_raw_os_error(errno.abs());
-            io::Error::new(os.kind(), format!("pipe engine: {message} after {moved} bytes ({os})"))
+            io::Error::new(
+                os.kind(),
+                format!("pipe engine: {message} after {moved} bytes ({os})"),
+            )
         }
         e => io::Error::other(e),
     }
@@ -84,7 +92,9 @@ fn declined(e: &io::Error) -> bool {
 fn note_fallback(e: &io::Error) {
     static SAID: AtomicBool = AtomicBool::new(false);
     if !SAID.swap(true, Ordering::Relaxed) {
-        tracing::warn!("{e}; moving such transfers in-process (sendfile/splice) instead (said once)");
+        tracing::warn!(
+            "{e}; moving such transfers in-process (sendfile/splice) instead (said once)"
+        );
     } else {
         tracing::debug!("{e}; in-process fallback");
     }
@@ -123,7 +133,10 @@ fn until(
 impl FidoPipe {
     fn new(client: Client, name: String, stall: Option<Duration>) -> FidoPipe {
         FidoPipe {
-            client: Mutex::new(Session { client: Some(client), tried: None }),
+            client: Mutex::new(Session {
+                client: Some(client),
+                tried: None,
+            }),
             name,
             stall,
         }
@@ -138,8 +151,13 @@ impl FidoPipe {
         if let Some(c) = &s.client {
             return Ok(c.clone());
         }
-        if s.tried.is_some_and(|t| t.elapsed() < Duration::from_secs(1)) {
-            return Err(io::Error::new(io::ErrorKind::NotConnected, "the broker's pipe engine is unavailable"));
+        if s.tried
+            .is_some_and(|t| t.elapsed() < Duration::from_secs(1))
+        {
+            return Err(io::Error::new(
+                io::ErrorKind::NotConnected,
+                "the broker's pipe engine is unavailable",
+            ));
         }
         s.tried = Some(Instant::now());
         match connect(&self.name, None) {
@@ -148,7 +166,10 @@ impl FidoPipe {
                 s.client = Some(c.clone());
                 Ok(c)
             }
-            Err(e) => Err(io::Error::new(io::ErrorKind::NotConnected, format!("{e:#}"))),
+            Err(e) => Err(io::Error::new(
+                io::ErrorKind::NotConnected,
+                format!("{e:#}"),
+            )),
         }
     }
 }
@@ -179,7 +200,13 @@ impl FidoPipe {
 }
 
 impl Mover for FidoPipe {
-    fn file_to_socket(&self, file: BorrowedFd<'_>, off: u64, len: u64, sock: BorrowedFd<'_>) -> io::Result<u64> {
+    fn file_to_socket(
+        &self,
+        file: BorrowedFd<'_>,
+        off: u64,
+        len: u64,
+        sock: BorrowedFd<'_>,
+    ) -> io::Result<u64> {
         let Some(stall) = self.stall else {
             return until(
                 Some(len),
@@ -190,7 +217,10 @@ impl Mover for FidoPipe {
         let mut done = 0u64;
         while done < len {
             let want = (len - done).min(STALL_PIECE);
-            let op = PipeOp::FileToSocket { off: off + done, len: want };
+            let op = PipeOp::FileToSocket {
+                off: off + done,
+                len: want,
+            };
             let mut p = match self.call(|c| c.start_once(file, sock, op)) {
                 Ok(p) => p,
                 Err(e) if declined(&e) => {
@@ -205,7 +235,9 @@ impl Mover for FidoPipe {
                     Ok(t) => t,
                     Err(e) if declined(&e) => {
                         note_fallback(&e);
-                        return Ok(done + Sendfile.file_to_socket(file, off + done, len - done, sock)?);
+                        return Ok(
+                            done + Sendfile.file_to_socket(file, off + done, len - done, sock)?
+                        );
                     }
                     Err(e) => return Err(e),
                 },
@@ -227,7 +259,12 @@ impl Mover for FidoPipe {
         Ok(done)
     }
 
-    fn socket_to_socket(&self, from: BorrowedFd<'_>, to: BorrowedFd<'_>, len: Option<u64>) -> io::Result<u64> {
+    fn socket_to_socket(
+        &self,
+        from: BorrowedFd<'_>,
+        to: BorrowedFd<'_>,
+        len: Option<u64>,
+    ) -> io::Result<u64> {
         until(
             len,
             |_, want| self.call(|c| c.socket_to_socket(from, to, want)),
@@ -235,7 +272,13 @@ impl Mover for FidoPipe {
         )
     }
 
-    fn socket_to_file(&self, sock: BorrowedFd<'_>, file: BorrowedFd<'_>, off: u64, len: u64) -> io::Result<u64> {
+    fn socket_to_file(
+        &self,
+        sock: BorrowedFd<'_>,
+        file: BorrowedFd<'_>,
+        off: u64,
+        len: u64,
+    ) -> io::Result<u64> {
         until(
             Some(len),
             |done, want| self.call(|c| c.socket_to_file(sock, file, off + done, want)),
@@ -253,7 +296,9 @@ impl Mover for FidoPipe {
     ) -> io::Result<u64> {
         until(
             Some(len),
-            |done, want| self.call(|c| c.file_to_file(src, dst, src_off + done, want, dst_off + done)),
+            |done, want| {
+                self.call(|c| c.file_to_file(src, dst, src_off + done, want, dst_off + done))
+            },
             |done| Sendfile.file_to_file(src, src_off + done, len - done, dst, dst_off + done),
         )
     }
@@ -266,7 +311,12 @@ fn connect(name: &str, broker: Option<&Path>) -> anyhow::Result<Client> {
         None => fido::default_broker_path(),
     };
     o = o.broker(&path);
-    Client::connect_with(o).with_context(|| format!("joining the broker at {} for its pipe engine", path.display()))
+    Client::connect_with(o).with_context(|| {
+        format!(
+            "joining the broker at {} for its pipe engine",
+            path.display()
+        )
+    })
 }
 
 /// Whether the broker at `broker` answers as a pipe engine.
@@ -287,7 +337,11 @@ pub fn mover() -> anyhow::Result<Arc<dyn Mover>> {
 /// nothing for `stall`.
 pub fn mover_with_stall(stall: Duration) -> anyhow::Result<Arc<dyn Mover>> {
     let name = format!("fido-pipe-serve-{}", std::process::id());
-    Ok(Arc::new(FidoPipe::new(connect(&name, None)?, name, Some(stall))))
+    Ok(Arc::new(FidoPipe::new(
+        connect(&name, None)?,
+        name,
+        Some(stall),
+    )))
 }
 
 /// A mover whose domain has pipe weight `w` (set live: the caller must be root

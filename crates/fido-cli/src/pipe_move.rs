@@ -222,14 +222,7 @@ impl SplicePipe {
         want: usize,
     ) -> io::Result<usize> {
         let n = retry(|| {
-            rustix::pipe::splice(
-                from,
-                None,
-                self.w.as_fd(),
-                None,
-                want,
-                SpliceFlags::MOVE,
-            )
+            rustix::pipe::splice(from, None, self.w.as_fd(), None, want, SpliceFlags::MOVE)
         })?;
         let mut left = n;
         while left > 0 {
@@ -330,7 +323,9 @@ impl Mover for Sendfile {
                 Ok(_) => {}
                 // Not supported between these two (across filesystems on old kernels,
                 // special files): the portable loop does the rest.
-                Err(rustix::io::Errno::XDEV | rustix::io::Errno::NOSYS | rustix::io::Errno::INVAL) => {
+                Err(
+                    rustix::io::Errno::XDEV | rustix::io::Errno::NOSYS | rustix::io::Errno::INVAL,
+                ) => {
                     let done = i - src_off;
                     return Ok(done + ReadWrite.file_to_file(src, i, len - done, dst, o)?);
                 }

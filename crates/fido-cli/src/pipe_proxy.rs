@@ -114,7 +114,9 @@ fn pair(mover: Arc<dyn Mover>, client: TcpStream, upstream: &[SocketAddr]) -> io
         }
     };
     let fwd = one_way(&*mover, &client, &up);
-    let back = back.join().unwrap_or_else(|_| Err(io::Error::other("proxy thread panicked")));
+    let back = back
+        .join()
+        .unwrap_or_else(|_| Err(io::Error::other("proxy thread panicked")));
     fwd.and(back).map(|_| ())
 }
 

@@ -63,12 +63,20 @@ struct Shared {
 
 impl Server {
     /// Binds `addr` and checks DIR.
-    pub fn bind(addr: SocketAddr, cfg: ServeConfig, mover: Arc<dyn Mover>) -> anyhow::Result<Server> {
+    pub fn bind(
+        addr: SocketAddr,
+        cfg: ServeConfig,
+        mover: Arc<dyn Mover>,
+    ) -> anyhow::Result<Server> {
         let root = cfg
             .root
             .canonicalize()
             .with_context(|| format!("serve root {}", cfg.root.display()))?;
-        anyhow::ensure!(root.is_dir(), "serve root {} is not a directory", root.display());
+        anyhow::ensure!(
+            root.is_dir(),
+            "serve root {} is not a directory",
+            root.display()
+        );
         let listener = TcpListener::bind(addr).with_context(|| format!("binding {addr}"))?;
         Ok(Server {
             listener,
@@ -155,7 +163,12 @@ fn connection(sh: &Shared, mut sock: TcpStream) -> io::Result<()> {
                 match parse(&buf)? {
                     Some(x) => break x,
                     None if buf.len() >= MAX_HEAD => {
-                        let _ = sock.write_all(&simple(431, "Request Header Fields Too Large", true, false));
+                        let _ = sock.write_all(&simple(
+                            431,
+                            "Request Header Fields Too Large",
+                            true,
+                            false,
+                        ));
                         return Ok(());
                     }
                     None => {}
@@ -164,7 +177,12 @@ fn connection(sh: &Shared, mut sock: TcpStream) -> io::Result<()> {
             let mut tmp = [0u8; 4096];
             let n = match sock.read(&mut tmp) {
                 Ok(n) => n,
-                Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) =>
+                {
                     return Ok(()); // idle: close quietly
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
@@ -219,7 +237,10 @@ fn parse(buf: &[u8]) -> io::Result<Option<(Parsed, usize)>> {
         Ok(httparse::Status::Complete(n)) => n,
         Ok(httparse::Status::Partial) => return Ok(None),
         Err(httparse::Error::TooManyHeaders) => {
-            return Ok(Some((Parsed::Refuse(431, "Request Header Fields Too Large", None), buf.len())))
+            return Ok(Some((
+                Parsed::Refuse(431, "Request Header Fields Too Large", None),
+                buf.len(),
+            )))
         }
         Err(_) => return Ok(Some((Parsed::Refuse(400, "Bad Request", None), buf.len()))),
     };
@@ -229,7 +250,12 @@ fn parse(buf: &[u8]) -> io::Result<Option<(Parsed, usize)>> {
     let head_only = match method {
         "GET" => false,
         "HEAD" => true,
-        _ => return Ok(Some((Parsed::Refuse(405, "Method Not Allowed", Some("GET, HEAD")), used))),
+        _ => {
+            return Ok(Some((
+                Parsed::Refuse(405, "Method Not Allowed", Some("GET, HEAD")),
+                used,
+            )))
+        }
     };
     let mut host = false;
     let mut conn_close = false;
@@ -254,7 +280,10 @@ fn parse(buf: &[u8]) -> io::Result<Option<(Parsed, usize)>> {
         } else if name.eq_ignore_ascii_case("transfer-encoding") {
             return refuse(400, "Bad Request");
         } else if name.eq_ignore_ascii_case("content-length") {
-            match std::str::from_utf8(h.value).ok().and_then(|s| s.trim().parse::<u64>().ok()) {
+            match std::str::from_utf8(h.value)
+                .ok()
+                .and_then(|s| s.trim().parse::<u64>().ok())
+            {
                 Some(n) => body = n,
                 None => return refuse(400, "Bad Request"),
             }
@@ -263,7 +292,11 @@ fn parse(buf: &[u8]) -> io::Result<Option<(Parsed, usize)>> {
     if version == 1 && !host {
         return refuse(400, "Bad Request");
     }
-    let keep_alive = if version == 1 { !conn_close } else { conn_keep && !conn_close };
+    let keep_alive = if version == 1 {
+        !conn_close
+    } else {
+        conn_keep && !conn_close
+    };
     let target = req.path.unwrap_or("").as_bytes();
     Ok(Some((
         Parsed::Req(Request {
@@ -314,10 +347,16 @@ fn respond(sh: &Shared, sock: &mut TcpStream, req: &Request) -> io::Result<bool>
         content_type(&path),
     );
     if let Ok(m) = meta.modified() {
-        head.push_str(&format!("Last-Modified: {}\r\n", httpdate::fmt_http_date(m)));
+        head.push_str(&format!(
+            "Last-Modified: {}\r\n",
+            httpdate::fmt_http_date(m)
+        ));
     }
     if status == 206 {
-        head.push_str(&format!("Content-Range: bytes {start}-{}/{size}\r\n", start + len - 1));
+        head.push_str(&format!(
+            "Content-Range: bytes {start}-{}/{size}\r\n",
+            start + len - 1
+        ));
     }
     if !req.keep_alive {
         head.push_str("Connection: close\r\n");
@@ -327,7 +366,11 @@ fn respond(sh: &Shared, sock: &mut TcpStream, req: &Request) -> io::Result<bool>
     head.push_str("\r\n");
     let body = !req.head_only && len > 0;
     // MSG_MORE: the head leaves in the same segment as the start of the body.
-    let flags = if body { rustix::net::SendFlags::MORE } else { rustix::net::SendFlags::empty() };
+    let flags = if body {
+        rustix::net::SendFlags::MORE
+    } else {
+        rustix::net::SendFlags::empty()
+    };
     let mut h = head.as_bytes();
     while !h.is_empty() {
         match rustix::net::send(sock.as_fd(), h, flags) {
@@ -339,10 +382,15 @@ fn respond(sh: &Shared, sock: &mut TcpStream, req: &Request) -> io::Result<bool>
     if !body {
         return Ok(true);
     }
-    let sent = sh.mover.file_to_socket(file.as_fd(), start, len, sock.as_fd())?;
+    let sent = sh
+        .mover
+        .file_to_socket(file.as_fd(), start, len, sock.as_fd())?;
     if sent < len {
         // The file shrank under us: the promised length cannot be kept.
-        tracing::warn!("{}: sent {sent} of {len} bytes (file truncated?)", path.display());
+        tracing::warn!(
+            "{}: sent {sent} of {len} bytes (file truncated?)",
+            path.display()
+        );
         return Ok(false);
     }
     Ok(true)
@@ -469,7 +517,11 @@ fn parse_range(v: &[u8], size: u64) -> RangeAns {
 }
 
 fn content_type(p: &Path) -> &'static str {
-    let ext = p.extension().and_then(|e| e.to_str()).unwrap_or("").to_ascii_lowercase();
+    let ext = p
+        .extension()
+        .and_then(|e| e.to_str())
+        .unwrap_or("")
+        .to_ascii_lowercase();
     match ext.as_str() {
         "html" | "htm" => "text/html; charset=utf-8",
         "txt" | "md" => "text/plain; charset=utf-8",
@@ -519,7 +571,10 @@ mod tests {
 
     #[test]
     fn targets() {
-        assert_eq!(resolve_target(b"/a/b.txt?x=1").unwrap(), PathBuf::from("a/b.txt"));
+        assert_eq!(
+            resolve_target(b"/a/b.txt?x=1").unwrap(),
+            PathBuf::from("a/b.txt")
+        );
         assert_eq!(resolve_target(b"/a%20b").unwrap(), PathBuf::from("a b"));
         assert_eq!(resolve_target(b"/").unwrap(), PathBuf::new());
         assert!(resolve_target(b"/../etc/passwd").is_none());
@@ -556,16 +611,27 @@ mod tests {
     #[test]
     fn heads() {
         let ok = |s: &str| match parse(s.as_bytes()).unwrap() {
-            Some((Parsed::Req(r), n)) => format!("ok ka={} head={} n={n}", r.keep_alive, r.head_only),
+            Some((Parsed::Req(r), n)) => {
+                format!("ok ka={} head={} n={n}", r.keep_alive, r.head_only)
+            }
             Some((Parsed::Refuse(c, _, _), _)) => format!("refuse {c}"),
             None => "partial".into(),
         };
-        assert_eq!(ok("GET / HTTP/1.1\r\nHost: x\r\n\r\n"), "ok ka=true head=false n=27");
+        assert_eq!(
+            ok("GET / HTTP/1.1\r\nHost: x\r\n\r\n"),
+            "ok ka=true head=false n=27"
+        );
         assert_eq!(ok("HEAD / HTTP/1.0\r\n\r\n"), "ok ka=false head=true n=19");
-        assert_eq!(ok("GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"), "ok ka=false head=false n=46");
+        assert_eq!(
+            ok("GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"),
+            "ok ka=false head=false n=46"
+        );
         assert_eq!(ok("GET / HTTP/1.1\r\n\r\n"), "refuse 400");
         assert_eq!(ok("POST / HTTP/1.1\r\nHost: x\r\n\r\n"), "refuse 405");
-        assert_eq!(ok("GET / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"), "refuse 400");
+        assert_eq!(
+            ok("GET / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"),
+            "refuse 400"
+        );
         assert_eq!(ok("GET / HTTP/1.1\r\nHost"), "partial");
         assert_eq!(ok("G\0T / HTTP/1.1\r\n\r\n"), "refuse 400");
     }

@@ -69,7 +69,10 @@ fn broker_with(dir: &Path, extra: &[&str]) -> (Proc, PathBuf) {
     let p = Proc { child };
     let t = Instant::now();
     while !socket.exists() {
-        assert!(t.elapsed() < Duration::from_secs(30), "broker did not start");
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "broker did not start"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
     (p, socket)
@@ -88,7 +91,15 @@ fn strategies() -> Vec<&'static str> {
 /// starts instead of saying the engine is not available).
 fn engine_built() -> bool {
     let out = Command::new(FIDO)
-        .args(["pipe", "serve", "/nonexistent-dir", "--port", "0", "--strategy", "fido"])
+        .args([
+            "pipe",
+            "serve",
+            "/nonexistent-dir",
+            "--port",
+            "0",
+            "--strategy",
+            "fido",
+        ])
         .env("FIDO_BROKER", "/nonexistent/broker.sock")
         .output()
         .unwrap();
@@ -174,26 +185,43 @@ fn serve_files_with_curl() {
     let b = broker();
     for s in strategies() {
         let (_srv, addr) = start(
-            &["serve", root.to_str().unwrap(), "--port", "0", "--strategy", s],
+            &[
+                "serve",
+                root.to_str().unwrap(),
+                "--port",
+                "0",
+                "--strategy",
+                s,
+            ],
             Some(&b.socket),
         );
         let url = |p: &str| format!("http://{addr}{p}");
         // GET: every byte equal.
         let out = curl(&[&url("/big.bin")]);
-        assert!(out.status.success(), "{s}: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{s}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         assert_eq!(out.stdout.len(), big.len(), "{s}: length");
         assert!(out.stdout == big, "{s}: body differs from the file");
         // HEAD: the length, no body.
         let out = curl(&["-I", &url("/big.bin")]);
         let head = String::from_utf8_lossy(&out.stdout).to_lowercase();
         assert!(head.starts_with("http/1.1 200"), "{s}: {head}");
-        assert!(head.contains(&format!("content-length: {}", big.len())), "{s}: {head}");
+        assert!(
+            head.contains(&format!("content-length: {}", big.len())),
+            "{s}: {head}"
+        );
         // Ranges, including the edges.
         let out = curl(&["-r", "1000-1999", &url("/big.bin")]);
         assert!(out.stdout == big[1000..2000], "{s}: range");
         let out = curl(&["-r", "-10", &url("/big.bin")]);
         assert!(out.stdout == big[big.len() - 10..], "{s}: suffix range");
-        assert_eq!(status_of(&["-r", &format!("{}-", big.len()), &url("/big.bin")]), "416");
+        assert_eq!(
+            status_of(&["-r", &format!("{}-", big.len()), &url("/big.bin")]),
+            "416"
+        );
         // Empty file, directory index, escaped name.
         let out = curl(&["-i", &url("/empty.txt")]);
         let t = String::from_utf8_lossy(&out.stdout).to_lowercase();
@@ -202,15 +230,38 @@ fn serve_files_with_curl() {
         assert_eq!(curl(&[&url("/a%20b.txt")]).stdout, b"space\n");
         // Refusals.
         assert_eq!(status_of(&[&url("/missing")]), "404", "{s}");
-        assert_eq!(status_of(&["--path-as-is", &url("/../secret")]), "400", "{s}");
-        assert_eq!(status_of(&["--path-as-is", &url("/sub/%2e%2e/%2e%2e/secret")]), "400", "{s}");
-        assert_eq!(status_of(&[&url("/evil")]), "404", "{s}: symlink out of the root");
+        assert_eq!(
+            status_of(&["--path-as-is", &url("/../secret")]),
+            "400",
+            "{s}"
+        );
+        assert_eq!(
+            status_of(&["--path-as-is", &url("/sub/%2e%2e/%2e%2e/secret")]),
+            "400",
+            "{s}"
+        );
+        assert_eq!(
+            status_of(&[&url("/evil")]),
+            "404",
+            "{s}: symlink out of the root"
+        );
         assert_eq!(status_of(&["-X", "POST", &url("/big.bin")]), "405", "{s}");
         assert_eq!(status_of(&["-X", "DELETE", &url("/big.bin")]), "405", "{s}");
         // Keep-alive: curl reuses the connection for the second URL.
-        let out = curl(&["-v", "-o", "/dev/null", "-o", "/dev/null", &url("/big.bin"), &url("/sub/")]);
+        let out = curl(&[
+            "-v",
+            "-o",
+            "/dev/null",
+            "-o",
+            "/dev/null",
+            &url("/big.bin"),
+            &url("/sub/"),
+        ]);
         let err = String::from_utf8_lossy(&out.stderr);
-        assert!(err.contains("Re-using existing connection"), "{s}: no keep-alive:\n{err}");
+        assert!(
+            err.contains("Re-using existing connection"),
+            "{s}: no keep-alive:\n{err}"
+        );
     }
 }
 
@@ -219,7 +270,10 @@ fn read_response(r: &mut BufReader<TcpStream>) -> (String, Vec<u8>) {
     let mut head = String::new();
     loop {
         let mut l = String::new();
-        assert!(r.read_line(&mut l).unwrap() > 0, "connection closed mid-head");
+        assert!(
+            r.read_line(&mut l).unwrap() > 0,
+            "connection closed mid-head"
+        );
         if l == "\r\n" {
             break;
         }
@@ -229,7 +283,8 @@ fn read_response(r: &mut BufReader<TcpStream>) -> (String, Vec<u8>) {
         .lines()
         .find_map(|l| {
             let (k, v) = l.split_once(':')?;
-            k.eq_ignore_ascii_case("content-length").then(|| v.trim().parse().unwrap())
+            k.eq_ignore_ascii_case("content-length")
+                .then(|| v.trim().parse().unwrap())
         })
         .expect("content-length");
     let mut body = vec![0; len];
@@ -243,7 +298,14 @@ fn serve_pipelined_and_malformed() {
     let b = broker();
     for s in strategies() {
         let (_srv, addr) = start(
-            &["serve", root.to_str().unwrap(), "--port", "0", "--strategy", s],
+            &[
+                "serve",
+                root.to_str().unwrap(),
+                "--port",
+                "0",
+                "--strategy",
+                s,
+            ],
             Some(&b.socket),
         );
         // Three pipelined requests in one write, answered in order on one connection.
@@ -260,7 +322,10 @@ fn serve_pipelined_and_malformed() {
         let (h2, _) = read_response(&mut r);
         assert!(h2.starts_with("HTTP/1.1 404"), "{s}: {h2}");
         let (h3, b3) = read_response(&mut r);
-        assert!(h3.starts_with("HTTP/1.1 200") && h3.contains("Connection: close"), "{s}: {h3}");
+        assert!(
+            h3.starts_with("HTTP/1.1 200") && h3.contains("Connection: close"),
+            "{s}: {h3}"
+        );
         assert_eq!(b3, b"<p>hi</p>\n");
         let mut rest = Vec::new();
         r.read_to_end(&mut rest).unwrap();
@@ -274,7 +339,8 @@ fn serve_pipelined_and_malformed() {
         assert!(t.starts_with("HTTP/1.1 400"), "{s}: {t}");
         // A client that vanishes mid-body does not hurt the next one.
         let mut c = TcpStream::connect(addr).unwrap();
-        c.write_all(b"GET /big.bin HTTP/1.1\r\nHost: t\r\n\r\n").unwrap();
+        c.write_all(b"GET /big.bin HTTP/1.1\r\nHost: t\r\n\r\n")
+            .unwrap();
         let mut few = [0u8; 100];
         c.read_exact(&mut few).unwrap();
         drop(c);
@@ -303,8 +369,9 @@ fn upstream(reply: Vec<u8>) -> (SocketAddr, std::thread::JoinHandle<()>) {
 
 fn digest(b: &[u8]) -> u64 {
     // FNV-1a: order-sensitive, enough to catch a lost, duplicated or swapped piece.
-    b.iter()
-        .fold(0xcbf2_9ce4_8422_2325u64, |h, x| (h ^ *x as u64).wrapping_mul(0x1000_0000_01b3))
+    b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, x| {
+        (h ^ *x as u64).wrapping_mul(0x1000_0000_01b3)
+    })
 }
 
 #[test]
@@ -314,7 +381,10 @@ fn proxy_both_ways_with_half_close() {
         let request = pattern(3 * (1 << 20) + 77, 11);
         let reply = pattern(4 * (1 << 20) + 5, 13);
         let (up, uh) = upstream(reply.clone());
-        let (_p, addr) = start(&["proxy", "127.0.0.1:0", &up.to_string(), "--strategy", s], Some(&b.socket));
+        let (_p, addr) = start(
+            &["proxy", "127.0.0.1:0", &up.to_string(), "--strategy", s],
+            Some(&b.socket),
+        );
         let mut c = TcpStream::connect(addr).unwrap();
         c.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
         let mut w = c.try_clone().unwrap();
@@ -328,8 +398,16 @@ fn proxy_both_ways_with_half_close() {
         writer.join().unwrap();
         uh.join().unwrap();
         assert_eq!(back.len(), 16 + reply.len(), "{s}: reply length");
-        assert_eq!(u64::from_le_bytes(back[..8].try_into().unwrap()), request.len() as u64, "{s}");
-        assert_eq!(u64::from_le_bytes(back[8..16].try_into().unwrap()), digest(&request), "{s}");
+        assert_eq!(
+            u64::from_le_bytes(back[..8].try_into().unwrap()),
+            request.len() as u64,
+            "{s}"
+        );
+        assert_eq!(
+            u64::from_le_bytes(back[8..16].try_into().unwrap()),
+            digest(&request),
+            "{s}"
+        );
         assert!(back[16..] == reply[..], "{s}: reply differs");
     }
 }
@@ -340,15 +418,38 @@ fn proxy_in_front_of_serve_with_curl() {
     let b = broker();
     let s = strategies()[0];
     let (_srv, srv) = start(
-        &["serve", root.to_str().unwrap(), "--port", "0", "--strategy", s],
+        &[
+            "serve",
+            root.to_str().unwrap(),
+            "--port",
+            "0",
+            "--strategy",
+            s,
+        ],
         Some(&b.socket),
     );
-    let (_p, px) = start(&["proxy", "127.0.0.1:0", &srv.to_string(), "--strategy", s], Some(&b.socket));
-    let out = curl(&[&format!("http://{px}/big.bin"), &format!("http://{px}/big.bin")]);
-    assert!(out.stdout.len() == 2 * big.len() && out.stdout[..big.len()] == big[..] && out.stdout[big.len()..] == big[..]);
+    let (_p, px) = start(
+        &["proxy", "127.0.0.1:0", &srv.to_string(), "--strategy", s],
+        Some(&b.socket),
+    );
+    let out = curl(&[
+        &format!("http://{px}/big.bin"),
+        &format!("http://{px}/big.bin"),
+    ]);
+    assert!(
+        out.stdout.len() == 2 * big.len()
+            && out.stdout[..big.len()] == big[..]
+            && out.stdout[big.len()..] == big[..]
+    );
     // Upstream gone: the client connection is closed, the proxy keeps running.
-    let dead = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
-    let (_p2, px2) = start(&["proxy", "127.0.0.1:0", &dead.to_string(), "--strategy", s], Some(&b.socket));
+    let dead = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let (_p2, px2) = start(
+        &["proxy", "127.0.0.1:0", &dead.to_string(), "--strategy", s],
+        Some(&b.socket),
+    );
     let mut c = TcpStream::connect(px2).unwrap();
     c.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
     let mut v = Vec::new();
@@ -366,7 +467,14 @@ fn bench_pipe_quick_writes_records() {
     let png = dir.path().join("fair.png");
     let t = Instant::now();
     let out = Command::new(FIDO)
-        .args(["bench", "pipe", "--quick", "--filter", "file-to-file-busy1", "--json"])
+        .args([
+            "bench",
+            "pipe",
+            "--quick",
+            "--filter",
+            "file-to-file-busy1",
+            "--json",
+        ])
         .arg(&json)
         .arg("--plot")
         .arg(&png)
@@ -379,12 +487,18 @@ fn bench_pipe_quick_writes_records() {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(t.elapsed() < Duration::from_secs(60), "took {:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_secs(60),
+        "took {:?}",
+        t.elapsed()
+    );
     let text = std::fs::read_to_string(&json).unwrap();
     let mut systems = Vec::new();
     for line in text.lines() {
         let v: serde_json::Value = serde_json::from_str(line).unwrap();
-        for k in ["suite", "case", "system", "metric", "value", "unit", "p50", "p99", "n"] {
+        for k in [
+            "suite", "case", "system", "metric", "value", "unit", "p50", "p99", "n",
+        ] {
             assert!(v.get(k).is_some(), "field {k} missing in {line}");
         }
         assert_eq!(v["suite"], "pipe");
@@ -426,7 +540,10 @@ fn bench_pipe_quick_fairness_plot() {
         String::from_utf8_lossy(&out.stderr)
     );
     let text = std::fs::read_to_string(&json).unwrap();
-    let recs: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let recs: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
     let shares: Vec<f64> = recs
         .iter()
         .filter(|v| v["metric"] == "share" && v["system"] == "sendfile")
@@ -450,11 +567,21 @@ fn serve_drops_a_client_that_stops_reading() {
     let mut stalled = Vec::new();
     for s in strategies() {
         let (p, addr) = start(
-            &["serve", top.path().to_str().unwrap(), "--port", "0", "--strategy", s, "--idle-secs", "1"],
+            &[
+                "serve",
+                top.path().to_str().unwrap(),
+                "--port",
+                "0",
+                "--strategy",
+                s,
+                "--idle-secs",
+                "1",
+            ],
             Some(&b.socket),
         );
         let mut c = TcpStream::connect(addr).unwrap();
-        c.write_all(b"GET /huge.bin HTTP/1.1\r\nHost: t\r\n\r\n").unwrap();
+        c.write_all(b"GET /huge.bin HTTP/1.1\r\nHost: t\r\n\r\n")
+            .unwrap();
         stalled.push((s, c));
         servers.push((p, addr));
     }
@@ -464,10 +591,16 @@ fn serve_drops_a_client_that_stops_reading() {
         c.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
         let mut got = Vec::new();
         let _ = c.read_to_end(&mut got); // EOF or a reset: either way it ends
-        assert!(got.len() < big.len(), "{s}: a stalled client still got the whole body");
+        assert!(
+            got.len() < big.len(),
+            "{s}: a stalled client still got the whole body"
+        );
         // The server is fine for everybody else.
         let out = curl(&[&format!("http://{addr}/huge.bin")]);
-        assert!(out.stdout == big, "{s}: body differs after dropping a stalled client");
+        assert!(
+            out.stdout == big,
+            "{s}: body differs after dropping a stalled client"
+        );
     }
 }
 
@@ -480,7 +613,14 @@ fn serve_heals_after_a_broker_restart() {
     let dir = tempfile::tempdir().unwrap();
     let (b1, socket) = broker_in(dir.path());
     let (_srv, addr) = start(
-        &["serve", root.to_str().unwrap(), "--port", "0", "--strategy", "fido"],
+        &[
+            "serve",
+            root.to_str().unwrap(),
+            "--port",
+            "0",
+            "--strategy",
+            "fido",
+        ],
         Some(&socket),
     );
     let url = format!("http://{addr}/big.bin");
@@ -495,7 +635,10 @@ fn serve_heals_after_a_broker_restart() {
         if out.stdout == big {
             break;
         }
-        assert!(t.elapsed() < Duration::from_secs(60), "the server never rejoined the new broker");
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "the server never rejoined the new broker"
+        );
         std::thread::sleep(Duration::from_millis(200));
     }
 }
@@ -510,10 +653,21 @@ fn serve_over_the_pipe_quota_falls_back_in_process() {
     // One pipe at a time for our uid: concurrent bodies exceed it.
     let uid = rustix::process::geteuid().as_raw();
     let policy = dir.path().join("policy.toml");
-    std::fs::write(&policy, format!("[[rule]]\nname = \"tiny\"\nuids = [{uid}]\npipes = 1\n")).unwrap();
+    std::fs::write(
+        &policy,
+        format!("[[rule]]\nname = \"tiny\"\nuids = [{uid}]\npipes = 1\n"),
+    )
+    .unwrap();
     let (_b, socket) = broker_with(dir.path(), &["--policy", policy.to_str().unwrap()]);
     let (_srv, addr) = start(
-        &["serve", root.to_str().unwrap(), "--port", "0", "--strategy", "fido"],
+        &[
+            "serve",
+            root.to_str().unwrap(),
+            "--port",
+            "0",
+            "--strategy",
+            "fido",
+        ],
         Some(&socket),
     );
     let url = format!("http://{addr}/big.bin");
