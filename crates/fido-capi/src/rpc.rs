@@ -8,7 +8,7 @@
 //! against the caller's grant before reading it in place. Every function here
 //! catches panics and returns a code instead.
 
-use fido_lib::{Domain, JoinOptions};
+use fido::{Domain, JoinOptions};
 use fido_rpc::wire::{STATUS_APP_ERROR, STATUS_FAULT, STATUS_OK};
 use fido_rpc::{CallOpts, Client, Ctx, Dispatch, Fault, RpcError, Server, ServerHandle, ServerOptions};
 use parking_lot::Mutex;
@@ -40,7 +40,7 @@ pub struct fido_rpc_ref {
 pub struct fido_rpc_heap {
     domain: Domain,
     /// Blocks handed out by `fido_rpc_malloc`, by local address.
-    blocks: Mutex<BTreeMap<usize, fido_lib::Buf>>,
+    blocks: Mutex<BTreeMap<usize, fido::Buf>>,
 }
 
 pub struct fido_rpc_client {
@@ -50,7 +50,7 @@ pub struct fido_rpc_client {
 /// A reply: its root and the server memory it points to stay valid until
 /// `fido_rpc_reply_free`.
 pub struct fido_rpc_reply {
-    msg: fido_lib::Msg,
+    msg: fido::Msg,
     root: (*const u8, usize),
 }
 
@@ -81,10 +81,10 @@ fn code_of(e: &RpcError) -> c_int {
         RpcError::Memory(_) => FIDO_ENOMEM,
         RpcError::Invalid(_) => FIDO_EINVAL,
         RpcError::Fault(..) | RpcError::BadReply(_) => FIDO_EPROTO,
-        RpcError::Fido(fido_lib::Error::Broker(b)) if b.code == fido_lib::ErrorCode::NoSuchService => FIDO_ENOENT,
-        RpcError::Fido(fido_lib::Error::BrokerUnavailable(_)) => FIDO_ENOENT,
-        RpcError::Fido(fido_lib::Error::Timeout) => FIDO_ETIMEDOUT,
-        RpcError::Fido(fido_lib::Error::PeerGone { .. } | fido_lib::Error::Closed) => FIDO_ECONNRESET,
+        RpcError::Fido(fido::Error::Broker(b)) if b.code == fido::ErrorCode::NoSuchService => FIDO_ENOENT,
+        RpcError::Fido(fido::Error::BrokerUnavailable(_)) => FIDO_ENOENT,
+        RpcError::Fido(fido::Error::Timeout) => FIDO_ETIMEDOUT,
+        RpcError::Fido(fido::Error::PeerGone { .. } | fido::Error::Closed) => FIDO_ECONNRESET,
         RpcError::Fido(_) => FIDO_EIO,
     }
 }
@@ -134,7 +134,7 @@ pub unsafe extern "C" fn fido_rpc_heap_setup(name: *const c_char, heap_len: usiz
                 unsafe { *out = Box::into_raw(h) };
                 FIDO_OK
             }
-            Err(fido_lib::Error::Invalid(_)) => FIDO_EINVAL,
+            Err(fido::Error::Invalid(_)) => FIDO_EINVAL,
             Err(_) => FIDO_ENOENT,
         }
     })
@@ -459,7 +459,7 @@ pub unsafe extern "C" fn fido_rpc_serve(
                 unsafe { *out = Box::into_raw(Box::new(fido_rpc_server { _handle: handle })) };
                 FIDO_OK
             }
-            Err(RpcError::Fido(fido_lib::Error::Broker(b))) if b.code == fido_lib::ErrorCode::ServiceTaken => FIDO_EINVAL,
+            Err(RpcError::Fido(fido::Error::Broker(b))) if b.code == fido::ErrorCode::ServiceTaken => FIDO_EINVAL,
             Err(e) => code_of(&e),
         }
     })
