@@ -6,6 +6,11 @@
 # What is needed, and why (nothing else is):
 #   build-essential  cc/c++/ld: rusqlite's bundled SQLite, libFuzzer (C++), linking
 #   ucx-utils        ucx_perftest, the UCX baseline of `fido bench channel`
+#   curl             the HTTP client of the `fido pipe serve` tests
+#   wrk, nginx-light, libnginx-mod-stream, fonts-dejavu-core
+#                    `fido bench pipe`: load generator, the nginx baselines (static
+#                    files with sendfile; TCP proxy via the stream module), the
+#                    plot's font
 #   ca-certificates, curl   only when Rust itself must be installed (rustup)
 #   cargo-fuzz       only for scripts/fuzz-replay.sh / fuzz-run.sh
 # Not needed: pkg-config (SQLite is bundled), libclang (iceoryx2 runs bindgen
@@ -49,6 +54,7 @@ apt_install() {
 }
 
 apt_install build-essential ucx-utils
+apt_install curl wrk nginx-light libnginx-mod-stream fonts-dejavu-core
 
 # Rust (stable, via rustup) if there is no cargo at all.
 if [[ -x "$HOME/.cargo/bin/cargo" ]]; then export PATH="$HOME/.cargo/bin:$PATH"; fi

@@ -24,6 +24,12 @@ mod bench;
 mod broker;
 mod chaos;
 mod demo;
+mod pipe_bench;
+mod pipe_cli;
+mod pipe_fido;
+mod pipe_move;
+mod pipe_proxy;
+mod pipe_serve;
 mod pipe_cmd;
 mod pipeline;
 mod proc;
@@ -124,6 +130,21 @@ enum Suite {
         #[arg(long, value_name = "S")]
         filter: Option<String>,
     },
+    /// Piped I/O (vPipe Figures 4-7, file server and proxy under wrk): fido pipe vs sendfile/splice, read/write, nginx.
+    Pipe {
+        /// 32 MiB transfers and a 3 s weight experiment instead of 512 MiB and 30 s.
+        #[arg(long)]
+        quick: bool,
+        /// Also write one JSON object per result to FILE.
+        #[arg(long, value_name = "FILE")]
+        json: Option<PathBuf>,
+        /// Draw the 1:1:2 weight experiment's time series into FILE (PNG).
+        #[arg(long, value_name = "FILE.png")]
+        plot: Option<PathBuf>,
+        /// Only points whose system or case contains this substring.
+        #[arg(long, value_name = "S")]
+        filter: Option<String>,
+    },
     /// Pipelines of domains while domains and the broker are killed (-9) and
     /// restarted at random: no corruption, no silent duplicate or loss, no leak.
     Chaos {
@@ -176,6 +197,7 @@ fn hidden(args: &[String]) -> Option<anyhow::Result<()>> {
         }),
         Some("__demo-role") => Some(pipeline::role_main(&args[1..])),
         Some("__chaos-role") => Some(chaos::role_main(&args[1..])),
+        Some("__pipe-role") => Some(pipe_bench::role_main(&args[1..])),
         _ => None,
     }
 }
@@ -246,6 +268,20 @@ fn main() -> ExitCode {
             filter,
         })
         .map(|_| true),
+        Cmd::Bench {
+            suite:
+                Suite::Pipe {
+                    quick,
+                    json,
+                    plot,
+                    filter,
+                },
+        } => pipe_bench::run(&pipe_bench::PipeBenchOpts {
+            quick,
+            json,
+            plot,
+            filter,
+        }),
         Cmd::Bench {
             suite:
                 Suite::Chaos {

@@ -13,6 +13,9 @@ use fido_pipe::{Client, ClientOptions, PipeOp};
 
 #[derive(Subcommand)]
 pub enum PipeCmd {
+    /// `serve` and `proxy` (crate::pipe_cli).
+    #[command(flatten)]
+    App(crate::pipe_cli::AppCmd),
     /// Copy SRC to DST through the broker (file→file; `-` is stdin/stdout, which may be a pipe or socket).
     Cp {
         src: PathBuf,
@@ -43,6 +46,7 @@ fn fido_proto_path() -> PathBuf {
 
 pub fn run(cmd: PipeCmd) -> anyhow::Result<bool> {
     match cmd {
+        PipeCmd::App(c) => crate::pipe_cli::run(c).map(|_| true),
         PipeCmd::Cp { src, dst, socket } => cp(src, dst, socket),
         PipeCmd::Weight { domain, weight, socket } => {
             if weight == 0 || weight > 10_000 {

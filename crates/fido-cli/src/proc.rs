@@ -115,6 +115,28 @@ impl Kid {
         self.child.as_ref().map(|c| c.id()).unwrap_or(0)
     }
 
+    /// The next non-empty stdout line, waiting until `deadline` (and failing on
+    /// interrupt, EOF or the deadline).
+    pub fn next_line(&mut self, deadline: Instant) -> anyhow::Result<String> {
+        loop {
+            check_interrupt()?;
+            if self.eof {
+                let note = self.status_note();
+                bail!("`fido {}` exited without reporting{note}", self.what);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                bail!("`fido {}` reported nothing in time", self.what);
+            }
+            match self.lines.recv_timeout(left.min(Duration::from_millis(50))) {
+                Ok(Some(line)) if line.trim().is_empty() => {}
+                Ok(Some(line)) => return Ok(line),
+                Ok(None) | Err(mpsc::RecvTimeoutError::Disconnected) => self.eof = true,
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+            }
+        }
+    }
+
     /// The next stdout line parsed as JSON, waiting until `deadline` (and
     /// failing on interrupt, EOF or the deadline).
     pub fn next_json(&mut self, deadline: Instant) -> anyhow::Result<serde_json::Value> {
@@ -236,12 +258,18 @@ pub struct EmbeddedBroker {
 
 impl EmbeddedBroker {
     pub fn start(prefix: &str) -> anyhow::Result<EmbeddedBroker> {
+        Self::start_with_pipe(prefix, fido_broker::PipeConfig::default())
+    }
+
+    /// [`EmbeddedBroker::start`] with the pipe engine configured as `pipe`.
+    pub fn start_with_pipe(prefix: &str, pipe: fido_broker::PipeConfig) -> anyhow::Result<EmbeddedBroker> {
         let dir = tempfile::Builder::new()
             .prefix(prefix)
             .tempdir()
             .context("creating a temporary directory")?;
         let socket = dir.path().join("broker.sock");
-        let config = fido_broker::Config::new(&socket, dir.path().join("state"));
+        let mut config = fido_broker::Config::new(&socket, dir.path().join("state"));
+        config.pipe = pipe;
         let (thread, handle) =
             fido_broker::Broker::spawn(config).context("starting the embedded broker")?;
         Ok(EmbeddedBroker {

@@ -154,27 +154,34 @@ fn sighup_reloads_the_policy_and_keeps_it_when_the_file_is_bad() {
     };
     assert!(status_ok().status.success());
     // Reload only acts when the signal has been handled: poll for the effect.
-    let until = |want_ok: bool| {
+    let until_denied = || {
         let t = Instant::now();
         loop {
             let out = status_ok();
-            if out.status.success() == want_ok {
-                return out;
+            let err = String::from_utf8_lossy(&out.stderr).into_owned();
+            if !out.status.success() && err.contains("join = false") {
+                return;
             }
-            assert!(t.elapsed() < Duration::from_secs(10), "policy reload had no effect");
+            assert!(t.elapsed() < Duration::from_secs(10), "policy reload had no effect: {err}");
             std::thread::sleep(Duration::from_millis(50));
         }
     };
+    // Replace the file atomically, as an operator should (a reload must never
+    // read a half-written file).
+    let replace = |text: &str| {
+        let tmp = dir.path().join("policy.toml.new");
+        std::fs::write(&tmp, text).unwrap();
+        std::fs::rename(&tmp, &path).unwrap();
+    };
     // A broken file: refused, the old policy stays (status still joins).
-    std::fs::write(&path, "[[rule]]\nuids = [1,\n").unwrap();
+    replace("[[rule]]\nuids = [1,\n");
     rustix::process::kill_process(pid, rustix::process::Signal::HUP).unwrap();
     std::thread::sleep(Duration::from_millis(300));
     assert!(status_ok().status.success(), "a bad file must not change the policy");
     // A valid, stricter file: the next join is denied.
-    std::fs::write(&path, format!("[[rule]]\nname = \"closed\"\nuids = [{me}]\njoin = false\n")).unwrap();
+    replace(&format!("[[rule]]\nname = \"closed\"\nuids = [{me}]\njoin = false\n"));
     rustix::process::kill_process(pid, rustix::process::Signal::HUP).unwrap();
-    let denied = until(false);
-    assert!(String::from_utf8_lossy(&denied.stderr).contains("join = false"));
+    until_denied();
     rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
     let out = wait_exit(child, Duration::from_secs(10));
     assert!(out.status.success(), "broker exit");
