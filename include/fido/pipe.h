@@ -38,6 +38,9 @@ typedef struct fido_pipe fido_pipe;
 /* An operation under way (asynchronous use). */
 typedef struct fido_pipe_op fido_pipe_op;
 
+/* A length meaning "until the source ends" (2^62, the largest length accepted). */
+#define FIDO_PIPE_UNTIL_EOF (UINT64_C(1) << 62)
+
 typedef enum fido_pipe_kind {
     FIDO_PIPE_FILE_TO_SOCKET = 1,   /* in_off, len          */
     FIDO_PIPE_SOCKET_TO_SOCKET = 2, /* len                  */

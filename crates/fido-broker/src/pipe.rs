@@ -46,6 +46,9 @@ use rustix::io::Errno;
 pub const SLOW: Duration = Duration::from_millis(20);
 /// How often credits are refilled and rates updated.
 const TICK: Duration = Duration::from_millis(5);
+/// How long a cancelled splice may take to return before the transfer is
+/// reported cancelled anyway.
+const CANCEL_GRACE: Duration = Duration::from_secs(2);
 /// How long calibration moves bytes at startup.
 const CALIBRATION: Duration = Duration::from_millis(150);
 
@@ -101,7 +104,13 @@ pub struct PipeConfig {
 
 impl Default for PipeConfig {
     fn default() -> Self {
-        PipeConfig { capacity: Capacity::Auto, work_conserving: true, lanes: 4, chunk: 1 << 20, enabled: true }
+        PipeConfig {
+            capacity: Capacity::Auto,
+            work_conserving: true,
+            lanes: 4,
+            chunk: 1 << 20,
+            enabled: true,
+        }
     }
 }
 
@@ -114,7 +123,9 @@ pub(crate) fn check_fd(fd: BorrowedFd<'_>, source: bool) -> Result<PipeFdKind, S
     let flags = rustix::fs::fcntl_getfl(fd)
         .map_err(|e| format!("{role}: not a usable descriptor ({e})"))?;
     if flags.contains(rustix::fs::OFlags::PATH) {
-        return Err(format!("{role}: an O_PATH descriptor cannot be read or written"));
+        return Err(format!(
+            "{role}: an O_PATH descriptor cannot be read or written"
+        ));
     }
     let st = rustix::fs::fstat(fd).map_err(|e| format!("{role}: fstat failed ({e})"))?;
     let ft = rustix::fs::FileType::from_raw_mode(st.st_mode);
@@ -139,10 +150,14 @@ pub(crate) fn check_fd(fd: BorrowedFd<'_>, source: bool) -> Result<PipeFdKind, S
     };
     let mode = flags & rustix::fs::OFlags::RWMODE;
     if source && mode == rustix::fs::OFlags::WRONLY {
-        return Err(format!("{role}: opened write-only (O_WRONLY); a source must be readable"));
+        return Err(format!(
+            "{role}: opened write-only (O_WRONLY); a source must be readable"
+        ));
     }
     if !source && mode == rustix::fs::OFlags::RDONLY {
-        return Err(format!("{role}: opened read-only (O_RDONLY); a sink must be writable"));
+        return Err(format!(
+            "{role}: opened read-only (O_RDONLY); a sink must be writable"
+        ));
     }
     if !source && kind == PipeFdKind::File && flags.contains(rustix::fs::OFlags::APPEND) {
         return Err(format!(
@@ -154,27 +169,60 @@ pub(crate) fn check_fd(fd: BorrowedFd<'_>, source: bool) -> Result<PipeFdKind, S
 
 /// Does `op` fit a pipe whose descriptors are of these kinds?
 pub(crate) fn check_op(op: &PipeOp, source: PipeFdKind, sink: PipeFdKind) -> Result<(), String> {
-    let want_src = if op.source_is_file() { PipeFdKind::File } else { PipeFdKind::Stream };
-    let want_dst = if op.sink_is_file() { PipeFdKind::File } else { PipeFdKind::Stream };
+    let want_src = if op.source_is_file() {
+        PipeFdKind::File
+    } else {
+        PipeFdKind::Stream
+    };
+    let want_dst = if op.sink_is_file() {
+        PipeFdKind::File
+    } else {
+        PipeFdKind::Stream
+    };
     let name = |k: PipeFdKind| match k {
         PipeFdKind::File => "a regular file",
         PipeFdKind::Stream => "a stream (socket or pipe)",
     };
     if source != want_src {
-        return Err(format!("{op:?} needs {} as source; this one is {}", name(want_src), name(source)));
+        return Err(format!(
+            "{op:?} needs {} as source; this one is {}",
+            name(want_src),
+            name(source)
+        ));
     }
     if sink != want_dst {
-        return Err(format!("{op:?} needs {} as sink; this one is {}", name(want_dst), name(sink)));
+        return Err(format!(
+            "{op:?} needs {} as sink; this one is {}",
+            name(want_dst),
+            name(sink)
+        ));
     }
     Ok(())
 }
 
 /// A file→file copy within one file must not overlap: chunked copies are not
 /// `memmove`, the result would repeat data.
-pub(crate) fn check_overlap(op: &PipeOp, src: BorrowedFd<'_>, dst: BorrowedFd<'_>) -> Result<(), String> {
-    let PipeOp::FileToFile { in_off, len, out_off } = *op else { return Ok(()) };
-    let (Ok(a), Ok(b)) = (rustix::fs::fstat(src), rustix::fs::fstat(dst)) else { return Ok(()) };
-    if (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino) && len > 0 && in_off < out_off + len && out_off < in_off + len {
+pub(crate) fn check_overlap(
+    op: &PipeOp,
+    src: BorrowedFd<'_>,
+    dst: BorrowedFd<'_>,
+) -> Result<(), String> {
+    let PipeOp::FileToFile {
+        in_off,
+        len,
+        out_off,
+    } = *op
+    else {
+        return Ok(());
+    };
+    let (Ok(a), Ok(b)) = (rustix::fs::fstat(src), rustix::fs::fstat(dst)) else {
+        return Ok(());
+    };
+    if (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+        && len > 0
+        && in_off < out_off + len
+        && out_off < in_off + len
+    {
         return Err(format!(
             "source range {in_off}+{len} and sink range {out_off}+{len} overlap in the same file"
         ));
@@ -238,7 +286,10 @@ pub(crate) struct Engine {
 }
 
 fn eventfd() -> Result<OwnedFd, Errno> {
-    rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK)
+    rustix::event::eventfd(
+        0,
+        rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
+    )
 }
 
 fn ring_bell(fd: &OwnedFd) {
@@ -255,16 +306,35 @@ impl Engine {
         let shared = Arc::new(Mutex::new(Shared::default()));
         if !cfg.enabled {
             let why = "the pipe engine is disabled on this broker (--pipe-disable)".to_string();
-            return Ok(Engine { tx, wake, done_rx, done_fd, shared, cfg, thread: None, unavailable: Some(why) });
+            return Ok(Engine {
+                tx,
+                wake,
+                done_rx,
+                done_fd,
+                shared,
+                cfg,
+                thread: None,
+                unavailable: Some(why),
+            });
         }
         let ring = match IoUring::new(512) {
             Ok(r) => r,
             Err(e) => {
                 // The rest of the broker works without it (io_uring may be
                 // disabled by sysctl or a seccomp profile).
-                let why = format!("the pipe engine needs io_uring, which is unavailable here ({e})");
+                let why =
+                    format!("the pipe engine needs io_uring, which is unavailable here ({e})");
                 tracing::warn!("{why}; pipe requests will be refused");
-                return Ok(Engine { tx, wake, done_rx, done_fd, shared, cfg, thread: None, unavailable: Some(why) });
+                return Ok(Engine {
+                    tx,
+                    wake,
+                    done_rx,
+                    done_fd,
+                    shared,
+                    cfg,
+                    thread: None,
+                    unavailable: Some(why),
+                });
             }
         };
         let mut core = Core {
@@ -288,8 +358,20 @@ impl Engine {
         let thread = std::thread::Builder::new()
             .name("fido-pipe".into())
             .spawn(move || core.run())
-            .map_err(|e| crate::BrokerError::Io { path: "<pipe engine thread>".into(), source: e })?;
-        Ok(Engine { tx, wake, done_rx, done_fd, shared, cfg, thread: Some(thread), unavailable: None })
+            .map_err(|e| crate::BrokerError::Io {
+                path: "<pipe engine thread>".into(),
+                source: e,
+            })?;
+        Ok(Engine {
+            tx,
+            wake,
+            done_rx,
+            done_fd,
+            shared,
+            cfg,
+            thread: Some(thread),
+            unavailable: None,
+        })
     }
 
     /// Why the engine cannot run, if it cannot.
@@ -398,6 +480,10 @@ struct Job {
     /// An SQE of this job is in the ring (its CQE not yet seen).
     inflight: bool,
     cancel: bool,
+    /// When the cancel was asked (a splice that ignores it is given up on).
+    cancel_at: Option<Instant>,
+    /// The result was already reported (given up on); only its CQE is awaited.
+    reported: bool,
     lane: bool,
     issued: Instant,
     eof: bool,
@@ -478,7 +564,9 @@ impl Core {
                 sh.calibrated = true;
                 sh.capacity = Some(n);
             }
-            Err(e) => tracing::warn!(error = %e, "pipe engine calibration failed; capacity unlimited"),
+            Err(e) => {
+                tracing::warn!(error = %e, "pipe engine calibration failed; capacity unlimited")
+            }
         }
     }
 
@@ -509,19 +597,30 @@ impl Core {
             self.dispatch();
             self.publish(now);
             // Idle: nothing to refill or time out, sleep until a command comes.
-            let wait = if self.jobs.is_empty() { Duration::from_secs(1) } else { TICK };
+            let wait = if self.jobs.is_empty() {
+                Duration::from_secs(1)
+            } else {
+                TICK
+            };
             let ts = types::Timespec::from(wait);
             let args = types::SubmitArgs::new().timespec(&ts);
             match self.ring.submitter().submit_with_args(1, &args) {
                 Ok(_) => {}
-                Err(e) if matches!(e.raw_os_error(), Some(libc::ETIME) | Some(libc::EINTR) | Some(libc::EBUSY)) => {}
+                Err(e)
+                    if matches!(
+                        e.raw_os_error(),
+                        Some(libc::ETIME) | Some(libc::EINTR) | Some(libc::EBUSY)
+                    ) => {}
                 Err(e) => {
                     tracing::error!(error = %e, "io_uring_enter failed in the pipe engine");
                     std::thread::sleep(TICK);
                 }
             }
-            let cqes: Vec<(u64, i32)> =
-                self.ring.completion().map(|c| (c.user_data(), c.result())).collect();
+            let cqes: Vec<(u64, i32)> = self
+                .ring
+                .completion()
+                .map(|c| (c.user_data(), c.result()))
+                .collect();
             for (data, res) in cqes {
                 if data == WAKE {
                     self.arm_wake();
@@ -553,9 +652,13 @@ impl Core {
     }
 
     fn arm_wake(&mut self) {
-        let sqe = opcode::Read::new(types::Fd(self.wake.as_raw_fd()), self.wake_buf.as_mut_ptr(), 8)
-            .build()
-            .user_data(WAKE);
+        let sqe = opcode::Read::new(
+            types::Fd(self.wake.as_raw_fd()),
+            self.wake_buf.as_mut_ptr(),
+            8,
+        )
+        .build()
+        .user_data(WAKE);
         self.push(sqe);
     }
 
@@ -564,11 +667,19 @@ impl Core {
             Cmd::Start(spec) => self.start(spec),
             Cmd::Cancel(id) => self.cancel(id),
             Cmd::Weight(dom, w) => {
-                self.doms.entry(dom).or_insert_with(|| Dom::new(w)).weight = w.max(1);
+                // A domain the engine has not seen yet brings its weight with
+                // its first transfer (JobSpec::weight).
+                if let Some(d) = self.doms.get_mut(&dom) {
+                    d.weight = w.max(1);
+                }
             }
             Cmd::Forget(dom) => {
-                let ids: Vec<u64> =
-                    self.jobs.iter().filter(|(_, j)| j.spec.domain == dom).map(|(i, _)| *i).collect();
+                let ids: Vec<u64> = self
+                    .jobs
+                    .iter()
+                    .filter(|(_, j)| j.spec.domain == dom)
+                    .map(|(i, _)| *i)
+                    .collect();
                 for id in ids {
                     self.cancel(id);
                 }
@@ -589,9 +700,15 @@ impl Core {
                 let result = PipeResult {
                     moved: 0,
                     consumed: 0,
-                    end: PipeEnd::Failed { errno: e.raw_os_error(), message: format!("engine pipe: {e}") },
+                    end: PipeEnd::Failed {
+                        errno: e.raw_os_error(),
+                        message: format!("engine pipe: {e}"),
+                    },
                 };
-                let _ = self.done_tx.send(Done { id: spec.id, result });
+                let _ = self.done_tx.send(Done {
+                    id: spec.id,
+                    result,
+                });
                 ring_bell(&self.done_fd);
                 return;
             }
@@ -607,7 +724,9 @@ impl Core {
             PipeOp::FileToSocket { off, .. } => (off as i64, -1),
             PipeOp::SocketToSocket { .. } => (-1, -1),
             PipeOp::SocketToFile { off, .. } => (-1, off as i64),
-            PipeOp::FileToFile { in_off, out_off, .. } => (in_off as i64, out_off as i64),
+            PipeOp::FileToFile {
+                in_off, out_off, ..
+            } => (in_off as i64, out_off as i64),
         };
         let id = spec.id;
         let spec_op = spec.op;
@@ -627,6 +746,8 @@ impl Core {
             state: State::Queued,
             inflight: false,
             cancel: false,
+            cancel_at: None,
+            reported: false,
             lane: false,
             issued: Instant::now(),
             eof: false,
@@ -652,19 +773,28 @@ impl Core {
     }
 
     fn cancel(&mut self, id: u64) {
-        let Some(j) = self.jobs.get_mut(&id) else { return };
+        let Some(j) = self.jobs.get_mut(&id) else {
+            return;
+        };
         if j.cancel {
             return;
         }
         j.cancel = true;
+        j.cancel_at = Some(Instant::now());
         if j.in_worker {
             // A copy_file_range call cannot be interrupted; report now and
             // ignore its result (the worker keeps the descriptors until it returns).
             j.in_worker = false;
             self.finish(id);
         } else if j.inflight {
-            let tag = if matches!(j.state, State::PollIn | State::PollOut) { TAG_POLL } else { TAG_SPLICE };
-            let sqe = opcode::AsyncCancel::new(ud(id, tag)).build().user_data(ud(id, TAG_CANCEL));
+            let tag = if matches!(j.state, State::PollIn | State::PollOut) {
+                TAG_POLL
+            } else {
+                TAG_SPLICE
+            };
+            let sqe = opcode::AsyncCancel::new(ud(id, tag))
+                .build()
+                .user_data(ud(id, TAG_CANCEL));
             self.push(sqe);
         } else {
             self.finish(id);
@@ -679,16 +809,31 @@ impl Core {
         }
         self.last_refill = now;
         let Some(cap) = self.capacity else { return };
-        let sum: f64 = self.doms.values().filter(|d| d.running > 0).map(|d| d.weight as f64).sum();
+        // Busy: a chunk waits for dispatch or moves in a lane. A transfer
+        // waiting on a stalled descriptor (polling, or slow past SLOW) is not
+        // busy: its share goes to those that can use it.
+        let moving: std::collections::HashSet<DomainId> = self
+            .jobs
+            .values()
+            .filter(|j| j.lane)
+            .map(|j| j.spec.domain)
+            .collect();
+        let busy = |id: &DomainId, d: &Dom| !d.queue.is_empty() || moving.contains(id);
+        let sum: f64 = self
+            .doms
+            .iter()
+            .filter(|(id, d)| busy(id, d))
+            .map(|(_, d)| d.weight as f64)
+            .sum();
         if sum == 0.0 {
             return;
         }
         let chunk = self.cfg.chunk as f64;
-        for d in self.doms.values_mut() {
+        for (id, d) in self.doms.iter_mut() {
             let share = cap as f64 * d.weight as f64 / sum;
             // At most ~20 ms of share (or one chunk) banked: bursts stay short.
             let ceiling = (share * 0.02).max(chunk);
-            if d.running > 0 {
+            if !d.queue.is_empty() || moving.contains(id) {
                 d.credits = (d.credits + share * dt).min(ceiling);
             } else {
                 d.credits = d.credits.min(ceiling);
@@ -697,12 +842,46 @@ impl Core {
     }
 
     fn release_slow(&mut self, now: Instant) {
-        for j in self.jobs.values_mut() {
+        let mut give_up = Vec::new();
+        for (id, j) in self.jobs.iter_mut() {
             if j.lane && now.duration_since(j.issued) > SLOW {
                 j.lane = false;
                 self.lanes_used -= 1;
             }
+            if !j.reported
+                && j.inflight
+                && j.cancel_at
+                    .is_some_and(|t| now.duration_since(t) > CANCEL_GRACE)
+            {
+                give_up.push(*id);
+            }
         }
+        for id in give_up {
+            self.give_up(id);
+        }
+    }
+
+    /// A cancelled splice that did not return within [`CANCEL_GRACE`]: report
+    /// the transfer cancelled now, so its client is not held; the job stays
+    /// (its descriptors open) until the kernel finally completes the request.
+    fn give_up(&mut self, id: u64) {
+        let Some(j) = self.jobs.get_mut(&id) else {
+            return;
+        };
+        j.reported = true;
+        let result = PipeResult {
+            moved: j.moved,
+            consumed: j.consumed,
+            end: PipeEnd::Cancelled,
+        };
+        let dom = j.spec.domain;
+        tracing::warn!(
+            job = id,
+            domain = dom,
+            "a cancelled splice did not return; reported cancelled, still waiting for the kernel"
+        );
+        let _ = self.done_tx.send(Done { id, result });
+        ring_bell(&self.done_fd);
     }
 
     fn pick(&self) -> Option<DomainId> {
@@ -717,14 +896,24 @@ impl Core {
         if !capped {
             return best(false);
         }
-        best(true).or_else(|| if self.cfg.work_conserving { best(false) } else { None })
+        best(true).or_else(|| {
+            if self.cfg.work_conserving {
+                best(false)
+            } else {
+                None
+            }
+        })
     }
 
     fn dispatch(&mut self) {
         while self.lanes_used < self.cfg.lanes.max(1) {
             let Some(dom) = self.pick() else { return };
-            let Some(id) = self.doms.get_mut(&dom).and_then(|d| d.queue.pop_front()) else { return };
-            let Some(j) = self.jobs.get_mut(&id) else { continue };
+            let Some(id) = self.doms.get_mut(&dom).and_then(|d| d.queue.pop_front()) else {
+                return;
+            };
+            let Some(j) = self.jobs.get_mut(&id) else {
+                continue;
+            };
             if j.cancel {
                 self.finish(id);
                 continue;
@@ -736,7 +925,9 @@ impl Core {
     }
 
     fn issue_fill(&mut self, id: u64) {
-        let Some(j) = self.jobs.get_mut(&id) else { return };
+        let Some(j) = self.jobs.get_mut(&id) else {
+            return;
+        };
         if j.to_read == 0 || j.eof {
             self.drop_lane(id);
             self.finish(id);
@@ -775,7 +966,9 @@ impl Core {
     }
 
     fn issue_drain(&mut self, id: u64) {
-        let Some(j) = self.jobs.get_mut(&id) else { return };
+        let Some(j) = self.jobs.get_mut(&id) else {
+            return;
+        };
         let len = j.in_pipe.min(u32::MAX as u64) as u32;
         let sqe = opcode::Splice::new(
             types::Fd(j.pr.as_raw_fd()),
@@ -792,13 +985,17 @@ impl Core {
     }
 
     fn issue_poll(&mut self, id: u64, out: bool) {
-        let Some(j) = self.jobs.get_mut(&id) else { return };
+        let Some(j) = self.jobs.get_mut(&id) else {
+            return;
+        };
         let (fd, mask, st) = if out {
             (j.spec.dst.as_raw_fd(), libc::POLLOUT, State::PollOut)
         } else {
             (j.spec.src.as_raw_fd(), libc::POLLIN, State::PollIn)
         };
-        let sqe = opcode::PollAdd::new(types::Fd(fd), mask as u32).build().user_data(ud(id, TAG_POLL));
+        let sqe = opcode::PollAdd::new(types::Fd(fd), mask as u32)
+            .build()
+            .user_data(ud(id, TAG_POLL));
         j.state = st;
         j.inflight = true;
         self.push(sqe);
@@ -815,7 +1012,9 @@ impl Core {
 
     /// A file worker finished a `copy_file_range` chunk.
     fn file_done(&mut self, id: u64, res: Result<usize, Errno>) {
-        let Some(j) = self.jobs.get_mut(&id) else { return };
+        let Some(j) = self.jobs.get_mut(&id) else {
+            return;
+        };
         j.in_worker = false;
         let dom = j.spec.domain;
         match res {
@@ -838,7 +1037,9 @@ impl Core {
             Err(e) => j.failed = Some((e.raw_os_error(), format!("copy_file_range: {e}"))),
         }
         self.drop_lane(id);
-        let Some(j) = self.jobs.get_mut(&id) else { return };
+        let Some(j) = self.jobs.get_mut(&id) else {
+            return;
+        };
         if j.cancel || j.eof || j.failed.is_some() || j.to_read == 0 {
             return self.finish(id);
         }
@@ -858,7 +1059,9 @@ impl Core {
     }
 
     fn completed(&mut self, id: u64, tag: u64, res: i32) {
-        let Some(j) = self.jobs.get_mut(&id) else { return };
+        let Some(j) = self.jobs.get_mut(&id) else {
+            return;
+        };
         j.inflight = false;
         let dom = j.spec.domain;
         let cancelled = j.cancel;
@@ -867,8 +1070,15 @@ impl Core {
                 return self.finish(id);
             }
             if res < 0 {
-                let side = if j.state == State::PollIn { "source" } else { "sink" };
-                j.failed = Some((-res, format!("{side}: poll: {}", Errno::from_raw_os_error(-res))));
+                let side = if j.state == State::PollIn {
+                    "source"
+                } else {
+                    "sink"
+                };
+                j.failed = Some((
+                    -res,
+                    format!("{side}: poll: {}", Errno::from_raw_os_error(-res)),
+                ));
                 self.drop_lane(id);
                 return self.finish(id);
             }
@@ -987,14 +1197,24 @@ impl Core {
             d.running = d.running.saturating_sub(1);
             d.queue.retain(|q| *q != id);
         }
-        let result = PipeResult { moved: j.moved, consumed: j.consumed, end };
-        let _ = self.done_tx.send(Done { id, result });
-        ring_bell(&self.done_fd);
+        if !j.reported {
+            let result = PipeResult {
+                moved: j.moved,
+                consumed: j.consumed,
+                end,
+            };
+            let _ = self.done_tx.send(Done { id, result });
+            ring_bell(&self.done_fd);
+        }
         self.gc(dom);
     }
 
     fn gc(&mut self, dom: DomainId) {
-        if self.doms.get(&dom).is_some_and(|d| d.gone && d.running == 0) {
+        if self
+            .doms
+            .get(&dom)
+            .is_some_and(|d| d.gone && d.running == 0)
+        {
             self.doms.remove(&dom);
             self.shared.lock().stats.remove(&dom);
         }
@@ -1039,8 +1259,11 @@ impl Core {
             let ts = types::Timespec::from(TICK);
             let args = types::SubmitArgs::new().timespec(&ts);
             let _ = self.ring.submitter().submit_with_args(1, &args);
-            let cqes: Vec<(u64, i32)> =
-                self.ring.completion().map(|c| (c.user_data(), c.result())).collect();
+            let cqes: Vec<(u64, i32)> = self
+                .ring
+                .completion()
+                .map(|c| (c.user_data(), c.result()))
+                .collect();
             for (data, res) in cqes {
                 if data != WAKE && data & 3 != TAG_CANCEL {
                     self.completed(data >> 2, data & 3, res);
@@ -1085,11 +1308,25 @@ fn calibrate(chunk: u32) -> Result<u64, Errno> {
     let res = (|| {
         while start.elapsed() < CALIBRATION {
             let mut o = off;
-            let n = rustix::pipe::splice(&mfd, Some(&mut o), &pw, None, chunk as usize, rustix::pipe::SpliceFlags::empty())?;
+            let n = rustix::pipe::splice(
+                &mfd,
+                Some(&mut o),
+                &pw,
+                None,
+                chunk as usize,
+                rustix::pipe::SpliceFlags::empty(),
+            )?;
             off = if o as usize >= size { 0 } else { o };
             let mut left = n;
             while left > 0 {
-                let m = rustix::pipe::splice(&pr, None, &a, None, left, rustix::pipe::SpliceFlags::empty())?;
+                let m = rustix::pipe::splice(
+                    &pr,
+                    None,
+                    &a,
+                    None,
+                    left,
+                    rustix::pipe::SpliceFlags::empty(),
+                )?;
                 left -= m;
                 moved += m as u64;
             }
@@ -1148,27 +1385,39 @@ impl FileWorkers {
     fn submit(&mut self, chunk: FileChunk) {
         use std::sync::atomic::Ordering;
         if self.idle.load(Ordering::Acquire) == 0 && self.threads < MAX_FILE_WORKERS {
-            let (rx, done, wake, idle) =
-                (self.rx.clone(), self.done_tx.clone(), self.wake.clone(), self.idle.clone());
-            let spawned = std::thread::Builder::new().name("fido-pipe-file".into()).spawn(move || loop {
-                idle.fetch_add(1, Ordering::AcqRel);
-                let next = rx.lock().map(|r| r.recv());
-                idle.fetch_sub(1, Ordering::AcqRel);
-                let Ok(Ok(c)) = next else { return };
-                let (mut i, mut o) = (c.in_off, c.out_off);
-                let r = loop {
-                    match rustix::fs::copy_file_range(&*c.src, Some(&mut i), &*c.dst, Some(&mut o), c.len) {
-                        Err(Errno::INTR) => continue,
-                        r => break r,
+            let (rx, done, wake, idle) = (
+                self.rx.clone(),
+                self.done_tx.clone(),
+                self.wake.clone(),
+                self.idle.clone(),
+            );
+            let spawned = std::thread::Builder::new()
+                .name("fido-pipe-file".into())
+                .spawn(move || loop {
+                    idle.fetch_add(1, Ordering::AcqRel);
+                    let next = rx.lock().map(|r| r.recv());
+                    idle.fetch_sub(1, Ordering::AcqRel);
+                    let Ok(Ok(c)) = next else { return };
+                    let (mut i, mut o) = (c.in_off, c.out_off);
+                    let r = loop {
+                        match rustix::fs::copy_file_range(
+                            &*c.src,
+                            Some(&mut i),
+                            &*c.dst,
+                            Some(&mut o),
+                            c.len,
+                        ) {
+                            Err(Errno::INTR) => continue,
+                            r => break r,
+                        }
+                    };
+                    drop(c.src);
+                    drop(c.dst);
+                    if done.send((c.job, r)).is_err() {
+                        return;
                     }
-                };
-                drop(c.src);
-                drop(c.dst);
-                if done.send((c.job, r)).is_err() {
-                    return;
-                }
-                ring_bell(&wake);
-            });
+                    ring_bell(&wake);
+                });
             if spawned.is_ok() {
                 self.threads += 1;
             }

@@ -11,9 +11,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 
-use fido_proto::{
-    DomainId, ErrorCode, PipeFdKind, PipeId, PipeOp, Reply, Request,
-};
+use fido_proto::{DomainId, ErrorCode, PipeFdKind, PipeId, PipeOp, Reply, Request};
 
 use super::{err, Handled, Server};
 use crate::pipe::{check_fd, check_op, check_overlap, Engine, JobSpec};
@@ -60,16 +58,26 @@ impl PipeState {
     /// Pipes and running one-shot operations of `dom` (what its quota counts).
     fn held(&self, dom: DomainId) -> u64 {
         let pipes = self.pipes.values().filter(|p| p.domain == dom).count();
-        let once = self.jobs.values().filter(|j| j.domain == dom && j.pipe.is_none()).count();
+        let once = self
+            .jobs
+            .values()
+            .filter(|j| j.domain == dom && j.pipe.is_none())
+            .count();
         (pipes + once) as u64
     }
 }
 
-fn two_fds(what: &str, mut fds: Vec<OwnedFd>) -> Result<(OwnedFd, OwnedFd), fido_proto::RemoteError> {
+fn two_fds(
+    what: &str,
+    mut fds: Vec<OwnedFd>,
+) -> Result<(OwnedFd, OwnedFd), fido_proto::RemoteError> {
     if fds.len() != 2 {
         return Err(err(
             ErrorCode::BadDescriptor,
-            format!("{what} carries exactly two descriptors (source, then sink); got {}", fds.len()),
+            format!(
+                "{what} carries exactly two descriptors (source, then sink); got {}",
+                fds.len()
+            ),
         ));
     }
     let dst = fds.pop().expect("two");
@@ -77,15 +85,23 @@ fn two_fds(what: &str, mut fds: Vec<OwnedFd>) -> Result<(OwnedFd, OwnedFd), fido
     Ok((src, dst))
 }
 
-fn kinds(src: &OwnedFd, dst: &OwnedFd) -> Result<(PipeFdKind, PipeFdKind), fido_proto::RemoteError> {
+fn kinds(
+    src: &OwnedFd,
+    dst: &OwnedFd,
+) -> Result<(PipeFdKind, PipeFdKind), fido_proto::RemoteError> {
     let bad = |m: String| err(ErrorCode::BadDescriptor, m);
-    Ok((check_fd(src.as_fd(), true).map_err(bad)?, check_fd(dst.as_fd(), false).map_err(bad)?))
+    Ok((
+        check_fd(src.as_fd(), true).map_err(bad)?,
+        check_fd(dst.as_fd(), false).map_err(bad)?,
+    ))
 }
 
 impl Server {
     fn pipe_weight_of(&self, dom: DomainId) -> u32 {
         self.pipes.weights.get(&dom).copied().unwrap_or_else(|| {
-            self.domains.get(&dom).map_or(crate::policy::DEFAULT_PIPE_WEIGHT, |d| d.rule.pipe_weight)
+            self.domains
+                .get(&dom)
+                .map_or(crate::policy::DEFAULT_PIPE_WEIGHT, |d| d.rule.pipe_weight)
         })
     }
 
@@ -112,13 +128,27 @@ impl Server {
     ) {
         let id = self.pipes.next_job;
         self.pipes.next_job += 1;
-        self.pipes.jobs.insert(id, JobRec { domain: dom, req, pipe });
+        self.pipes.jobs.insert(
+            id,
+            JobRec {
+                domain: dom,
+                req,
+                pipe,
+            },
+        );
         if let Some(p) = pipe.and_then(|p| self.pipes.pipes.get_mut(&p)) {
             p.job = Some(id);
         }
         let weight = self.pipe_weight_of(dom);
         tracing::debug!(domain = dom, job = id, ?pipe, ?op, "pipe operation started");
-        self.pipes.engine.submit(JobSpec { id, domain: dom, weight, src, dst, op });
+        self.pipes.engine.submit(JobSpec {
+            id,
+            domain: dom,
+            weight,
+            src,
+            dst,
+            op,
+        });
     }
 
     /// Handles `PipeCreate`, `PipeRun`, `PipeOnce`, `PipeCancel`, `PipeDestroy`, `PipeWeight`.
@@ -130,8 +160,10 @@ impl Server {
         body: Request,
         fds: Vec<OwnedFd>,
     ) -> Handled {
-        if let (Some(why), Request::PipeCreate | Request::PipeRun { .. } | Request::PipeOnce { .. }) =
-            (self.pipes.engine.unavailable(), &body)
+        if let (
+            Some(why),
+            Request::PipeCreate | Request::PipeRun { .. } | Request::PipeOnce { .. },
+        ) = (self.pipes.engine.unavailable(), &body)
         {
             return Err(err(ErrorCode::Unavailable, why.to_string()));
         }
@@ -154,7 +186,14 @@ impl Server {
                     },
                 );
                 tracing::debug!(domain = dom, pipe, ?src_kind, ?dst_kind, "pipe created");
-                Ok(Some((Reply::PipeCreated { pipe, source: src_kind, sink: dst_kind }, Vec::new())))
+                Ok(Some((
+                    Reply::PipeCreated {
+                        pipe,
+                        source: src_kind,
+                        sink: dst_kind,
+                    },
+                    Vec::new(),
+                )))
             }
             Request::PipeRun { pipe, op } => {
                 let p = self
@@ -162,15 +201,22 @@ impl Server {
                     .pipes
                     .get(&pipe)
                     .filter(|p| p.domain == dom)
-                    .ok_or_else(|| err(ErrorCode::NoSuchPipe, format!("no pipe {pipe} in this domain")))?;
+                    .ok_or_else(|| {
+                        err(
+                            ErrorCode::NoSuchPipe,
+                            format!("no pipe {pipe} in this domain"),
+                        )
+                    })?;
                 if p.job.is_some() {
                     return Err(err(
                         ErrorCode::Busy,
                         format!("pipe {pipe} already runs an operation; one at a time per pipe"),
                     ));
                 }
-                check_op(&op, p.src_kind, p.dst_kind).map_err(|m| err(ErrorCode::BadDescriptor, m))?;
-                check_overlap(&op, p.src.as_fd(), p.dst.as_fd()).map_err(|m| err(ErrorCode::BadRequest, m))?;
+                check_op(&op, p.src_kind, p.dst_kind)
+                    .map_err(|m| err(ErrorCode::BadDescriptor, m))?;
+                check_overlap(&op, p.src.as_fd(), p.dst.as_fd())
+                    .map_err(|m| err(ErrorCode::BadRequest, m))?;
                 let (src, dst) = (p.src.clone(), p.dst.clone());
                 self.pipe_start(dom, req, Some(pipe), src, dst, op);
                 Ok(None)
@@ -180,7 +226,8 @@ impl Server {
                 self.pipe_quota(dom)?;
                 let (sk, dk) = kinds(&src, &dst)?;
                 check_op(&op, sk, dk).map_err(|m| err(ErrorCode::BadDescriptor, m))?;
-                check_overlap(&op, src.as_fd(), dst.as_fd()).map_err(|m| err(ErrorCode::BadRequest, m))?;
+                check_overlap(&op, src.as_fd(), dst.as_fd())
+                    .map_err(|m| err(ErrorCode::BadRequest, m))?;
                 self.pipe_start(dom, req, None, Arc::new(src), Arc::new(dst), op);
                 Ok(None)
             }
@@ -190,7 +237,12 @@ impl Server {
                     .pipes
                     .get(&pipe)
                     .filter(|p| p.domain == dom)
-                    .ok_or_else(|| err(ErrorCode::NoSuchPipe, format!("no pipe {pipe} in this domain")))?;
+                    .ok_or_else(|| {
+                        err(
+                            ErrorCode::NoSuchPipe,
+                            format!("no pipe {pipe} in this domain"),
+                        )
+                    })?;
                 if let Some(job) = p.job {
                     self.pipes.engine.cancel(job);
                 }
@@ -199,7 +251,12 @@ impl Server {
             Request::PipeDestroy { pipe } => {
                 match self.pipes.pipes.get(&pipe) {
                     Some(p) if p.domain == dom => {}
-                    _ => return Err(err(ErrorCode::NoSuchPipe, format!("no pipe {pipe} in this domain"))),
+                    _ => {
+                        return Err(err(
+                            ErrorCode::NoSuchPipe,
+                            format!("no pipe {pipe} in this domain"),
+                        ))
+                    }
                 }
                 let p = self.pipes.pipes.remove(&pipe).expect("checked");
                 if let Some(job) = p.job {
@@ -214,7 +271,10 @@ impl Server {
                 Ok(Some((Reply::Ok, Vec::new())))
             }
             Request::PipeWeight { domain, weight } => {
-                let (uid, pid) = self.clients.get(&key).map_or((u32::MAX, 0), |c| (c.uid, c.pid));
+                let (uid, pid) = self
+                    .clients
+                    .get(&key)
+                    .map_or((u32::MAX, 0), |c| (c.uid, c.pid));
                 let me = rustix::process::geteuid().as_raw();
                 if uid != 0 && uid != me {
                     return Err(self.deny(
@@ -244,21 +304,46 @@ impl Server {
                 }
                 Ok(Some((Reply::Ok, Vec::new())))
             }
-            other => Err(err(ErrorCode::BadRequest, format!("not a pipe request: {other:?}"))),
+            other => Err(err(
+                ErrorCode::BadRequest,
+                format!("not a pipe request: {other:?}"),
+            )),
         }
     }
 
     /// Answers the requests whose transfers the engine finished.
     pub(super) fn pipe_completions(&mut self) {
         for done in self.pipes.engine.completions() {
-            let Some(j) = self.pipes.jobs.remove(&done.id) else { continue };
+            let Some(j) = self.pipes.jobs.remove(&done.id) else {
+                continue;
+            };
             if let Some(p) = j.pipe.and_then(|p| self.pipes.pipes.get_mut(&p)) {
                 if p.job == Some(done.id) {
                     p.job = None;
                 }
             }
             tracing::debug!(domain = j.domain, job = done.id, result = ?done.result, "pipe operation ended");
-            self.reply_to_domain(j.domain, j.req, Ok(Reply::PipeDone(done.result)), Vec::new());
+            self.reply_to_domain(
+                j.domain,
+                j.req,
+                Ok(Reply::PipeDone(done.result)),
+                Vec::new(),
+            );
+        }
+    }
+
+    /// The policy was reloaded: domains' rules may give new pipe weights
+    /// (weights set live with `PipeWeight` stay). Pipes over a lowered quota
+    /// are kept; new ones are refused until the domain is under it.
+    pub(super) fn pipe_policy_reloaded(&mut self) {
+        let updates: Vec<(DomainId, u32)> = self
+            .domains
+            .iter()
+            .filter(|(id, _)| !self.pipes.weights.contains_key(id))
+            .map(|(id, d)| (*id, d.rule.pipe_weight))
+            .collect();
+        for (dom, w) in updates {
+            self.pipes.engine.set_weight(dom, w);
         }
     }
 
@@ -270,18 +355,32 @@ impl Server {
         self.pipes.weights.remove(&dom);
         self.pipes.engine.forget(dom);
         if dropped > 0 {
-            tracing::info!(domain = dom, pipes = dropped, "pipes of a departed domain cancelled");
+            tracing::info!(
+                domain = dom,
+                pipes = dropped,
+                "pipes of a departed domain cancelled"
+            );
         }
     }
 
     /// Pipe engine settings and per-domain figures for `Status`.
-    pub(super) fn pipe_status(&self) -> (Option<fido_proto::PipeEngineStatus>, Vec<fido_proto::PipeDomainStatus>) {
+    pub(super) fn pipe_status(
+        &self,
+    ) -> (
+        Option<fido_proto::PipeEngineStatus>,
+        Vec<fido_proto::PipeDomainStatus>,
+    ) {
         if self.pipes.engine.unavailable().is_some() {
             return (None, Vec::new());
         }
         let (engine, mut doms) = self.pipes.engine.status();
         for d in doms.iter_mut() {
-            d.pipes = self.pipes.pipes.values().filter(|p| p.domain == d.domain).count() as u32;
+            d.pipes = self
+                .pipes
+                .pipes
+                .values()
+                .filter(|p| p.domain == d.domain)
+                .count() as u32;
         }
         // Domains holding pipes the engine has not seen work from yet.
         let mut idle: BTreeMap<DomainId, u32> = BTreeMap::new();

@@ -40,11 +40,25 @@ fn guard(f: impl FnOnce() -> c_int) -> c_int {
 /// `res` is null or points to writable memory for a `FidoPipeResult`.
 unsafe fn report(r: fido_pipe::Result<Transfer>, res: *mut FidoPipeResult) -> c_int {
     let out = match &r {
-        Ok(t) => FidoPipeResult { moved: t.moved, consumed: t.consumed, eof: t.eof as i32, error: 0 },
-        Err(Error::Transfer { moved, consumed, .. }) | Err(Error::Cancelled { moved, consumed }) => {
-            FidoPipeResult { moved: *moved, consumed: *consumed, eof: 0, error: r.as_ref().err().map_or(0, |e| e.errno()) }
-        }
-        Err(e) => FidoPipeResult { error: e.errno(), ..Default::default() },
+        Ok(t) => FidoPipeResult {
+            moved: t.moved,
+            consumed: t.consumed,
+            eof: t.eof as i32,
+            error: 0,
+        },
+        Err(Error::Transfer {
+            moved, consumed, ..
+        })
+        | Err(Error::Cancelled { moved, consumed }) => FidoPipeResult {
+            moved: *moved,
+            consumed: *consumed,
+            eof: 0,
+            error: r.as_ref().err().map_or(0, |e| e.errno()),
+        },
+        Err(e) => FidoPipeResult {
+            error: e.errno(),
+            ..Default::default()
+        },
     };
     if !res.is_null() {
         // SAFETY: the caller promises `res` is valid for writes when not null.
@@ -58,7 +72,11 @@ fn op_of(kind: c_int, in_off: u64, len: u64, out_off: u64) -> Option<PipeOp> {
         1 => PipeOp::FileToSocket { off: in_off, len },
         2 => PipeOp::SocketToSocket { len },
         3 => PipeOp::SocketToFile { off: out_off, len },
-        4 => PipeOp::FileToFile { in_off, len, out_off },
+        4 => PipeOp::FileToFile {
+            in_off,
+            len,
+            out_off,
+        },
         _ => return None,
     })
 }
@@ -83,11 +101,15 @@ pub unsafe extern "C" fn fido_pipe_client_connect(
             return EINVAL;
         }
         // SAFETY: checked non-null; the caller promises NUL termination.
-        let Ok(name) = unsafe { CStr::from_ptr(name) }.to_str() else { return EINVAL };
+        let Ok(name) = unsafe { CStr::from_ptr(name) }.to_str() else {
+            return EINVAL;
+        };
         let mut opts = ClientOptions::new(name);
         if !broker_path.is_null() {
             // SAFETY: as above.
-            let Ok(p) = unsafe { CStr::from_ptr(broker_path) }.to_str() else { return EINVAL };
+            let Ok(p) = unsafe { CStr::from_ptr(broker_path) }.to_str() else {
+                return EINVAL;
+            };
             opts = opts.broker(p);
         }
         match Client::connect_with(opts) {
@@ -125,12 +147,20 @@ pub unsafe extern "C" fn fido_pipe_client_domain(client: *const FidoPipeClient) 
 /// # Safety
 /// `client` is a live handle; `domain` a NUL-terminated string.
 #[no_mangle]
-pub unsafe extern "C" fn fido_pipe_set_weight(client: *mut FidoPipeClient, domain: *const c_char, weight: u32) -> c_int {
+pub unsafe extern "C" fn fido_pipe_set_weight(
+    client: *mut FidoPipeClient,
+    domain: *const c_char,
+    weight: u32,
+) -> c_int {
     guard(|| {
         // SAFETY: null-checked; live per the contract.
-        let (Some(c), false) = (unsafe { client.as_ref() }, domain.is_null()) else { return EINVAL };
+        let (Some(c), false) = (unsafe { client.as_ref() }, domain.is_null()) else {
+            return EINVAL;
+        };
         // SAFETY: non-null, NUL-terminated per the contract.
-        let Ok(d) = unsafe { CStr::from_ptr(domain) }.to_str() else { return EINVAL };
+        let Ok(d) = unsafe { CStr::from_ptr(domain) }.to_str() else {
+            return EINVAL;
+        };
         match c.0.set_weight(d, weight) {
             Ok(()) => 0,
             Err(e) => e.errno(),
@@ -141,11 +171,20 @@ pub unsafe extern "C" fn fido_pipe_set_weight(client: *mut FidoPipeClient, domai
 /// # Safety
 /// `client` is a live handle; `out` valid for a write.
 #[no_mangle]
-pub unsafe extern "C" fn fido_pipe_create(client: *mut FidoPipeClient, in_fd: c_int, out_fd: c_int, out: *mut *mut FidoPipe) -> c_int {
+pub unsafe extern "C" fn fido_pipe_create(
+    client: *mut FidoPipeClient,
+    in_fd: c_int,
+    out_fd: c_int,
+    out: *mut *mut FidoPipe,
+) -> c_int {
     guard(|| {
         // SAFETY: null-checked; live per the contract.
-        let Some(c) = (unsafe { client.as_ref() }) else { return EINVAL };
-        let (Some(i), Some(o), false) = (fd(in_fd), fd(out_fd), out.is_null()) else { return EINVAL };
+        let Some(c) = (unsafe { client.as_ref() }) else {
+            return EINVAL;
+        };
+        let (Some(i), Some(o), false) = (fd(in_fd), fd(out_fd), out.is_null()) else {
+            return EINVAL;
+        };
         match c.0.create(i, o) {
             Ok(p) => {
                 // SAFETY: `out` checked non-null.
@@ -180,7 +219,9 @@ pub unsafe extern "C" fn fido_pipe_destroy(pipe: *mut FidoPipe) -> c_int {
 pub unsafe extern "C" fn fido_pipe_cancel(pipe: *mut FidoPipe) -> c_int {
     guard(|| {
         // SAFETY: null-checked; live per the contract.
-        let Some(p) = (unsafe { pipe.as_ref() }) else { return EINVAL };
+        let Some(p) = (unsafe { pipe.as_ref() }) else {
+            return EINVAL;
+        };
         match p.0.cancel() {
             Ok(()) => 0,
             Err(e) => e.errno(),
@@ -193,7 +234,9 @@ pub unsafe extern "C" fn fido_pipe_cancel(pipe: *mut FidoPipe) -> c_int {
 unsafe fn run(pipe: *mut FidoPipe, op: PipeOp, res: *mut FidoPipeResult) -> c_int {
     guard(|| {
         // SAFETY: null-checked; live per the contract.
-        let Some(p) = (unsafe { pipe.as_ref() }) else { return EINVAL };
+        let Some(p) = (unsafe { pipe.as_ref() }) else {
+            return EINVAL;
+        };
         // SAFETY: `res` per the contract.
         unsafe { report(p.0.run(op), res) }
     })
@@ -202,7 +245,12 @@ unsafe fn run(pipe: *mut FidoPipe, op: PipeOp, res: *mut FidoPipeResult) -> c_in
 /// # Safety
 /// `pipe` is a live handle; `res` null or valid for a write.
 #[no_mangle]
-pub unsafe extern "C" fn fido_pipe_file_to_socket(pipe: *mut FidoPipe, off: u64, len: u64, res: *mut FidoPipeResult) -> c_int {
+pub unsafe extern "C" fn fido_pipe_file_to_socket(
+    pipe: *mut FidoPipe,
+    off: u64,
+    len: u64,
+    res: *mut FidoPipeResult,
+) -> c_int {
     // SAFETY: forwarded contract.
     unsafe { run(pipe, PipeOp::FileToSocket { off, len }, res) }
 }
@@ -210,7 +258,11 @@ pub unsafe extern "C" fn fido_pipe_file_to_socket(pipe: *mut FidoPipe, off: u64,
 /// # Safety
 /// `pipe` is a live handle; `res` null or valid for a write.
 #[no_mangle]
-pub unsafe extern "C" fn fido_pipe_socket_to_socket(pipe: *mut FidoPipe, len: u64, res: *mut FidoPipeResult) -> c_int {
+pub unsafe extern "C" fn fido_pipe_socket_to_socket(
+    pipe: *mut FidoPipe,
+    len: u64,
+    res: *mut FidoPipeResult,
+) -> c_int {
     // SAFETY: forwarded contract.
     unsafe { run(pipe, PipeOp::SocketToSocket { len }, res) }
 }
@@ -218,7 +270,12 @@ pub unsafe extern "C" fn fido_pipe_socket_to_socket(pipe: *mut FidoPipe, len: u6
 /// # Safety
 /// `pipe` is a live handle; `res` null or valid for a write.
 #[no_mangle]
-pub unsafe extern "C" fn fido_pipe_socket_to_file(pipe: *mut FidoPipe, off: u64, len: u64, res: *mut FidoPipeResult) -> c_int {
+pub unsafe extern "C" fn fido_pipe_socket_to_file(
+    pipe: *mut FidoPipe,
+    off: u64,
+    len: u64,
+    res: *mut FidoPipeResult,
+) -> c_int {
     // SAFETY: forwarded contract.
     unsafe { run(pipe, PipeOp::SocketToFile { off, len }, res) }
 }
@@ -226,9 +283,25 @@ pub unsafe extern "C" fn fido_pipe_socket_to_file(pipe: *mut FidoPipe, off: u64,
 /// # Safety
 /// `pipe` is a live handle; `res` null or valid for a write.
 #[no_mangle]
-pub unsafe extern "C" fn fido_pipe_file_to_file(pipe: *mut FidoPipe, in_off: u64, len: u64, out_off: u64, res: *mut FidoPipeResult) -> c_int {
+pub unsafe extern "C" fn fido_pipe_file_to_file(
+    pipe: *mut FidoPipe,
+    in_off: u64,
+    len: u64,
+    out_off: u64,
+    res: *mut FidoPipeResult,
+) -> c_int {
     // SAFETY: forwarded contract.
-    unsafe { run(pipe, PipeOp::FileToFile { in_off, len, out_off }, res) }
+    unsafe {
+        run(
+            pipe,
+            PipeOp::FileToFile {
+                in_off,
+                len,
+                out_off,
+            },
+            res,
+        )
+    }
 }
 
 /// # Safety
@@ -246,8 +319,12 @@ pub unsafe extern "C" fn fido_pipe_once(
 ) -> c_int {
     guard(|| {
         // SAFETY: null-checked; live per the contract.
-        let Some(c) = (unsafe { client.as_ref() }) else { return EINVAL };
-        let (Some(i), Some(o), Some(op)) = (fd(in_fd), fd(out_fd), op_of(kind, in_off, len, out_off)) else {
+        let Some(c) = (unsafe { client.as_ref() }) else {
+            return EINVAL;
+        };
+        let (Some(i), Some(o), Some(op)) =
+            (fd(in_fd), fd(out_fd), op_of(kind, in_off, len, out_off))
+        else {
             return EINVAL;
         };
         // SAFETY: `res` per the contract.
@@ -268,8 +345,12 @@ pub unsafe extern "C" fn fido_pipe_start(
 ) -> c_int {
     guard(|| {
         // SAFETY: null-checked; live per the contract.
-        let Some(p) = (unsafe { pipe.as_ref() }) else { return EINVAL };
-        let (Some(op), false) = (op_of(kind, in_off, len, out_off), out.is_null()) else { return EINVAL };
+        let Some(p) = (unsafe { pipe.as_ref() }) else {
+            return EINVAL;
+        };
+        let (Some(op), false) = (op_of(kind, in_off, len, out_off), out.is_null()) else {
+            return EINVAL;
+        };
         match p.0.start(op) {
             Ok(pending) => {
                 // SAFETY: `out` checked non-null.
@@ -296,8 +377,15 @@ pub unsafe extern "C" fn fido_pipe_start_once(
 ) -> c_int {
     guard(|| {
         // SAFETY: null-checked; live per the contract.
-        let Some(c) = (unsafe { client.as_ref() }) else { return EINVAL };
-        let (Some(i), Some(o), Some(op), false) = (fd(in_fd), fd(out_fd), op_of(kind, in_off, len, out_off), out.is_null()) else {
+        let Some(c) = (unsafe { client.as_ref() }) else {
+            return EINVAL;
+        };
+        let (Some(i), Some(o), Some(op), false) = (
+            fd(in_fd),
+            fd(out_fd),
+            op_of(kind, in_off, len, out_off),
+            out.is_null(),
+        ) else {
             return EINVAL;
         };
         match c.0.start_once(i, o, op) {
@@ -317,7 +405,9 @@ pub unsafe extern "C" fn fido_pipe_start_once(
 pub unsafe extern "C" fn fido_pipe_op_fd(op: *mut FidoPipeOp) -> c_int {
     guard(|| {
         // SAFETY: null-checked; live per the contract.
-        let Some(o) = (unsafe { op.as_ref() }) else { return EINVAL };
+        let Some(o) = (unsafe { op.as_ref() }) else {
+            return EINVAL;
+        };
         match o.0.bell_fd() {
             Ok(fd) => fd,
             Err(e) => e.errno(),
@@ -331,7 +421,9 @@ pub unsafe extern "C" fn fido_pipe_op_fd(op: *mut FidoPipeOp) -> c_int {
 pub unsafe extern "C" fn fido_pipe_op_poll(op: *mut FidoPipeOp, res: *mut FidoPipeResult) -> c_int {
     guard(|| {
         // SAFETY: null-checked; live per the contract (exclusive use during the call).
-        let Some(o) = (unsafe { op.as_mut() }) else { return EINVAL };
+        let Some(o) = (unsafe { op.as_mut() }) else {
+            return EINVAL;
+        };
         match o.0.try_result() {
             None => EAGAIN,
             // SAFETY: `res` per the contract.
@@ -346,7 +438,9 @@ pub unsafe extern "C" fn fido_pipe_op_poll(op: *mut FidoPipeOp, res: *mut FidoPi
 pub unsafe extern "C" fn fido_pipe_op_wait(op: *mut FidoPipeOp, res: *mut FidoPipeResult) -> c_int {
     guard(|| {
         // SAFETY: null-checked; live per the contract.
-        let Some(o) = (unsafe { op.as_mut() }) else { return EINVAL };
+        let Some(o) = (unsafe { op.as_mut() }) else {
+            return EINVAL;
+        };
         loop {
             if let Some(r) = o.0.wait_timeout(std::time::Duration::from_secs(3600)) {
                 // SAFETY: `res` per the contract.
@@ -376,7 +470,9 @@ pub extern "C" fn fido_pipe_strerror(code: c_int) -> *const c_char {
     let e = -code;
     let s: &'static CStr = match e {
         0 => c"success",
-        _ if e == Errno::BADF.raw_os_error() => c"bad descriptor (closed, wrong type or access mode, or not fitting the operation)",
+        _ if e == Errno::BADF.raw_os_error() => {
+            c"bad descriptor (closed, wrong type or access mode, or not fitting the operation)"
+        }
         _ if e == Errno::DQUOT.raw_os_error() => c"pipe quota of this domain is spent",
         _ if e == Errno::PERM.raw_os_error() => c"denied by the broker's policy",
         _ if e == Errno::BUSY.raw_os_error() => c"an operation already runs on this pipe",

@@ -32,7 +32,14 @@ fn c_example_copies_through_the_broker() {
     let dir = tempfile::tempdir().unwrap();
     let exe = dir.path().join("pipe_copy");
     let st = Command::new("cc")
-        .args(["-std=c11", "-D_GNU_SOURCE", "-Wall", "-Wextra", "-Werror", "-I"])
+        .args([
+            "-std=c11",
+            "-D_GNU_SOURCE",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-I",
+        ])
         .arg(root.join("include"))
         .arg(root.join("examples/c/pipe_copy.c"))
         .arg(&lib)
@@ -49,13 +56,27 @@ fn c_example_copies_through_the_broker() {
     let (thread, shutdown) = fido_broker::Broker::spawn(cfg).unwrap();
 
     let src = dir.path().join("src.bin");
-    let data: Vec<u8> = (0..(3u32 << 20) + 4099).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
+    let data: Vec<u8> = (0..(3u32 << 20) + 4099)
+        .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+        .collect();
     std::fs::write(&src, &data).unwrap();
     let dst = dir.path().join("dst.bin");
-    let out = Command::new(&exe).arg(&src).arg(&dst).env("FIDO_BROKER", &socket).output().unwrap();
+    let out = Command::new(&exe)
+        .arg(&src)
+        .arg(&dst)
+        .env("FIDO_BROKER", &socket)
+        .output()
+        .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "pipe_copy failed: {stdout}{}", String::from_utf8_lossy(&out.stderr));
-    assert!(stdout.starts_with(&format!("OK {} bytes", data.len())), "{stdout}");
+    assert!(
+        out.status.success(),
+        "pipe_copy failed: {stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.starts_with(&format!("OK {} bytes", data.len())),
+        "{stdout}"
+    );
     assert_eq!(std::fs::read(&dst).unwrap(), data);
     shutdown.shutdown();
     thread.join().unwrap().unwrap();

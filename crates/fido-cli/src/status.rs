@@ -178,8 +178,10 @@ fn print_text(st: &Status, path: &std::path::Path, me: u64) {
             .pipes
             .iter()
             .map(|p| {
+                let name = st.domains.iter().find(|d| d.domain == p.domain).map_or("", |d| d.name.as_str());
                 vec![
                     p.domain.to_string(),
+                    name.to_string(),
                     p.weight.to_string(),
                     format!("{}/s", human_bytes(p.bytes_per_s)),
                     human_bytes(p.bytes_total),
@@ -191,7 +193,7 @@ fn print_text(st: &Status, path: &std::path::Path, me: u64) {
             .collect();
         print!(
             "{}",
-            table(&["domain", "weight", "throughput", "moved", "credits (B)", "pipes", "running"], &rows)
+            table(&["domain", "name", "weight", "throughput", "moved", "credits (B)", "pipes", "running"], &rows)
         );
     }
 }

@@ -25,7 +25,11 @@ fn drain(mut s: UnixStream) -> std::thread::JoinHandle<u64> {
 }
 
 fn report(what: &str, bytes: u64, t: Duration) {
-    println!("{what:<44} {:>8.1} MiB/s  ({bytes} bytes in {:.3} s)", bytes as f64 / t.as_secs_f64() / (1 << 20) as f64, t.as_secs_f64());
+    println!(
+        "{what:<44} {:>8.1} MiB/s  ({bytes} bytes in {:.3} s)",
+        bytes as f64 / t.as_secs_f64() / (1 << 20) as f64,
+        t.as_secs_f64()
+    );
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -94,19 +98,44 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         report("file->socket  fido pipe (broker engine)", n, t.elapsed());
 
         // file -> file
-        let dst = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(dir.path().join("dst"))?;
+        let dst = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(dir.path().join("dst"))?;
         let t = Instant::now();
         let mut off = 0u64;
         while off < len {
             let (mut i, mut o) = (off, off);
-            off += rustix::fs::copy_file_range(&src, Some(&mut i), &dst, Some(&mut o), (len - off) as usize)? as u64;
+            off += rustix::fs::copy_file_range(
+                &src,
+                Some(&mut i),
+                &dst,
+                Some(&mut o),
+                (len - off) as usize,
+            )? as u64;
         }
         report("file->file    copy_file_range in-process", len, t.elapsed());
         dst.set_len(0)?;
         let t = Instant::now();
         let r = c.file_to_file(&src, &dst, 0, len, 0)?;
-        report("file->file    fido pipe (broker engine)", r.moved, t.elapsed());
+        report(
+            "file->file    fido pipe (broker engine)",
+            r.moved,
+            t.elapsed(),
+        );
     }
+    // The control round trip alone (no engine), for comparison.
+    let n = 2000;
+    let mut lat = Vec::with_capacity(n);
+    for _ in 0..n {
+        let t = Instant::now();
+        c.status()?;
+        lat.push(t.elapsed());
+    }
+    lat.sort();
+    println!("broker round trip (Status):   p50 {:?} p99 {:?} ({n} ops)", lat[n / 2], lat[n * 99 / 100]);
     // Small transfers: per-operation latency (what a file server pays per response).
     let (tx, rx) = UnixStream::pair()?;
     let d = drain(rx);
@@ -119,7 +148,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         lat.push(t.elapsed());
     }
     lat.sort();
-    println!("4 KiB file->socket on a pipe: p50 {:?} p99 {:?} ({n} ops)", lat[n / 2], lat[n * 99 / 100]);
+    println!(
+        "4 KiB file->socket on a pipe: p50 {:?} p99 {:?} ({n} ops)",
+        lat[n / 2],
+        lat[n * 99 / 100]
+    );
     let mut lat = Vec::with_capacity(n);
     for i in 0..n {
         let t = Instant::now();
@@ -127,7 +160,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         lat.push(t.elapsed());
     }
     lat.sort();
-    println!("4 KiB file->socket one-shot:  p50 {:?} p99 {:?} ({n} ops)", lat[n / 2], lat[n * 99 / 100]);
+    println!(
+        "4 KiB file->socket one-shot:  p50 {:?} p99 {:?} ({n} ops)",
+        lat[n / 2],
+        lat[n * 99 / 100]
+    );
     drop(p);
     drop(tx);
     d.join().unwrap();

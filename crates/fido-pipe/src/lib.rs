@@ -38,6 +38,11 @@ pub use fido_proto::{
     PipeResult, RemoteError, Status,
 };
 
+/// A length meaning "until the source ends" (the largest length the protocol
+/// takes, 2^62 bytes): `p.socket_to_socket(UNTIL_EOF)` returns at EOF with
+/// `eof: true` and the exact count.
+pub const UNTIL_EOF: u64 = fido_proto::MAX_PIPE_LEN;
+
 /// How long a plain request (create, cancel, weight, status) waits for its reply.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(15);
 
@@ -54,7 +59,12 @@ pub enum Error {
     /// The transfer started and a system call failed; `moved` bytes reached the
     /// sink and `consumed` left the source before it did.
     #[error("pipe transfer failed after {moved} bytes: {message} (errno {errno})")]
-    Transfer { moved: u64, consumed: u64, errno: i32, message: String },
+    Transfer {
+        moved: u64,
+        consumed: u64,
+        errno: i32,
+        message: String,
+    },
     /// The transfer was cancelled after moving `moved` bytes.
     #[error("pipe transfer cancelled after {moved} bytes")]
     Cancelled { moved: u64, consumed: u64 },
@@ -128,12 +138,26 @@ pub struct Transfer {
 impl Transfer {
     fn from_result(r: PipeResult) -> Result<Transfer> {
         match r.end {
-            PipeEnd::Done => Ok(Transfer { moved: r.moved, consumed: r.consumed, eof: false }),
-            PipeEnd::Eof => Ok(Transfer { moved: r.moved, consumed: r.consumed, eof: true }),
-            PipeEnd::Cancelled => Err(Error::Cancelled { moved: r.moved, consumed: r.consumed }),
-            PipeEnd::Failed { errno, message } => {
-                Err(Error::Transfer { moved: r.moved, consumed: r.consumed, errno, message })
-            }
+            PipeEnd::Done => Ok(Transfer {
+                moved: r.moved,
+                consumed: r.consumed,
+                eof: false,
+            }),
+            PipeEnd::Eof => Ok(Transfer {
+                moved: r.moved,
+                consumed: r.consumed,
+                eof: true,
+            }),
+            PipeEnd::Cancelled => Err(Error::Cancelled {
+                moved: r.moved,
+                consumed: r.consumed,
+            }),
+            PipeEnd::Failed { errno, message } => Err(Error::Transfer {
+                moved: r.moved,
+                consumed: r.consumed,
+                errno,
+                message,
+            }),
         }
     }
 }
@@ -151,7 +175,11 @@ pub struct ClientOptions {
 
 impl ClientOptions {
     pub fn new(name: impl Into<String>) -> ClientOptions {
-        ClientOptions { broker: None, name: name.into(), label: None }
+        ClientOptions {
+            broker: None,
+            name: name.into(),
+            label: None,
+        }
     }
     pub fn broker(mut self, path: impl Into<PathBuf>) -> Self {
         self.broker = Some(path.into());
@@ -212,14 +240,19 @@ impl Inner {
         if let Some(why) = self.dead.lock().clone() {
             return Err(Error::BrokerUnavailable(why));
         }
-        let dups = fds.iter().map(|f| wire::dup(*f)).collect::<Result<Vec<_>, _>>()?;
+        let dups = fds
+            .iter()
+            .map(|f| wire::dup(*f))
+            .collect::<Result<Vec<_>, _>>()?;
         let bytes = fido_proto::encode(&ClientMsg::Request { id, body })
             .map_err(|e| Error::Protocol(e.to_string()))?;
         let slot = Arc::new(Slot::default());
         self.pending.lock().insert(id, slot.clone());
         if let Err(e) = wire::send_blocking(self.sock.as_fd(), &bytes, &dups) {
             self.pending.lock().remove(&id);
-            return Err(Error::BrokerUnavailable(format!("sending to the broker: {e}")));
+            return Err(Error::BrokerUnavailable(format!(
+                "sending to the broker: {e}"
+            )));
         }
         // A reader that died between our check and the insert would have missed this slot.
         if let Some(why) = self.dead.lock().clone() {
@@ -265,22 +298,38 @@ pub struct Client {
 
 impl std::fmt::Debug for Client {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Client").field("domain", &self.inner.domain).finish_non_exhaustive()
+        f.debug_struct("Client")
+            .field("domain", &self.inner.domain)
+            .finish_non_exhaustive()
     }
 }
 
 fn connect_socket(path: &Path) -> Result<OwnedFd> {
-    let sock = rustix::net::socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)?;
-    let addr = SocketAddrUnix::new(path)
-        .map_err(|e| Error::BrokerUnavailable(format!("broker socket path {}: {e}", path.display())))?;
-    rustix::net::connect(&sock, &addr)
-        .map_err(|e| Error::BrokerUnavailable(format!("{}: {}", path.display(), std::io::Error::from(e))))?;
+    let sock = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC,
+        None,
+    )?;
+    let addr = SocketAddrUnix::new(path).map_err(|e| {
+        Error::BrokerUnavailable(format!("broker socket path {}: {e}", path.display()))
+    })?;
+    rustix::net::connect(&sock, &addr).map_err(|e| {
+        Error::BrokerUnavailable(format!("{}: {}", path.display(), std::io::Error::from(e)))
+    })?;
     Ok(sock)
 }
 
-fn recv_one(sock: &OwnedFd, buf: &mut [u8], timeout: Duration) -> Result<Option<(BrokerMsg, Vec<OwnedFd>)>> {
+fn recv_one(
+    sock: &OwnedFd,
+    buf: &mut [u8],
+    timeout: Duration,
+) -> Result<Option<(BrokerMsg, Vec<OwnedFd>)>> {
     use rustix::event::{poll, PollFd, PollFlags, Timespec};
-    let ts = Timespec { tv_sec: timeout.as_secs() as i64, tv_nsec: timeout.subsec_nanos() as i64 };
+    let ts = Timespec {
+        tv_sec: timeout.as_secs() as i64,
+        tv_nsec: timeout.subsec_nanos() as i64,
+    };
     let mut fds = [PollFd::new(sock, PollFlags::IN)];
     match poll(&mut fds, Some(&ts)) {
         Ok(0) | Err(rustix::io::Errno::INTR) => return Ok(None),
@@ -288,13 +337,22 @@ fn recv_one(sock: &OwnedFd, buf: &mut [u8], timeout: Duration) -> Result<Option<
         Err(e) => return Err(e.into()),
     }
     match wire::recv(sock.as_fd(), buf)? {
-        wire::Recv::Eof => Err(Error::BrokerUnavailable("broker closed the connection".into())),
+        wire::Recv::Eof => Err(Error::BrokerUnavailable(
+            "broker closed the connection".into(),
+        )),
         wire::Recv::WouldBlock => Ok(None),
-        wire::Recv::Msg { len, fds, truncated } => {
+        wire::Recv::Msg {
+            len,
+            fds,
+            truncated,
+        } => {
             if truncated {
-                return Err(Error::Protocol("truncated control message from the broker".into()));
+                return Err(Error::Protocol(
+                    "truncated control message from the broker".into(),
+                ));
             }
-            let msg = fido_proto::decode::<BrokerMsg>(&buf[..len]).map_err(|e| Error::Protocol(e.to_string()))?;
+            let msg = fido_proto::decode::<BrokerMsg>(&buf[..len])
+                .map_err(|e| Error::Protocol(e.to_string()))?;
             Ok(Some((msg, fds)))
         }
     }
@@ -343,13 +401,21 @@ impl Client {
 
     /// Joins the broker with these options.
     pub fn connect_with(opts: ClientOptions) -> Result<Client> {
-        let path = opts.broker.clone().unwrap_or_else(fido_proto::default_broker_path);
+        let path = opts
+            .broker
+            .clone()
+            .unwrap_or_else(fido_proto::default_broker_path);
         let sock = connect_socket(&path)?;
         // The broker admits domains with an arena; ours is the smallest
         // (64 KiB, sparse) since pipe traffic never goes through it.
         let arena = fido_shm::UnplacedArena::create(64 << 10, false)?;
         let ro = arena.ro_fd()?;
-        let join = Request::Join { name: opts.name.clone(), label: opts.label.clone(), arena_len: arena.len(), resume: None };
+        let join = Request::Join {
+            name: opts.name.clone(),
+            label: opts.label.clone(),
+            arena_len: arena.len(),
+            resume: None,
+        };
         let bytes = fido_proto::encode(&ClientMsg::Request { id: 1, body: join })
             .map_err(|e| Error::Protocol(e.to_string()))?;
         wire::send_blocking(sock.as_fd(), &bytes, &[ro])
@@ -362,8 +428,16 @@ impl Client {
             }
             match recv_one(&sock, &mut buf, Duration::from_millis(200))? {
                 Some((BrokerMsg::Reply { id: 1, body }, _)) => match body {
-                    Ok(Reply::Joined { domain, heartbeat_ms, .. }) => break (domain, heartbeat_ms),
-                    Ok(other) => return Err(Error::Protocol(format!("unexpected answer to Join: {other:?}"))),
+                    Ok(Reply::Joined {
+                        domain,
+                        heartbeat_ms,
+                        ..
+                    }) => break (domain, heartbeat_ms),
+                    Ok(other) => {
+                        return Err(Error::Protocol(format!(
+                            "unexpected answer to Join: {other:?}"
+                        )))
+                    }
                     Err(e) => return Err(Error::Refused(e)),
                 },
                 _ => continue,
@@ -398,19 +472,36 @@ impl Client {
     /// wrong type (not a regular file, stream socket or pipe), not readable
     /// (source) / writable (sink), or a sink file opened `O_APPEND`.
     pub fn create(&self, source: impl AsFd, sink: impl AsFd) -> Result<Pipe> {
-        match self.inner.request(Request::PipeCreate, &[source.as_fd(), sink.as_fd()])? {
-            (Reply::PipeCreated { pipe, source, sink }, _) => {
-                Ok(Pipe { client: self.clone(), id: pipe, source, sink, destroyed: false })
-            }
-            (other, _) => Err(Error::Protocol(format!("unexpected answer to PipeCreate: {other:?}"))),
+        match self
+            .inner
+            .request(Request::PipeCreate, &[source.as_fd(), sink.as_fd()])?
+        {
+            (Reply::PipeCreated { pipe, source, sink }, _) => Ok(Pipe {
+                client: self.clone(),
+                id: pipe,
+                source,
+                sink,
+                destroyed: false,
+            }),
+            (other, _) => Err(Error::Protocol(format!(
+                "unexpected answer to PipeCreate: {other:?}"
+            ))),
         }
     }
 
     /// Starts a one-shot operation on two descriptors, without a pipe handle.
     pub fn start_once(&self, source: impl AsFd, sink: impl AsFd, op: PipeOp) -> Result<Pending> {
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
-        let slot = self.inner.send(id, Request::PipeOnce { op }, &[source.as_fd(), sink.as_fd()])?;
-        Ok(Pending { client: self.clone(), id, slot })
+        let slot = self.inner.send(
+            id,
+            Request::PipeOnce { op },
+            &[source.as_fd(), sink.as_fd()],
+        )?;
+        Ok(Pending {
+            client: self.clone(),
+            id,
+            slot,
+        })
     }
 
     /// Runs a one-shot operation and waits for it.
@@ -419,7 +510,13 @@ impl Client {
     }
 
     /// One-shot `len` bytes of `file` from `off` to `sock`.
-    pub fn file_to_socket(&self, file: impl AsFd, sock: impl AsFd, off: u64, len: u64) -> Result<Transfer> {
+    pub fn file_to_socket(
+        &self,
+        file: impl AsFd,
+        sock: impl AsFd,
+        off: u64,
+        len: u64,
+    ) -> Result<Transfer> {
         self.once(file, sock, PipeOp::FileToSocket { off, len })
     }
 
@@ -429,19 +526,46 @@ impl Client {
     }
 
     /// One-shot `len` bytes from `sock` into `file` at `off`.
-    pub fn socket_to_file(&self, sock: impl AsFd, file: impl AsFd, off: u64, len: u64) -> Result<Transfer> {
+    pub fn socket_to_file(
+        &self,
+        sock: impl AsFd,
+        file: impl AsFd,
+        off: u64,
+        len: u64,
+    ) -> Result<Transfer> {
         self.once(sock, file, PipeOp::SocketToFile { off, len })
     }
 
     /// One-shot `len` bytes of `src` from `in_off` into `dst` at `out_off`.
-    pub fn file_to_file(&self, src: impl AsFd, dst: impl AsFd, in_off: u64, len: u64, out_off: u64) -> Result<Transfer> {
-        self.once(src, dst, PipeOp::FileToFile { in_off, len, out_off })
+    pub fn file_to_file(
+        &self,
+        src: impl AsFd,
+        dst: impl AsFd,
+        in_off: u64,
+        len: u64,
+        out_off: u64,
+    ) -> Result<Transfer> {
+        self.once(
+            src,
+            dst,
+            PipeOp::FileToFile {
+                in_off,
+                len,
+                out_off,
+            },
+        )
     }
 
     /// Sets the pipe weight of the live domain(s) with this id or name
     /// (root or the broker's uid only).
     pub fn set_weight(&self, domain: &str, weight: u32) -> Result<()> {
-        self.inner.request(Request::PipeWeight { domain: domain.to_string(), weight }, &[])?;
+        self.inner.request(
+            Request::PipeWeight {
+                domain: domain.to_string(),
+                weight,
+            },
+            &[],
+        )?;
         Ok(())
     }
 
@@ -449,7 +573,9 @@ impl Client {
     pub fn status(&self) -> Result<Status> {
         match self.inner.request(Request::Status, &[])? {
             (Reply::Status(s), _) => Ok(s),
-            (other, _) => Err(Error::Protocol(format!("unexpected answer to Status: {other:?}"))),
+            (other, _) => Err(Error::Protocol(format!(
+                "unexpected answer to Status: {other:?}"
+            ))),
         }
     }
 
@@ -464,7 +590,10 @@ impl Client {
 impl Drop for Inner {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
-        if let Ok(b) = fido_proto::encode(&ClientMsg::Request { id: 0, body: Request::Leave }) {
+        if let Ok(b) = fido_proto::encode(&ClientMsg::Request {
+            id: 0,
+            body: Request::Leave,
+        }) {
             let _ = wire::send(self.sock.as_fd(), &b, &[]);
         }
         let _ = rustix::net::shutdown(&self.sock, rustix::net::Shutdown::Both);
@@ -483,7 +612,11 @@ pub struct Pipe {
 
 impl std::fmt::Debug for Pipe {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Pipe").field("id", &self.id).field("source", &self.source).field("sink", &self.sink).finish()
+        f.debug_struct("Pipe")
+            .field("id", &self.id)
+            .field("source", &self.source)
+            .field("sink", &self.sink)
+            .finish()
     }
 }
 
@@ -499,8 +632,15 @@ impl Pipe {
     /// Starts an operation; the result comes through the returned [`Pending`].
     pub fn start(&self, op: PipeOp) -> Result<Pending> {
         let id = self.client.inner.next_id.fetch_add(1, Ordering::Relaxed);
-        let slot = self.client.inner.send(id, Request::PipeRun { pipe: self.id, op }, &[])?;
-        Ok(Pending { client: self.client.clone(), id, slot })
+        let slot = self
+            .client
+            .inner
+            .send(id, Request::PipeRun { pipe: self.id, op }, &[])?;
+        Ok(Pending {
+            client: self.client.clone(),
+            id,
+            slot,
+        })
     }
 
     /// Runs an operation and waits for it.
@@ -522,20 +662,28 @@ impl Pipe {
     }
     /// `len` bytes of the source file from `in_off` into the sink file at `out_off`.
     pub fn file_to_file(&self, in_off: u64, len: u64, out_off: u64) -> Result<Transfer> {
-        self.run(PipeOp::FileToFile { in_off, len, out_off })
+        self.run(PipeOp::FileToFile {
+            in_off,
+            len,
+            out_off,
+        })
     }
 
     /// Cancels the running operation (its result becomes [`Error::Cancelled`]
     /// with the counts so far); the pipe stays usable.
     pub fn cancel(&self) -> Result<()> {
-        self.client.inner.request(Request::PipeCancel { pipe: self.id }, &[])?;
+        self.client
+            .inner
+            .request(Request::PipeCancel { pipe: self.id }, &[])?;
         Ok(())
     }
 
     /// Destroys the pipe: cancels what runs and releases the broker's descriptors.
     pub fn destroy(mut self) -> Result<()> {
         self.destroyed = true;
-        self.client.inner.request(Request::PipeDestroy { pipe: self.id }, &[])?;
+        self.client
+            .inner
+            .request(Request::PipeDestroy { pipe: self.id }, &[])?;
         Ok(())
     }
 }
@@ -560,14 +708,18 @@ pub struct Pending {
 
 impl std::fmt::Debug for Pending {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Pending").field("request", &self.id).finish()
+        f.debug_struct("Pending")
+            .field("request", &self.id)
+            .finish()
     }
 }
 
 fn to_transfer(a: Answer) -> Result<Transfer> {
     match a? {
         (Reply::PipeDone(r), _) => Transfer::from_result(r),
-        (other, _) => Err(Error::Protocol(format!("unexpected answer to a pipe operation: {other:?}"))),
+        (other, _) => Err(Error::Protocol(format!(
+            "unexpected answer to a pipe operation: {other:?}"
+        ))),
     }
 }
 
@@ -611,7 +763,10 @@ impl Pending {
     pub fn bell_fd(&self) -> Result<RawFd> {
         let mut st = self.slot.state.lock();
         if st.bell.is_none() {
-            let fd = rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK)?;
+            let fd = rustix::event::eventfd(
+                0,
+                rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
+            )?;
             if st.answer.is_some() || st.taken {
                 let _ = rustix::io::write(&fd, &1u64.to_ne_bytes());
             }

@@ -48,15 +48,27 @@ fn file_to_socket_edges() {
         let got = drain(rx);
         let p = c.create(&f, &tx).unwrap();
         let t = p.file_to_socket(off, len).unwrap();
-        assert_eq!((t.moved, t.consumed, t.eof), (len, len, false), "off {off} len {len}");
+        assert_eq!(
+            (t.moved, t.consumed, t.eof),
+            (len, len, false),
+            "off {off} len {len}"
+        );
         p.destroy().unwrap();
         drop(tx);
         let got = got.join().unwrap();
         let want = &data[off as usize..(off + len) as usize];
-        assert_eq!((got.len(), sum(&got)), (want.len(), sum(want)), "off {off} len {len}");
+        assert_eq!(
+            (got.len(), sum(&got)),
+            (want.len(), sum(want)),
+            "off {off} len {len}"
+        );
     }
     // Past the end: what is there, then EOF.
-    for &(off, len) in &[(size as u64 - 10, 100u64), (size as u64, 5), (size as u64 + 4096, 1)] {
+    for &(off, len) in &[
+        (size as u64 - 10, 100u64),
+        (size as u64, 5),
+        (size as u64 + 4096, 1),
+    ] {
         let (tx, rx) = stream_pair();
         let got = drain(rx);
         let t = c.file_to_socket(&f, &tx, off, len).unwrap();
@@ -90,7 +102,11 @@ fn file_to_file_edges_and_positions_untouched() {
         assert_eq!((t.moved, t.eof), (len, false));
         let mut back = vec![0u8; len as usize];
         out.read_exact_at(&mut back, out_off).unwrap();
-        assert_eq!(sum(&back), sum(&data[in_off as usize..(in_off + len) as usize]), "{in_off} {len} {out_off}");
+        assert_eq!(
+            sum(&back),
+            sum(&data[in_off as usize..(in_off + len) as usize]),
+            "{in_off} {len} {out_off}"
+        );
     }
     // One file as both source and sink: fine without overlap, refused with
     // (a chunked copy is not a memmove).
@@ -102,7 +118,10 @@ fn file_to_file_edges_and_positions_untouched() {
     same.read_exact_at(&mut back, 4096).unwrap();
     assert!(back == data[..4096], "same-file copy differs");
     match c.file_to_file(&same, &same, 0, 4096, 100) {
-        Err(Error::Refused(e)) => assert!(e.code == ErrorCode::BadRequest && e.message.contains("overlap"), "{e}"),
+        Err(Error::Refused(e)) => assert!(
+            e.code == ErrorCode::BadRequest && e.message.contains("overlap"),
+            "{e}"
+        ),
         other => panic!("{other:?}"),
     }
     // A sink on another filesystem (tmpfs), when there is one: copy_file_range
@@ -113,7 +132,10 @@ fn file_to_file_edges_and_positions_untouched() {
         assert_eq!(t.moved, 3 << 20);
         let mut back = vec![0u8; 3 << 20];
         x.read_exact_at(&mut back, 1).unwrap();
-        assert!(sum(&back) == sum(&data[4096..4096 + (3 << 20)]), "cross-filesystem copy differs");
+        assert!(
+            sum(&back) == sum(&data[4096..4096 + (3 << 20)]),
+            "cross-filesystem copy differs"
+        );
     }
     // Past EOF of the source.
     let t = p.file_to_file(size as u64 + 1, 10, 0).unwrap();
@@ -157,6 +179,22 @@ fn socket_to_file_and_socket_to_socket() {
     drop(dst);
     feeder.join().unwrap();
     assert_eq!(sum(&got.join().unwrap()), sum(&data));
+
+    // Until EOF: a stream of unknown length.
+    let (a, src) = stream_pair();
+    let (dst, z) = stream_pair();
+    let feeder = feed(a, data.clone());
+    let got = drain(z);
+    let t = c
+        .socket_to_socket(&src, &dst, fido_pipe::UNTIL_EOF)
+        .unwrap();
+    assert_eq!((t.moved, t.eof), (data.len() as u64, true));
+    drop(dst);
+    feeder.join().unwrap();
+    assert_eq!(sum(&got.join().unwrap()), sum(&data));
+    fn shared<T: Send + Sync>() {}
+    shared::<fido_pipe::Client>();
+    shared::<fido_pipe::Pipe>();
 
     // TCP on loopback too (a real socket type the server will use).
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -209,7 +247,14 @@ fn asynchronous_future_and_pollable_fd() {
     let (tx, rx) = stream_pair();
     let got = drain(rx);
     let p = c.create(&f, &tx).unwrap();
-    let t = block_on(p.start(PipeOp::FileToSocket { off: 0, len: data.len() as u64 }).unwrap()).unwrap();
+    let t = block_on(
+        p.start(PipeOp::FileToSocket {
+            off: 0,
+            len: data.len() as u64,
+        })
+        .unwrap(),
+    )
+    .unwrap();
     assert_eq!(t.moved, data.len() as u64);
     drop(p);
     drop(tx);
@@ -219,18 +264,36 @@ fn asynchronous_future_and_pollable_fd() {
     // is still running; the fd becomes readable once it ends.
     let (mut a, src) = stream_pair();
     let (_, out) = rw_file(b.dir.path(), "dst");
-    let mut op = c.start_once(&src, &out, PipeOp::SocketToFile { off: 0, len: 4096 }).unwrap();
+    let mut op = c
+        .start_once(&src, &out, PipeOp::SocketToFile { off: 0, len: 4096 })
+        .unwrap();
     let bell = op.bell_fd().unwrap();
     // SAFETY: `bell` stays open while `op` lives, which is longer than this borrow.
     let bfd = unsafe { BorrowedFd::borrow_raw(bell) };
-    let mut pfd = [rustix::event::PollFd::new(&bfd, rustix::event::PollFlags::IN)];
-    let zero = rustix::event::Timespec { tv_sec: 0, tv_nsec: 50_000_000 };
-    assert_eq!(rustix::event::poll(&mut pfd, Some(&zero)).unwrap(), 0, "ended before its data was written");
+    let mut pfd = [rustix::event::PollFd::new(
+        &bfd,
+        rustix::event::PollFlags::IN,
+    )];
+    let zero = rustix::event::Timespec {
+        tv_sec: 0,
+        tv_nsec: 50_000_000,
+    };
+    assert_eq!(
+        rustix::event::poll(&mut pfd, Some(&zero)).unwrap(),
+        0,
+        "ended before its data was written"
+    );
     assert!(op.try_result().is_none());
     a.write_all(&data[..4096]).unwrap();
-    let long = rustix::event::Timespec { tv_sec: 30, tv_nsec: 0 };
+    let long = rustix::event::Timespec {
+        tv_sec: 30,
+        tv_nsec: 0,
+    };
     assert_eq!(rustix::event::poll(&mut pfd, Some(&long)).unwrap(), 1);
-    let t = op.try_result().expect("ready once the fd is readable").unwrap();
+    let t = op
+        .try_result()
+        .expect("ready once the fd is readable")
+        .unwrap();
     assert_eq!((t.moved, t.eof), (4096, false));
     let mut back = vec![0u8; 4096];
     out.read_exact_at(&mut back, 0).unwrap();
@@ -248,14 +311,22 @@ fn nonblocking_descriptors_are_polled_not_changed() {
     dst.set_nonblocking(true).unwrap();
     let got = drain(z);
     let p = c.create(&src, &dst).unwrap();
-    let op = p.start(PipeOp::SocketToSocket { len: data.len() as u64 }).unwrap();
+    let op = p
+        .start(PipeOp::SocketToSocket {
+            len: data.len() as u64,
+        })
+        .unwrap();
     std::thread::sleep(Duration::from_millis(50));
     a.write_all(&data).unwrap();
     let t = op.wait().unwrap();
     assert_eq!(t.moved, data.len() as u64);
     // Still non-blocking: the broker never touched the flags.
-    assert!(rustix::fs::fcntl_getfl(&src).unwrap().contains(rustix::fs::OFlags::NONBLOCK));
-    assert!(rustix::fs::fcntl_getfl(&dst).unwrap().contains(rustix::fs::OFlags::NONBLOCK));
+    assert!(rustix::fs::fcntl_getfl(&src)
+        .unwrap()
+        .contains(rustix::fs::OFlags::NONBLOCK));
+    assert!(rustix::fs::fcntl_getfl(&dst)
+        .unwrap()
+        .contains(rustix::fs::OFlags::NONBLOCK));
     drop(p);
     drop(dst);
     assert_eq!(sum(&got.join().unwrap()), sum(&data));
@@ -280,10 +351,21 @@ fn peer_reset_is_an_error_with_exact_counts() {
     let first = reader.join().unwrap();
     assert_eq!(first, data[..100_000]);
     match r {
-        Err(Error::Transfer { moved, consumed, errno, message }) => {
-            assert!(errno == libc::EPIPE || errno == libc::ECONNRESET, "errno {errno}: {message}");
+        Err(Error::Transfer {
+            moved,
+            consumed,
+            errno,
+            message,
+        }) => {
+            assert!(
+                errno == libc::EPIPE || errno == libc::ECONNRESET,
+                "errno {errno}: {message}"
+            );
             assert!(message.starts_with("sink"), "{message}");
-            assert!(moved >= 100_000 && moved < data.len() as u64, "moved {moved}");
+            assert!(
+                moved >= 100_000 && moved < data.len() as u64,
+                "moved {moved}"
+            );
             assert!(consumed >= moved);
         }
         other => panic!("expected a transfer error, got {other:?}"),
@@ -298,11 +380,18 @@ fn peer_reset_is_an_error_with_exact_counts() {
         rustix::net::sockopt::set_socket_linger(&client, Some(Duration::ZERO)).unwrap();
         drop(client);
     });
-    let r = c.file_to_socket(&f, &server, 0, 1 << 40);
+    // A sparse 16 GiB source: far more than loopback buffers hold, so the
+    // transfer is still running when the reset comes.
+    let (_, big) = rw_file(b.dir.path(), "sparse");
+    big.set_len(16 << 30).unwrap();
+    let r = c.file_to_socket(&big, &server, 0, 16 << 30);
     lingering.join().unwrap();
     match r {
         Err(Error::Transfer { errno, .. }) => {
-            assert!(errno == libc::EPIPE || errno == libc::ECONNRESET, "errno {errno}")
+            assert!(
+                errno == libc::EPIPE || errno == libc::ECONNRESET,
+                "errno {errno}"
+            )
         }
         other => panic!("expected a reset, got {other:?}"),
     }
@@ -325,22 +414,44 @@ fn bad_descriptors_are_refused_clearly() {
     // Read-only file as sink.
     refused(c.create(&tx, &ro), ErrorCode::BadDescriptor, "read-only");
     // Write-only file as source.
-    let wo = std::fs::OpenOptions::new().write(true).open(dir.join("ro")).unwrap();
+    let wo = std::fs::OpenOptions::new()
+        .write(true)
+        .open(dir.join("ro"))
+        .unwrap();
     refused(c.create(&wo, &tx), ErrorCode::BadDescriptor, "write-only");
     // O_APPEND sink.
-    let ap = std::fs::OpenOptions::new().append(true).open(dir.join("ro")).unwrap();
+    let ap = std::fs::OpenOptions::new()
+        .append(true)
+        .open(dir.join("ro"))
+        .unwrap();
     refused(c.create(&ro, &ap), ErrorCode::BadDescriptor, "O_APPEND");
     // Wrong types: a directory, a character device, a datagram socket, an eventfd.
     let d = std::fs::File::open(dir).unwrap();
     refused(c.create(&d, &tx), ErrorCode::BadDescriptor, "Directory");
-    let null = std::fs::OpenOptions::new().read(true).write(true).open("/dev/null").unwrap();
-    refused(c.create(&ro, &null), ErrorCode::BadDescriptor, "CharacterDevice");
+    let null = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/null")
+        .unwrap();
+    refused(
+        c.create(&ro, &null),
+        ErrorCode::BadDescriptor,
+        "CharacterDevice",
+    );
     let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
-    refused(c.create(&ro, &udp), ErrorCode::BadDescriptor, "stream sockets only");
+    refused(
+        c.create(&ro, &udp),
+        ErrorCode::BadDescriptor,
+        "stream sockets only",
+    );
     let ev = rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC).unwrap();
     refused(c.create(&ev, &tx), ErrorCode::BadDescriptor, "source");
     // An O_PATH descriptor.
-    let opath = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_PATH).open(dir.join("ro")).unwrap();
+    let opath = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_PATH)
+        .open(dir.join("ro"))
+        .unwrap();
     refused(c.create(&opath, &tx), ErrorCode::BadDescriptor, "O_PATH");
     // A closed descriptor never leaves this process: a clear EBADF.
     let raw = {
@@ -400,7 +511,13 @@ fn busy_pipe_cancel_and_destroy() {
     }
     // Cancelled with the exact count of what went through (the 1000 bytes).
     let deadline = Instant::now() + LONG;
-    while c.status().unwrap().pipes.iter().all(|d| d.bytes_total < 1000) {
+    while c
+        .status()
+        .unwrap()
+        .pipes
+        .iter()
+        .all(|d| d.bytes_total < 1000)
+    {
         assert!(Instant::now() < deadline);
         std::thread::sleep(Duration::from_millis(10));
     }
@@ -436,21 +553,39 @@ fn a_stalled_descriptor_does_not_block_other_clients() {
     // A socket nobody writes (source) and a socket nobody reads (sink).
     let (_quiet, src) = stream_pair();
     let (_, out) = rw_file(dir, "never");
-    let stuck_in = staller.start_once(&src, &out, PipeOp::SocketToFile { off: 0, len: 1 << 20 }).unwrap();
+    let stuck_in = staller
+        .start_once(
+            &src,
+            &out,
+            PipeOp::SocketToFile {
+                off: 0,
+                len: 1 << 20,
+            },
+        )
+        .unwrap();
     let (full, _nobody_reads) = stream_pair();
     let stuck_out = staller.create(&f, &full).unwrap();
-    let out_op = stuck_out.start(PipeOp::FileToSocket { off: 0, len: data.len() as u64 }).unwrap();
+    let out_op = stuck_out
+        .start(PipeOp::FileToSocket {
+            off: 0,
+            len: data.len() as u64,
+        })
+        .unwrap();
     // A FIFO nobody writes.
     let (pr, _pw) = rustix::pipe::pipe().unwrap();
     let (_, out2) = rw_file(dir, "never2");
-    let stuck_fifo = staller.start_once(&pr, &out2, PipeOp::SocketToFile { off: 0, len: 10 }).unwrap();
+    let stuck_fifo = staller
+        .start_once(&pr, &out2, PipeOp::SocketToFile { off: 0, len: 10 })
+        .unwrap();
     std::thread::sleep(Duration::from_millis(100));
 
     // Another client moves 16 MiB, twice, checked.
     let other = b.client("other");
     for round in 0..2 {
         let (_, dst) = rw_file(dir, &format!("copy{round}"));
-        let t = other.file_to_file(&f, &dst, 0, data.len() as u64, 0).unwrap();
+        let t = other
+            .file_to_file(&f, &dst, 0, data.len() as u64, 0)
+            .unwrap();
         assert_eq!(t.moved, data.len() as u64);
         let mut back = vec![0u8; data.len()];
         dst.read_exact_at(&mut back, 0).unwrap();
@@ -458,7 +593,11 @@ fn a_stalled_descriptor_does_not_block_other_clients() {
     }
     // The broker still answers.
     let st = other.status().unwrap();
-    let s = st.pipes.iter().find(|d| d.domain == staller.domain()).expect("staller listed");
+    let s = st
+        .pipes
+        .iter()
+        .find(|d| d.domain == staller.domain())
+        .expect("staller listed");
     assert_eq!(s.running, 3);
 
     // The stalled ones are all cancellable, with exact counts.
@@ -483,20 +622,45 @@ fn a_stalled_descriptor_does_not_block_other_clients() {
 /// parent never writes) and one into it, says READY and waits to be killed.
 #[test]
 fn child_role() {
-    let Ok(sock) = std::env::var("FIDO_PIPE_TEST_SOCK") else { return };
+    let Ok(sock) = std::env::var("FIDO_PIPE_TEST_SOCK") else {
+        return;
+    };
     let broker = std::env::var("FIDO_PIPE_TEST_BROKER").unwrap();
-    let c = fido_pipe::Client::connect_with(fido_pipe::ClientOptions::new("doomed").broker(broker)).unwrap();
+    let c = fido_pipe::Client::connect_with(fido_pipe::ClientOptions::new("doomed").broker(broker))
+        .unwrap();
     let s = UnixStream::connect(&sock).unwrap();
     let dir = std::env::var("FIDO_PIPE_TEST_DIR").unwrap();
     let (_, out) = rw_file(std::path::Path::new(&dir), "child-out");
-    let _stuck = c.start_once(&s, &out, PipeOp::SocketToFile { off: 0, len: 1 << 30 }).unwrap();
+    let _stuck = c
+        .start_once(
+            &s,
+            &out,
+            PipeOp::SocketToFile {
+                off: 0,
+                len: 1 << 30,
+            },
+        )
+        .unwrap();
     let big = rw_file(std::path::Path::new(&dir), "child-src").1;
     big.set_len(64 << 20).unwrap();
     let p = c.create(&big, &s).unwrap();
-    let _op = p.start(PipeOp::FileToSocket { off: 0, len: 64 << 20 }).unwrap();
+    let _op = p
+        .start(PipeOp::FileToSocket {
+            off: 0,
+            len: 64 << 20,
+        })
+        .unwrap();
     // Let the broker register both before saying ready.
     let deadline = Instant::now() + LONG;
-    while c.status().unwrap().pipes.iter().find(|d| d.domain == c.domain()).map_or(0, |d| d.running) < 2 {
+    while c
+        .status()
+        .unwrap()
+        .pipes
+        .iter()
+        .find(|d| d.domain == c.domain())
+        .map_or(0, |d| d.running)
+        < 2
+    {
         assert!(Instant::now() < deadline);
         std::thread::sleep(Duration::from_millis(10));
     }
@@ -523,14 +687,22 @@ fn a_client_killed_mid_pipe_has_its_pipes_cancelled() {
     let mut line = String::new();
     let dom: u64 = loop {
         line.clear();
-        assert!(std::io::BufRead::read_line(&mut out, &mut line).unwrap() > 0, "child ended early");
+        assert!(
+            std::io::BufRead::read_line(&mut out, &mut line).unwrap() > 0,
+            "child ended early"
+        );
         // libtest may print "test child_role ... " on the same line first.
         if let Some(i) = line.find("READY ") {
             break line[i + 6..].trim().parse().unwrap();
         }
     };
     let watcher = b.client("watcher");
-    assert!(watcher.status().unwrap().pipes.iter().any(|d| d.domain == dom && d.running == 2));
+    assert!(watcher
+        .status()
+        .unwrap()
+        .pipes
+        .iter()
+        .any(|d| d.domain == dom && d.running == 2));
     child.kill().unwrap();
     child.wait().unwrap();
 
@@ -538,9 +710,13 @@ fn a_client_killed_mid_pipe_has_its_pipes_cancelled() {
     // our end then reads the bytes the engine had sent, then EOF.
     peer.set_read_timeout(Some(LONG)).unwrap();
     let mut sink = Vec::new();
-    peer.read_to_end(&mut sink).expect("EOF once the broker let go of the socket");
+    peer.read_to_end(&mut sink)
+        .expect("EOF once the broker let go of the socket");
     let st = watcher.status().unwrap();
-    assert!(st.pipes.iter().all(|d| d.domain != dom), "dead domain's pipes still listed");
+    assert!(
+        st.pipes.iter().all(|d| d.domain != dom),
+        "dead domain's pipes still listed"
+    );
     assert!(st.domains.iter().all(|d| d.domain != dom));
 
     // Everyone else is fine.
@@ -548,7 +724,13 @@ fn a_client_killed_mid_pipe_has_its_pipes_cancelled() {
     let (_, f) = file_with(b.dir.path(), "after", &data);
     let (tx, rx) = stream_pair();
     let got = drain(rx);
-    assert_eq!(watcher.file_to_socket(&f, &tx, 0, data.len() as u64).unwrap().moved, data.len() as u64);
+    assert_eq!(
+        watcher
+            .file_to_socket(&f, &tx, 0, data.len() as u64)
+            .unwrap()
+            .moved,
+        data.len() as u64
+    );
     drop(tx);
     assert_eq!(sum(&got.join().unwrap()), sum(&data));
 }
@@ -564,7 +746,9 @@ fn pipe_quota_is_enforced_per_domain() {
     let policy = fido_broker::Policy::parse(&policy, "test").unwrap();
     let b = TestBroker::with(|c| c.policy = Arc::new(policy));
     let small = fido_pipe::Client::connect_with(
-        fido_pipe::ClientOptions::new("small").label("small").broker(&b.socket),
+        fido_pipe::ClientOptions::new("small")
+            .label("small")
+            .broker(&b.socket),
     )
     .unwrap();
     let (_, f) = file_with(b.dir.path(), "src", b"x");
@@ -579,7 +763,9 @@ fn pipe_quota_is_enforced_per_domain() {
         other => panic!("{other:?}"),
     }
     // One-shots count too.
-    assert!(matches!(small.file_to_socket(&f, &tx, 0, 1), Err(Error::Refused(e)) if e.code == ErrorCode::Quota));
+    assert!(
+        matches!(small.file_to_socket(&f, &tx, 0, 1), Err(Error::Refused(e)) if e.code == ErrorCode::Quota)
+    );
     // Others are unaffected.
     let big = b.client("big");
     for _ in 0..5 {
@@ -589,14 +775,18 @@ fn pipe_quota_is_enforced_per_domain() {
     p1.destroy().unwrap();
     let _p3 = small.create(&f, &tx).unwrap();
     let st = small.status().unwrap();
-    let s = st.pipes.iter().find(|d| d.domain == small.domain()).unwrap();
+    let s = st
+        .pipes
+        .iter()
+        .find(|d| d.domain == small.domain())
+        .unwrap();
     assert_eq!((s.weight, s.pipes), (3, 2));
 }
 
 #[test]
 fn weights_share_the_engine_one_one_two() {
     // A fixed capacity, strict shares: the split must follow the weights.
-    let cap = 48u64 << 20;
+    let cap = 24u64 << 20;
     let b = TestBroker::with(|c| {
         c.pipe.capacity = fido_broker::Capacity::BytesPerSec(cap);
         c.pipe.work_conserving = false;
@@ -620,13 +810,24 @@ fn weights_share_the_engine_one_one_two() {
             while matches!(rx.read(&mut buf), Ok(n) if n > 0) {}
         }));
         let pipe = c.create(&f, &tx).unwrap();
-        ops.push(pipe.start(PipeOp::FileToSocket { off: 0, len: 1 << 40 }).unwrap());
+        ops.push(
+            pipe.start(PipeOp::FileToSocket {
+                off: 0,
+                len: 1 << 40,
+            })
+            .unwrap(),
+        );
         clients.push((c, pipe, tx));
     }
     let totals = |st: &fido_pipe::Status| -> Vec<u64> {
         clients
             .iter()
-            .map(|(c, _, _)| st.pipes.iter().find(|d| d.domain == c.domain()).map_or(0, |d| d.bytes_total))
+            .map(|(c, _, _)| {
+                st.pipes
+                    .iter()
+                    .find(|d| d.domain == c.domain())
+                    .map_or(0, |d| d.bytes_total)
+            })
             .collect()
     };
     std::thread::sleep(Duration::from_millis(500));
@@ -639,15 +840,33 @@ fn weights_share_the_engine_one_one_two() {
     let moved: Vec<f64> = t0.iter().zip(&t1).map(|(a, b)| (b - a) as f64).collect();
     let all: f64 = moved.iter().sum();
     let shares: Vec<f64> = moved.iter().map(|m| m / all).collect();
-    eprintln!("moved {moved:?} in {secs:.2} s ({:.1} MiB/s of {} MiB/s), shares {shares:?}", all / secs / (1 << 20) as f64, cap >> 20);
+    eprintln!(
+        "moved {moved:?} in {secs:.2} s ({:.1} MiB/s of {} MiB/s), shares {shares:?}",
+        all / secs / (1 << 20) as f64,
+        cap >> 20
+    );
     for (i, want) in [0.25, 0.25, 0.5].iter().enumerate() {
-        assert!((shares[i] - want).abs() < 0.08, "share {i}: {} (want {want}); all {shares:?}", shares[i]);
+        assert!(
+            (shares[i] - want).abs() < 0.08,
+            "share {i}: {} (want {want}); all {shares:?}",
+            shares[i]
+        );
     }
     // Strict shares: the capacity is a cap (loose upper bound).
-    assert!(all / secs < cap as f64 * 1.3, "{} B/s over a cap of {cap}", all / secs);
+    assert!(
+        all / secs < cap as f64 * 1.3,
+        "{} B/s over a cap of {cap}",
+        all / secs
+    );
     let ws: Vec<u32> = clients
         .iter()
-        .map(|(c, _, _)| st.pipes.iter().find(|d| d.domain == c.domain()).unwrap().weight)
+        .map(|(c, _, _)| {
+            st.pipes
+                .iter()
+                .find(|d| d.domain == c.domain())
+                .unwrap()
+                .weight
+        })
         .collect();
     assert_eq!(ws, vec![1, 1, 2]);
     for (_, pipe, _) in &clients {
@@ -701,12 +920,22 @@ fn work_conserving_engine_orders_by_weight_when_saturated() {
             while matches!(rx.read(&mut buf), Ok(n) if n > 0) {}
         });
         let pipe = c.create(&f, &tx).unwrap();
-        let op = pipe.start(PipeOp::FileToSocket { off: 0, len: 1 << 40 }).unwrap();
+        let op = pipe
+            .start(PipeOp::FileToSocket {
+                off: 0,
+                len: 1 << 40,
+            })
+            .unwrap();
         run.push((c, pipe, tx, d, op));
     }
     let totals = |st: &fido_pipe::Status| -> Vec<u64> {
         run.iter()
-            .map(|(c, ..)| st.pipes.iter().find(|d| d.domain == c.domain()).map_or(0, |d| d.bytes_total))
+            .map(|(c, ..)| {
+                st.pipes
+                    .iter()
+                    .find(|d| d.domain == c.domain())
+                    .map_or(0, |d| d.bytes_total)
+            })
             .collect()
     };
     std::thread::sleep(Duration::from_millis(300));
@@ -716,7 +945,10 @@ fn work_conserving_engine_orders_by_weight_when_saturated() {
     let moved: Vec<f64> = t0.iter().zip(&t1).map(|(a, b)| (b - a) as f64).collect();
     let share = moved[1] / (moved[0] + moved[1]);
     eprintln!("moved {moved:?}, heavy share {share:.3}");
-    assert!((share - 0.75).abs() < 0.1, "heavy share {share} (want 0.75)");
+    assert!(
+        (share - 0.75).abs() < 0.1,
+        "heavy share {share} (want 0.75)"
+    );
     for (c, pipe, tx, d, op) in run {
         pipe.cancel().unwrap();
         assert!(matches!(op.wait(), Err(Error::Cancelled { .. })));
@@ -738,6 +970,119 @@ fn a_broker_without_the_engine_refuses_pipes_clearly() {
         }
         other => panic!("{other:?}"),
     }
-    assert!(matches!(c.file_to_socket(&f, &tx, 0, 3), Err(Error::Refused(e)) if e.code == ErrorCode::Unavailable));
+    assert!(
+        matches!(c.file_to_socket(&f, &tx, 0, 3), Err(Error::Refused(e)) if e.code == ErrorCode::Unavailable)
+    );
     assert!(c.status().unwrap().pipe_engine.is_none());
+}
+
+#[test]
+fn a_stalled_domain_does_not_keep_its_share_in_strict_mode() {
+    let cap = 24u64 << 20;
+    let b = TestBroker::with(|c| {
+        c.pipe.capacity = fido_broker::Capacity::BytesPerSec(cap);
+        c.pipe.work_conserving = false;
+        c.pipe.chunk = 256 << 10;
+    });
+    // Domain "stalled" waits on a socket nobody writes.
+    let stalled = b.client("stalled");
+    let (_quiet, src) = stream_pair();
+    let (_, out) = rw_file(b.dir.path(), "never");
+    let _stuck = stalled
+        .start_once(
+            &src,
+            &out,
+            PipeOp::SocketToFile {
+                off: 0,
+                len: 1 << 30,
+            },
+        )
+        .unwrap();
+    // Domain "mover" sends a sparse file to a drained socket.
+    let mover = b.client("mover");
+    let (p, f) = rw_file(b.dir.path(), "sparse");
+    f.set_len(1 << 40).unwrap();
+    drop(f);
+    let f = std::fs::File::open(p).unwrap();
+    let (tx, mut rx) = stream_pair();
+    let d = std::thread::spawn(move || {
+        let mut buf = vec![0u8; 1 << 20];
+        while matches!(rx.read(&mut buf), Ok(n) if n > 0) {}
+    });
+    let pipe = mover.create(&f, &tx).unwrap();
+    let op = pipe
+        .start(PipeOp::FileToSocket {
+            off: 0,
+            len: 1 << 40,
+        })
+        .unwrap();
+    let total = |c: &fido_pipe::Client| {
+        let st = c.status().unwrap();
+        st.pipes
+            .iter()
+            .find(|d| d.domain == c.domain())
+            .map_or(0, |d| d.bytes_total)
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    let t0 = total(&mover);
+    let start = Instant::now();
+    std::thread::sleep(Duration::from_millis(1500));
+    let rate = (total(&mover) - t0) as f64 / start.elapsed().as_secs_f64();
+    eprintln!(
+        "mover: {:.1} MiB/s of {} MiB/s",
+        rate / (1 << 20) as f64,
+        cap >> 20
+    );
+    // Equal weights: a stalled peer that kept its share would hold the mover to ~50 %.
+    assert!(rate > cap as f64 * 0.7, "mover got {rate} B/s of {cap}");
+    assert!(
+        rate < cap as f64 * 1.3,
+        "mover got {rate} B/s over the cap {cap}"
+    );
+    pipe.cancel().unwrap();
+    assert!(matches!(op.wait(), Err(Error::Cancelled { .. })));
+    drop((pipe, tx));
+    d.join().unwrap();
+}
+
+#[test]
+fn a_policy_reload_changes_pipe_weights() {
+    let uid = rustix::process::geteuid().as_raw();
+    let rule = |w: u32| {
+        format!("[[rule]]\nuids = [{uid}]\noffer = [\"*\"]\nconnect = [\"*\"]\npipe_weight = {w}\n")
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("broker.sock");
+    let mut cfg = fido_broker::Config::new(&socket, dir.path().join("state"));
+    cfg.heartbeat = Duration::from_millis(100);
+    cfg.pipe.capacity = fido_broker::Capacity::Unlimited;
+    cfg.policy = Arc::new(fido_broker::Policy::parse(&rule(2), "first").unwrap());
+    let broker = fido_broker::Broker::bind(cfg).unwrap();
+    let (reload, stop) = (broker.reload_handle(), broker.shutdown_handle());
+    let thread = std::thread::spawn(move || broker.run());
+
+    let c = fido_pipe::Client::connect_with(
+        fido_pipe::ClientOptions::new("reloaded").broker(&socket),
+    )
+    .unwrap();
+    let (_, f) = file_with(dir.path(), "src", b"abc");
+    let (tx, _rx) = stream_pair();
+    assert_eq!(c.file_to_socket(&f, &tx, 0, 3).unwrap().moved, 3);
+    let weight = || {
+        let st = c.status().unwrap();
+        st.pipes.iter().find(|d| d.domain == c.domain()).map(|d| d.weight)
+    };
+    let deadline = Instant::now() + LONG;
+    while weight() != Some(2) {
+        assert!(Instant::now() < deadline, "weight {:?}", weight());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    reload.reload(fido_broker::Policy::parse(&rule(5), "second").unwrap());
+    while weight() != Some(5) {
+        assert!(Instant::now() < deadline, "weight after reload {:?}", weight());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(c);
+    stop.shutdown();
+    thread.join().unwrap().unwrap();
 }

@@ -3,7 +3,7 @@
 //! Every message that crosses the broker's `SOCK_SEQPACKET` socket is one of the
 //! types in this crate, encoded with `postcard` behind a small fixed header
 //! (magic, protocol version, body length). Descriptors (arena memfds, doorbell
-//! eventfds, liveness sockets) travel beside a message as `SCM_RIGHTS`; the
+//! doorbell ring ends, liveness sockets) travel beside a message as `SCM_RIGHTS`; the
 //! message says how many it carries and what each one is, so a receiver can
 //! check that it got exactly what it expected.
 //!
@@ -125,7 +125,7 @@ pub enum Request {
     /// Stop offering a service.
     Withdraw { service: String },
     /// Connect to a service. Carries two descriptors: the caller's data doorbell
-    /// and space doorbell (eventfds the peer rings to wake it).
+    /// and space doorbell (ring ends of socket pairs the peer rings to wake it).
     Connect { service: String, block: RingBlock },
     /// Answer to [`Event::Incoming`]: accept with the acceptor's ring block and two
     /// doorbell descriptors, or refuse.
@@ -374,6 +374,11 @@ pub enum GoneReason {
     Exited,
     MissedHeartbeat,
     Left,
+    /// The broker removed the domain: a reloaded policy no longer admits it.
+    Evicted,
+    /// Only this connection ended: the policy no longer allows its client to
+    /// connect to the service. Both domains live on.
+    Revoked,
 }
 
 /// Per-domain data-path counters.

@@ -35,6 +35,8 @@ const GONE_HUNG: u8 = 2;
 const GONE_LEFT: u8 = 3;
 const BROKEN: u8 = 4;
 const CLOSED_BY_US: u8 = 5;
+const GONE_EVICTED: u8 = 6;
+const GONE_REVOKED: u8 = 7;
 
 /// A connection request waiting in a listener's backlog.
 pub(crate) struct Incoming {
@@ -57,17 +59,22 @@ pub struct Message {
     tag: u64,
     opcode: u16,
     parts: Parts,
+    /// Kept alive until the peer releases the message (see `Message::hold`).
+    hold: Option<Hold>,
 }
+
+/// Something a sender keeps alive while a message is in flight.
+type Hold = Box<dyn std::any::Any + Send + Sync>;
 
 impl Message {
     /// A message of one buffer.
     pub fn new(buf: Buf) -> Message {
-        Message { tag: 0, opcode: 0, parts: Parts::Bufs(SmallVec::from_iter([buf])) }
+        Message { tag: 0, opcode: 0, parts: Parts::Bufs(SmallVec::from_iter([buf])), hold: None }
     }
     /// A scatter-gather message of several buffers (up to 1024). More than two
     /// travel through an SG list written in our arena.
     pub fn gather(bufs: Vec<Buf>) -> Message {
-        Message { tag: 0, opcode: 0, parts: Parts::Bufs(SmallVec::from_vec(bufs)) }
+        Message { tag: 0, opcode: 0, parts: Parts::Bufs(SmallVec::from_vec(bufs)), hold: None }
     }
     /// An application-defined 64-bit tag (e.g. a sequence number).
     pub fn tag(mut self, tag: u64) -> Message {
@@ -80,6 +87,14 @@ impl Message {
     }
     pub fn get_tag(&self) -> u64 {
         self.tag
+    }
+    /// Keeps `value` alive until the peer releases this message (or it comes
+    /// back undelivered), then drops it. For memory the message points at
+    /// without owning it, e.g. an `Arc` of a cache entry a reply refers to:
+    /// the entry cannot be freed while the peer may still read it.
+    pub fn hold(mut self, value: impl std::any::Any + Send + Sync) -> Message {
+        self.hold = Some(Box::new(value));
+        self
     }
     /// Takes the buffers back (empty for a forwarded message).
     pub fn into_bufs(self) -> Vec<Buf> {
@@ -104,7 +119,7 @@ impl From<Buf> for Message {
 
 impl From<Msg> for Message {
     fn from(msg: Msg) -> Message {
-        Message { tag: msg.tag, opcode: msg.opcode, parts: Parts::Forward(msg) }
+        Message { tag: msg.tag, opcode: msg.opcode, parts: Parts::Forward(msg), hold: None }
     }
 }
 
@@ -149,6 +164,7 @@ struct Outstanding {
     tag: u64,
     opcode: u16,
     parts: Parts,
+    hold: Option<Hold>,
     /// The SG list we wrote for this message, if any.
     _sg_list: Option<Buf>,
 }
@@ -206,8 +222,10 @@ pub(crate) struct ConnShared {
     peer_map: Arc<Mapping>,
     _block: Buf,
     local: LocalBlock,
-    data_bell: Arc<OwnedFd>,
-    space_bell: Arc<OwnedFd>,
+    /// Our doorbells: we wait on `.wait`; the peer holds a copy of `.ring`,
+    /// and so do we, to wake our own waiters.
+    data_bell: doorbell::Doorbell,
+    space_bell: doorbell::Doorbell,
     liveness: OwnedFd,
     releaser: Mutex<Releaser>,
     state: AtomicU8,
@@ -235,6 +253,8 @@ impl ConnShared {
             GoneReason::Exited => GONE_EXITED,
             GoneReason::MissedHeartbeat => GONE_HUNG,
             GoneReason::Left => GONE_LEFT,
+            GoneReason::Evicted => GONE_EVICTED,
+            GoneReason::Revoked => GONE_REVOKED,
         };
         let _ = self.state.compare_exchange(OPEN, code, Ordering::AcqRel, Ordering::Acquire);
         self.wake_local();
@@ -250,8 +270,8 @@ impl ConnShared {
 
     /// Wakes our own waiters so they look at the connection state again.
     pub(crate) fn wake_local(&self) {
-        let _ = doorbell::ring(self.data_bell.as_fd());
-        let _ = doorbell::ring(self.space_bell.as_fd());
+        let _ = doorbell::ring(self.data_bell.ring.as_fd());
+        let _ = doorbell::ring(self.space_bell.ring.as_fd());
     }
 
     fn state_error(&self, state: u8) -> Error {
@@ -260,6 +280,8 @@ impl ConnShared {
             GONE_EXITED => Error::PeerGone { domain, reason: "exited" },
             GONE_HUNG => Error::PeerGone { domain, reason: "missed heartbeats" },
             GONE_LEFT => Error::PeerGone { domain, reason: "left" },
+            GONE_EVICTED => Error::PeerGone { domain, reason: "evicted by the broker's policy" },
+            GONE_REVOKED => Error::PeerGone { domain, reason: "connection revoked by the broker's policy" },
             BROKEN => Error::Protocol(self.broken.lock().clone().unwrap_or_default()),
             _ => Error::Closed,
         }
@@ -339,7 +361,7 @@ impl TxState {
                 self.undelivered.push(Undelivered {
                     tag: o.tag,
                     opcode: o.opcode,
-                    message: Message { tag: o.tag, opcode: o.opcode, parts: o.parts },
+                    message: Message { tag: o.tag, opcode: o.opcode, parts: o.parts, hold: o.hold },
                 });
             }
         }
@@ -509,7 +531,7 @@ impl Channel {
         mapping: Arc<Mapping>,
         (block, local): (Buf, LocalBlock),
         peer_block: PeerBlock,
-        (data_bell, space_bell): (OwnedFd, OwnedFd),
+        (data_bell, space_bell): (doorbell::Doorbell, doorbell::Doorbell),
         mut peer_fds: Vec<OwnedFd>,
     ) -> Channel {
         let liveness = peer_fds.pop().expect("checked: 3 fds left");
@@ -525,8 +547,8 @@ impl Channel {
             peer_map: mapping,
             _block: block,
             local,
-            data_bell: Arc::new(data_bell),
-            space_bell: Arc::new(space_bell),
+            data_bell,
+            space_bell,
             liveness,
             releaser: Mutex::new(Releaser::new(local, peer_block, peer_space)),
             state: AtomicU8::new(OPEN),
@@ -553,7 +575,7 @@ impl Channel {
         let (block, local) = Self::new_block(domain, entries)?;
         let bells = (doorbell::new_doorbell()?, doorbell::new_doorbell()?);
         let ring = RingBlock { offset: block.offset(), len: block_len(entries) as u64, entries };
-        let fds = [bells.0.try_clone()?, bells.1.try_clone()?];
+        let fds = [bells.0.ring.try_clone()?, bells.1.ring.try_clone()?];
         let (reply, mut peer_fds) = domain.control.request(Request::Connect { service: service.into(), block: ring }, &fds)?;
         drop(fds);
         let (conn, peer, pblock) = match reply {
@@ -582,7 +604,7 @@ impl Channel {
         };
         let bells = (doorbell::new_doorbell()?, doorbell::new_doorbell()?);
         let ring = RingBlock { offset: block.offset(), len: block_len(entries) as u64, entries };
-        let mine = [bells.0.try_clone()?, bells.1.try_clone()?];
+        let mine = [bells.0.ring.try_clone()?, bells.1.ring.try_clone()?];
         // Runs on the control thread, which reads the broker's replies itself:
         // fire and forget. If the client is gone by now, the liveness socket
         // says so on the first operation.
@@ -695,7 +717,7 @@ impl Channel {
                 wait_until(
                     wait,
                     deadline,
-                    SleepSite { sleep: local.space_sleep(), epoch: &mut epoch, bell: sh.space_bell.as_fd(), liveness: Some(sh.liveness.as_fd()) },
+                    SleepSite { sleep: local.space_sleep(), epoch: &mut epoch, bell: sh.space_bell.wait.as_fd(), liveness: Some(sh.liveness.as_fd()) },
                     || -> std::result::Result<bool, String> {
                         txr.reap()?;
                         Ok(txr.ring.free_slots() > 0 || !sh.is_open() || txr.ring.peer_closed())
@@ -775,7 +797,7 @@ impl Channel {
             }
         }
         desc.total_len = total;
-        desc.cookie = tx.insert(Outstanding { tag: msg.tag, opcode: msg.opcode, parts: msg.parts, _sg_list: sg_buf });
+        desc.cookie = tx.insert(Outstanding { tag: msg.tag, opcode: msg.opcode, parts: msg.parts, hold: msg.hold, _sg_list: sg_buf });
         tx.ring.push(&desc).expect("window checked above");
         match tx.ring.publish() {
             Ok(Notify::Rung) => sh.stats.rung.add(1),
@@ -838,7 +860,7 @@ impl Channel {
             let outcome = wait_until(
                 wait,
                 step_deadline,
-                SleepSite { sleep: local.data_sleep(), epoch: &mut epoch, bell: sh.data_bell.as_fd(), liveness: Some(sh.liveness.as_fd()) },
+                SleepSite { sleep: local.data_sleep(), epoch: &mut epoch, bell: sh.data_bell.wait.as_fd(), liveness: Some(sh.liveness.as_fd()) },
                 || -> std::result::Result<bool, RingError> { Ok(ring.pending()? || !sh.is_open() || ring.peer_closed()) },
             );
             rx.epoch = epoch;
@@ -925,6 +947,13 @@ impl Channel {
         self.shared.releaser.lock().wake_peer();
     }
 
+    /// Test hook: a duplicate of the ring end of the peer's data doorbell —
+    /// exactly what a peer holds of ours. Used by the adversarial tests.
+    #[doc(hidden)]
+    pub fn __peer_data_bell(&self) -> std::io::Result<OwnedFd> {
+        Ok(rustix::io::fcntl_dupfd_cloexec(self.shared.tx.lock().ring.peer_data_bell(), 0)?)
+    }
+
     #[cfg(feature = "tokio")]
     /// Announces that the receiver is about to sleep on its data doorbell.
     /// Returns false (and stays awake) when a message or a state change is
@@ -969,7 +998,7 @@ impl Channel {
 
     #[cfg(feature = "tokio")]
     pub(crate) fn space_doorbell(&self) -> std::os::fd::BorrowedFd<'_> {
-        self.shared.space_bell.as_fd()
+        self.shared.space_bell.wait.as_fd()
     }
 
     #[cfg(feature = "tokio")]
@@ -992,11 +1021,11 @@ impl Channel {
         self.shared.is_open() && !self.shared.tx.lock().ring.peer_closed()
     }
 
-    /// The eventfd this channel's receiver sleeps on. The peer rings it only
+    /// The doorbell wait end this channel's receiver sleeps on. The peer rings it only
     /// after the receiver announced it is going to sleep (blocking `recv`, or
     /// [`crate::AsyncChannel`]), so it is not a readiness signal on its own.
     pub fn data_doorbell(&self) -> std::os::fd::BorrowedFd<'_> {
-        self.shared.data_bell.as_fd()
+        self.shared.data_bell.wait.as_fd()
     }
 }
 
@@ -1099,6 +1128,18 @@ impl Msg {
     /// The domain that sent this message over this connection.
     pub fn from_domain(&self) -> u64 {
         self.shared.peer.domain
+    }
+    /// A read-only view of `len` bytes at `g` in the sending peer's arena
+    /// (anywhere in it, not only in this message's segments), or `None` if the
+    /// range is not entirely inside the arena the peer granted us. One bounds
+    /// check; the view lives as long as this message, which keeps the mapping.
+    /// For protocols whose payload carries pointers (fido-rpc). The sender can
+    /// still write those bytes: copy out what you validate.
+    pub fn resolve(&self, g: GPtr, len: u64) -> Option<&[u8]> {
+        let p = within(&self.shared.peer_map, g, len)?;
+        // SAFETY: `within` checked the range lies inside the peer's mapping,
+        // which `self.shared` keeps alive for at least the borrow of `self`.
+        Some(unsafe { std::slice::from_raw_parts(p.as_ptr() as *const u8, len as usize) })
     }
 }
 

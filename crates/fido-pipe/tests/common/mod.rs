@@ -31,7 +31,12 @@ impl TestBroker {
         c.pipe.capacity = fido_broker::Capacity::Unlimited;
         f(&mut c);
         let (thread, shutdown) = fido_broker::Broker::spawn(c).unwrap();
-        TestBroker { dir, socket, shutdown: Some(shutdown), thread: Some(thread) }
+        TestBroker {
+            dir,
+            socket,
+            shutdown: Some(shutdown),
+            thread: Some(thread),
+        }
     }
 
     pub fn client(&self, name: &str) -> Client {
@@ -82,11 +87,20 @@ pub fn file_with(dir: &std::path::Path, name: &str, data: &[u8]) -> (PathBuf, st
 
 pub fn rw_file(dir: &std::path::Path, name: &str) -> (PathBuf, std::fs::File) {
     let p = dir.join(name);
-    let f = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&p).unwrap();
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&p)
+        .unwrap();
     (p, f)
 }
 
-pub fn stream_pair() -> (std::os::unix::net::UnixStream, std::os::unix::net::UnixStream) {
+pub fn stream_pair() -> (
+    std::os::unix::net::UnixStream,
+    std::os::unix::net::UnixStream,
+) {
     std::os::unix::net::UnixStream::pair().unwrap()
 }
 
