@@ -66,9 +66,9 @@ fn io_err(e: fido_pipe::Error) -> io::Error {
     }
 }
 
-/// Longest single request the engine accepts (`fido_proto::MAX_PIPE_LEN`); a
-/// stream of unknown length is forwarded in requests of this size.
-const MAX_REQUEST: u64 = 1 << 62;
+/// Longest single request the engine accepts; a stream of unknown length is
+/// forwarded in requests of this size.
+const MAX_REQUEST: u64 = fido_pipe::UNTIL_EOF;
 
 /// The engine declined a request before moving anything (over the domain's
 /// `pipes` quota, or the broker runs without an engine): the caller moves the
