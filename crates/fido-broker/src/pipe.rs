@@ -667,7 +667,11 @@ impl Core {
             Cmd::Start(spec) => self.start(spec),
             Cmd::Cancel(id) => self.cancel(id),
             Cmd::Weight(dom, w) => {
-                self.doms.entry(dom).or_insert_with(|| Dom::new(w)).weight = w.max(1);
+                // A domain the engine has not seen yet brings its weight with
+                // its first transfer (JobSpec::weight).
+                if let Some(d) = self.doms.get_mut(&dom) {
+                    d.weight = w.max(1);
+                }
             }
             Cmd::Forget(dom) => {
                 let ids: Vec<u64> = self

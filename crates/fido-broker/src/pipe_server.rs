@@ -332,6 +332,21 @@ impl Server {
         }
     }
 
+    /// The policy was reloaded: domains' rules may give new pipe weights
+    /// (weights set live with `PipeWeight` stay). Pipes over a lowered quota
+    /// are kept; new ones are refused until the domain is under it.
+    pub(super) fn pipe_policy_reloaded(&mut self) {
+        let updates: Vec<(DomainId, u32)> = self
+            .domains
+            .iter()
+            .filter(|(id, _)| !self.pipes.weights.contains_key(id))
+            .map(|(id, d)| (*id, d.rule.pipe_weight))
+            .collect();
+        for (dom, w) in updates {
+            self.pipes.engine.set_weight(dom, w);
+        }
+    }
+
     /// A domain died or left: its pipes go, its transfers are cancelled.
     pub(super) fn pipe_domain_gone(&mut self, dom: DomainId) {
         let n = self.pipes.pipes.len();

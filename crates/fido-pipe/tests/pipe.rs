@@ -1044,3 +1044,45 @@ fn a_stalled_domain_does_not_keep_its_share_in_strict_mode() {
     drop((pipe, tx));
     d.join().unwrap();
 }
+
+#[test]
+fn a_policy_reload_changes_pipe_weights() {
+    let uid = rustix::process::geteuid().as_raw();
+    let rule = |w: u32| {
+        format!("[[rule]]\nuids = [{uid}]\noffer = [\"*\"]\nconnect = [\"*\"]\npipe_weight = {w}\n")
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("broker.sock");
+    let mut cfg = fido_broker::Config::new(&socket, dir.path().join("state"));
+    cfg.heartbeat = Duration::from_millis(100);
+    cfg.pipe.capacity = fido_broker::Capacity::Unlimited;
+    cfg.policy = Arc::new(fido_broker::Policy::parse(&rule(2), "first").unwrap());
+    let broker = fido_broker::Broker::bind(cfg).unwrap();
+    let (reload, stop) = (broker.reload_handle(), broker.shutdown_handle());
+    let thread = std::thread::spawn(move || broker.run());
+
+    let c = fido_pipe::Client::connect_with(
+        fido_pipe::ClientOptions::new("reloaded").broker(&socket),
+    )
+    .unwrap();
+    let (_, f) = file_with(dir.path(), "src", b"abc");
+    let (tx, _rx) = stream_pair();
+    assert_eq!(c.file_to_socket(&f, &tx, 0, 3).unwrap().moved, 3);
+    let weight = || {
+        let st = c.status().unwrap();
+        st.pipes.iter().find(|d| d.domain == c.domain()).map(|d| d.weight)
+    };
+    let deadline = Instant::now() + LONG;
+    while weight() != Some(2) {
+        assert!(Instant::now() < deadline, "weight {:?}", weight());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    reload.reload(fido_broker::Policy::parse(&rule(5), "second").unwrap());
+    while weight() != Some(5) {
+        assert!(Instant::now() < deadline, "weight after reload {:?}", weight());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(c);
+    stop.shutdown();
+    thread.join().unwrap().unwrap();
+}
