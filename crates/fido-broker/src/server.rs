@@ -1318,6 +1318,7 @@ impl Server {
             }
         }
         self.reap();
+        self.pipe_policy_reloaded();
         let offered: Vec<(String, DomainId)> =
             self.services.iter().map(|(s, d)| (s.clone(), *d)).collect();
         for (service, dom) in offered {
