@@ -279,7 +279,6 @@ impl Server {
                         let next = self.reload.pending.lock().unwrap_or_else(|e| e.into_inner()).take();
                         if let Some(policy) = next {
                             self.apply_policy(policy);
-                            self.pipe_policy_reloaded();
                             for (dom, event) in std::mem::take(&mut self.after_reply) {
                                 self.send_event(dom, event, Vec::new());
                             }
@@ -1319,6 +1318,7 @@ impl Server {
             }
         }
         self.reap();
+        self.pipe_policy_reloaded();
         let offered: Vec<(String, DomainId)> =
             self.services.iter().map(|(s, d)| (s.clone(), *d)).collect();
         for (service, dom) in offered {
