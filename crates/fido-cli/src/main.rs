@@ -6,6 +6,7 @@
 //! * `fido demo` moves messages through a pipeline of separate processes with
 //!   zero copies, checks every message end to end, and runs the same pipeline
 //!   over Unix sockets beside it.
+//! * `fido run -- CMD` runs a program with MMNet (crates/fido-net) preloaded.
 //! * `fido bench channel` measures Fido against real baselines in the same
 //!   invocation (DESIGN.md §8).
 //!
@@ -26,6 +27,7 @@ mod chaos;
 mod demo;
 mod pipeline;
 mod proc;
+mod run;
 mod status;
 
 use std::path::PathBuf;
@@ -84,6 +86,19 @@ enum Cmd {
         /// Hops (links); the pipeline has hops+1 processes.
         #[arg(long, default_value_t = 3)]
         hops: usize,
+    },
+    /// Run a program with MMNet: its TCP connections to co-located programs
+    /// also under `fido run` move onto Fido rings (docs/NET.md).
+    Run {
+        /// Do not accelerate (plain TCP; sets FIDO_NET=off).
+        #[arg(long)]
+        no_accel: bool,
+        /// Broker socket [default: $FIDO_BROKER, $XDG_RUNTIME_DIR/fido/broker.sock, /run/fido/broker.sock]
+        #[arg(long)]
+        socket: Option<PathBuf>,
+        /// The program and its arguments (after `--`).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
+        cmd: Vec<std::ffi::OsString>,
     },
     /// Benchmarks (separate processes, baselines in the same run).
     Bench {
@@ -194,6 +209,7 @@ fn main() -> ExitCode {
         })
         .map(|_| true),
         Cmd::Status { json, socket } => status::run(json, socket).map(|_| true),
+        Cmd::Run { no_accel, socket, cmd } => run::run(no_accel, socket, cmd),
         Cmd::Demo {
             seconds,
             size,

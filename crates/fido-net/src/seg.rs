@@ -126,6 +126,12 @@ impl Segment {
             (*h).ring_len = self.ring_len as u32;
             (*h).nonce = nonce;
         }
+        // Both readers start armed: the first byte written on either ring
+        // rings the reader's socket (its "ring empty" was never announced).
+        for d in [CLIENT, SERVER] {
+            self.side(d).data_gen.store(1, Ordering::Relaxed);
+            self.ring(d).data_arm.0.store(1, Ordering::Relaxed);
+        }
         self.side(CLIENT).holders.store(1, Ordering::Release);
     }
 
