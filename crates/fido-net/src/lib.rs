@@ -82,10 +82,25 @@ extern "C" fn fork_parent() {
 extern "C" fn fork_child() {
     table::fork_child();
     broker::fork_child();
-    // The child holds every connection the parent held.
-    for c in table::all() {
+}
+
+/// `fork`: the child holds every connection the parent holds. The holder
+/// counts are raised *before* the fork so a parent closing its copy right
+/// after cannot believe it was the last holder.
+#[no_mangle]
+pub unsafe extern "C" fn fork() -> libc::pid_t {
+    let conns = table::all();
+    for c in &conns {
         c.seg.side(c.me).holders.fetch_add(1, Ordering::SeqCst);
     }
+    // SAFETY: forwarding.
+    let pid = unsafe { real::fork() };
+    if pid < 0 {
+        for c in &conns {
+            c.seg.side(c.me).holders.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+    pid
 }
 
 // ---- addresses ----------------------------------------------------------

@@ -69,6 +69,7 @@ real_fns! {
     dup3(fd: c_int, new: c_int, flags: c_int) -> c_int;
     poll(fds: *mut pollfd, n: nfds_t, timeout: c_int) -> c_int;
     close_range(first: c_uint, last: c_uint, flags: c_int) -> c_int;
+    fork() -> libc::pid_t;
     sendfile(out: c_int, inp: c_int, off: *mut libc::off_t, n: size_t) -> ssize_t;
 }
 
