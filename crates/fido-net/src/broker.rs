@@ -26,6 +26,11 @@ struct Net {
 }
 
 static NET: Mutex<Option<Net>> = Mutex::new(None);
+static BROKER_PATH: Mutex<Option<std::path::PathBuf>> = Mutex::new(None);
+
+pub fn set_broker_path(p: std::path::PathBuf) {
+    *BROKER_PATH.lock() = Some(p);
+}
 
 /// Acceleration switched off for this process (`FIDO_NET=off`, or after an
 /// io_uring instance was created).
@@ -55,8 +60,17 @@ pub fn domain() -> Option<Domain> {
         std::mem::forget(old);
     }
     let name = format!("net-{}", exe_name());
-    let opts = JoinOptions::new(name).arena_len(64 << 10).ring_entries(2).swizzle(true);
-    let dom = Domain::join(opts).ok();
+    let mut opts = JoinOptions::new(name).arena_len(64 << 10).ring_entries(2).swizzle(true);
+    if let Some(p) = BROKER_PATH.lock().clone() {
+        opts = opts.broker(p);
+    }
+    let dom = match Domain::join(opts) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            crate::debug!("no broker ({e}): plain TCP");
+            None
+        }
+    };
     *g = Some(Net { pid, dom: dom.clone() });
     dom
 }

@@ -39,6 +39,12 @@ fn spin_budget() -> Duration {
     Duration::from_nanos(v)
 }
 
+/// Reads the environment once (at load).
+pub fn read_config() {
+    spin_budget();
+    attach_wait();
+}
+
 /// Result of a data operation.
 pub enum Out {
     Done(usize),
@@ -56,7 +62,7 @@ pub struct Conn {
     pub nonblock: AtomicBool,
     /// Descriptors of this process naming the connection.
     pub local_refs: AtomicU32,
-    /// Client: the segment's memfd, kept until the server attached (-1 after).
+    /// Client: the segment's memfd, kept until the fate is decided (-1 after).
     pub memfd: AtomicI32,
     /// Client: the registry key of the request (deleted if never attached).
     pub request_key: Option<String>,
@@ -508,6 +514,15 @@ impl Conn {
     /// closed (`fd` is still open). If we were the last holder anywhere,
     /// prepare the socket so its close is a FIN (or a RST when data is unread).
     pub fn release(&self, fd: c_int) {
+        if self.state() != crate::seg::ATTACHED {
+            // Never carried data on the ring: nothing to prepare.
+            let m = self.memfd.swap(-1, Ordering::SeqCst);
+            if m >= 0 {
+                // SAFETY: our own memfd.
+                unsafe { real::close(m) };
+            }
+            return;
+        }
         let me = self.seg.side(self.me);
         if me.holders.fetch_sub(1, Ordering::SeqCst) == 1 {
             me.closed.store(1, Ordering::SeqCst);
@@ -546,18 +561,66 @@ impl Conn {
         }
     }
 
-    /// Client: the server mapped the segment; the memfd is no longer needed.
-    pub fn check_attached(&self) {
-        if self.memfd.load(Ordering::Relaxed) >= 0 && self.seg.hdr().attached.load(Ordering::Acquire) != 0 {
+    /// The decided state (seg::PENDING, ATTACHED, ABANDONED).
+    pub fn state(&self) -> u32 {
+        self.seg.hdr().state.load(Ordering::Acquire)
+    }
+
+    /// Client, before its first byte: wait (bounded) for the server to
+    /// attach; if it does not, abandon so both ends stay plain TCP.
+    /// Returns true when the ring is to be used.
+    pub fn decide(&self) -> bool {
+        let h = self.seg.hdr();
+        let mut st = h.state.load(Ordering::Acquire);
+        if st == crate::seg::PENDING {
+            let t0 = Instant::now();
+            let limit = attach_wait();
+            let mut i = 0u32;
+            while st == crate::seg::PENDING && t0.elapsed() < limit {
+                if i < 1000 {
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::sleep(Duration::from_micros(200));
+                }
+                i += 1;
+                st = h.state.load(Ordering::Acquire);
+            }
+            if st == crate::seg::PENDING {
+                st = match h.state.compare_exchange(crate::seg::PENDING, crate::seg::ABANDONED, Ordering::AcqRel, Ordering::Acquire) {
+                    Ok(_) => {
+                        crate::debug!("client {} -> {}: server did not attach in {:?}; plain TCP", self.local, self.peer, limit);
+                        crate::broker::count_plain();
+                        if let Some(k) = &self.request_key {
+                            crate::broker::delete_key(k);
+                        }
+                        crate::seg::ABANDONED
+                    }
+                    Err(now) => now,
+                };
+            }
+        }
+        if st != crate::seg::PENDING {
             let m = self.memfd.swap(-1, Ordering::SeqCst);
             if m >= 0 {
+                if st == crate::seg::ATTACHED {
+                    crate::broker::count_accelerated();
+                }
                 // SAFETY: our own memfd.
                 unsafe { real::close(m) };
             }
         }
+        st == crate::seg::ATTACHED
     }
+}
 
-    pub fn attached(&self) -> bool {
-        self.seg.hdr().attached.load(Ordering::Acquire) != 0
+/// How long a client's first I/O waits for the server to attach
+/// (`FIDO_NET_ATTACH_MS`, default 500).
+fn attach_wait() -> Duration {
+    static MS: AtomicU64 = AtomicU64::new(u64::MAX);
+    let mut v = MS.load(Ordering::Relaxed);
+    if v == u64::MAX {
+        v = std::env::var("FIDO_NET_ATTACH_MS").ok().and_then(|s| s.parse::<u64>().ok()).unwrap_or(500);
+        MS.store(v, Ordering::Relaxed);
     }
+    Duration::from_millis(v)
 }

@@ -38,8 +38,39 @@ pub(crate) fn valid_ring_len(n: usize) -> bool {
 }
 
 fn ring_len() -> usize {
-    std::env::var("FIDO_NET_RING").ok().and_then(|s| s.parse().ok()).filter(|&n| valid_ring_len(n)).unwrap_or(DEFAULT_RING)
+    static LEN: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let v = LEN.load(Ordering::Relaxed);
+    if v != 0 {
+        return v;
+    }
+    let v = std::env::var("FIDO_NET_RING").ok().and_then(|s| s.parse().ok()).filter(|&n| valid_ring_len(n)).unwrap_or(DEFAULT_RING);
+    LEN.store(v, Ordering::Relaxed);
+    v
 }
+
+/// `FIDO_NET_DEBUG=1`: one line on stderr per decision (why a connection is,
+/// or is not, accelerated).
+pub(crate) fn debug_on() -> bool {
+    static ON: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(2);
+    let v = ON.load(Ordering::Relaxed);
+    if v != 2 {
+        return v == 1;
+    }
+    let on = std::env::var_os("FIDO_NET_DEBUG").is_some_and(|v| v != "0");
+    ON.store(on as u8, Ordering::Relaxed);
+    on
+}
+
+macro_rules! debug {
+    ($($t:tt)*) => {
+        if $crate::debug_on() {
+            let s = format!("fido-net[{}]: {}\n", std::process::id(), format_args!($($t)*));
+            // SAFETY: writing a buffer to stderr.
+            unsafe { libc::syscall(libc::SYS_write, 2, s.as_ptr(), s.len()) };
+        }
+    };
+}
+pub(crate) use debug;
 
 fn set_errno(e: c_int) {
     // SAFETY: errno location of this thread.
@@ -67,6 +98,12 @@ extern "C" fn init() {
     if std::env::var_os("FIDO_NET").is_some_and(|v| v == "off" || v == "0") {
         broker::set_off();
     }
+    // Read the configuration now: some programs (nginx) replace the
+    // environment of the children they fork.
+    broker::set_broker_path(fido::default_broker_path());
+    debug_on();
+    ring_len();
+    conn::read_config();
     // SAFETY: registering plain extern "C" handlers.
     unsafe { libc::pthread_atfork(Some(fork_prepare), Some(fork_parent), Some(fork_child)) };
 }
@@ -195,6 +232,7 @@ pub unsafe extern "C" fn listen(fd: c_int, backlog: c_int) -> c_int {
 /// the segment and writes the request. `None`: stay plain TCP.
 fn prepare_connect(fd: c_int, dst: &Addr) -> Option<Arc<Conn>> {
     if !broker::find_listener(&dst.ip, dst.v4, dst.port) {
+        debug!("connect fd {fd} to {}:{}: no listener under fido", dst.ip, dst.port);
         broker::count_plain();
         return None;
     }
@@ -255,6 +293,7 @@ fn prepare_connect(fd: c_int, dst: &Addr) -> Option<Arc<Conn>> {
     segm.init(nonce);
     segm.side(seg::CLIENT).pid.store(std::process::id(), Ordering::Relaxed);
     let key = broker::request_key(dst.port, local.port);
+    debug!("connect fd {fd} {}:{} -> {}:{}: requesting {key}", local.ip, local.port, dst.ip, dst.port);
     if !broker::write_request(&key, memfd, nonce, rl) {
         cleanup(memfd);
         return None;
@@ -294,9 +333,7 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
     let e = errno();
     if r == 0 {
         c.connected.store(true, Ordering::SeqCst);
-        broker::count_accelerated();
     } else if e == libc::EINPROGRESS || e == libc::EINTR {
-        broker::count_accelerated();
     } else {
         // Refused, unreachable, ...: forget it; the socket is the kernel's.
         if let Some((c, _)) = table::remove(fd) {
@@ -312,24 +349,27 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
 }
 
 /// Server side: attach to the client's segment if it asked for acceleration.
-/// `Err(())`: it asked, but attaching failed (the caller resets it).
-fn attach(nfd: c_int, flags: c_int) -> Result<(), ()> {
-    let Some(peer) = sock_name(nfd, true) else { return Ok(()) };
+/// Any failure leaves the connection plain TCP: the client, not seeing the
+/// attach, abandons the segment before its first byte.
+fn attach(nfd: c_int, flags: c_int) {
+    let Some(peer) = sock_name(nfd, true) else { return };
     if !peer.loopback {
-        return Ok(());
+        return;
     }
-    let Some(local) = sock_name(nfd, false) else { return Ok(()) };
+    let Some(local) = sock_name(nfd, false) else { return };
     let key = broker::request_key(local.port, peer.port);
     let Some(req) = broker::read_request(&key) else {
+        debug!("accept fd {nfd}: no request at {key}");
         broker::count_plain();
-        return Ok(());
+        return;
     };
     broker::delete_key(&key);
     let path = format!("/proc/{}/fd/{}\0", req.pid, req.memfd);
     // SAFETY: opening a NUL-terminated path.
     let mfd = unsafe { libc::open(path.as_ptr() as *const libc::c_char, libc::O_RDWR | libc::O_CLOEXEC) };
     if mfd < 0 {
-        return Err(());
+        debug!("accept fd {nfd}: cannot open {}: {}", path.trim_end_matches('\0'), std::io::Error::last_os_error());
+        return;
     }
     // SAFETY: fstat into a zeroed stat.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
@@ -338,10 +378,18 @@ fn attach(nfd: c_int, flags: c_int) -> Result<(), ()> {
     let segm = if ok { seg::Segment::map(mfd, req.ring_len).ok() } else { None };
     // SAFETY: our own descriptor (the mapping stays).
     unsafe { real::close(mfd) };
-    let Some(segm) = segm.filter(|s| s.validate(req.nonce)) else { return Err(()) };
+    let Some(segm) = segm.filter(|s| s.validate(req.nonce)) else {
+        debug!("accept fd {nfd}: segment rejected");
+        return;
+    };
     segm.side(seg::SERVER).holders.store(1, Ordering::SeqCst);
     segm.side(seg::SERVER).pid.store(std::process::id(), Ordering::Relaxed);
-    segm.hdr().attached.store(1, Ordering::Release);
+    if segm.hdr().state.compare_exchange(seg::PENDING, seg::ATTACHED, Ordering::AcqRel, Ordering::Acquire).is_err() {
+        // The client gave up waiting: plain TCP on both ends.
+        debug!("accept fd {nfd}: client already abandoned");
+        broker::count_plain();
+        return;
+    }
     let nonblock = flags & libc::SOCK_NONBLOCK != 0;
     let c = broker::new_conn(
         segm,
@@ -354,32 +402,19 @@ fn attach(nfd: c_int, flags: c_int) -> Result<(), ()> {
         format!("{}:{}", peer.ip, peer.port),
     );
     table::insert(nfd, c);
+    debug!("accept fd {nfd}: attached {key}");
     broker::count_accelerated();
-    Ok(())
 }
 
 unsafe fn accept_common(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t, flags: c_int) -> c_int {
-    loop {
-        // SAFETY: forwarding the caller's arguments.
-        let nfd = unsafe { real::accept4(fd, addr, len, flags) };
-        if nfd < 0 || !broker::enabled() {
-            return nfd;
-        }
+    // SAFETY: forwarding the caller's arguments.
+    let nfd = unsafe { real::accept4(fd, addr, len, flags) };
+    if nfd >= 0 && broker::enabled() {
         let e = errno();
-        let ok = guard(Err(()), || attach(nfd, flags));
-        if ok.is_ok() {
-            set_errno(e);
-            return nfd;
-        }
-        // The client asked for acceleration but we could not attach: reset
-        // it (the client sees ECONNRESET before any reply) and accept the next.
-        let l = libc::linger { l_onoff: 1, l_linger: 0 };
-        // SAFETY: setsockopt with a linger struct, then closing our new socket.
-        unsafe {
-            libc::setsockopt(nfd, libc::SOL_SOCKET, libc::SO_LINGER, &l as *const _ as *const c_void, std::mem::size_of::<libc::linger>() as socklen_t);
-            real::close(nfd);
-        }
+        guard((), || attach(nfd, flags));
+        set_errno(e);
     }
+    nfd
 }
 
 #[no_mangle]
@@ -399,15 +434,26 @@ pub unsafe extern "C" fn accept4(fd: c_int, addr: *mut sockaddr, len: *mut sockl
 /// The connection behind `fd`, if its data travels on a ring now.
 fn active(fd: c_int) -> Option<Arc<Conn>> {
     let c = table::lookup(fd)?;
-    if c.me == seg::CLIENT {
-        c.check_attached();
-        if !c.connected.load(Ordering::Relaxed) {
-            // A non-blocking connect: the ring is used once TCP is connected.
-            sock_name(fd, true)?;
-            c.connected.store(true, Ordering::SeqCst);
+    match c.state() {
+        seg::ATTACHED => {
+            if c.me == seg::CLIENT && c.memfd.load(Ordering::Relaxed) >= 0 {
+                c.decide();
+            }
+            Some(c)
+        }
+        seg::ABANDONED => None,
+        _ => {
+            if !c.connected.load(Ordering::Relaxed) {
+                // A non-blocking connect in progress: the kernel answers.
+                sock_name(fd, true)?;
+                c.connected.store(true, Ordering::SeqCst);
+            }
+            let e = errno();
+            let ring = guard(false, || c.decide());
+            set_errno(e);
+            ring.then_some(c)
         }
     }
-    Some(c)
 }
 
 fn finish(o: Out, kernel: impl FnOnce() -> ssize_t) -> ssize_t {
@@ -772,7 +818,7 @@ fn forget_fd(fd: c_int) {
     if let Some((c, last)) = table::remove(fd) {
         if last {
             broker::count_closed(&c);
-            if c.me == seg::CLIENT && !c.attached() {
+            if c.me == seg::CLIENT && c.state() == seg::PENDING {
                 if let Some(k) = &c.request_key {
                     broker::delete_key(k);
                 }
@@ -882,7 +928,7 @@ pub unsafe extern "C" fn fcntl64(fd: c_int, cmd: c_int, arg: c_ulong) -> c_int {
 
 #[no_mangle]
 pub unsafe extern "C" fn ioctl(fd: c_int, req: c_ulong, arg: *mut c_void) -> c_int {
-    if let Some(c) = table::lookup(fd) {
+    if let Some(c) = table::lookup(fd).filter(|c| c.state() == seg::ATTACHED) {
         match req {
             libc::FIONREAD if !arg.is_null() => {
                 // SAFETY: FIONREAD's argument is an int out-pointer.

@@ -18,6 +18,10 @@ pub const VERSION: u32 = 1;
 pub const HDR_LEN: usize = 4096;
 
 /// Client is side 0, server side 1. Ring `d` carries bytes written by side `d`.
+pub const PENDING: u32 = 0;
+pub const ATTACHED: u32 = 1;
+pub const ABANDONED: u32 = 2;
+
 pub const CLIENT: usize = 0;
 pub const SERVER: usize = 1;
 
@@ -68,8 +72,11 @@ pub struct Header {
     pub version: u32,
     pub ring_len: u32,
     pub nonce: u64,
-    /// Set by the server when it mapped the segment at `accept`.
-    pub attached: AtomicU32,
+    /// Who decided the connection's fate: `PENDING`, then `ATTACHED` (the
+    /// server mapped the segment at `accept`) or `ABANDONED` (the client gave
+    /// up waiting and both ends use plain TCP). One compare-and-swap decides,
+    /// so the two ends can never disagree.
+    pub state: AtomicU32,
     pub sides: [Pad64<Side>; 2],
     pub rings: [RingCtl; 2],
 }
