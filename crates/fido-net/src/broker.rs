@@ -89,6 +89,20 @@ pub fn fork_child() {
 }
 
 fn exe_name() -> String {
+    static NAME: Mutex<Option<(u32, String)>> = Mutex::new(None);
+    let pid = std::process::id();
+    let mut g = NAME.lock();
+    if let Some((p, n)) = g.as_ref() {
+        if *p == pid {
+            return n.clone();
+        }
+    }
+    let n = read_exe_name();
+    *g = Some((pid, n.clone()));
+    n
+}
+
+fn read_exe_name() -> String {
     let raw = std::fs::read_to_string("/proc/self/comm").unwrap_or_else(|_| "proc".into());
     let s: String = raw
         .trim()

@@ -435,6 +435,25 @@ impl Conn {
                 if self.free_tx().unwrap_or(0) > 0 {
                     continue;
                 }
+                if !spun {
+                    // The kernel reports the socket writable whatever the
+                    // ring holds, so a program polling for POLLOUT would spin
+                    // on EAGAIN. Give the reader a moment (sleeping, until its
+                    // space doorbell) before saying EAGAIN.
+                    spun = true;
+                    me.space_waiters.fetch_add(1, Ordering::SeqCst);
+                    // Doorbells nobody reads (a program that only writes)
+                    // would keep the socket readable and the wait short.
+                    self.drain_stale(fd);
+                    let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+                    let ts = libc::timespec { tv_sec: 0, tv_nsec: 200_000 };
+                    // SAFETY: ppoll on one pollfd we own, no signal mask change.
+                    unsafe { libc::ppoll(&mut p, 1, &ts, std::ptr::null()) };
+                    me.space_waiters.fetch_sub(1, Ordering::SeqCst);
+                    if self.free_tx().unwrap_or(0) > 0 {
+                        continue;
+                    }
+                }
                 return Out::Err(libc::EAGAIN);
             }
             // Blocking with a full ring. Is the peer still there?
@@ -470,6 +489,7 @@ impl Conn {
                 me.space_waiters.fetch_sub(1, Ordering::SeqCst);
                 continue;
             }
+            self.drain_stale(fd);
             let dl = *deadline.get_or_insert_with(|| timeout_opt(fd, libc::SO_SNDTIMEO).map(|d| Instant::now() + d));
             let mut slice = 100i32;
             if let Some(dl) = dl {
@@ -487,13 +507,6 @@ impl Conn {
             me.space_waiters.fetch_sub(1, Ordering::SeqCst);
             if r < 0 && e == libc::EINTR {
                 return if sent > 0 { Out::Done(sent) } else { Out::Err(libc::EINTR) };
-            }
-            if r > 0 {
-                // A space doorbell (or a stale one) woke us: consume stale ones
-                // so the next sleep does not return at once.
-                if self.used_rx().unwrap_or(1) == 0 {
-                    self.drain_stale(fd);
-                }
             }
         }
     }
