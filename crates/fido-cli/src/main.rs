@@ -27,6 +27,7 @@ mod chaos;
 mod demo;
 mod pipeline;
 mod proc;
+mod netbench;
 mod run;
 mod status;
 
@@ -112,6 +113,19 @@ enum Suite {
     /// Channel latency, throughput, pipelines, doorbells: fido vs spin/eventfd floors, uds, tcp, iceoryx2, ucx.
     Channel {
         /// ≈0.3 s per point instead of ≈2 s.
+        #[arg(long)]
+        quick: bool,
+        /// Also write one JSON object per result to FILE.
+        #[arg(long, value_name = "FILE")]
+        json: Option<PathBuf>,
+        /// Only points whose system or case contains this substring.
+        #[arg(long, value_name = "S")]
+        filter: Option<String>,
+    },
+    /// Real TCP programs (sockperf, iperf3, redis-benchmark, nginx + wrk) over
+    /// plain TCP and under `fido run` (MMNet), in one invocation.
+    Net {
+        /// 1 s per point (and fewer redis requests) instead of 5 s.
         #[arg(long)]
         quick: bool,
         /// Also write one JSON object per result to FILE.
@@ -227,6 +241,19 @@ fn main() -> ExitCode {
                     filter,
                 },
         } => bench::channel(&fido_bench::Opts {
+            quick,
+            json,
+            filter,
+        })
+        .map(|_| true),
+        Cmd::Bench {
+            suite:
+                Suite::Net {
+                    quick,
+                    json,
+                    filter,
+                },
+        } => netbench::run(&fido_bench::Opts {
             quick,
             json,
             filter,
