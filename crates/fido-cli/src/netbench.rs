@@ -214,9 +214,9 @@ fn redis(e: &Env, system: &str, opts: &Opts, out: &mut Vec<Record>) -> anyhow::R
             _ => continue,
         };
         let rps: f64 = f.get(1).and_then(|x| x.parse().ok()).context("redis-benchmark rps")?;
-        // --csv: "test","rps","avg_latency_ms","min","p50","p95","p99","max"
-        let p50 = f.get(4).and_then(|x| x.parse::<f64>().ok()).map(|ms| ms * 1e6);
-        let p99 = f.get(6).and_then(|x| x.parse::<f64>().ok()).map(|ms| ms * 1e6);
+        // Percentiles of a rate do not exist: p50/p99 stay empty (the table
+        // and JSON would otherwise label latencies as req/s).
+        let (p50, p99) = (None, None);
         out.push(Record {
             suite: SUITE.into(),
             case: case.into(),
@@ -258,7 +258,7 @@ fn nginx(e: &Env, system: &str, opts: &Opts, out: &mut Vec<Record>) -> anyhow::R
     let _s = spawn_server(s, port)?;
     let before = accelerated(e.broker, "wrk");
     let mut c = e.cmd(system, "wrk");
-    c.args(["-t", "2", "-c", "100", "-d", &e.secs.to_string(), "--latency", &format!("http://127.0.0.1:{port}/index.html")]);
+    c.args(["-t", "2", "-c", "100", "-d", &e.secs.to_string(), &format!("http://127.0.0.1:{port}/index.html")]);
     let text = output(c, e.secs)?;
     check_accel(e, system, "wrk", before)?;
     if text.contains("Socket errors") || text.contains("Non-2xx") {
@@ -266,18 +266,6 @@ fn nginx(e: &Env, system: &str, opts: &Opts, out: &mut Vec<Record>) -> anyhow::R
     }
     let rps = after_number(&text, "Requests/sec:").context("wrk requests/sec")?;
     let n = text.lines().find(|l| l.contains("requests in")).and_then(|l| l.split_whitespace().next()?.parse().ok()).unwrap_or(0);
-    let lat = |k: &str| -> Option<f64> {
-        let l = text.lines().find(|l| l.trim_start().starts_with(k))?;
-        let v = l.split_whitespace().nth(1)?;
-        let (num, unit) = v.split_at(v.find(|c: char| c.is_ascii_alphabetic())?);
-        let x: f64 = num.parse().ok()?;
-        Some(match unit {
-            "us" => x * 1e3,
-            "ms" => x * 1e6,
-            "s" => x * 1e9,
-            _ => return None,
-        })
-    };
     out.push(Record {
         suite: SUITE.into(),
         case: "nginx-wrk".into(),
@@ -285,8 +273,8 @@ fn nginx(e: &Env, system: &str, opts: &Opts, out: &mut Vec<Record>) -> anyhow::R
         metric: "requests_per_s".into(),
         value: rps,
         unit: "req/s".into(),
-        p50: lat("50%"),
-        p99: lat("99%"),
+        p50: None,
+        p99: None,
         n,
     });
     Ok(())
