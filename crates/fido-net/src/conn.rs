@@ -207,9 +207,15 @@ impl Conn {
         self.seg.used(self.tx()).map(|u| self.seg.ring_len() - u).map_err(|_| ())
     }
 
-    /// Drains doorbell bytes that no longer cover anything. Called with our
-    /// ring empty and freshly armed.
+    /// Drains doorbell bytes that no longer cover anything: those of arms
+    /// older than the current one, while our ring is empty. The byte of the
+    /// current arm (and of a blocked writer's space arm) stays.
     fn drain_stale(&self, fd: c_int) {
+        // Only with our ring empty: with data waiting, the oldest queued
+        // doorbell may be the only one covering it.
+        if self.used_rx().unwrap_or(1) != 0 {
+            return;
+        }
         let me = self.seg.side(self.me);
         let peer = self.seg.side(self.peer_side());
         let pend = peer.doorbells_sent.load(Ordering::SeqCst).wrapping_sub(me.doorbells_drained.load(Ordering::SeqCst));
@@ -351,11 +357,12 @@ impl Conn {
             if nonblock {
                 return if got > 0 { Out::Done(got) } else { Out::Err(libc::EAGAIN) };
             }
-            // Blocking: spin on the ring (disarmed: the writer needs no
-            // system call to wake us), then sleep on the socket.
+            // Blocking: spin on the ring, then sleep on the socket. We stay
+            // armed while spinning: reclaiming the arm would let data arrive
+            // without a doorbell, and a later return with data still in the
+            // ring would leave the socket unreadable (a lost wake-up).
             if !spun {
                 spun = true;
-                self.seg.ring(rx).data_arm.0.swap(0, Ordering::SeqCst);
                 let t0 = Instant::now();
                 let budget = spin_budget();
                 while t0.elapsed() < budget {
