@@ -82,7 +82,7 @@ fn output(mut c: Command, secs: u64) -> anyhow::Result<String> {
     std::thread::spawn(move || {
         let _ = tx.send(child.wait_with_output());
     });
-    let out = match rx.recv_timeout(Duration::from_secs(secs + 60)) {
+    let out = match rx.recv_timeout(Duration::from_secs(secs + 30)) {
         Ok(o) => o?,
         Err(_) => {
             // SAFETY: our own child.
@@ -297,11 +297,18 @@ pub fn run(opts: &Opts) -> anyhow::Result<()> {
     };
     let t = Instant::now();
     let mut records = Vec::new();
+    let mut failures = Vec::new();
+    type Case = fn(&Env, &str, &Opts, &mut Vec<Record>) -> anyhow::Result<()>;
+    let cases: [(&str, Case); 4] = [("sockperf", sockperf), ("iperf3", iperf3), ("redis", redis), ("nginx", nginx)];
     for system in ["tcp", "fido"] {
-        sockperf(&e, system, opts, &mut records)?;
-        iperf3(&e, system, opts, &mut records)?;
-        redis(&e, system, opts, &mut records)?;
-        nginx(&e, system, opts, &mut records)?;
+        for (name, f) in cases {
+            // One failing program does not hide the others' figures; the
+            // failure is reported and makes the command fail.
+            if let Err(err) = f(&e, system, opts, &mut records) {
+                eprintln!("{name} over {system} FAILED: {err:#}");
+                failures.push(format!("{name}/{system}"));
+            }
+        }
     }
     fido_bench::print_table(&records);
     println!(
@@ -314,5 +321,8 @@ pub fn run(opts: &Opts) -> anyhow::Result<()> {
         fido_bench::write_json(p, &records)?;
     }
     broker.stop()?;
+    if !failures.is_empty() {
+        bail!("failed: {}", failures.join(", "));
+    }
     Ok(())
 }
