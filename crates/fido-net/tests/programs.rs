@@ -57,10 +57,10 @@ fn redis_server_with_redis_cli_and_redis_benchmark() {
     assert_eq!(stored.trim_end_matches('\n').len(), 256, "{stored:?}");
     assert_eq!(stored, cli(&["get", "key:__rand_int__"], false));
 
-    let (n_bench, sent, recv) = b.accelerated("redis-benchmark");
+    let (n_bench, sent, recv) = b.wait_accelerated("redis-benchmark", 8);
     assert!(n_bench >= 8, "redis-benchmark accelerated {n_bench}: {:?}", b.stats());
     assert!(sent > 4000 * 256 && recv > 4000 * 256, "bytes {sent}/{recv}");
-    assert!(b.accelerated("redis-cli").0 >= 4, "{:?}", b.stats());
+    assert!(b.wait_accelerated("redis-cli", 4).0 >= 4, "{:?}", b.stats());
 }
 
 fn nginx_conf(dir: &std::path::Path, port: u16) -> std::path::PathBuf {
@@ -126,9 +126,9 @@ fn nginx_with_curl_checksums_and_wrk() {
         .unwrap_or(0);
     assert!(reqs > 100, "{out}");
 
-    assert!(b.accelerated("curl").0 >= 6, "{:?}", b.stats());
-    assert!(b.accelerated("wrk").0 >= 4, "{:?}", b.stats());
-    let (n, sent, _) = b.accelerated("nginx");
+    assert!(b.wait_accelerated("curl", 6).0 >= 6, "{:?}", b.stats());
+    assert!(b.wait_accelerated("wrk", 4).0 >= 4, "{:?}", b.stats());
+    let (n, sent, _) = b.wait_accelerated("nginx", 10);
     assert!(n >= 10 && sent > 9 << 20, "nginx accelerated {n}, sent {sent}: {:?}", b.stats());
 }
 
@@ -158,7 +158,7 @@ fn iperf3_with_and_without_zerocopy() {
         assert!(recv > 1 << 20 && recv <= sent, "zerocopy {z}: sent {sent} received {recv}");
     }
     // Two runs, each a control and a data connection.
-    assert!(b.accelerated("iperf3").0 >= 8, "{:?}", b.stats());
+    assert!(b.wait_accelerated("iperf3", 8).0 >= 8, "{:?}", b.stats());
 }
 
 #[test]
@@ -188,5 +188,5 @@ fn sockperf_ping_pong_under_load_and_throughput() {
     }
     // sockperf prints its summary to stderr in some versions: run_ok keeps
     // stdout only, so the checks above ran on what it printed there.
-    assert!(b.accelerated("sockperf").0 >= 6, "{:?}", b.stats());
+    assert!(b.wait_accelerated("sockperf", 6).0 >= 6, "{:?}", b.stats());
 }

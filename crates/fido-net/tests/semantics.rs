@@ -24,7 +24,7 @@ fn accelerated_transcript_equals_tcp() {
     assert_eq!(pl.len(), ac.len(), "plain:\n{plain}\naccelerated:\n{accel}");
     // The probe opens 40 connections from its main process; every one of them
     // must have been accelerated (the comparison above is not vacuous).
-    let (n, sent, recv) = b.accelerated("fido-net-semant");
+    let (n, sent, recv) = b.wait_accelerated("fido-net-semant", 40);
     assert!(n >= 40, "only {n} accelerated connections; stats: {:?}", b.stats());
     assert!(sent > 1 << 20 && recv > 1 << 20, "bytes {sent}/{recv}");
 }

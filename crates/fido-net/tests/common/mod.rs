@@ -45,6 +45,19 @@ impl Broker {
         out
     }
 
+    /// Waits (up to 10 s: statistics are published every 200 ms and at exit)
+    /// until `name`'s accelerated connections reach `n`; returns the totals.
+    pub fn wait_accelerated(&self, name: &str, n: u64) -> (u64, u64, u64) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let t = self.accelerated(name);
+            if t.0 >= n || Instant::now() > deadline {
+                return t;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
     /// Total accelerated connections and bytes (sent, received) of processes
     /// whose name is `name`.
     pub fn accelerated(&self, name: &str) -> (u64, u64, u64) {
