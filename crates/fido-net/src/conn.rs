@@ -151,9 +151,11 @@ impl Conn {
         self.seg.used(self.tx()).unwrap_or(0)
     }
 
+    /// Sends one doorbell byte. The byte was already counted in
+    /// `doorbells_sent` (before the arm was taken, so a reader draining in
+    /// between knows one is on its way); a failed send uncounts it.
     fn doorbell(&self, fd: c_int, b: u8) {
         let s = self.seg.side(self.me);
-        s.doorbells_sent.fetch_add(1, Ordering::SeqCst);
         // SAFETY: one byte from a local onto the real socket.
         let r = unsafe { real::send(fd, &b as *const u8 as *const libc::c_void, 1, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
         if r != 1 {
@@ -161,21 +163,36 @@ impl Conn {
         }
     }
 
+    /// Takes an arm word: announces a possible doorbell first, then swaps;
+    /// withdraws the announcement if nobody was armed.
+    fn take_arm(&self, arm: &AtomicU32) -> u32 {
+        let s = self.seg.side(self.me);
+        s.doorbells_sent.fetch_add(1, Ordering::SeqCst);
+        let g = arm.swap(0, Ordering::SeqCst);
+        if g == 0 {
+            s.doorbells_sent.fetch_sub(1, Ordering::SeqCst);
+        }
+        g
+    }
+
     /// After publishing data: wake the reader if it armed.
     fn notify_data(&self, fd: c_int) {
         fence(Ordering::SeqCst);
-        let g = self.seg.ring(self.tx()).data_arm.0.swap(0, Ordering::SeqCst);
-        if g != 0 {
-            self.doorbell(fd, g as u8);
+        let arm = &self.seg.ring(self.tx()).data_arm.0;
+        if arm.load(Ordering::SeqCst) != 0 {
+            let g = self.take_arm(arm);
+            if g != 0 {
+                self.doorbell(fd, g as u8);
+            }
         }
     }
 
     /// After consuming data: wake a writer waiting for space.
     fn notify_space(&self, fd: c_int) {
         fence(Ordering::SeqCst);
-        let r = self.seg.ring(self.rx());
-        if r.space_arm.0.load(Ordering::SeqCst) != 0 {
-            let g = r.space_arm.0.swap(0, Ordering::SeqCst);
+        let arm = &self.seg.ring(self.rx()).space_arm.0;
+        if arm.load(Ordering::SeqCst) != 0 {
+            let g = self.take_arm(arm);
             if g != 0 {
                 self.doorbell(fd, g as u8);
             }
@@ -223,8 +240,24 @@ impl Conn {
             return;
         }
         let mut buf = [0u8; 256];
-        // SAFETY: peek into a local buffer.
-        let n = unsafe { real::recv(fd, buf.as_mut_ptr() as *mut libc::c_void, buf.len(), libc::MSG_PEEK | libc::MSG_DONTWAIT) };
+        // A doorbell counted but not yet landed (the peer is between its count
+        // and its send) would land after this drain and make the socket
+        // readable with nothing to read — programs such as wrk treat that
+        // EAGAIN as an error. Give in-flight doorbells a moment to land.
+        let t0 = Instant::now();
+        let n = loop {
+            let pend = peer.doorbells_sent.load(Ordering::SeqCst).wrapping_sub(me.doorbells_drained.load(Ordering::SeqCst));
+            let want = pend.min(buf.len() as u64) as isize;
+            // SAFETY: peek into a local buffer.
+            let n = unsafe { real::recv(fd, buf.as_mut_ptr() as *mut libc::c_void, buf.len(), libc::MSG_PEEK | libc::MSG_DONTWAIT) };
+            if n >= want || n == 0 || t0.elapsed() > Duration::from_millis(2) {
+                break n;
+            }
+            if n < 0 && errno() != libc::EAGAIN {
+                break n;
+            }
+            std::thread::yield_now();
+        };
         if n <= 0 {
             return;
         }
@@ -344,6 +377,7 @@ impl Conn {
                     if self.used_rx().unwrap_or(0) > 0 {
                         continue;
                     }
+                    crate::debug!("recv fd {fd}: EOF after {got}");
                     return Out::Done(got);
                 }
                 KState::Err(e) => {
@@ -355,6 +389,19 @@ impl Conn {
                 KState::Empty | KState::Bytes => {}
             }
             if nonblock {
+                if got == 0 && crate::debug_on() {
+                    let k = self.kernel_state(fd);
+                    let me = self.seg.side(self.me);
+                    let peer = self.seg.side(self.peer_side());
+                    crate::debug!(
+                        "recv fd {fd}: EAGAIN (kernel {}, gen {}, arm {}, sent {} drained {})",
+                        match k { KState::Bytes => "bytes", KState::Empty => "empty", KState::Eof => "eof", KState::Err(_) => "err" },
+                        me.data_gen.load(Ordering::SeqCst),
+                        self.seg.ring(rx).data_arm.0.load(Ordering::SeqCst),
+                        peer.doorbells_sent.load(Ordering::SeqCst),
+                        me.doorbells_drained.load(Ordering::SeqCst)
+                    );
+                }
                 return if got > 0 { Out::Done(got) } else { Out::Err(libc::EAGAIN) };
             }
             // Blocking: spin on the ring, then sleep on the socket. We stay
@@ -474,6 +521,7 @@ impl Conn {
                 // The peer shut down or exited. A probe byte makes a dead
                 // peer's kernel answer with a RST (then POLLERR above).
                 probed = true;
+                me.doorbells_sent.fetch_add(1, Ordering::SeqCst);
                 self.doorbell(fd, 0);
             }
             if !spun {
