@@ -175,15 +175,41 @@ impl Conn {
         g
     }
 
-    /// After publishing data: wake the reader if it armed.
-    fn notify_data(&self, fd: c_int) {
+    /// After publishing data up to `head`: wake the reader if it armed —
+    /// unless it already read everything up to `head` (it re-armed after
+    /// consuming our bytes: a doorbell now would announce data that is gone,
+    /// a spurious readiness that programs such as wrk count as an error).
+    fn notify_data(&self, fd: c_int, mut head: u64) {
         fence(Ordering::SeqCst);
-        let arm = &self.seg.ring(self.tx()).data_arm.0;
-        if arm.load(Ordering::SeqCst) != 0 {
-            let g = self.take_arm(arm);
-            if g != 0 {
-                self.doorbell(fd, g as u8);
+        let ring = self.seg.ring(self.tx());
+        let arm = &ring.data_arm.0;
+        loop {
+            if arm.load(Ordering::SeqCst) == 0 {
+                return;
             }
+            let g = self.take_arm(arm);
+            if g == 0 {
+                return;
+            }
+            let tail = ring.tail.0.load(Ordering::SeqCst);
+            if (tail.wrapping_sub(head) as i64) < 0 {
+                self.doorbell(fd, g as u8);
+                return;
+            }
+            // The reader has it all: no doorbell; give the arm back if the
+            // reader has not re-armed meanwhile.
+            self.seg.side(self.me).doorbells_sent.fetch_sub(1, Ordering::SeqCst);
+            if self.seg.side(self.peer_side()).data_gen.load(Ordering::SeqCst) == g {
+                let _ = arm.compare_exchange(0, g, Ordering::SeqCst, Ordering::SeqCst);
+            }
+            // Another writer (thread or process) may have published while we
+            // held the arm: cover its bytes.
+            let h = ring.head.0.load(Ordering::SeqCst);
+            if h != head && (ring.tail.0.load(Ordering::SeqCst).wrapping_sub(h) as i64) < 0 {
+                head = h;
+                continue;
+            }
+            return;
         }
     }
 
@@ -317,6 +343,16 @@ impl Conn {
         let mut got = 0usize;
         let mut spun = false;
         let mut deadline: Option<Option<Instant>> = None;
+        let entry = if crate::debug_on() {
+            match self.kernel_state(fd) {
+                KState::Bytes => "bytes",
+                KState::Empty => "empty",
+                KState::Eof => "eof",
+                KState::Err(_) => "err",
+            }
+        } else {
+            ""
+        };
         loop {
             let n = {
                 let _l = ShmLock::lock(&self.seg.ring(rx).rlock.0);
@@ -394,7 +430,7 @@ impl Conn {
                     let me = self.seg.side(self.me);
                     let peer = self.seg.side(self.peer_side());
                     crate::debug!(
-                        "recv fd {fd}: EAGAIN (kernel {}, gen {}, arm {}, sent {} drained {})",
+                        "recv fd {fd}: EAGAIN (at entry {entry}, now {}, gen {}, arm {}, sent {} drained {})",
                         match k { KState::Bytes => "bytes", KState::Empty => "empty", KState::Eof => "eof", KState::Err(_) => "err" },
                         me.data_gen.load(Ordering::SeqCst),
                         self.seg.ring(rx).data_arm.0.load(Ordering::SeqCst),
@@ -461,10 +497,10 @@ impl Conn {
         loop {
             let n = {
                 let _l = ShmLock::lock(&self.seg.ring(tx).wlock.0);
-                self.seg.write_from(tx, &bufs)
+                self.seg.write_from(tx, &bufs).map(|n| (n, self.seg.ring(tx).head.0.load(Ordering::Relaxed)))
             };
-            let n = match n {
-                Ok(n) => n,
+            let (n, head) = match n {
+                Ok(v) => v,
                 Err(_) => {
                     self.reset(fd);
                     return if sent > 0 { Out::Done(sent) } else { Out::Kernel };
@@ -473,7 +509,7 @@ impl Conn {
             if n > 0 {
                 sent += n;
                 advance(&mut bufs, n);
-                self.notify_data(fd);
+                self.notify_data(fd, head);
             }
             if sent == total {
                 return Out::Done(sent);
