@@ -22,10 +22,14 @@ fn accelerated_transcript_equals_tcp() {
         assert_eq!(p, a, "line {i} differs\nplain:\n{plain}\naccelerated:\n{accel}");
     }
     assert_eq!(pl.len(), ac.len(), "plain:\n{plain}\naccelerated:\n{accel}");
-    // The probe opens 40 connections from its main process; every one of them
-    // must have been accelerated (the comparison above is not vacuous).
-    let (n, sent, recv) = b.wait_accelerated("fido-net-semant", 40);
-    assert!(n >= 40, "only {n} accelerated connections; stats: {:?}", b.stats());
+    // The probe opens 20 connections (40 ends). An end is counted by the
+    // process that makes its first I/O; a few are first used in forked
+    // children that leave with _exit before publishing, so the main process
+    // accounts for at least 30 ends. None may have fallen back to TCP.
+    let (n, sent, recv) = b.wait_accelerated("fido-net-semant", 30);
+    assert!(n >= 30, "only {n} accelerated connection ends; stats: {:?}", b.stats());
+    let plain: u64 = b.stats().iter().map(|v| v["plain_local"].as_u64().unwrap_or(0)).sum();
+    assert_eq!(plain, 0, "{:?}", b.stats());
     assert!(sent > 1 << 20 && recv > 1 << 20, "bytes {sent}/{recv}");
 }
 
