@@ -25,9 +25,9 @@ mod bench;
 mod broker;
 mod chaos;
 mod demo;
+mod netbench;
 mod pipeline;
 mod proc;
-mod netbench;
 mod run;
 mod status;
 
@@ -223,7 +223,11 @@ fn main() -> ExitCode {
         })
         .map(|_| true),
         Cmd::Status { json, socket } => status::run(json, socket).map(|_| true),
-        Cmd::Run { no_accel, socket, cmd } => run::run(no_accel, socket, cmd),
+        Cmd::Run {
+            no_accel,
+            socket,
+            cmd,
+        } => run::run(no_accel, socket, cmd),
         Cmd::Demo {
             seconds,
             size,

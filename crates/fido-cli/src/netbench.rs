@@ -28,7 +28,9 @@ impl Env<'_> {
     fn cmd(&self, system: &str, prog: &str) -> Command {
         let mut c = Command::new(prog);
         if system == "fido" {
-            c.env("LD_PRELOAD", &self.lib).env("FIDO_BROKER", self.broker).env_remove("FIDO_NET");
+            c.env("LD_PRELOAD", &self.lib)
+                .env("FIDO_BROKER", self.broker)
+                .env_remove("FIDO_NET");
         } else {
             c.env_remove("LD_PRELOAD").env("FIDO_NET", "off");
         }
@@ -90,7 +92,11 @@ fn output(mut c: Command, secs: u64) -> anyhow::Result<String> {
             bail!("{c:?} did not finish");
         }
     };
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
     if !out.status.success() {
         bail!("{c:?} failed ({}):\n{text}", out.status);
     }
@@ -98,12 +104,19 @@ fn output(mut c: Command, secs: u64) -> anyhow::Result<String> {
 }
 
 fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
 }
 
 /// Connections the named program accelerated so far (from `/net/stats`).
 fn accelerated(broker: &Path, name: &str) -> u64 {
-    let Ok(d) = Domain::join(JoinOptions::new("fido-bench-net").broker(broker).arena_len(1 << 20).ring_entries(2)) else {
+    let Ok(d) = Domain::join(
+        JoinOptions::new("fido-bench-net")
+            .broker(broker)
+            .arena_len(1 << 20)
+            .ring_entries(2),
+    ) else {
         return 0;
     };
     let mut n = 0;
@@ -123,7 +136,10 @@ fn accelerated(broker: &Path, name: &str) -> u64 {
 fn after_number(text: &str, key: &str) -> Option<f64> {
     let i = text.find(key)? + key.len();
     let rest = text[i..].trim_start_matches([' ', '=', ':']);
-    let num: String = rest.chars().take_while(|c| c.is_ascii_digit() || *c == '.').collect();
+    let num: String = rest
+        .chars()
+        .take_while(|c| c.is_ascii_digit() || *c == '.')
+        .collect();
     num.parse().ok()
 }
 
@@ -144,7 +160,18 @@ fn sockperf(e: &Env, system: &str, opts: &Opts, out: &mut Vec<Record>) -> anyhow
     if opts.wants(system, "sockperf-pp") {
         let before = accelerated(e.broker, "sockperf");
         let mut c = e.cmd(system, "sockperf");
-        c.args(["pp", "--tcp", "-i", "127.0.0.1", "-p", &p, "-t", &t, "-m", "14"]);
+        c.args([
+            "pp",
+            "--tcp",
+            "-i",
+            "127.0.0.1",
+            "-p",
+            &p,
+            "-t",
+            &t,
+            "-m",
+            "14",
+        ]);
         let text = output(c, e.secs)?;
         check_accel(e, system, "sockperf", before)?;
         let p50 = after_number(&text, "percentile 50.000").context("sockperf p50")? * 1000.0;
@@ -155,12 +182,29 @@ fn sockperf(e: &Env, system: &str, opts: &Opts, out: &mut Vec<Record>) -> anyhow
     if opts.wants(system, "sockperf-tp") {
         let before = accelerated(e.broker, "sockperf");
         let mut c = e.cmd(system, "sockperf");
-        c.args(["tp", "--tcp", "-i", "127.0.0.1", "-p", &p, "-t", &t, "-m", "64000"]);
+        c.args([
+            "tp",
+            "--tcp",
+            "-i",
+            "127.0.0.1",
+            "-p",
+            &p,
+            "-t",
+            &t,
+            "-m",
+            "64000",
+        ]);
         let text = output(c, e.secs)?;
         check_accel(e, system, "sockperf", before)?;
         let mbps = after_number(&text, "BandWidth is").context("sockperf bandwidth")?;
         let n = after_number(&text, "Total of").unwrap_or(0.0) as u64;
-        out.push(Record::throughput(SUITE, "sockperf-tp", system, mbps * 1e6, n));
+        out.push(Record::throughput(
+            SUITE,
+            "sockperf-tp",
+            system,
+            mbps * 1e6,
+            n,
+        ));
     }
     Ok(())
 }
@@ -177,14 +221,24 @@ fn iperf3(e: &Env, system: &str, opts: &Opts, out: &mut Vec<Record>) -> anyhow::
         }
         let before = accelerated(e.broker, "iperf3");
         let mut c = e.cmd(system, "iperf3");
-        c.args(["-c", "127.0.0.1", "-p", &p, "-t", &e.secs.to_string(), "--json"]);
+        c.args([
+            "-c",
+            "127.0.0.1",
+            "-p",
+            &p,
+            "-t",
+            &e.secs.to_string(),
+            "--json",
+        ]);
         if z {
             c.arg("-Z");
         }
         let text = output(c, e.secs)?;
         check_accel(e, system, "iperf3", before)?;
         let v: serde_json::Value = serde_json::from_str(&text).context("iperf3 json")?;
-        let bps = v["end"]["sum_received"]["bits_per_second"].as_f64().context("iperf3 result")?;
+        let bps = v["end"]["sum_received"]["bits_per_second"]
+            .as_f64()
+            .context("iperf3 result")?;
         let bytes = v["end"]["sum_received"]["bytes"].as_u64().unwrap_or(0);
         out.push(Record::throughput(SUITE, case, system, bps / 8.0, bytes));
     }
@@ -198,12 +252,24 @@ fn redis(e: &Env, system: &str, opts: &Opts, out: &mut Vec<Record>) -> anyhow::R
     let port = free_port()?;
     let p = port.to_string();
     let mut s = e.cmd(system, "redis-server");
-    s.args(["--port", &p, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]).current_dir(e.dir);
+    s.args([
+        "--port",
+        &p,
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+    ])
+    .current_dir(e.dir);
     let _s = spawn_server(s, port)?;
     let n = if e.quick { "20000" } else { "200000" };
     let before = accelerated(e.broker, "redis-benchmark");
     let mut c = e.cmd(system, "redis-benchmark");
-    c.args(["-p", &p, "-t", "set,get", "-n", n, "-c", "50", "-d", "1024", "--csv"]);
+    c.args([
+        "-p", &p, "-t", "set,get", "-n", n, "-c", "50", "-d", "1024", "--csv",
+    ]);
     let text = output(c, 120)?;
     check_accel(e, system, "redis-benchmark", before)?;
     for line in text.lines() {
@@ -213,7 +279,10 @@ fn redis(e: &Env, system: &str, opts: &Opts, out: &mut Vec<Record>) -> anyhow::R
             Some(&"GET") => "redis-get",
             _ => continue,
         };
-        let rps: f64 = f.get(1).and_then(|x| x.parse().ok()).context("redis-benchmark rps")?;
+        let rps: f64 = f
+            .get(1)
+            .and_then(|x| x.parse().ok())
+            .context("redis-benchmark rps")?;
         // Percentiles of a rate do not exist: p50/p99 stay empty (the table
         // and JSON would otherwise label latencies as req/s).
         let (p50, p99) = (None, None);
@@ -240,7 +309,11 @@ fn nginx(e: &Env, system: &str, opts: &Opts, out: &mut Vec<Record>) -> anyhow::R
     let d = e.dir.join(format!("nginx-{system}"));
     std::fs::create_dir_all(d.join("www"))?;
     std::fs::write(d.join("www/index.html"), vec![b'f'; 1024])?;
-    let user = if rustix::process::geteuid().is_root() { "user root;" } else { "" };
+    let user = if rustix::process::geteuid().is_root() {
+        "user root;"
+    } else {
+        ""
+    };
     let dd = d.display();
     std::fs::write(
         d.join("nginx.conf"),
@@ -254,18 +327,33 @@ fn nginx(e: &Env, system: &str, opts: &Opts, out: &mut Vec<Record>) -> anyhow::R
         ),
     )?;
     let mut s = e.cmd(system, "nginx");
-    s.arg("-c").arg(d.join("nginx.conf")).arg("-e").arg(d.join("error.log"));
+    s.arg("-c")
+        .arg(d.join("nginx.conf"))
+        .arg("-e")
+        .arg(d.join("error.log"));
     let _s = spawn_server(s, port)?;
     let before = accelerated(e.broker, "wrk");
     let mut c = e.cmd(system, "wrk");
-    c.args(["-t", "2", "-c", "100", "-d", &e.secs.to_string(), &format!("http://127.0.0.1:{port}/index.html")]);
+    c.args([
+        "-t",
+        "2",
+        "-c",
+        "100",
+        "-d",
+        &e.secs.to_string(),
+        &format!("http://127.0.0.1:{port}/index.html"),
+    ]);
     let text = output(c, e.secs)?;
     check_accel(e, system, "wrk", before)?;
     if text.contains("Socket errors") || text.contains("Non-2xx") {
         eprintln!("warning: wrk over {system} reported errors:\n{text}");
     }
     let rps = after_number(&text, "Requests/sec:").context("wrk requests/sec")?;
-    let n = text.lines().find(|l| l.contains("requests in")).and_then(|l| l.split_whitespace().next()?.parse().ok()).unwrap_or(0);
+    let n = text
+        .lines()
+        .find(|l| l.contains("requests in"))
+        .and_then(|l| l.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0);
     out.push(Record {
         suite: SUITE.into(),
         case: "nginx-wrk".into(),
@@ -281,13 +369,28 @@ fn nginx(e: &Env, system: &str, opts: &Opts, out: &mut Vec<Record>) -> anyhow::R
 }
 
 pub fn run(opts: &Opts) -> anyhow::Result<()> {
-    for p in ["sockperf", "iperf3", "redis-server", "redis-benchmark", "nginx", "wrk"] {
-        if Command::new("sh").args(["-c", &format!("command -v {p}")]).stdout(Stdio::null()).status()?.code() != Some(0) {
+    for p in [
+        "sockperf",
+        "iperf3",
+        "redis-server",
+        "redis-benchmark",
+        "nginx",
+        "wrk",
+    ] {
+        if Command::new("sh")
+            .args(["-c", &format!("command -v {p}")])
+            .stdout(Stdio::null())
+            .status()?
+            .code()
+            != Some(0)
+        {
             bail!("{p} is not installed (scripts/install-test-deps.sh installs the benchmark programs)");
         }
     }
     let broker = EmbeddedBroker::start("fido-bench-net-")?;
-    let dir = tempfile::Builder::new().prefix("fido-bench-net-").tempdir()?;
+    let dir = tempfile::Builder::new()
+        .prefix("fido-bench-net-")
+        .tempdir()?;
     let e = Env {
         lib: crate::run::find_library()?,
         broker: broker.socket(),
@@ -299,7 +402,12 @@ pub fn run(opts: &Opts) -> anyhow::Result<()> {
     let mut records = Vec::new();
     let mut failures = Vec::new();
     type Case = fn(&Env, &str, &Opts, &mut Vec<Record>) -> anyhow::Result<()>;
-    let cases: [(&str, Case); 4] = [("sockperf", sockperf), ("iperf3", iperf3), ("redis", redis), ("nginx", nginx)];
+    let cases: [(&str, Case); 4] = [
+        ("sockperf", sockperf),
+        ("iperf3", iperf3),
+        ("redis", redis),
+        ("nginx", nginx),
+    ];
     for system in ["tcp", "fido"] {
         for (name, f) in cases {
             // One failing program does not hide the others' figures; the
@@ -316,7 +424,11 @@ pub fn run(opts: &Opts) -> anyhow::Result<()> {
          sockperf pp -m 14 (one_way_ns = RTT/2 as sockperf reports), tp -m 64000 (sender rate); \
          iperf3 receiver rate; redis-benchmark -c 50 -d 1024; wrk -t 2 -c 100 on a 1 KiB file."
     );
-    eprintln!("({} records in {:.1} s)", records.len(), t.elapsed().as_secs_f64());
+    eprintln!(
+        "({} records in {:.1} s)",
+        records.len(),
+        t.elapsed().as_secs_f64()
+    );
     if let Some(p) = &opts.json {
         fido_bench::write_json(p, &records)?;
     }

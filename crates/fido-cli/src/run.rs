@@ -42,7 +42,9 @@ pub fn find_library() -> anyhow::Result<PathBuf> {
 
 /// Replaces this process with `cmd` (returns only on failure).
 pub fn run(no_accel: bool, socket: Option<PathBuf>, cmd: Vec<OsString>) -> anyhow::Result<bool> {
-    let Some((prog, args)) = cmd.split_first() else { bail!("fido run: no command given (fido run -- CMD ARGS…)") };
+    let Some((prog, args)) = cmd.split_first() else {
+        bail!("fido run: no command given (fido run -- CMD ARGS…)")
+    };
     let mut c = std::process::Command::new(prog);
     c.args(args);
     if no_accel {
@@ -61,7 +63,9 @@ pub fn run(no_accel: bool, socket: Option<PathBuf>, cmd: Vec<OsString>) -> anyho
             preload.push(":");
             preload.push(old);
         }
-        c.env("LD_PRELOAD", preload).env("FIDO_BROKER", &broker).env_remove("FIDO_NET");
+        c.env("LD_PRELOAD", preload)
+            .env("FIDO_BROKER", &broker)
+            .env_remove("FIDO_NET");
     }
     let err = c.exec();
     Err(err).with_context(|| format!("running {}", Path::new(prog).display()))

@@ -201,24 +201,42 @@ fn print_net(net: &[Value]) {
         .collect();
     print!(
         "{}",
-        table(&["domain", "name", "pid", "accelerated", "plain (local)", "bytes sent/recv"], &rows)
+        table(
+            &[
+                "domain",
+                "name",
+                "pid",
+                "accelerated",
+                "plain (local)",
+                "bytes sent/recv"
+            ],
+            &rows
+        )
     );
     let open: Vec<Vec<String>> = net
         .iter()
         .flat_map(|v| {
             let pid = v["pid"].to_string();
-            v["open"].as_array().cloned().unwrap_or_default().into_iter().map(move |c| {
-                vec![
-                    pid.clone(),
-                    c["side"].as_str().unwrap_or("?").to_string(),
-                    c["local"].as_str().unwrap_or("?").to_string(),
-                    c["peer"].as_str().unwrap_or("?").to_string(),
-                    human_bytes(c["bytes_sent"].as_u64().unwrap_or(0)),
-                    human_bytes(c["bytes_received"].as_u64().unwrap_or(0)),
-                ]
-            })
+            v["open"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+                .into_iter()
+                .map(move |c| {
+                    vec![
+                        pid.clone(),
+                        c["side"].as_str().unwrap_or("?").to_string(),
+                        c["local"].as_str().unwrap_or("?").to_string(),
+                        c["peer"].as_str().unwrap_or("?").to_string(),
+                        human_bytes(c["bytes_sent"].as_u64().unwrap_or(0)),
+                        human_bytes(c["bytes_received"].as_u64().unwrap_or(0)),
+                    ]
+                })
         })
         .collect();
     println!("\naccelerated connections open ({}):", open.len());
-    print!("{}", table(&["pid", "side", "local", "peer", "sent", "received"], &open));
+    print!(
+        "{}",
+        table(&["pid", "side", "local", "peer", "sent", "received"], &open)
+    );
 }

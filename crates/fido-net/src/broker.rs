@@ -60,7 +60,10 @@ pub fn domain() -> Option<Domain> {
         std::mem::forget(old);
     }
     let name = format!("net-{}", exe_name());
-    let mut opts = JoinOptions::new(name).arena_len(64 << 10).ring_entries(2).swizzle(true);
+    let mut opts = JoinOptions::new(name)
+        .arena_len(64 << 10)
+        .ring_entries(2)
+        .swizzle(true);
     if let Some(p) = BROKER_PATH.lock().clone() {
         opts = opts.broker(p);
     }
@@ -71,7 +74,10 @@ pub fn domain() -> Option<Domain> {
             None
         }
     };
-    *g = Some(Net { pid, dom: dom.clone() });
+    *g = Some(Net {
+        pid,
+        dom: dom.clone(),
+    });
     dom
 }
 
@@ -107,7 +113,13 @@ fn read_exe_name() -> String {
     let s: String = raw
         .trim()
         .chars()
-        .map(|c| if c.is_ascii_alphanumeric() || "_.:@+=-".contains(c) { c } else { '_' })
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "_.:@+=-".contains(c) {
+                c
+            } else {
+                '_'
+            }
+        })
         .take(64)
         .collect();
     if s.is_empty() {
@@ -124,7 +136,9 @@ pub fn netns() -> u64 {
     if v != 0 {
         return v;
     }
-    let ino = std::fs::metadata("/proc/self/ns/net").map(|m| std::os::unix::fs::MetadataExt::ino(&m)).unwrap_or(1);
+    let ino = std::fs::metadata("/proc/self/ns/net")
+        .map(|m| std::os::unix::fs::MetadataExt::ino(&m))
+        .unwrap_or(1);
     NS.store(ino, Ordering::Relaxed);
     ino
 }
@@ -137,8 +151,16 @@ pub fn euid() -> u32 {
 /// Publishes a listening socket. Returns the key.
 pub fn publish_listener(ip: &str, port: u16) -> Option<String> {
     let d = domain()?;
-    let key = format!("/net/listen/{}/{}/{}@{}@{}", netns(), port, ip, d.id(), euid());
-    d.write(&key, std::process::id().to_string().as_bytes()).ok()?;
+    let key = format!(
+        "/net/listen/{}/{}/{}@{}@{}",
+        netns(),
+        port,
+        ip,
+        d.id(),
+        euid()
+    );
+    d.write(&key, std::process::id().to_string().as_bytes())
+        .ok()?;
     Some(key)
 }
 
@@ -152,10 +174,14 @@ pub fn withdraw(key: &str) {
 /// destination)?
 pub fn find_listener(ip: &str, v4: bool, port: u16) -> bool {
     let Some(d) = domain() else { return false };
-    let Ok(names) = d.list(&format!("/net/listen/{}/{}", netns(), port)) else { return false };
+    let Ok(names) = d.list(&format!("/net/listen/{}/{}", netns(), port)) else {
+        return false;
+    };
     for n in names {
         let mut it = n.split('@');
-        let (Some(lip), Some(dom), Some(uid)) = (it.next(), it.next(), it.next()) else { continue };
+        let (Some(lip), Some(dom), Some(uid)) = (it.next(), it.next(), it.next()) else {
+            continue;
+        };
         let ip_ok = lip == ip
             || lip == "::"
             || (v4 && lip == "0.0.0.0")
@@ -176,7 +202,11 @@ pub fn request_key(sport: u16, cport: u16) -> String {
 
 pub fn write_request(key: &str, memfd: i32, nonce: u64, ring_len: usize) -> bool {
     let Some(d) = domain() else { return false };
-    d.write(key, format!("{} {} {} {}", std::process::id(), memfd, nonce, ring_len).as_bytes()).is_ok()
+    d.write(
+        key,
+        format!("{} {} {} {}", std::process::id(), memfd, nonce, ring_len).as_bytes(),
+    )
+    .is_ok()
 }
 
 pub fn delete_key(key: &str) {
@@ -231,13 +261,15 @@ pub fn count_accelerated() {
     ACCELERATED.fetch_add(1, Ordering::Relaxed);
     let pid = std::process::id() as u64;
     if STATS_PID.swap(pid, Ordering::SeqCst) != pid {
-        let _ = std::thread::Builder::new().name("fido-net-stats".into()).spawn(|| loop {
-            std::thread::sleep(std::time::Duration::from_millis(200));
-            publish_stats();
-            if STATS_PID.load(Ordering::SeqCst) != std::process::id() as u64 {
-                return;
-            }
-        });
+        let _ = std::thread::Builder::new()
+            .name("fido-net-stats".into())
+            .spawn(|| loop {
+                std::thread::sleep(std::time::Duration::from_millis(200));
+                publish_stats();
+                if STATS_PID.load(Ordering::SeqCst) != std::process::id() as u64 {
+                    return;
+                }
+            });
         // SAFETY: registering a plain extern "C" function.
         unsafe { libc::atexit(at_exit) };
     }

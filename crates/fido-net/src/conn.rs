@@ -33,7 +33,11 @@ fn spin_budget() -> Duration {
     static NS: AtomicU64 = AtomicU64::new(u64::MAX);
     let mut v = NS.load(Ordering::Relaxed);
     if v == u64::MAX {
-        v = std::env::var("FIDO_NET_SPIN_US").ok().and_then(|s| s.parse::<u64>().ok()).unwrap_or(20) * 1000;
+        v = std::env::var("FIDO_NET_SPIN_US")
+            .ok()
+            .and_then(|s| s.parse::<u64>().ok())
+            .unwrap_or(20)
+            * 1000;
         NS.store(v, Ordering::Relaxed);
     }
     Duration::from_nanos(v)
@@ -76,7 +80,9 @@ pub struct Conn {
 }
 
 fn errno() -> c_int {
-    std::io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO)
+    std::io::Error::last_os_error()
+        .raw_os_error()
+        .unwrap_or(libc::EIO)
 }
 
 enum KState {
@@ -87,7 +93,7 @@ enum KState {
 }
 
 /// Skips the first `n` bytes of a list of buffers.
-fn advance_mut<'a>(bufs: &mut Vec<&'a mut [u8]>, mut n: usize) {
+fn advance_mut(bufs: &mut Vec<&mut [u8]>, mut n: usize) {
     while n > 0 && !bufs.is_empty() {
         let first = std::mem::take(&mut bufs[0]);
         if first.len() <= n {
@@ -100,7 +106,7 @@ fn advance_mut<'a>(bufs: &mut Vec<&'a mut [u8]>, mut n: usize) {
     }
 }
 
-fn advance<'a>(bufs: &mut Vec<&'a [u8]>, mut n: usize) {
+fn advance(bufs: &mut Vec<&[u8]>, mut n: usize) {
     while n > 0 && !bufs.is_empty() {
         let first = bufs[0];
         if first.len() <= n {
@@ -114,10 +120,21 @@ fn advance<'a>(bufs: &mut Vec<&'a [u8]>, mut n: usize) {
 }
 
 fn timeout_opt(fd: c_int, opt: c_int) -> Option<Duration> {
-    let mut tv = libc::timeval { tv_sec: 0, tv_usec: 0 };
+    let mut tv = libc::timeval {
+        tv_sec: 0,
+        tv_usec: 0,
+    };
     let mut len = std::mem::size_of::<libc::timeval>() as libc::socklen_t;
     // SAFETY: getsockopt into a timeval of the right size.
-    let r = unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, opt, &mut tv as *mut _ as *mut libc::c_void, &mut len) };
+    let r = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            opt,
+            &mut tv as *mut _ as *mut libc::c_void,
+            &mut len,
+        )
+    };
     if r != 0 || (tv.tv_sec == 0 && tv.tv_usec == 0) {
         return None;
     }
@@ -157,7 +174,14 @@ impl Conn {
     fn doorbell(&self, fd: c_int, b: u8) {
         let s = self.seg.side(self.me);
         // SAFETY: one byte from a local onto the real socket.
-        let r = unsafe { real::send(fd, &b as *const u8 as *const libc::c_void, 1, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
+        let r = unsafe {
+            real::send(
+                fd,
+                &b as *const u8 as *const libc::c_void,
+                1,
+                libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
+            )
+        };
         if r != 1 {
             s.doorbells_sent.fetch_sub(1, Ordering::SeqCst);
         }
@@ -198,8 +222,17 @@ impl Conn {
             }
             // The reader has it all: no doorbell; give the arm back if the
             // reader has not re-armed meanwhile.
-            self.seg.side(self.me).doorbells_sent.fetch_sub(1, Ordering::SeqCst);
-            if self.seg.side(self.peer_side()).data_gen.load(Ordering::SeqCst) == g {
+            self.seg
+                .side(self.me)
+                .doorbells_sent
+                .fetch_sub(1, Ordering::SeqCst);
+            if self
+                .seg
+                .side(self.peer_side())
+                .data_gen
+                .load(Ordering::SeqCst)
+                == g
+            {
                 let _ = arm.compare_exchange(0, g, Ordering::SeqCst, Ordering::SeqCst);
             }
             // Another writer (thread or process) may have published while we
@@ -229,16 +262,28 @@ impl Conn {
         let s = self.seg.side(self.me);
         let g = s.data_gen.load(Ordering::Relaxed) % 127 + 1; // 1..=127
         s.data_gen.store(g, Ordering::SeqCst);
-        self.seg.ring(self.rx()).data_arm.0.store(g, Ordering::SeqCst);
+        self.seg
+            .ring(self.rx())
+            .data_arm
+            .0
+            .store(g, Ordering::SeqCst);
         fence(Ordering::SeqCst);
     }
 
     fn arm_space(&self) {
         let s = self.seg.side(self.me);
         let prev = s.space_gen.load(Ordering::Relaxed);
-        let g = if (128..255).contains(&prev) { prev + 1 } else { 128 }; // 128..=255
+        let g = if (128..255).contains(&prev) {
+            prev + 1
+        } else {
+            128
+        }; // 128..=255
         s.space_gen.store(g, Ordering::SeqCst);
-        self.seg.ring(self.tx()).space_arm.0.store(g, Ordering::SeqCst);
+        self.seg
+            .ring(self.tx())
+            .space_arm
+            .0
+            .store(g, Ordering::SeqCst);
         fence(Ordering::SeqCst);
     }
 
@@ -247,7 +292,10 @@ impl Conn {
     }
 
     fn free_tx(&self) -> Result<usize, ()> {
-        self.seg.used(self.tx()).map(|u| self.seg.ring_len() - u).map_err(|_| ())
+        self.seg
+            .used(self.tx())
+            .map(|u| self.seg.ring_len() - u)
+            .map_err(|_| ())
     }
 
     /// Drains doorbell bytes that no longer cover anything: those of arms
@@ -261,7 +309,10 @@ impl Conn {
         }
         let me = self.seg.side(self.me);
         let peer = self.seg.side(self.peer_side());
-        let pend = peer.doorbells_sent.load(Ordering::SeqCst).wrapping_sub(me.doorbells_drained.load(Ordering::SeqCst));
+        let pend = peer
+            .doorbells_sent
+            .load(Ordering::SeqCst)
+            .wrapping_sub(me.doorbells_drained.load(Ordering::SeqCst));
         if pend == 0 {
             return;
         }
@@ -272,10 +323,20 @@ impl Conn {
         // EAGAIN as an error. Give in-flight doorbells a moment to land.
         let t0 = Instant::now();
         let n = loop {
-            let pend = peer.doorbells_sent.load(Ordering::SeqCst).wrapping_sub(me.doorbells_drained.load(Ordering::SeqCst));
+            let pend = peer
+                .doorbells_sent
+                .load(Ordering::SeqCst)
+                .wrapping_sub(me.doorbells_drained.load(Ordering::SeqCst));
             let want = pend.min(buf.len() as u64) as isize;
             // SAFETY: peek into a local buffer.
-            let n = unsafe { real::recv(fd, buf.as_mut_ptr() as *mut libc::c_void, buf.len(), libc::MSG_PEEK | libc::MSG_DONTWAIT) };
+            let n = unsafe {
+                real::recv(
+                    fd,
+                    buf.as_mut_ptr() as *mut libc::c_void,
+                    buf.len(),
+                    libc::MSG_PEEK | libc::MSG_DONTWAIT,
+                )
+            };
             if n >= want || n == 0 || t0.elapsed() > Duration::from_millis(2) {
                 break n;
             }
@@ -294,7 +355,14 @@ impl Conn {
         let k = buf[..n as usize].iter().take_while(|&&b| !keep(b)).count();
         if k > 0 {
             // SAFETY: consuming exactly the peeked stale prefix.
-            let r = unsafe { real::recv(fd, buf.as_mut_ptr() as *mut libc::c_void, k, libc::MSG_DONTWAIT) };
+            let r = unsafe {
+                real::recv(
+                    fd,
+                    buf.as_mut_ptr() as *mut libc::c_void,
+                    k,
+                    libc::MSG_DONTWAIT,
+                )
+            };
             if r > 0 {
                 me.doorbells_drained.fetch_add(r as u64, Ordering::SeqCst);
             }
@@ -305,7 +373,14 @@ impl Conn {
     fn kernel_state(&self, fd: c_int) -> KState {
         let mut b = 0u8;
         // SAFETY: peek one byte into a local.
-        let n = unsafe { real::recv(fd, &mut b as *mut u8 as *mut libc::c_void, 1, libc::MSG_PEEK | libc::MSG_DONTWAIT) };
+        let n = unsafe {
+            real::recv(
+                fd,
+                &mut b as *mut u8 as *mut libc::c_void,
+                1,
+                libc::MSG_PEEK | libc::MSG_DONTWAIT,
+            )
+        };
         match n {
             1 => KState::Bytes,
             0 => KState::Eof,
@@ -321,9 +396,18 @@ impl Conn {
     /// the peer gets ECONNRESET, and hand the socket to the kernel from now on.
     fn reset(&self, fd: c_int) {
         self.broken.store(true, Ordering::SeqCst);
-        let sa = libc::sockaddr { sa_family: libc::AF_UNSPEC as libc::sa_family_t, sa_data: [0; 14] };
+        let sa = libc::sockaddr {
+            sa_family: libc::AF_UNSPEC as libc::sa_family_t,
+            sa_data: [0; 14],
+        };
         // SAFETY: connect(AF_UNSPEC) disconnects a TCP socket (sending RST).
-        unsafe { real::connect(fd, &sa, std::mem::size_of::<libc::sockaddr>() as libc::socklen_t) };
+        unsafe {
+            real::connect(
+                fd,
+                &sa,
+                std::mem::size_of::<libc::sockaddr>() as libc::socklen_t,
+            )
+        };
     }
 
     pub fn recv(&self, fd: c_int, bufs: &mut [&mut [u8]], flags: c_int) -> Out {
@@ -366,7 +450,11 @@ impl Conn {
                 Ok(n) => n,
                 Err(_) => {
                     self.reset(fd);
-                    return if got > 0 { Out::Done(got) } else { Out::Err(libc::ECONNRESET) };
+                    return if got > 0 {
+                        Out::Done(got)
+                    } else {
+                        Out::Err(libc::ECONNRESET)
+                    };
                 }
             };
             if n > 0 {
@@ -438,7 +526,11 @@ impl Conn {
                         me.doorbells_drained.load(Ordering::SeqCst)
                     );
                 }
-                return if got > 0 { Out::Done(got) } else { Out::Err(libc::EAGAIN) };
+                return if got > 0 {
+                    Out::Done(got)
+                } else {
+                    Out::Err(libc::EAGAIN)
+                };
             }
             // Blocking: spin on the ring, then sleep on the socket. We stay
             // armed while spinning: reclaiming the arm would let data arrive
@@ -456,20 +548,34 @@ impl Conn {
                 }
                 continue; // re-arms above if still empty
             }
-            let dl = *deadline.get_or_insert_with(|| timeout_opt(fd, libc::SO_RCVTIMEO).map(|d| Instant::now() + d));
+            let dl = *deadline.get_or_insert_with(|| {
+                timeout_opt(fd, libc::SO_RCVTIMEO).map(|d| Instant::now() + d)
+            });
             let mut slice = 100i32;
             if let Some(dl) = dl {
                 let now = Instant::now();
                 if now >= dl {
-                    return if got > 0 { Out::Done(got) } else { Out::Err(libc::EAGAIN) };
+                    return if got > 0 {
+                        Out::Done(got)
+                    } else {
+                        Out::Err(libc::EAGAIN)
+                    };
                 }
                 slice = slice.min((dl - now).as_millis() as i32 + 1);
             }
-            let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+            let mut p = libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            };
             // SAFETY: poll on one pollfd we own.
             let r = unsafe { real::poll(&mut p, 1, slice) };
             if r < 0 && errno() == libc::EINTR {
-                return if got > 0 { Out::Done(got) } else { Out::Err(libc::EINTR) };
+                return if got > 0 {
+                    Out::Done(got)
+                } else {
+                    Out::Err(libc::EINTR)
+                };
             }
         }
     }
@@ -497,13 +603,19 @@ impl Conn {
         loop {
             let n = {
                 let _l = ShmLock::lock(&self.seg.ring(tx).wlock.0);
-                self.seg.write_from(tx, &bufs).map(|n| (n, self.seg.ring(tx).head.0.load(Ordering::Relaxed)))
+                self.seg
+                    .write_from(tx, &bufs)
+                    .map(|n| (n, self.seg.ring(tx).head.0.load(Ordering::Relaxed)))
             };
             let (n, head) = match n {
                 Ok(v) => v,
                 Err(_) => {
                     self.reset(fd);
-                    return if sent > 0 { Out::Done(sent) } else { Out::Kernel };
+                    return if sent > 0 {
+                        Out::Done(sent)
+                    } else {
+                        Out::Kernel
+                    };
                 }
             };
             if n > 0 {
@@ -515,7 +627,11 @@ impl Conn {
                 return Out::Done(sent);
             }
             if peer.closed.load(Ordering::SeqCst) != 0 {
-                return if sent > 0 { Out::Done(sent) } else { Out::Kernel };
+                return if sent > 0 {
+                    Out::Done(sent)
+                } else {
+                    Out::Kernel
+                };
             }
             if nonblock {
                 if sent > 0 {
@@ -535,8 +651,15 @@ impl Conn {
                     // Doorbells nobody reads (a program that only writes)
                     // would keep the socket readable and the wait short.
                     self.drain_stale(fd);
-                    let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
-                    let ts = libc::timespec { tv_sec: 0, tv_nsec: 200_000 };
+                    let mut p = libc::pollfd {
+                        fd,
+                        events: libc::POLLIN,
+                        revents: 0,
+                    };
+                    let ts = libc::timespec {
+                        tv_sec: 0,
+                        tv_nsec: 200_000,
+                    };
                     // SAFETY: ppoll on one pollfd we own, no signal mask change.
                     unsafe { libc::ppoll(&mut p, 1, &ts, std::ptr::null()) };
                     me.space_waiters.fetch_sub(1, Ordering::SeqCst);
@@ -547,11 +670,19 @@ impl Conn {
                 return Out::Err(libc::EAGAIN);
             }
             // Blocking with a full ring. Is the peer still there?
-            let mut p = libc::pollfd { fd, events: libc::POLLIN | libc::POLLRDHUP, revents: 0 };
+            let mut p = libc::pollfd {
+                fd,
+                events: libc::POLLIN | libc::POLLRDHUP,
+                revents: 0,
+            };
             // SAFETY: poll on one pollfd we own, not waiting.
             unsafe { real::poll(&mut p, 1, 0) };
             if p.revents & (libc::POLLERR | libc::POLLHUP) != 0 {
-                return if sent > 0 { Out::Done(sent) } else { Out::Kernel };
+                return if sent > 0 {
+                    Out::Done(sent)
+                } else {
+                    Out::Kernel
+                };
             }
             if p.revents & libc::POLLRDHUP != 0 && !probed {
                 // The peer shut down or exited. A probe byte makes a dead
@@ -581,23 +712,37 @@ impl Conn {
                 continue;
             }
             self.drain_stale(fd);
-            let dl = *deadline.get_or_insert_with(|| timeout_opt(fd, libc::SO_SNDTIMEO).map(|d| Instant::now() + d));
+            let dl = *deadline.get_or_insert_with(|| {
+                timeout_opt(fd, libc::SO_SNDTIMEO).map(|d| Instant::now() + d)
+            });
             let mut slice = 100i32;
             if let Some(dl) = dl {
                 let now = Instant::now();
                 if now >= dl {
                     me.space_waiters.fetch_sub(1, Ordering::SeqCst);
-                    return if sent > 0 { Out::Done(sent) } else { Out::Err(libc::EAGAIN) };
+                    return if sent > 0 {
+                        Out::Done(sent)
+                    } else {
+                        Out::Err(libc::EAGAIN)
+                    };
                 }
                 slice = slice.min((dl - now).as_millis() as i32 + 1);
             }
-            let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+            let mut p = libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            };
             // SAFETY: poll on one pollfd we own.
             let r = unsafe { real::poll(&mut p, 1, slice) };
             let e = errno();
             me.space_waiters.fetch_sub(1, Ordering::SeqCst);
             if r < 0 && e == libc::EINTR {
-                return if sent > 0 { Out::Done(sent) } else { Out::Err(libc::EINTR) };
+                return if sent > 0 {
+                    Out::Done(sent)
+                } else {
+                    Out::Err(libc::EINTR)
+                };
             }
         }
     }
@@ -631,12 +776,23 @@ impl Conn {
         if me.holders.fetch_sub(1, Ordering::SeqCst) == 1 {
             me.closed.store(1, Ordering::SeqCst);
             // No more doorbells towards us.
-            self.seg.ring(self.rx()).data_arm.0.store(0, Ordering::SeqCst);
-            self.seg.ring(self.tx()).space_arm.0.store(0, Ordering::SeqCst);
+            self.seg
+                .ring(self.rx())
+                .data_arm
+                .0
+                .store(0, Ordering::SeqCst);
+            self.seg
+                .ring(self.tx())
+                .space_arm
+                .0
+                .store(0, Ordering::SeqCst);
             fence(Ordering::SeqCst);
             if !self.broken.load(Ordering::Relaxed) && self.used_rx().unwrap_or(0) > 0 {
                 // TCP resets a connection closed with unread data.
-                let l = libc::linger { l_onoff: 1, l_linger: 0 };
+                let l = libc::linger {
+                    l_onoff: 1,
+                    l_linger: 0,
+                };
                 // SAFETY: setsockopt with a linger struct.
                 unsafe {
                     libc::setsockopt(
@@ -651,7 +807,14 @@ impl Conn {
                 let mut buf = [0u8; 512];
                 for _ in 0..1024 {
                     // SAFETY: draining doorbells into a local buffer.
-                    let r = unsafe { real::recv(fd, buf.as_mut_ptr() as *mut libc::c_void, buf.len(), libc::MSG_DONTWAIT) };
+                    let r = unsafe {
+                        real::recv(
+                            fd,
+                            buf.as_mut_ptr() as *mut libc::c_void,
+                            buf.len(),
+                            libc::MSG_DONTWAIT,
+                        )
+                    };
                     if r <= 0 {
                         break;
                     }
@@ -690,9 +853,19 @@ impl Conn {
                 st = h.state.load(Ordering::Acquire);
             }
             if st == crate::seg::PENDING {
-                st = match h.state.compare_exchange(crate::seg::PENDING, crate::seg::ABANDONED, Ordering::AcqRel, Ordering::Acquire) {
+                st = match h.state.compare_exchange(
+                    crate::seg::PENDING,
+                    crate::seg::ABANDONED,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                ) {
                     Ok(_) => {
-                        crate::debug!("client {} -> {}: server did not attach in {:?}; plain TCP", self.local, self.peer, limit);
+                        crate::debug!(
+                            "client {} -> {}: server did not attach in {:?}; plain TCP",
+                            self.local,
+                            self.peer,
+                            limit
+                        );
                         crate::broker::count_plain();
                         if let Some(k) = &self.request_key {
                             crate::broker::delete_key(k);
@@ -723,7 +896,10 @@ fn attach_wait() -> Duration {
     static MS: AtomicU64 = AtomicU64::new(u64::MAX);
     let mut v = MS.load(Ordering::Relaxed);
     if v == u64::MAX {
-        v = std::env::var("FIDO_NET_ATTACH_MS").ok().and_then(|s| s.parse::<u64>().ok()).unwrap_or(500);
+        v = std::env::var("FIDO_NET_ATTACH_MS")
+            .ok()
+            .and_then(|s| s.parse::<u64>().ok())
+            .unwrap_or(500);
         MS.store(v, Ordering::Relaxed);
     }
     Duration::from_millis(v)

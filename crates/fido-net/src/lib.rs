@@ -43,7 +43,11 @@ fn ring_len() -> usize {
     if v != 0 {
         return v;
     }
-    let v = std::env::var("FIDO_NET_RING").ok().and_then(|s| s.parse().ok()).filter(|&n| valid_ring_len(n)).unwrap_or(DEFAULT_RING);
+    let v = std::env::var("FIDO_NET_RING")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .filter(|&n| valid_ring_len(n))
+        .unwrap_or(DEFAULT_RING);
     LEN.store(v, Ordering::Relaxed);
     v
 }
@@ -159,15 +163,30 @@ fn parse_addr(sa: *const sockaddr, len: socklen_t) -> Option<Addr> {
         // SAFETY: checked family and length.
         let a = unsafe { &*(sa as *const libc::sockaddr_in) };
         let ip = std::net::Ipv4Addr::from(u32::from_be(a.sin_addr.s_addr));
-        Some(Addr { ip: ip.to_string(), port: u16::from_be(a.sin_port), v4: true, loopback: ip.is_loopback() || ip.is_unspecified() })
+        Some(Addr {
+            ip: ip.to_string(),
+            port: u16::from_be(a.sin_port),
+            v4: true,
+            loopback: ip.is_loopback() || ip.is_unspecified(),
+        })
     } else if fam == libc::AF_INET6 && len as usize >= std::mem::size_of::<libc::sockaddr_in6>() {
         // SAFETY: checked family and length.
         let a = unsafe { &*(sa as *const libc::sockaddr_in6) };
         let ip = std::net::Ipv6Addr::from(a.sin6_addr.s6_addr);
         if let Some(v4) = ip.to_ipv4_mapped() {
-            return Some(Addr { ip: v4.to_string(), port: u16::from_be(a.sin6_port), v4: true, loopback: v4.is_loopback() });
+            return Some(Addr {
+                ip: v4.to_string(),
+                port: u16::from_be(a.sin6_port),
+                v4: true,
+                loopback: v4.is_loopback(),
+            });
         }
-        Some(Addr { ip: ip.to_string(), port: u16::from_be(a.sin6_port), v4: false, loopback: ip.is_loopback() || ip.is_unspecified() })
+        Some(Addr {
+            ip: ip.to_string(),
+            port: u16::from_be(a.sin6_port),
+            v4: false,
+            loopback: ip.is_loopback() || ip.is_unspecified(),
+        })
     } else {
         None
     }
@@ -179,7 +198,13 @@ fn sock_name(fd: c_int, peer: bool) -> Option<Addr> {
     let mut len = std::mem::size_of::<libc::sockaddr_storage>() as socklen_t;
     let p = &mut ss as *mut _ as *mut sockaddr;
     // SAFETY: valid out-pointers.
-    let r = unsafe { if peer { libc::getpeername(fd, p, &mut len) } else { libc::getsockname(fd, p, &mut len) } };
+    let r = unsafe {
+        if peer {
+            libc::getpeername(fd, p, &mut len)
+        } else {
+            libc::getsockname(fd, p, &mut len)
+        }
+    };
     if r != 0 {
         return None;
     }
@@ -190,13 +215,29 @@ fn is_tcp_stream(fd: c_int) -> bool {
     let mut ty: c_int = 0;
     let mut len = std::mem::size_of::<c_int>() as socklen_t;
     // SAFETY: getsockopt into an int.
-    let r = unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_TYPE, &mut ty as *mut c_int as *mut c_void, &mut len) };
+    let r = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_TYPE,
+            &mut ty as *mut c_int as *mut c_void,
+            &mut len,
+        )
+    };
     if r != 0 || ty != libc::SOCK_STREAM {
         return false;
     }
     let mut proto: c_int = 0;
     // SAFETY: as above.
-    let r = unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_PROTOCOL, &mut proto as *mut c_int as *mut c_void, &mut len) };
+    let r = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_PROTOCOL,
+            &mut proto as *mut c_int as *mut c_void,
+            &mut len,
+        )
+    };
     r == 0 && proto == libc::IPPROTO_TCP
 }
 
@@ -232,7 +273,10 @@ pub unsafe extern "C" fn listen(fd: c_int, backlog: c_int) -> c_int {
 /// the segment and writes the request. `None`: stay plain TCP.
 fn prepare_connect(fd: c_int, dst: &Addr) -> Option<Arc<Conn>> {
     if !broker::find_listener(&dst.ip, dst.v4, dst.port) {
-        debug!("connect fd {fd} to {}:{}: no listener under fido", dst.ip, dst.port);
+        debug!(
+            "connect fd {fd} to {}:{}: no listener under fido",
+            dst.ip, dst.port
+        );
         broker::count_plain();
         return None;
     }
@@ -291,9 +335,14 @@ fn prepare_connect(fd: c_int, dst: &Addr) -> Option<Arc<Conn>> {
     unsafe { libc::getrandom(nb.as_mut_ptr() as *mut c_void, 8, 0) };
     let nonce = u64::from_ne_bytes(nb);
     segm.init(nonce);
-    segm.side(seg::CLIENT).pid.store(std::process::id(), Ordering::Relaxed);
+    segm.side(seg::CLIENT)
+        .pid
+        .store(std::process::id(), Ordering::Relaxed);
     let key = broker::request_key(dst.port, local.port);
-    debug!("connect fd {fd} {}:{} -> {}:{}: requesting {key}", local.ip, local.port, dst.ip, dst.port);
+    debug!(
+        "connect fd {fd} {}:{} -> {}:{}: requesting {key}",
+        local.ip, local.port, dst.ip, dst.port
+    );
     if !broker::write_request(&key, memfd, nonce, rl) {
         cleanup(memfd);
         return None;
@@ -352,11 +401,15 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
 /// Any failure leaves the connection plain TCP: the client, not seeing the
 /// attach, abandons the segment before its first byte.
 fn attach(nfd: c_int, flags: c_int) {
-    let Some(peer) = sock_name(nfd, true) else { return };
+    let Some(peer) = sock_name(nfd, true) else {
+        return;
+    };
     if !peer.loopback {
         return;
     }
-    let Some(local) = sock_name(nfd, false) else { return };
+    let Some(local) = sock_name(nfd, false) else {
+        return;
+    };
     let key = broker::request_key(local.port, peer.port);
     let Some(req) = broker::read_request(&key) else {
         debug!("accept fd {nfd}: no request at {key}");
@@ -366,16 +419,30 @@ fn attach(nfd: c_int, flags: c_int) {
     broker::delete_key(&key);
     let path = format!("/proc/{}/fd/{}\0", req.pid, req.memfd);
     // SAFETY: opening a NUL-terminated path.
-    let mfd = unsafe { libc::open(path.as_ptr() as *const libc::c_char, libc::O_RDWR | libc::O_CLOEXEC) };
+    let mfd = unsafe {
+        libc::open(
+            path.as_ptr() as *const libc::c_char,
+            libc::O_RDWR | libc::O_CLOEXEC,
+        )
+    };
     if mfd < 0 {
-        debug!("accept fd {nfd}: cannot open {}: {}", path.trim_end_matches('\0'), std::io::Error::last_os_error());
+        debug!(
+            "accept fd {nfd}: cannot open {}: {}",
+            path.trim_end_matches('\0'),
+            std::io::Error::last_os_error()
+        );
         return;
     }
     // SAFETY: fstat into a zeroed stat.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: valid out-pointer.
-    let ok = unsafe { libc::fstat(mfd, &mut st) } == 0 && st.st_size as usize == seg::seg_len(req.ring_len);
-    let segm = if ok { seg::Segment::map(mfd, req.ring_len).ok() } else { None };
+    let ok = unsafe { libc::fstat(mfd, &mut st) } == 0
+        && st.st_size as usize == seg::seg_len(req.ring_len);
+    let segm = if ok {
+        seg::Segment::map(mfd, req.ring_len).ok()
+    } else {
+        None
+    };
     // SAFETY: our own descriptor (the mapping stays).
     unsafe { real::close(mfd) };
     let Some(segm) = segm.filter(|s| s.validate(req.nonce)) else {
@@ -383,8 +450,20 @@ fn attach(nfd: c_int, flags: c_int) {
         return;
     };
     segm.side(seg::SERVER).holders.store(1, Ordering::SeqCst);
-    segm.side(seg::SERVER).pid.store(std::process::id(), Ordering::Relaxed);
-    if segm.hdr().state.compare_exchange(seg::PENDING, seg::ATTACHED, Ordering::AcqRel, Ordering::Acquire).is_err() {
+    segm.side(seg::SERVER)
+        .pid
+        .store(std::process::id(), Ordering::Relaxed);
+    if segm
+        .hdr()
+        .state
+        .compare_exchange(
+            seg::PENDING,
+            seg::ATTACHED,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        )
+        .is_err()
+    {
         // The client gave up waiting: plain TCP on both ends.
         debug!("accept fd {nfd}: client already abandoned");
         broker::count_plain();
@@ -406,7 +485,12 @@ fn attach(nfd: c_int, flags: c_int) {
     broker::count_accelerated();
 }
 
-unsafe fn accept_common(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t, flags: c_int) -> c_int {
+unsafe fn accept_common(
+    fd: c_int,
+    addr: *mut sockaddr,
+    len: *mut socklen_t,
+    flags: c_int,
+) -> c_int {
     // SAFETY: forwarding the caller's arguments.
     let nfd = unsafe { real::accept4(fd, addr, len, flags) };
     if nfd >= 0 && broker::enabled() {
@@ -424,7 +508,12 @@ pub unsafe extern "C" fn accept(fd: c_int, addr: *mut sockaddr, len: *mut sockle
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn accept4(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t, flags: c_int) -> c_int {
+pub unsafe extern "C" fn accept4(
+    fd: c_int,
+    addr: *mut sockaddr,
+    len: *mut socklen_t,
+    flags: c_int,
+) -> c_int {
     // SAFETY: same contract.
     unsafe { accept_common(fd, addr, len, flags) }
 }
@@ -468,7 +557,7 @@ fn finish(o: Out, kernel: impl FnOnce() -> ssize_t) -> ssize_t {
 }
 
 unsafe fn iov_mut<'a>(iov: *const iovec, cnt: c_int) -> Option<Vec<&'a mut [u8]>> {
-    if cnt < 0 || cnt > libc::UIO_MAXIOV || (cnt > 0 && iov.is_null()) {
+    if !(0..=libc::UIO_MAXIOV).contains(&cnt) || (cnt > 0 && iov.is_null()) {
         return None;
     }
     let mut v = Vec::with_capacity(cnt as usize);
@@ -484,7 +573,7 @@ unsafe fn iov_mut<'a>(iov: *const iovec, cnt: c_int) -> Option<Vec<&'a mut [u8]>
 }
 
 unsafe fn iov_ref<'a>(iov: *const iovec, cnt: c_int) -> Option<Vec<&'a [u8]>> {
-    if cnt < 0 || cnt > libc::UIO_MAXIOV || (cnt > 0 && iov.is_null()) {
+    if !(0..=libc::UIO_MAXIOV).contains(&cnt) || (cnt > 0 && iov.is_null()) {
         return None;
     }
     let mut v = Vec::with_capacity(cnt as usize);
@@ -537,12 +626,19 @@ pub unsafe extern "C" fn read(fd: c_int, buf: *mut c_void, n: size_t) -> ssize_t
         // SAFETY: forwarding.
         None => unsafe { real::read(fd, buf, n) },
         // SAFETY: forwarding.
-        Some(c) => finish(do_recv(&c, fd, buf, n, 0), || unsafe { real::read(fd, buf, n) }),
+        Some(c) => finish(do_recv(&c, fd, buf, n, 0), || unsafe {
+            real::read(fd, buf, n)
+        }),
     }
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn __read_chk(fd: c_int, buf: *mut c_void, n: size_t, buflen: size_t) -> ssize_t {
+pub unsafe extern "C" fn __read_chk(
+    fd: c_int,
+    buf: *mut c_void,
+    n: size_t,
+    buflen: size_t,
+) -> ssize_t {
     if n > buflen {
         // SAFETY: glibc's fortify failure path.
         unsafe { libc::abort() };
@@ -557,12 +653,20 @@ pub unsafe extern "C" fn recv(fd: c_int, buf: *mut c_void, n: size_t, flags: c_i
         // SAFETY: forwarding.
         None => unsafe { real::recv(fd, buf, n, flags) },
         // SAFETY: forwarding.
-        Some(c) => finish(do_recv(&c, fd, buf, n, flags), || unsafe { real::recv(fd, buf, n, flags) }),
+        Some(c) => finish(do_recv(&c, fd, buf, n, flags), || unsafe {
+            real::recv(fd, buf, n, flags)
+        }),
     }
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn __recv_chk(fd: c_int, buf: *mut c_void, n: size_t, buflen: size_t, flags: c_int) -> ssize_t {
+pub unsafe extern "C" fn __recv_chk(
+    fd: c_int,
+    buf: *mut c_void,
+    n: size_t,
+    buflen: size_t,
+    flags: c_int,
+) -> ssize_t {
     if n > buflen {
         // SAFETY: glibc's fortify failure path.
         unsafe { libc::abort() };
@@ -666,7 +770,9 @@ pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, n: size_t) -> ssiz
         // SAFETY: forwarding.
         None => unsafe { real::write(fd, buf, n) },
         // SAFETY: forwarding.
-        Some(c) => finish(do_send(&c, fd, buf, n, 0), || unsafe { real::write(fd, buf, n) }),
+        Some(c) => finish(do_send(&c, fd, buf, n, 0), || unsafe {
+            real::write(fd, buf, n)
+        }),
     }
 }
 
@@ -676,7 +782,9 @@ pub unsafe extern "C" fn send(fd: c_int, buf: *const c_void, n: size_t, flags: c
         // SAFETY: forwarding.
         None => unsafe { real::send(fd, buf, n, flags) },
         // SAFETY: forwarding.
-        Some(c) => finish(do_send(&c, fd, buf, n, flags), || unsafe { real::send(fd, buf, n, flags) }),
+        Some(c) => finish(do_send(&c, fd, buf, n, flags), || unsafe {
+            real::send(fd, buf, n, flags)
+        }),
     }
 }
 
@@ -693,7 +801,9 @@ pub unsafe extern "C" fn sendto(
         // SAFETY: forwarding.
         None => unsafe { real::sendto(fd, buf, n, flags, addr, alen) },
         // SAFETY: forwarding (a connected TCP socket ignores the address).
-        Some(c) => finish(do_send(&c, fd, buf, n, flags), || unsafe { real::sendto(fd, buf, n, flags, addr, alen) }),
+        Some(c) => finish(do_send(&c, fd, buf, n, flags), || unsafe {
+            real::sendto(fd, buf, n, flags, addr, alen)
+        }),
     }
 }
 
@@ -737,7 +847,12 @@ pub unsafe extern "C" fn sendmsg(fd: c_int, msg: *const msghdr, flags: c_int) ->
 
 /// `sendfile` into an accelerated socket: the file's bytes go on the ring.
 #[no_mangle]
-pub unsafe extern "C" fn sendfile(out: c_int, inp: c_int, off: *mut libc::off_t, count: size_t) -> ssize_t {
+pub unsafe extern "C" fn sendfile(
+    out: c_int,
+    inp: c_int,
+    off: *mut libc::off_t,
+    count: size_t,
+) -> ssize_t {
     let Some(c) = active(out) else {
         // SAFETY: forwarding.
         return unsafe { real::sendfile(out, inp, off, count) };
@@ -771,7 +886,9 @@ pub unsafe extern "C" fn sendfile(out: c_int, inp: c_int, off: *mut libc::off_t,
             break;
         }
         let flags = if done > 0 { libc::MSG_DONTWAIT } else { 0 };
-        let o = guard(Out::Err(libc::EIO), || c.send(out, &[&buf[..n as usize]], flags));
+        let o = guard(Out::Err(libc::EIO), || {
+            c.send(out, &[&buf[..n as usize]], flags)
+        });
         let k = match o {
             Out::Done(k) => k,
             Out::Err(e) => {
@@ -806,7 +923,12 @@ pub unsafe extern "C" fn sendfile(out: c_int, inp: c_int, off: *mut libc::off_t,
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn sendfile64(out: c_int, inp: c_int, off: *mut libc::off_t, count: size_t) -> ssize_t {
+pub unsafe extern "C" fn sendfile64(
+    out: c_int,
+    inp: c_int,
+    off: *mut libc::off_t,
+    count: size_t,
+) -> ssize_t {
     // SAFETY: same contract (off_t is 64-bit here).
     unsafe { sendfile(out, inp, off, count) }
 }
@@ -905,7 +1027,8 @@ unsafe fn fcntl_common(fd: c_int, cmd: c_int, arg: c_ulong) -> c_int {
             libc::F_DUPFD | libc::F_DUPFD_CLOEXEC => guard((), || dup_into(fd, r)),
             libc::F_SETFL => {
                 if let Some(c) = table::lookup(fd) {
-                    c.nonblock.store(arg as c_int & libc::O_NONBLOCK != 0, Ordering::Relaxed);
+                    c.nonblock
+                        .store(arg as c_int & libc::O_NONBLOCK != 0, Ordering::Relaxed);
                 }
             }
             _ => {}
@@ -932,12 +1055,16 @@ pub unsafe extern "C" fn ioctl(fd: c_int, req: c_ulong, arg: *mut c_void) -> c_i
         match req {
             libc::FIONREAD if !arg.is_null() => {
                 // SAFETY: FIONREAD's argument is an int out-pointer.
-                unsafe { *(arg as *mut c_int) = c.readable_bytes().min(c_int::MAX as usize) as c_int };
+                unsafe {
+                    *(arg as *mut c_int) = c.readable_bytes().min(c_int::MAX as usize) as c_int
+                };
                 return 0;
             }
             libc::TIOCOUTQ if !arg.is_null() => {
                 // SAFETY: SIOCOUTQ's argument is an int out-pointer.
-                unsafe { *(arg as *mut c_int) = c.unsent_bytes().min(c_int::MAX as usize) as c_int };
+                unsafe {
+                    *(arg as *mut c_int) = c.unsent_bytes().min(c_int::MAX as usize) as c_int
+                };
                 return 0;
             }
             libc::FIONBIO if !arg.is_null() => {

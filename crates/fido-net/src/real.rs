@@ -5,7 +5,10 @@
 //! the interposed names, so an interposer never re-enters itself on an
 //! application descriptor.
 
-use libc::{c_char, c_int, c_uint, c_void, iovec, msghdr, nfds_t, pollfd, size_t, sockaddr, socklen_t, ssize_t};
+use libc::{
+    c_char, c_int, c_uint, c_void, iovec, msghdr, nfds_t, pollfd, size_t, sockaddr, socklen_t,
+    ssize_t,
+};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 fn resolve(name: &'static str) -> usize {
@@ -85,7 +88,8 @@ pub unsafe fn fcntl(fd: c_int, cmd: c_int, arg: libc::c_ulong) -> c_int {
         SLOT.store(f, Ordering::Relaxed);
     }
     // SAFETY: libc's fcntl has this variadic prototype.
-    let f: unsafe extern "C" fn(c_int, c_int, ...) -> c_int = unsafe { std::mem::transmute::<usize, _>(f) };
+    let f: unsafe extern "C" fn(c_int, c_int, ...) -> c_int =
+        unsafe { std::mem::transmute::<usize, _>(f) };
     // SAFETY: the caller upholds fcntl's contract for `cmd`.
     unsafe { f(fd, cmd, arg) }
 }
@@ -102,7 +106,8 @@ pub unsafe fn ioctl(fd: c_int, req: libc::c_ulong, arg: *mut c_void) -> c_int {
         SLOT.store(f, Ordering::Relaxed);
     }
     // SAFETY: libc's ioctl has this variadic prototype.
-    let f: unsafe extern "C" fn(c_int, libc::c_ulong, ...) -> c_int = unsafe { std::mem::transmute::<usize, _>(f) };
+    let f: unsafe extern "C" fn(c_int, libc::c_ulong, ...) -> c_int =
+        unsafe { std::mem::transmute::<usize, _>(f) };
     // SAFETY: the caller upholds ioctl's contract for `req`.
     unsafe { f(fd, req, arg) }
 }
@@ -119,7 +124,8 @@ pub unsafe fn syscall(n: libc::c_long, a: [libc::c_long; 6]) -> libc::c_long {
         SLOT.store(f, Ordering::Relaxed);
     }
     // SAFETY: libc's syscall has this variadic prototype.
-    let f: unsafe extern "C" fn(libc::c_long, ...) -> libc::c_long = unsafe { std::mem::transmute::<usize, _>(f) };
+    let f: unsafe extern "C" fn(libc::c_long, ...) -> libc::c_long =
+        unsafe { std::mem::transmute::<usize, _>(f) };
     // SAFETY: the caller upholds the contract of system call `n`.
     unsafe { f(n, a[0], a[1], a[2], a[3], a[4], a[5]) }
 }

@@ -109,12 +109,23 @@ impl Segment {
         let len = seg_len(ring_len);
         // SAFETY: a fresh shared mapping of a file we hold; the kernel picks the address.
         let p = unsafe {
-            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0)
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            )
         };
         if p == libc::MAP_FAILED {
             return Err(std::io::Error::last_os_error());
         }
-        Ok(Segment { base: NonNull::new(p as *mut u8).expect("mmap never returns NULL on success"), len, ring_len })
+        Ok(Segment {
+            base: NonNull::new(p as *mut u8).expect("mmap never returns NULL on success"),
+            len,
+            ring_len,
+        })
     }
 
     pub fn hdr(&self) -> &Header {
@@ -145,7 +156,10 @@ impl Segment {
     /// Checks a segment mapped from a peer's descriptor.
     pub fn validate(&self, nonce: u64) -> bool {
         let h = self.hdr();
-        h.magic == MAGIC && h.version == VERSION && h.ring_len as usize == self.ring_len && h.nonce == nonce
+        h.magic == MAGIC
+            && h.version == VERSION
+            && h.ring_len as usize == self.ring_len
+            && h.nonce == nonce
     }
 
     pub fn side(&self, s: usize) -> &Side {
@@ -179,7 +193,12 @@ impl Segment {
 
     /// Copies up to the total length of `bufs` from ring `d` into them;
     /// consumes unless `peek`. Caller holds the ring's read lock.
-    pub fn read_into(&self, d: usize, bufs: &mut [&mut [u8]], peek: bool) -> Result<usize, Corrupt> {
+    pub fn read_into(
+        &self,
+        d: usize,
+        bufs: &mut [&mut [u8]],
+        peek: bool,
+    ) -> Result<usize, Corrupt> {
         let r = self.ring(d);
         let head = r.head.0.load(Ordering::Acquire);
         let tail = r.tail.0.load(Ordering::Relaxed);
@@ -276,7 +295,10 @@ pub struct ShmLock<'a>(&'a AtomicU32);
 impl<'a> ShmLock<'a> {
     pub fn lock(word: &'a AtomicU32) -> ShmLock<'a> {
         for _ in 0..200 {
-            if word.compare_exchange(0, 1, Ordering::Acquire, Ordering::Relaxed).is_ok() {
+            if word
+                .compare_exchange(0, 1, Ordering::Acquire, Ordering::Relaxed)
+                .is_ok()
+            {
                 return ShmLock(word);
             }
             std::hint::spin_loop();
@@ -288,10 +310,19 @@ impl<'a> ShmLock<'a> {
             // A holder that died inside a copy would leave the word set: wait
             // in bounded slices so a stuck lock costs latency, not a hang of
             // the futex call itself.
-            let ts = libc::timespec { tv_sec: 0, tv_nsec: 10_000_000 };
+            let ts = libc::timespec {
+                tv_sec: 0,
+                tv_nsec: 10_000_000,
+            };
             // SAFETY: futex wait on a word in a shared mapping (not PRIVATE).
             unsafe {
-                libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAIT, 2, &ts as *const libc::timespec);
+                libc::syscall(
+                    libc::SYS_futex,
+                    word.as_ptr(),
+                    libc::FUTEX_WAIT,
+                    2,
+                    &ts as *const libc::timespec,
+                );
             }
         }
     }

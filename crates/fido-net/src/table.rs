@@ -62,7 +62,11 @@ pub fn all() -> Vec<Arc<Conn>> {
 
 /// Descriptors of accelerated connections and published listeners.
 pub fn fds() -> Vec<i32> {
-    let mut v: Vec<i32> = CONNS.read().as_ref().map(|m| m.keys().copied().collect()).unwrap_or_default();
+    let mut v: Vec<i32> = CONNS
+        .read()
+        .as_ref()
+        .map(|m| m.keys().copied().collect())
+        .unwrap_or_default();
     if let Some(m) = LISTENERS.lock().as_ref() {
         v.extend(m.keys().copied());
     }
@@ -70,7 +74,10 @@ pub fn fds() -> Vec<i32> {
 }
 
 pub fn add_listener(fd: i32, key: String) {
-    LISTENERS.lock().get_or_insert_with(HashMap::new).insert(fd, (key, std::process::id()));
+    LISTENERS
+        .lock()
+        .get_or_insert_with(HashMap::new)
+        .insert(fd, (key, std::process::id()));
 }
 
 /// The key to withdraw when `fd` closes (only in the process that published it).
@@ -81,7 +88,10 @@ pub fn remove_listener(fd: i32) -> Option<String> {
 }
 
 pub fn is_listener(fd: i32) -> bool {
-    LISTENERS.lock().as_ref().is_some_and(|m| m.contains_key(&fd))
+    LISTENERS
+        .lock()
+        .as_ref()
+        .is_some_and(|m| m.contains_key(&fd))
 }
 
 pub fn dup_listener(old: i32, new: i32) {

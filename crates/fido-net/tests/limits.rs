@@ -25,7 +25,11 @@ fn build(b: &Broker) -> Bins {
 
 fn server(b: &Broker, bin: &std::path::Path, accel: bool) -> (Guard, u16) {
     let port = free_port();
-    let mut c = if accel { b.accel(bin) } else { Command::new(bin) };
+    let mut c = if accel {
+        b.accel(bin)
+    } else {
+        Command::new(bin)
+    };
     c.args(["server", &port.to_string()]).stdout(Stdio::null());
     let g = Guard(c.spawn().unwrap());
     wait_port(port);
@@ -51,7 +55,12 @@ fn static_binaries_use_plain_tcp() {
     // And the control: both dynamic, accelerated.
     client(b.accel(&bins.dynamic), port, "client");
     let (n, _, _) = b.wait_accelerated("echo", 2);
-    assert_eq!(n, 2, "exactly the dynamic pair (both ends) is accelerated: {:?}", b.stats());
+    assert_eq!(
+        n,
+        2,
+        "exactly the dynamic pair (both ends) is accelerated: {:?}",
+        b.stats()
+    );
 }
 
 #[test]
@@ -74,12 +83,14 @@ fn no_broker_means_plain_tcp() {
     let bins = build(&b);
     let port = free_port();
     let mut s = Command::new(&bins.dynamic);
-    s.env("LD_PRELOAD", library()).env("FIDO_BROKER", b.dir.path().join("nonexistent.sock"));
+    s.env("LD_PRELOAD", library())
+        .env("FIDO_BROKER", b.dir.path().join("nonexistent.sock"));
     s.args(["server", &port.to_string()]).stdout(Stdio::null());
     let _s = Guard(s.spawn().unwrap());
     wait_port(port);
     let mut c = Command::new(&bins.dynamic);
-    c.env("LD_PRELOAD", library()).env("FIDO_BROKER", b.dir.path().join("nonexistent.sock"));
+    c.env("LD_PRELOAD", library())
+        .env("FIDO_BROKER", b.dir.path().join("nonexistent.sock"));
     client(c, port, "client");
 }
 
@@ -100,7 +111,8 @@ fn setuid_programs_use_plain_tcp() {
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(&suid, std::fs::Permissions::from_mode(0o4755)).unwrap();
     let mut c = Command::new("setpriv");
-    c.args(["--reuid=nobody", "--regid=nogroup", "--clear-groups", "--"]).arg(&suid);
+    c.args(["--reuid=nobody", "--regid=nogroup", "--clear-groups", "--"])
+        .arg(&suid);
     c.env("LD_PRELOAD", library()).env("FIDO_BROKER", &b.socket);
     c.args(["client", &port.to_string(), "300000"]);
     let out = run_ok(c, T);

@@ -14,7 +14,10 @@ const T: Duration = Duration::from_secs(60);
 
 fn require(progs: &[&str]) {
     for p in progs {
-        assert!(have(p), "{p} is not installed: run scripts/install-test-deps.sh");
+        assert!(
+            have(p),
+            "{p} is not installed: run scripts/install-test-deps.sh"
+        );
     }
 }
 
@@ -29,14 +32,29 @@ fn redis_server_with_redis_cli_and_redis_benchmark() {
     let b = Broker::start();
     let port = free_port().to_string();
     let mut srv = b.accel("redis-server");
-    srv.args(["--port", &port, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]);
+    srv.args([
+        "--port",
+        &port,
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+    ]);
     srv.current_dir(b.dir.path());
     let _srv = spawn_quiet(srv);
     wait_port(port.parse().unwrap());
 
-    let value: String = (0..2000).map(|i| char::from(b'a' + (i * 7 % 26) as u8)).collect();
+    let value: String = (0..2000)
+        .map(|i| char::from(b'a' + (i * 7 % 26) as u8))
+        .collect();
     let cli = |args: &[&str], accel: bool| {
-        let mut c = if accel { b.accel("redis-cli") } else { Command::new("redis-cli") };
+        let mut c = if accel {
+            b.accel("redis-cli")
+        } else {
+            Command::new("redis-cli")
+        };
         c.args(["-p", &port]).args(args);
         run_ok(c, T)
     };
@@ -47,10 +65,16 @@ fn redis_server_with_redis_cli_and_redis_benchmark() {
     assert_eq!(cli(&["strlen", "fido:k"], true).trim(), "2000");
 
     let mut bench = b.accel("redis-benchmark");
-    bench.args(["-p", &port, "-q", "-t", "set,get", "-n", "4000", "-c", "8", "-d", "256"]);
+    bench.args([
+        "-p", &port, "-q", "-t", "set,get", "-n", "4000", "-c", "8", "-d", "256",
+    ]);
     let out = run_ok(bench, T);
     for case in ["SET", "GET"] {
-        assert!(out.lines().any(|l| l.contains(&format!("{case}: ")) && l.contains("requests per second")), "{out}");
+        assert!(
+            out.lines()
+                .any(|l| l.contains(&format!("{case}: ")) && l.contains("requests per second")),
+            "{out}"
+        );
     }
     // What redis-benchmark stored reads back the same with and without MMNet.
     let stored = cli(&["get", "key:__rand_int__"], true);
@@ -58,13 +82,24 @@ fn redis_server_with_redis_cli_and_redis_benchmark() {
     assert_eq!(stored, cli(&["get", "key:__rand_int__"], false));
 
     let (n_bench, sent, recv) = b.wait_accelerated("redis-benchmark", 8);
-    assert!(n_bench >= 8, "redis-benchmark accelerated {n_bench}: {:?}", b.stats());
-    assert!(sent > 4000 * 256 && recv > 4000 * 256, "bytes {sent}/{recv}");
+    assert!(
+        n_bench >= 8,
+        "redis-benchmark accelerated {n_bench}: {:?}",
+        b.stats()
+    );
+    assert!(
+        sent > 4000 * 256 && recv > 4000 * 256,
+        "bytes {sent}/{recv}"
+    );
     assert!(b.wait_accelerated("redis-cli", 4).0 >= 4, "{:?}", b.stats());
 }
 
 fn nginx_conf(dir: &std::path::Path, port: u16) -> std::path::PathBuf {
-    let user = if unsafe { libc::geteuid() } == 0 { "user root;" } else { "" };
+    let user = if unsafe { libc::geteuid() } == 0 {
+        "user root;"
+    } else {
+        ""
+    };
     let d = dir.display();
     let conf = format!(
         "daemon off;\n{user}\nworker_processes 2;\npid {d}/nginx.pid;\nerror_log {d}/error.log warn;\n\
@@ -103,21 +138,46 @@ fn nginx_with_curl_checksums_and_wrk() {
     wait_port(port);
 
     let sha = |path: &str| -> String {
-        let out = Command::new("sha256sum").arg(dir.join(path)).output().unwrap();
-        String::from_utf8(out.stdout).unwrap().split_whitespace().next().unwrap().to_string()
+        let out = Command::new("sha256sum")
+            .arg(dir.join(path))
+            .output()
+            .unwrap();
+        String::from_utf8(out.stdout)
+            .unwrap()
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .to_string()
     };
     for (file, n) in [("big.bin", 3), ("index.html", 3)] {
         for _ in 0..n {
             let mut c = b.accel("curl");
-            c.args(["-sS", "--fail", "-o"]).arg(dir.join(format!("got-{file}"))).arg(format!("http://127.0.0.1:{port}/{file}"));
+            c.args(["-sS", "--fail", "-o"])
+                .arg(dir.join(format!("got-{file}")))
+                .arg(format!("http://127.0.0.1:{port}/{file}"));
             run_ok(c, T);
-            assert_eq!(sha(&format!("got-{file}")), sha(&format!("www/{file}")), "{file} differs");
+            assert_eq!(
+                sha(&format!("got-{file}")),
+                sha(&format!("www/{file}")),
+                "{file} differs"
+            );
         }
     }
     let mut w = b.accel("wrk");
-    w.args(["-t", "1", "-c", "4", "-d", "1", &format!("http://127.0.0.1:{port}/index.html")]);
+    w.args([
+        "-t",
+        "1",
+        "-c",
+        "4",
+        "-d",
+        "1",
+        &format!("http://127.0.0.1:{port}/index.html"),
+    ]);
     let out = run_ok(w, T);
-    assert!(!out.contains("Socket errors") && !out.contains("Non-2xx"), "{out}");
+    assert!(
+        !out.contains("Socket errors") && !out.contains("Non-2xx"),
+        "{out}"
+    );
     let reqs: u64 = out
         .lines()
         .find(|l| l.contains("requests in"))
@@ -129,12 +189,24 @@ fn nginx_with_curl_checksums_and_wrk() {
     assert!(b.wait_accelerated("curl", 6).0 >= 6, "{:?}", b.stats());
     assert!(b.wait_accelerated("wrk", 4).0 >= 4, "{:?}", b.stats());
     let (n, sent, _) = b.wait_accelerated("nginx", 10);
-    assert!(n >= 10 && sent > 9 << 20, "nginx accelerated {n}, sent {sent}: {:?}", b.stats());
+    assert!(
+        n >= 10 && sent > 9 << 20,
+        "nginx accelerated {n}, sent {sent}: {:?}",
+        b.stats()
+    );
 }
 
 fn iperf_json(b: &Broker, port: u16, zerocopy: bool) -> serde_json::Value {
     let mut c = b.accel("iperf3");
-    c.args(["-c", "127.0.0.1", "-p", &port.to_string(), "-t", "1", "--json"]);
+    c.args([
+        "-c",
+        "127.0.0.1",
+        "-p",
+        &port.to_string(),
+        "-t",
+        "1",
+        "--json",
+    ]);
     if zerocopy {
         c.arg("-Z");
     }
@@ -155,7 +227,10 @@ fn iperf3_with_and_without_zerocopy() {
         assert!(v.get("error").is_none(), "{v}");
         let sent = v["end"]["sum_sent"]["bytes"].as_u64().unwrap();
         let recv = v["end"]["sum_received"]["bytes"].as_u64().unwrap();
-        assert!(recv > 1 << 20 && recv <= sent, "zerocopy {z}: sent {sent} received {recv}");
+        assert!(
+            recv > 1 << 20 && recv <= sent,
+            "zerocopy {z}: sent {sent} received {recv}"
+        );
     }
     // Two runs, each a control and a data connection.
     assert!(b.wait_accelerated("iperf3", 8).0 >= 8, "{:?}", b.stats());
@@ -172,15 +247,37 @@ fn sockperf_ping_pong_under_load_and_throughput() {
     wait_port(port.parse().unwrap());
     for mode in ["pp", "ul", "tp"] {
         let mut c = b.accel("sockperf");
-        c.args([mode, "--tcp", "-i", "127.0.0.1", "-p", &port, "-t", "1", "-m", if mode == "tp" { "16384" } else { "64" }]);
+        c.args([
+            mode,
+            "--tcp",
+            "-i",
+            "127.0.0.1",
+            "-p",
+            &port,
+            "-t",
+            "1",
+            "-m",
+            if mode == "tp" { "16384" } else { "64" },
+        ]);
         let out = run_ok(c, T);
         let all = out.to_lowercase();
         assert!(!all.contains("error"), "{mode}: {out}");
         assert!(out.contains("Summary"), "{mode}: {out}");
         if mode == "pp" {
-            let line = out.lines().find(|l| l.contains("[Valid Duration]")).expect("valid duration line");
+            let line = out
+                .lines()
+                .find(|l| l.contains("[Valid Duration]"))
+                .expect("valid duration line");
             let num = |k: &str| -> u64 {
-                line.split(k).nth(1).unwrap().trim_start_matches('=').split(|c: char| !c.is_ascii_digit()).next().unwrap().parse().unwrap()
+                line.split(k)
+                    .nth(1)
+                    .unwrap()
+                    .trim_start_matches('=')
+                    .split(|c: char| !c.is_ascii_digit())
+                    .next()
+                    .unwrap()
+                    .parse()
+                    .unwrap()
             };
             assert_eq!(num("SentMessages"), num("ReceivedMessages"), "{line}");
             assert!(num("ReceivedMessages") > 0);

@@ -19,7 +19,10 @@ fn accelerated_transcript_equals_tcp() {
     let pl: Vec<&str> = plain.lines().collect();
     let ac: Vec<&str> = accel.lines().collect();
     for (i, (p, a)) in pl.iter().zip(&ac).enumerate() {
-        assert_eq!(p, a, "line {i} differs\nplain:\n{plain}\naccelerated:\n{accel}");
+        assert_eq!(
+            p, a,
+            "line {i} differs\nplain:\n{plain}\naccelerated:\n{accel}"
+        );
     }
     assert_eq!(pl.len(), ac.len(), "plain:\n{plain}\naccelerated:\n{accel}");
     // The probe opens 20 connections (40 ends). An end is counted by the
@@ -27,8 +30,16 @@ fn accelerated_transcript_equals_tcp() {
     // children that leave with _exit before publishing, so the main process
     // accounts for at least 30 ends. None may have fallen back to TCP.
     let (n, sent, recv) = b.wait_accelerated("fido-net-semant", 30);
-    assert!(n >= 30, "only {n} accelerated connection ends; stats: {:?}", b.stats());
-    let plain: u64 = b.stats().iter().map(|v| v["plain_local"].as_u64().unwrap_or(0)).sum();
+    assert!(
+        n >= 30,
+        "only {n} accelerated connection ends; stats: {:?}",
+        b.stats()
+    );
+    let plain: u64 = b
+        .stats()
+        .iter()
+        .map(|v| v["plain_local"].as_u64().unwrap_or(0))
+        .sum();
     assert_eq!(plain, 0, "{:?}", b.stats());
     assert!(sent > 1 << 20 && recv > 1 << 20, "bytes {sent}/{recv}");
 }

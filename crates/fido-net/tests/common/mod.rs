@@ -19,22 +19,35 @@ impl Broker {
     pub fn start() -> Broker {
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("broker.sock");
-        let mut cfg = fido_broker::Config::new(&socket, &dir.path().join("state"));
+        let mut cfg = fido_broker::Config::new(&socket, dir.path().join("state"));
         cfg.heartbeat = Duration::from_millis(200);
         let (thread, shutdown) = fido_broker::Broker::spawn(cfg).unwrap();
-        Broker { dir, socket, shutdown: Some(shutdown), thread: Some(thread) }
+        Broker {
+            dir,
+            socket,
+            shutdown: Some(shutdown),
+            thread: Some(thread),
+        }
     }
 
     /// A command that runs `prog` with MMNet preloaded against this broker.
     pub fn accel(&self, prog: impl AsRef<std::ffi::OsStr>) -> Command {
         let mut c = Command::new(prog);
-        c.env("LD_PRELOAD", library()).env("FIDO_BROKER", &self.socket).env_remove("FIDO_NET");
+        c.env("LD_PRELOAD", library())
+            .env("FIDO_BROKER", &self.socket)
+            .env_remove("FIDO_NET");
         c
     }
 
     /// Statistics published by every process that ran under the preload.
     pub fn stats(&self) -> Vec<serde_json::Value> {
-        let d = Domain::join(JoinOptions::new("net-test").broker(&self.socket).arena_len(1 << 20).ring_entries(2)).unwrap();
+        let d = Domain::join(
+            JoinOptions::new("net-test")
+                .broker(&self.socket)
+                .arena_len(1 << 20)
+                .ring_entries(2),
+        )
+        .unwrap();
         let mut out = Vec::new();
         for id in d.list("/net/stats").unwrap() {
             if let Ok(Some(v)) = d.read(&format!("/net/stats/{id}")) {
@@ -89,13 +102,19 @@ pub fn library() -> PathBuf {
     let exe = std::env::current_exe().unwrap();
     let dir = exe.parent().unwrap().parent().unwrap();
     let lib = dir.join("libfido_net.so");
-    assert!(lib.is_file(), "{} missing: build with `cargo build -p fido-net`", lib.display());
+    assert!(
+        lib.is_file(),
+        "{} missing: build with `cargo build -p fido-net`",
+        lib.display()
+    );
     lib
 }
 
 /// Compiles a C source of tests/c into `out`.
 pub fn compile_c(src: &str, out: &Path, extra: &[&str]) {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c").join(src);
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/c")
+        .join(src);
     let st = Command::new("cc")
         .args(["-O1", "-g", "-Wall", "-o"])
         .arg(out)
@@ -144,7 +163,11 @@ pub fn wait_timeout(mut child: Child, timeout: Duration) -> std::process::Output
 
 /// A free TCP port on 127.0.0.1 (bound then released).
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 /// Waits until something accepts on 127.0.0.1:port.
@@ -158,7 +181,11 @@ pub fn wait_port(port: u16) {
 
 /// Is a program installed?
 pub fn have(prog: &str) -> bool {
-    Command::new("sh").args(["-c", &format!("command -v {prog}")]).stdout(Stdio::null()).status().is_ok_and(|s| s.success())
+    Command::new("sh")
+        .args(["-c", &format!("command -v {prog}")])
+        .stdout(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
 }
 
 /// A child process killed on drop.
