@@ -633,6 +633,33 @@ impl Conn {
                     Out::Kernel
                 };
             }
+            if nonblock && sent > 0 {
+                return Out::Done(sent);
+            }
+            // A full ring. Is the peer still there? (A peer whose every
+            // holder closed, or that died, never frees space: let the kernel
+            // report EPIPE/ECONNRESET instead of waiting forever.)
+            let mut p = libc::pollfd {
+                fd,
+                events: libc::POLLIN | libc::POLLRDHUP,
+                revents: 0,
+            };
+            // SAFETY: poll on one pollfd we own, not waiting.
+            unsafe { real::poll(&mut p, 1, 0) };
+            if p.revents & (libc::POLLERR | libc::POLLHUP) != 0 {
+                return if sent > 0 {
+                    Out::Done(sent)
+                } else {
+                    Out::Kernel
+                };
+            }
+            if p.revents & libc::POLLRDHUP != 0 && !probed {
+                // The peer shut down or exited. A probe byte makes a dead
+                // peer's kernel answer with a RST (then POLLERR above).
+                probed = true;
+                me.doorbells_sent.fetch_add(1, Ordering::SeqCst);
+                self.doorbell(fd, 0);
+            }
             if nonblock {
                 if sent > 0 {
                     return Out::Done(sent);
@@ -668,28 +695,6 @@ impl Conn {
                     }
                 }
                 return Out::Err(libc::EAGAIN);
-            }
-            // Blocking with a full ring. Is the peer still there?
-            let mut p = libc::pollfd {
-                fd,
-                events: libc::POLLIN | libc::POLLRDHUP,
-                revents: 0,
-            };
-            // SAFETY: poll on one pollfd we own, not waiting.
-            unsafe { real::poll(&mut p, 1, 0) };
-            if p.revents & (libc::POLLERR | libc::POLLHUP) != 0 {
-                return if sent > 0 {
-                    Out::Done(sent)
-                } else {
-                    Out::Kernel
-                };
-            }
-            if p.revents & libc::POLLRDHUP != 0 && !probed {
-                // The peer shut down or exited. A probe byte makes a dead
-                // peer's kernel answer with a RST (then POLLERR above).
-                probed = true;
-                me.doorbells_sent.fetch_add(1, Ordering::SeqCst);
-                self.doorbell(fd, 0);
             }
             if !spun {
                 spun = true;
@@ -773,6 +778,11 @@ impl Conn {
             return;
         }
         let me = self.seg.side(self.me);
+        // Other processes may still hold the socket (fork), or may not (a
+        // child that exec'd closed its copy without telling us): drain stale
+        // doorbells in any case, so whichever close is the kernel's last one
+        // finds no unread bytes and sends a FIN, not a RST.
+        self.drain_stale(fd);
         if me.holders.fetch_sub(1, Ordering::SeqCst) == 1 {
             me.closed.store(1, Ordering::SeqCst);
             // No more doorbells towards us.
