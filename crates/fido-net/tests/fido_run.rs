@@ -32,7 +32,9 @@ fn fido_run_preloads_across_exec_and_status_lists_it() {
         "-c",
         &format!("exec {} server {port}", echo.display()),
     ]);
-    s.env_remove("LD_PRELOAD").stdout(Stdio::null());
+    s.env_remove("LD_PRELOAD")
+        .env("FIDO_NET_ATTACH_MS", "10000")
+        .stdout(Stdio::null());
     let _s = Guard(s.spawn().unwrap());
     wait_port(port.parse().unwrap());
     // Client: fido run -> sh -> echo (a child of the shell).
@@ -43,7 +45,8 @@ fn fido_run_preloads_across_exec_and_status_lists_it() {
         "-c",
         &format!("{} client {port} 200000", echo.display()),
     ]);
-    c.env_remove("LD_PRELOAD");
+    c.env_remove("LD_PRELOAD")
+        .env("FIDO_NET_ATTACH_MS", "10000");
     assert_eq!(run_ok(c, Duration::from_secs(60)).trim(), "ok 200000");
     let (n, sent, recv) = b.wait_accelerated("echo", 2);
     assert_eq!(n, 2, "{:?}", b.stats());

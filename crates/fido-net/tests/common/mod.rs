@@ -35,7 +35,10 @@ impl Broker {
         let mut c = Command::new(prog);
         c.env("LD_PRELOAD", library())
             .env("FIDO_BROKER", &self.socket)
-            .env_remove("FIDO_NET");
+            .env_remove("FIDO_NET")
+            // A loaded CI machine may take long to accept: the tests assert
+            // acceleration, so give the server time to attach.
+            .env("FIDO_NET_ATTACH_MS", "10000");
         c
     }
 
