@@ -163,6 +163,11 @@ impl Conn {
     pub fn readable_bytes(&self) -> usize {
         self.seg.used(self.rx()).unwrap_or(0)
     }
+    /// Free bytes in our sending ring.
+    pub fn free_space(&self) -> usize {
+        self.free_tx().unwrap_or(0)
+    }
+
     /// Bytes we sent that the peer has not read (SIOCOUTQ).
     pub fn unsent_bytes(&self) -> usize {
         self.seg.used(self.tx()).unwrap_or(0)

@@ -922,6 +922,106 @@ pub unsafe extern "C" fn sendfile(
     done as ssize_t
 }
 
+/// `splice` to or from an accelerated socket: the kernel would move the bytes
+/// on the TCP stream (where only doorbells travel), so they go through the
+/// ring instead. Into the socket: at most what the ring can take is read
+/// from the pipe (nothing read is lost). Out of the socket: the bytes are
+/// peeked, written to the pipe, and only what the pipe took is consumed.
+#[no_mangle]
+pub unsafe extern "C" fn splice(
+    fd_in: c_int,
+    off_in: *mut libc::loff_t,
+    fd_out: c_int,
+    off_out: *mut libc::loff_t,
+    len: size_t,
+    flags: c_uint,
+) -> ssize_t {
+    let nb = flags & libc::SPLICE_F_NONBLOCK != 0;
+    if let Some(c) = active(fd_out) {
+        if !off_in.is_null() || !off_out.is_null() {
+            set_errno(libc::ESPIPE);
+            return -1;
+        }
+        let room = c.free_space();
+        if room == 0 && (nb || c.nonblock.load(Ordering::Relaxed)) {
+            set_errno(libc::EAGAIN);
+            return -1;
+        }
+        let want = len
+            .min(64 << 10)
+            .min(if room == 0 { 64 << 10 } else { room });
+        let mut buf = vec![0u8; want];
+        // SAFETY: reading the caller's pipe into our buffer.
+        let n = unsafe { libc::read(fd_in, buf.as_mut_ptr() as *mut c_void, want) };
+        if n <= 0 {
+            return n;
+        }
+        let o = guard(Out::Err(libc::EIO), || {
+            c.send(fd_out, &[&buf[..n as usize]], 0)
+        });
+        return match o {
+            Out::Done(k) => k as ssize_t,
+            Out::Err(e) => {
+                set_errno(e);
+                -1
+            }
+            Out::Kernel => {
+                // The peer is gone: let the kernel report it on the socket.
+                // SAFETY: writing our buffer to the caller's socket.
+                unsafe {
+                    real::send(
+                        fd_out,
+                        buf.as_ptr() as *const c_void,
+                        n as usize,
+                        libc::MSG_NOSIGNAL,
+                    )
+                }
+            }
+        };
+    }
+    if let Some(c) = active(fd_in) {
+        if !off_in.is_null() || !off_out.is_null() {
+            set_errno(libc::ESPIPE);
+            return -1;
+        }
+        let want = len.min(64 << 10);
+        let mut buf = vec![0u8; want];
+        let peek = if nb {
+            libc::MSG_PEEK | libc::MSG_DONTWAIT
+        } else {
+            libc::MSG_PEEK
+        };
+        let n = match guard(Out::Err(libc::EIO), || {
+            c.recv(fd_in, &mut [&mut buf[..]], peek)
+        }) {
+            Out::Done(n) => n,
+            Out::Err(e) => {
+                set_errno(e);
+                return -1;
+            }
+            // SAFETY: forwarding.
+            Out::Kernel => {
+                return unsafe { real::splice(fd_in, off_in, fd_out, off_out, len, flags) }
+            }
+        };
+        if n == 0 {
+            return 0;
+        }
+        // SAFETY: writing our buffer to the caller's pipe.
+        let w = unsafe { libc::write(fd_out, buf.as_ptr() as *const c_void, n) };
+        if w <= 0 {
+            return w;
+        }
+        let mut scratch = vec![0u8; w as usize];
+        let _ = guard(Out::Err(libc::EIO), || {
+            c.recv(fd_in, &mut [&mut scratch[..]], libc::MSG_DONTWAIT)
+        });
+        return w;
+    }
+    // SAFETY: forwarding.
+    unsafe { real::splice(fd_in, off_in, fd_out, off_out, len, flags) }
+}
+
 #[no_mangle]
 pub unsafe extern "C" fn sendfile64(
     out: c_int,

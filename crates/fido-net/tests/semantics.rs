@@ -25,7 +25,7 @@ fn accelerated_transcript_equals_tcp() {
         );
     }
     assert_eq!(pl.len(), ac.len(), "plain:\n{plain}\naccelerated:\n{accel}");
-    // The probe opens 20 connections (40 ends). An end is counted by the
+    // The probe opens 21 connections (42 ends). An end is counted by the
     // process that makes its first I/O; a few are first used in forked
     // children that leave with _exit before publishing, so the main process
     // accounts for at least 30 ends. None may have fallen back to TCP.

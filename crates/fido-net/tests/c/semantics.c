@@ -491,6 +491,27 @@ static void t_sendfile(void) {
     close(s); close(f); free(buf); free(in);
 }
 
+static void t_splice(void) {
+    int c, s, p[2]; char b[64]; ssize_t r;
+    pair(&c, &s);
+    if (pipe(p)) DIE("pipe");
+    wr_all(p[1], "spliced-in", 10);
+    r = splice(p[0], NULL, c, NULL, 10, 0);
+    OUT("splice pipe->socket: %zd", r);
+    wait_readable(s);
+    r = recv(s, b, sizeof b, 0);
+    OUT("received: %zd '%.*s'", r, (int)(r > 0 ? r : 0), b);
+    send(s, "spliced-out", 11, 0);
+    wait_readable(c);
+    r = splice(c, NULL, p[1], NULL, 64, 0);
+    OUT("splice socket->pipe: %zd", r);
+    r = read(p[0], b, sizeof b);
+    OUT("from pipe: %zd '%.*s'", r, (int)(r > 0 ? r : 0), b);
+    r = recv(c, b, sizeof b, MSG_DONTWAIT);
+    OUT("socket drained: %zd", r);
+    close(p[0]); close(p[1]); close(c); close(s);
+}
+
 int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IOLBF, 0);
     const char *only = argc > 1 ? argv[1] : "";
@@ -504,6 +525,7 @@ int main(int argc, char **argv) {
     RUN(t_nonblock_full);
     RUN(t_threads);
     RUN(t_sendfile);
+    RUN(t_splice);
     OUT("done");
     return 0;
 }
