@@ -101,9 +101,32 @@ impl Drop for Broker {
 }
 
 /// The preload library built beside this test binary (target/<profile>/).
+/// `cargo test` does not (re)build a cdylib, so the first call runs
+/// `cargo build -p fido-net -p fido-cli` for this profile and target dir
+/// (a no-op when up to date; `fido` is needed by the `fido run` test).
 pub fn library() -> PathBuf {
+    static BUILT: std::sync::Once = std::sync::Once::new();
     let exe = std::env::current_exe().unwrap();
-    let dir = exe.parent().unwrap().parent().unwrap();
+    let dir = exe.parent().unwrap().parent().unwrap().to_path_buf();
+    BUILT.call_once(|| {
+        let target = dir.parent().unwrap();
+        let mut c = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+        c.args([
+            "build",
+            "-q",
+            "-p",
+            "fido-net",
+            "-p",
+            "fido-cli",
+            "--target-dir",
+        ])
+        .arg(target);
+        if dir.file_name().is_some_and(|n| n == "release") {
+            c.arg("--release");
+        }
+        let st = c.status().expect("running cargo build");
+        assert!(st.success(), "cargo build -p fido-net -p fido-cli failed");
+    });
     let lib = dir.join("libfido_net.so");
     assert!(
         lib.is_file(),
