@@ -13,6 +13,9 @@
 #                    plot's font
 #   ca-certificates, curl   only when Rust itself must be installed (rustup)
 #   cargo-fuzz       only for scripts/fuzz-replay.sh / fuzz-run.sh
+#   redis-server redis-tools nginx-light curl wrk iperf3 sockperf util-linux
+#                    the real programs of the fido-net (MMNet) tests and `fido bench net`
+#                    (setpriv from util-linux runs the setuid fallback test)
 # Not needed: pkg-config (SQLite is bundled), libclang (iceoryx2 runs bindgen
 # only on QNX), procps/iproute2 (no test shells out to ps or ip).
 #
@@ -55,6 +58,7 @@ apt_install() {
 
 apt_install build-essential ucx-utils
 apt_install curl wrk nginx-light libnginx-mod-stream fonts-dejavu-core
+apt_install redis-server redis-tools iperf3 sockperf util-linux
 
 # Rust (stable, via rustup) if there is no cargo at all.
 if [[ -x "$HOME/.cargo/bin/cargo" ]]; then export PATH="$HOME/.cargo/bin:$PATH"; fi

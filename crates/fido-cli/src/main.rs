@@ -6,6 +6,7 @@
 //! * `fido demo` moves messages through a pipeline of separate processes with
 //!   zero copies, checks every message end to end, and runs the same pipeline
 //!   over Unix sockets beside it.
+//! * `fido run -- CMD` runs a program with MMNet (crates/fido-net) preloaded.
 //! * `fido bench channel` measures Fido against real baselines in the same
 //!   invocation (DESIGN.md §8).
 //!
@@ -31,8 +32,10 @@ mod pipe_move;
 mod pipe_proxy;
 mod pipe_serve;
 mod pipe_cmd;
+mod netbench;
 mod pipeline;
 mod proc;
+mod run;
 mod status;
 
 use std::path::PathBuf;
@@ -109,6 +112,19 @@ enum Cmd {
         #[arg(long, default_value_t = 3)]
         hops: usize,
     },
+    /// Run a program with MMNet: its TCP connections to co-located programs
+    /// also under `fido run` move onto Fido rings (docs/NET.md).
+    Run {
+        /// Do not accelerate (plain TCP; sets FIDO_NET=off).
+        #[arg(long)]
+        no_accel: bool,
+        /// Broker socket [default: $FIDO_BROKER, $XDG_RUNTIME_DIR/fido/broker.sock, /run/fido/broker.sock]
+        #[arg(long)]
+        socket: Option<PathBuf>,
+        /// The program and its arguments (after `--`).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
+        cmd: Vec<std::ffi::OsString>,
+    },
     /// Benchmarks (separate processes, baselines in the same run).
     Bench {
         #[command(subcommand)]
@@ -141,6 +157,19 @@ enum Suite {
         /// Draw the 1:1:2 weight experiment's time series into FILE (PNG).
         #[arg(long, value_name = "FILE.png")]
         plot: Option<PathBuf>,
+        /// Only points whose system or case contains this substring.
+        #[arg(long, value_name = "S")]
+        filter: Option<String>,
+    },
+    /// Real TCP programs (sockperf, iperf3, redis-benchmark, nginx + wrk) over
+    /// plain TCP and under `fido run` (MMNet), in one invocation.
+    Net {
+        /// 1 s per point (and fewer redis requests) instead of 5 s.
+        #[arg(long)]
+        quick: bool,
+        /// Also write one JSON object per result to FILE.
+        #[arg(long, value_name = "FILE")]
+        json: Option<PathBuf>,
         /// Only points whose system or case contains this substring.
         #[arg(long, value_name = "S")]
         filter: Option<String>,
@@ -246,6 +275,11 @@ fn main() -> ExitCode {
         .map(|_| true),
         Cmd::Pipe { cmd } => pipe_cmd::run(cmd),
         Cmd::Status { json, socket } => status::run(json, socket).map(|_| true),
+        Cmd::Run {
+            no_accel,
+            socket,
+            cmd,
+        } => run::run(no_accel, socket, cmd),
         Cmd::Demo {
             seconds,
             size,
@@ -282,6 +316,19 @@ fn main() -> ExitCode {
             plot,
             filter,
         }),
+        Cmd::Bench {
+            suite:
+                Suite::Net {
+                    quick,
+                    json,
+                    filter,
+                },
+        } => netbench::run(&fido_bench::Opts {
+            quick,
+            json,
+            filter,
+        })
+        .map(|_| true),
         Cmd::Bench {
             suite:
                 Suite::Chaos {

@@ -16,13 +16,17 @@ pub fn run(json_out: bool, socket: Option<PathBuf>) -> anyhow::Result<()> {
         .ring_entries(2);
     let d = Domain::join(opts).with_context(|| format!("no broker at {}", path.display()))?;
     let st = d.status().context("asking the broker for its status")?;
+    let net = net_stats(&d);
     let me = d.id();
     // Leave explicitly: the broker records a clean departure at once.
     let _ = d.leave();
     if json_out {
-        println!("{}", serde_json::to_string_pretty(&to_json(&st))?);
+        let mut v = to_json(&st);
+        v["net"] = Value::Array(net);
+        println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
         print_text(&st, &path, me);
+        print_net(&net);
     }
     Ok(())
 }
@@ -196,4 +200,85 @@ fn print_text(st: &Status, path: &std::path::Path, me: u64) {
             table(&["domain", "name", "weight", "throughput", "moved", "credits (B)", "pipes", "running"], &rows)
         );
     }
+}
+
+/// MMNet statistics each process under `fido run` publishes at
+/// `/net/stats/<domain>` (JSON; see docs/NET.md), oldest domain first.
+fn net_stats(d: &Domain) -> Vec<Value> {
+    let mut ids: Vec<u64> = d
+        .list("/net/stats")
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|s| s.parse().ok())
+        .collect();
+    ids.sort_unstable();
+    ids.iter()
+        .filter_map(|id| {
+            let raw = d.read(&format!("/net/stats/{id}")).ok()??;
+            let mut v: Value = serde_json::from_slice(&raw).ok()?;
+            v["domain"] = json!(id);
+            Some(v)
+        })
+        .collect()
+}
+
+fn print_net(net: &[Value]) {
+    println!("\nnet: processes under `fido run` ({}):", net.len());
+    let rows: Vec<Vec<String>> = net
+        .iter()
+        .map(|v| {
+            vec![
+                v["domain"].to_string(),
+                v["name"].as_str().unwrap_or("?").to_string(),
+                v["pid"].to_string(),
+                v["accelerated"].to_string(),
+                v["plain_local"].to_string(),
+                format!(
+                    "{}/{}",
+                    human_bytes(v["bytes_sent"].as_u64().unwrap_or(0)),
+                    human_bytes(v["bytes_received"].as_u64().unwrap_or(0))
+                ),
+            ]
+        })
+        .collect();
+    print!(
+        "{}",
+        table(
+            &[
+                "domain",
+                "name",
+                "pid",
+                "accelerated",
+                "plain (local)",
+                "bytes sent/recv"
+            ],
+            &rows
+        )
+    );
+    let open: Vec<Vec<String>> = net
+        .iter()
+        .flat_map(|v| {
+            let pid = v["pid"].to_string();
+            v["open"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+                .into_iter()
+                .map(move |c| {
+                    vec![
+                        pid.clone(),
+                        c["side"].as_str().unwrap_or("?").to_string(),
+                        c["local"].as_str().unwrap_or("?").to_string(),
+                        c["peer"].as_str().unwrap_or("?").to_string(),
+                        human_bytes(c["bytes_sent"].as_u64().unwrap_or(0)),
+                        human_bytes(c["bytes_received"].as_u64().unwrap_or(0)),
+                    ]
+                })
+        })
+        .collect();
+    println!("\naccelerated connections open ({}):", open.len());
+    print!(
+        "{}",
+        table(&["pid", "side", "local", "peer", "sent", "received"], &open)
+    );
 }

@@ -1,0 +1,443 @@
+//! `fido bench net`: real TCP programs (sockperf, iperf3, redis-benchmark,
+//! nginx + wrk), each run over plain TCP (system `tcp`) and under `fido run`
+//! (system `fido`, both ends preloaded) in the same invocation, against an
+//! embedded broker. A `fido` figure is only reported if the library's
+//! statistics show the client's connections were accelerated.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context as _};
+use fido::{Domain, JoinOptions};
+use fido_bench::{Opts, Record};
+
+use crate::proc::EmbeddedBroker;
+
+const SUITE: &str = "net";
+
+struct Env<'a> {
+    lib: PathBuf,
+    broker: &'a Path,
+    dir: &'a Path,
+    secs: u64,
+    quick: bool,
+}
+
+impl Env<'_> {
+    fn cmd(&self, system: &str, prog: &str) -> Command {
+        let mut c = Command::new(prog);
+        if system == "fido" {
+            // Generous attach wait: a figure is only reported for accelerated
+            // connections, and this machine may be loaded.
+            c.env("FIDO_NET_ATTACH_MS", "5000");
+            c.env("LD_PRELOAD", &self.lib)
+                .env("FIDO_BROKER", self.broker)
+                .env_remove("FIDO_NET");
+        } else {
+            c.env_remove("LD_PRELOAD").env("FIDO_NET", "off");
+        }
+        c.stdin(Stdio::null());
+        c
+    }
+}
+
+struct Server(Child);
+impl Drop for Server {
+    fn drop(&mut self) {
+        // SAFETY: signalling our own child.
+        unsafe { libc_kill(self.0.id() as i32) };
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_secs(5) {
+            if let Ok(Some(_)) = self.0.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+unsafe fn libc_kill(pid: i32) {
+    let _ = rustix::process::kill_process(
+        rustix::process::Pid::from_raw(pid).expect("child pid"),
+        rustix::process::Signal::TERM,
+    );
+}
+
+fn spawn_server(mut c: Command, port: u16) -> anyhow::Result<Server> {
+    c.stdout(Stdio::null()).stderr(Stdio::null());
+    let s = Server(c.spawn().with_context(|| format!("starting {c:?}"))?);
+    let t = Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        if t.elapsed() > Duration::from_secs(20) {
+            bail!("server {c:?} did not listen on {port}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(s)
+}
+
+fn output(mut c: Command, secs: u64) -> anyhow::Result<String> {
+    c.stdout(Stdio::piped()).stderr(Stdio::piped());
+    let child = c.spawn().with_context(|| format!("running {c:?}"))?;
+    let pid = child.id() as i32;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    let out = match rx.recv_timeout(Duration::from_secs(secs + 30)) {
+        Ok(o) => o?,
+        Err(_) => {
+            // SAFETY: our own child.
+            unsafe { libc_kill(pid) };
+            bail!("{c:?} did not finish");
+        }
+    };
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    if !out.status.success() {
+        bail!("{c:?} failed ({}):\n{text}", out.status);
+    }
+    Ok(text)
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+/// Connections the named program accelerated so far (from `/net/stats`).
+fn accelerated(broker: &Path, name: &str) -> u64 {
+    let Ok(d) = Domain::join(
+        JoinOptions::new("fido-bench-net")
+            .broker(broker)
+            .arena_len(1 << 20)
+            .ring_entries(2),
+    ) else {
+        return 0;
+    };
+    let mut n = 0;
+    for id in d.list("/net/stats").unwrap_or_default() {
+        if let Ok(Some(v)) = d.read(&format!("/net/stats/{id}")) {
+            if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&v) {
+                if v["name"] == name {
+                    n += v["accelerated"].as_u64().unwrap_or(0);
+                }
+            }
+        }
+    }
+    let _ = d.leave();
+    n
+}
+
+fn after_number(text: &str, key: &str) -> Option<f64> {
+    let i = text.find(key)? + key.len();
+    let rest = text[i..].trim_start_matches([' ', '=', ':']);
+    let num: String = rest
+        .chars()
+        .take_while(|c| c.is_ascii_digit() || *c == '.')
+        .collect();
+    num.parse().ok()
+}
+
+fn check_accel(e: &Env, system: &str, name: &str, before: u64) -> anyhow::Result<()> {
+    if system == "fido" && accelerated(e.broker, name) <= before {
+        bail!("{name} under fido run was not accelerated (see FIDO_NET_DEBUG=1)");
+    }
+    Ok(())
+}
+
+fn sockperf(e: &Env, system: &str, opts: &Opts, out: &mut Vec<Record>) -> anyhow::Result<()> {
+    let port = free_port()?;
+    let p = port.to_string();
+    let mut s = e.cmd(system, "sockperf");
+    s.args(["sr", "--tcp", "-i", "127.0.0.1", "-p", &p]);
+    let _s = spawn_server(s, port)?;
+    let t = e.secs.to_string();
+    if opts.wants(system, "sockperf-pp") {
+        let before = accelerated(e.broker, "sockperf");
+        let mut c = e.cmd(system, "sockperf");
+        c.args([
+            "pp",
+            "--tcp",
+            "-i",
+            "127.0.0.1",
+            "-p",
+            &p,
+            "-t",
+            &t,
+            "-m",
+            "14",
+        ]);
+        let text = output(c, e.secs)?;
+        check_accel(e, system, "sockperf", before)?;
+        let p50 = after_number(&text, "percentile 50.000").context("sockperf p50")? * 1000.0;
+        let p99 = after_number(&text, "percentile 99.000").context("sockperf p99")? * 1000.0;
+        let n = after_number(&text, "ReceivedMessages").unwrap_or(0.0) as u64;
+        out.push(Record::latency(SUITE, "sockperf-pp", system, p50, p99, n));
+    }
+    if opts.wants(system, "sockperf-tp") {
+        let before = accelerated(e.broker, "sockperf");
+        let mut c = e.cmd(system, "sockperf");
+        c.args([
+            "tp",
+            "--tcp",
+            "-i",
+            "127.0.0.1",
+            "-p",
+            &p,
+            "-t",
+            &t,
+            "-m",
+            "64000",
+        ]);
+        let text = output(c, e.secs)?;
+        check_accel(e, system, "sockperf", before)?;
+        let mbps = after_number(&text, "BandWidth is").context("sockperf bandwidth")?;
+        let n = after_number(&text, "Total of").unwrap_or(0.0) as u64;
+        out.push(Record::throughput(
+            SUITE,
+            "sockperf-tp",
+            system,
+            mbps * 1e6,
+            n,
+        ));
+    }
+    Ok(())
+}
+
+fn iperf3(e: &Env, system: &str, opts: &Opts, out: &mut Vec<Record>) -> anyhow::Result<()> {
+    let port = free_port()?;
+    let p = port.to_string();
+    let mut s = e.cmd(system, "iperf3");
+    s.args(["-s", "-p", &p]);
+    let _s = spawn_server(s, port)?;
+    for (case, z) in [("iperf3", false), ("iperf3-zerocopy", true)] {
+        if !opts.wants(system, case) {
+            continue;
+        }
+        let before = accelerated(e.broker, "iperf3");
+        let mut c = e.cmd(system, "iperf3");
+        c.args([
+            "-c",
+            "127.0.0.1",
+            "-p",
+            &p,
+            "-t",
+            &e.secs.to_string(),
+            "--json",
+        ]);
+        if z {
+            c.arg("-Z");
+        }
+        let text = output(c, e.secs)?;
+        check_accel(e, system, "iperf3", before)?;
+        let v: serde_json::Value = serde_json::from_str(&text).context("iperf3 json")?;
+        let bps = v["end"]["sum_received"]["bits_per_second"]
+            .as_f64()
+            .context("iperf3 result")?;
+        let bytes = v["end"]["sum_received"]["bytes"].as_u64().unwrap_or(0);
+        out.push(Record::throughput(SUITE, case, system, bps / 8.0, bytes));
+    }
+    Ok(())
+}
+
+fn redis(e: &Env, system: &str, opts: &Opts, out: &mut Vec<Record>) -> anyhow::Result<()> {
+    if !opts.wants(system, "redis-get") && !opts.wants(system, "redis-set") {
+        return Ok(());
+    }
+    let port = free_port()?;
+    let p = port.to_string();
+    let mut s = e.cmd(system, "redis-server");
+    s.args([
+        "--port",
+        &p,
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+    ])
+    .current_dir(e.dir);
+    let _s = spawn_server(s, port)?;
+    let n = if e.quick { "20000" } else { "200000" };
+    let before = accelerated(e.broker, "redis-benchmark");
+    let mut c = e.cmd(system, "redis-benchmark");
+    c.args([
+        "-p", &p, "-t", "set,get", "-n", n, "-c", "50", "-d", "1024", "--csv",
+    ]);
+    let text = output(c, 120)?;
+    check_accel(e, system, "redis-benchmark", before)?;
+    for line in text.lines() {
+        let f: Vec<&str> = line.split(',').map(|x| x.trim_matches('"')).collect();
+        let case = match f.first() {
+            Some(&"SET") => "redis-set",
+            Some(&"GET") => "redis-get",
+            _ => continue,
+        };
+        let rps: f64 = f
+            .get(1)
+            .and_then(|x| x.parse().ok())
+            .context("redis-benchmark rps")?;
+        // Percentiles of a rate do not exist: p50/p99 stay empty (the table
+        // and JSON would otherwise label latencies as req/s).
+        let (p50, p99) = (None, None);
+        out.push(Record {
+            suite: SUITE.into(),
+            case: case.into(),
+            system: system.into(),
+            metric: "requests_per_s".into(),
+            value: rps,
+            unit: "req/s".into(),
+            p50,
+            p99,
+            n: n.parse().unwrap_or(0),
+        });
+    }
+    Ok(())
+}
+
+fn nginx(e: &Env, system: &str, opts: &Opts, out: &mut Vec<Record>) -> anyhow::Result<()> {
+    if !opts.wants(system, "nginx-wrk") {
+        return Ok(());
+    }
+    let port = free_port()?;
+    let d = e.dir.join(format!("nginx-{system}"));
+    std::fs::create_dir_all(d.join("www"))?;
+    std::fs::write(d.join("www/index.html"), vec![b'f'; 1024])?;
+    let user = if rustix::process::geteuid().is_root() {
+        "user root;"
+    } else {
+        ""
+    };
+    let dd = d.display();
+    std::fs::write(
+        d.join("nginx.conf"),
+        format!(
+            "daemon off;\n{user}\nworker_processes 1;\npid {dd}/nginx.pid;\nerror_log {dd}/error.log warn;\n\
+             events {{ worker_connections 1024; }}\n\
+             http {{ access_log off; sendfile on;\n\
+               client_body_temp_path {dd}/body; proxy_temp_path {dd}/proxy; fastcgi_temp_path {dd}/fcgi;\n\
+               uwsgi_temp_path {dd}/uwsgi; scgi_temp_path {dd}/scgi;\n\
+               server {{ listen 127.0.0.1:{port}; root {dd}/www; }} }}\n"
+        ),
+    )?;
+    let mut s = e.cmd(system, "nginx");
+    s.arg("-c")
+        .arg(d.join("nginx.conf"))
+        .arg("-e")
+        .arg(d.join("error.log"));
+    let _s = spawn_server(s, port)?;
+    let before = accelerated(e.broker, "wrk");
+    let mut c = e.cmd(system, "wrk");
+    c.args([
+        "-t",
+        "2",
+        "-c",
+        "100",
+        "-d",
+        &e.secs.to_string(),
+        &format!("http://127.0.0.1:{port}/index.html"),
+    ]);
+    let text = output(c, e.secs)?;
+    check_accel(e, system, "wrk", before)?;
+    if text.contains("Socket errors") || text.contains("Non-2xx") {
+        eprintln!("warning: wrk over {system} reported errors:\n{text}");
+    }
+    let rps = after_number(&text, "Requests/sec:").context("wrk requests/sec")?;
+    let n = text
+        .lines()
+        .find(|l| l.contains("requests in"))
+        .and_then(|l| l.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0);
+    out.push(Record {
+        suite: SUITE.into(),
+        case: "nginx-wrk".into(),
+        system: system.into(),
+        metric: "requests_per_s".into(),
+        value: rps,
+        unit: "req/s".into(),
+        p50: None,
+        p99: None,
+        n,
+    });
+    Ok(())
+}
+
+pub fn run(opts: &Opts) -> anyhow::Result<()> {
+    for p in [
+        "sockperf",
+        "iperf3",
+        "redis-server",
+        "redis-benchmark",
+        "nginx",
+        "wrk",
+    ] {
+        if Command::new("sh")
+            .args(["-c", &format!("command -v {p}")])
+            .stdout(Stdio::null())
+            .status()?
+            .code()
+            != Some(0)
+        {
+            bail!("{p} is not installed (scripts/install-test-deps.sh installs the benchmark programs)");
+        }
+    }
+    let broker = EmbeddedBroker::start("fido-bench-net-")?;
+    let dir = tempfile::Builder::new()
+        .prefix("fido-bench-net-")
+        .tempdir()?;
+    let e = Env {
+        lib: crate::run::find_library()?,
+        broker: broker.socket(),
+        dir: dir.path(),
+        secs: if opts.quick { 1 } else { 5 },
+        quick: opts.quick,
+    };
+    let t = Instant::now();
+    let mut records = Vec::new();
+    let mut failures = Vec::new();
+    type Case = fn(&Env, &str, &Opts, &mut Vec<Record>) -> anyhow::Result<()>;
+    let cases: [(&str, Case); 4] = [
+        ("sockperf", sockperf),
+        ("iperf3", iperf3),
+        ("redis", redis),
+        ("nginx", nginx),
+    ];
+    for system in ["tcp", "fido"] {
+        for (name, f) in cases {
+            // One failing program does not hide the others' figures; the
+            // failure is reported and makes the command fail.
+            if let Err(err) = f(&e, system, opts, &mut records) {
+                eprintln!("{name} over {system} FAILED: {err:#}");
+                failures.push(format!("{name}/{system}"));
+            }
+        }
+    }
+    fido_bench::print_table(&records);
+    println!(
+        "# net: loopback, both ends of every connection under `fido run` for system fido, plain for tcp; \
+         sockperf pp -m 14 (one_way_ns = RTT/2 as sockperf reports), tp -m 64000 (sender rate); \
+         iperf3 receiver rate; redis-benchmark -c 50 -d 1024; wrk -t 2 -c 100 on a 1 KiB file."
+    );
+    eprintln!(
+        "({} records in {:.1} s)",
+        records.len(),
+        t.elapsed().as_secs_f64()
+    );
+    if let Some(p) = &opts.json {
+        fido_bench::write_json(p, &records)?;
+    }
+    broker.stop()?;
+    if !failures.is_empty() {
+        bail!("failed: {}", failures.join(", "));
+    }
+    Ok(())
+}

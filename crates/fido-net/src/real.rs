@@ -1,0 +1,132 @@
+//! The next definitions (libc's) of the calls this library interposes,
+//! resolved once with `dlsym(RTLD_NEXT, …)`.
+//!
+//! Everything the library does to a socket goes through these, never through
+//! the interposed names, so an interposer never re-enters itself on an
+//! application descriptor.
+
+use libc::{
+    c_char, c_int, c_uint, c_void, iovec, msghdr, nfds_t, pollfd, size_t, sockaddr, socklen_t,
+    ssize_t,
+};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+fn resolve(name: &'static str) -> usize {
+    debug_assert!(name.ends_with('\0'));
+    // SAFETY: `name` is NUL-terminated; RTLD_NEXT asks for the definition after
+    // this object's in the lookup order, i.e. libc's.
+    let p = unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr() as *const c_char) };
+    if p.is_null() {
+        let msg = b"fido-net: libc lacks an interposed symbol; aborting\n";
+        // SAFETY: writing a static buffer to stderr.
+        unsafe {
+            libc::syscall(libc::SYS_write, 2, msg.as_ptr(), msg.len());
+            libc::abort();
+        }
+    }
+    p as usize
+}
+
+macro_rules! real_fns {
+    ($( $name:ident ( $($arg:ident : $ty:ty),* ) -> $ret:ty; )*) => {
+        $(
+            /// libc's definition of this call.
+            ///
+            /// # Safety
+            /// Same contract as the libc function.
+            pub unsafe fn $name($($arg: $ty),*) -> $ret {
+                static SLOT: AtomicUsize = AtomicUsize::new(0);
+                let mut f = SLOT.load(Ordering::Relaxed);
+                if f == 0 {
+                    f = resolve(concat!(stringify!($name), "\0"));
+                    SLOT.store(f, Ordering::Relaxed);
+                }
+                // SAFETY: `f` is libc's definition of this symbol, whose C
+                // prototype is the one spelled here.
+                let f: unsafe extern "C" fn($($ty),*) -> $ret = unsafe { std::mem::transmute::<usize, _>(f) };
+                // SAFETY: the caller upholds the libc contract.
+                unsafe { f($($arg),*) }
+            }
+        )*
+    };
+}
+
+real_fns! {
+    connect(fd: c_int, addr: *const sockaddr, len: socklen_t) -> c_int;
+    listen(fd: c_int, backlog: c_int) -> c_int;
+    accept4(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t, flags: c_int) -> c_int;
+    read(fd: c_int, buf: *mut c_void, n: size_t) -> ssize_t;
+    write(fd: c_int, buf: *const c_void, n: size_t) -> ssize_t;
+    readv(fd: c_int, iov: *const iovec, cnt: c_int) -> ssize_t;
+    writev(fd: c_int, iov: *const iovec, cnt: c_int) -> ssize_t;
+    send(fd: c_int, buf: *const c_void, n: size_t, flags: c_int) -> ssize_t;
+    recv(fd: c_int, buf: *mut c_void, n: size_t, flags: c_int) -> ssize_t;
+    sendto(fd: c_int, buf: *const c_void, n: size_t, flags: c_int, addr: *const sockaddr, len: socklen_t) -> ssize_t;
+    recvfrom(fd: c_int, buf: *mut c_void, n: size_t, flags: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> ssize_t;
+    sendmsg(fd: c_int, msg: *const msghdr, flags: c_int) -> ssize_t;
+    recvmsg(fd: c_int, msg: *mut msghdr, flags: c_int) -> ssize_t;
+    close(fd: c_int) -> c_int;
+    shutdown(fd: c_int, how: c_int) -> c_int;
+    dup(fd: c_int) -> c_int;
+    dup2(fd: c_int, new: c_int) -> c_int;
+    dup3(fd: c_int, new: c_int, flags: c_int) -> c_int;
+    poll(fds: *mut pollfd, n: nfds_t, timeout: c_int) -> c_int;
+    close_range(first: c_uint, last: c_uint, flags: c_int) -> c_int;
+    fork() -> libc::pid_t;
+    splice(fd_in: c_int, off_in: *mut libc::loff_t, fd_out: c_int, off_out: *mut libc::loff_t, len: size_t, flags: c_uint) -> ssize_t;
+    sendfile(out: c_int, inp: c_int, off: *mut libc::off_t, n: size_t) -> ssize_t;
+}
+
+/// libc's `fcntl` (variadic: called through a variadic pointer).
+///
+/// # Safety
+/// Same contract as `fcntl(2)`.
+pub unsafe fn fcntl(fd: c_int, cmd: c_int, arg: libc::c_ulong) -> c_int {
+    static SLOT: AtomicUsize = AtomicUsize::new(0);
+    let mut f = SLOT.load(Ordering::Relaxed);
+    if f == 0 {
+        f = resolve("fcntl\0");
+        SLOT.store(f, Ordering::Relaxed);
+    }
+    // SAFETY: libc's fcntl has this variadic prototype.
+    let f: unsafe extern "C" fn(c_int, c_int, ...) -> c_int =
+        unsafe { std::mem::transmute::<usize, _>(f) };
+    // SAFETY: the caller upholds fcntl's contract for `cmd`.
+    unsafe { f(fd, cmd, arg) }
+}
+
+/// libc's `ioctl` (variadic).
+///
+/// # Safety
+/// Same contract as `ioctl(2)`.
+pub unsafe fn ioctl(fd: c_int, req: libc::c_ulong, arg: *mut c_void) -> c_int {
+    static SLOT: AtomicUsize = AtomicUsize::new(0);
+    let mut f = SLOT.load(Ordering::Relaxed);
+    if f == 0 {
+        f = resolve("ioctl\0");
+        SLOT.store(f, Ordering::Relaxed);
+    }
+    // SAFETY: libc's ioctl has this variadic prototype.
+    let f: unsafe extern "C" fn(c_int, libc::c_ulong, ...) -> c_int =
+        unsafe { std::mem::transmute::<usize, _>(f) };
+    // SAFETY: the caller upholds ioctl's contract for `req`.
+    unsafe { f(fd, req, arg) }
+}
+
+/// libc's `syscall` (variadic).
+///
+/// # Safety
+/// Same contract as `syscall(2)` for system call `n`.
+pub unsafe fn syscall(n: libc::c_long, a: [libc::c_long; 6]) -> libc::c_long {
+    static SLOT: AtomicUsize = AtomicUsize::new(0);
+    let mut f = SLOT.load(Ordering::Relaxed);
+    if f == 0 {
+        f = resolve("syscall\0");
+        SLOT.store(f, Ordering::Relaxed);
+    }
+    // SAFETY: libc's syscall has this variadic prototype.
+    let f: unsafe extern "C" fn(libc::c_long, ...) -> libc::c_long =
+        unsafe { std::mem::transmute::<usize, _>(f) };
+    // SAFETY: the caller upholds the contract of system call `n`.
+    unsafe { f(n, a[0], a[1], a[2], a[3], a[4], a[5]) }
+}

@@ -1,0 +1,338 @@
+//! The shared segment of one accelerated connection: a header and two byte
+//! rings (client→server, server→client) in a memfd both ends map read-write.
+//!
+//! Both ends write the header (the peer's *memory* is trusted as far as Fido's
+//! relaxed model goes), but nothing read from it is believed: every index is
+//! checked against the ring size before a byte is copied, and a lying index
+//! fails only this connection (`Corrupt`).
+//!
+//! All positions are monotonically increasing byte counts (`head` written by
+//! the writer, `tail` by the reader); `head - tail` is what is buffered.
+
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+pub const MAGIC: u64 = 0x6669_646f_6e65_7431; // "fidonet1"
+pub const VERSION: u32 = 1;
+/// Where the first ring starts (the header fits in one page).
+pub const HDR_LEN: usize = 4096;
+
+/// Client is side 0, server side 1. Ring `d` carries bytes written by side `d`.
+pub const PENDING: u32 = 0;
+pub const ATTACHED: u32 = 1;
+pub const ABANDONED: u32 = 2;
+
+pub const CLIENT: usize = 0;
+pub const SERVER: usize = 1;
+
+#[repr(C, align(64))]
+pub struct Pad64<T>(pub T);
+
+/// Per-side state, written by that side (and read by the peer).
+#[repr(C)]
+pub struct Side {
+    /// Processes of this side that hold the connection (fork adds one).
+    pub holders: AtomicU32,
+    /// Set when the last holder of this side closed.
+    pub closed: AtomicU32,
+    /// This side shut down writing (`shutdown(SHUT_WR)`), seen by every holder.
+    pub shut_wr: AtomicU32,
+    pub shut_rd: AtomicU32,
+    /// Doorbell bytes this side sent into its TCP stream.
+    pub doorbells_sent: AtomicU64,
+    /// Doorbell bytes this side drained from its TCP stream.
+    pub doorbells_drained: AtomicU64,
+    /// Generation of this side's latest data arm (1..=127).
+    pub data_gen: AtomicU32,
+    /// Generation of this side's latest space arm (128..=255).
+    pub space_gen: AtomicU32,
+    /// Threads of this side blocked waiting for ring space.
+    pub space_waiters: AtomicU32,
+    pub pid: AtomicU32,
+}
+
+/// Per-direction ring control.
+#[repr(C)]
+pub struct RingCtl {
+    pub head: Pad64<AtomicU64>,
+    pub tail: Pad64<AtomicU64>,
+    /// The reader's "wake me when data arrives" generation; the writer swaps
+    /// it to 0 and sends that byte.
+    pub data_arm: Pad64<AtomicU32>,
+    /// The writer's "wake me when space frees" generation; the reader swaps it.
+    pub space_arm: Pad64<AtomicU32>,
+    /// Serialise readers (threads, forked processes) and writers.
+    pub rlock: Pad64<AtomicU32>,
+    pub wlock: Pad64<AtomicU32>,
+}
+
+#[repr(C)]
+pub struct Header {
+    pub magic: u64,
+    pub version: u32,
+    pub ring_len: u32,
+    pub nonce: u64,
+    /// Who decided the connection's fate: `PENDING`, then `ATTACHED` (the
+    /// server mapped the segment at `accept`) or `ABANDONED` (the client gave
+    /// up waiting and both ends use plain TCP). One compare-and-swap decides,
+    /// so the two ends can never disagree.
+    pub state: AtomicU32,
+    pub sides: [Pad64<Side>; 2],
+    pub rings: [RingCtl; 2],
+}
+
+const _: () = assert!(std::mem::size_of::<Header>() <= HDR_LEN);
+
+#[derive(Debug)]
+pub struct Corrupt;
+
+/// A mapped segment. Unmapped on drop.
+pub struct Segment {
+    base: NonNull<u8>,
+    len: usize,
+    ring_len: usize,
+}
+
+// SAFETY: the mapping is shared memory accessed through atomics (header) and
+// lock-serialised byte copies (rings); the pointer is valid until drop.
+unsafe impl Send for Segment {}
+// SAFETY: as above.
+unsafe impl Sync for Segment {}
+
+pub fn seg_len(ring_len: usize) -> usize {
+    HDR_LEN + 2 * ring_len
+}
+
+impl Segment {
+    /// Maps `fd` (a memfd of `seg_len(ring_len)` bytes) read-write.
+    pub fn map(fd: i32, ring_len: usize) -> std::io::Result<Segment> {
+        let len = seg_len(ring_len);
+        // SAFETY: a fresh shared mapping of a file we hold; the kernel picks the address.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(Segment {
+            base: NonNull::new(p as *mut u8).expect("mmap never returns NULL on success"),
+            len,
+            ring_len,
+        })
+    }
+
+    pub fn hdr(&self) -> &Header {
+        // SAFETY: the mapping is at least HDR_LEN bytes, page aligned, and
+        // Header is made of plain integers and atomics (any bit pattern valid).
+        unsafe { &*(self.base.as_ptr() as *const Header) }
+    }
+
+    /// Initialises a fresh (zeroed) segment: done by the client before anyone else maps it.
+    pub fn init(&self, nonce: u64) {
+        // SAFETY: only the creator calls this, before the fd is published.
+        unsafe {
+            let h = self.base.as_ptr() as *mut Header;
+            (*h).magic = MAGIC;
+            (*h).version = VERSION;
+            (*h).ring_len = self.ring_len as u32;
+            (*h).nonce = nonce;
+        }
+        // Both readers start armed: the first byte written on either ring
+        // rings the reader's socket (its "ring empty" was never announced).
+        for d in [CLIENT, SERVER] {
+            self.side(d).data_gen.store(1, Ordering::Relaxed);
+            self.ring(d).data_arm.0.store(1, Ordering::Relaxed);
+        }
+        self.side(CLIENT).holders.store(1, Ordering::Release);
+    }
+
+    /// Checks a segment mapped from a peer's descriptor.
+    pub fn validate(&self, nonce: u64) -> bool {
+        let h = self.hdr();
+        h.magic == MAGIC
+            && h.version == VERSION
+            && h.ring_len as usize == self.ring_len
+            && h.nonce == nonce
+    }
+
+    pub fn side(&self, s: usize) -> &Side {
+        &self.hdr().sides[s].0
+    }
+
+    pub fn ring(&self, d: usize) -> &RingCtl {
+        &self.hdr().rings[d]
+    }
+
+    pub fn ring_len(&self) -> usize {
+        self.ring_len
+    }
+
+    fn data(&self, d: usize) -> *mut u8 {
+        // SAFETY: ring d lies inside the mapping.
+        unsafe { self.base.as_ptr().add(HDR_LEN + d * self.ring_len) }
+    }
+
+    /// Bytes buffered in ring `d`, validated.
+    pub fn used(&self, d: usize) -> Result<usize, Corrupt> {
+        let r = self.ring(d);
+        let head = r.head.0.load(Ordering::Acquire);
+        let tail = r.tail.0.load(Ordering::Acquire);
+        let used = head.wrapping_sub(tail);
+        if used > self.ring_len as u64 {
+            return Err(Corrupt);
+        }
+        Ok(used as usize)
+    }
+
+    /// Copies up to the total length of `bufs` from ring `d` into them;
+    /// consumes unless `peek`. Caller holds the ring's read lock.
+    pub fn read_into(
+        &self,
+        d: usize,
+        bufs: &mut [&mut [u8]],
+        peek: bool,
+    ) -> Result<usize, Corrupt> {
+        let r = self.ring(d);
+        let head = r.head.0.load(Ordering::Acquire);
+        let tail = r.tail.0.load(Ordering::Relaxed);
+        let avail = head.wrapping_sub(tail);
+        if avail > self.ring_len as u64 {
+            return Err(Corrupt);
+        }
+        let mut avail = avail as usize;
+        let mut pos = tail;
+        let mut done = 0;
+        let base = self.data(d);
+        for b in bufs.iter_mut() {
+            let mut off = 0;
+            while off < b.len() && avail > 0 {
+                let at = (pos % self.ring_len as u64) as usize;
+                let n = (b.len() - off).min(avail).min(self.ring_len - at);
+                // SAFETY: at + n <= ring_len, so the source lies in ring d; the
+                // destination is the caller's slice. The writer does not touch
+                // [tail, head) until we publish a new tail.
+                unsafe { std::ptr::copy_nonoverlapping(base.add(at), b.as_mut_ptr().add(off), n) };
+                off += n;
+                avail -= n;
+                pos += n as u64;
+                done += n;
+            }
+            if avail == 0 {
+                break;
+            }
+        }
+        if !peek && done > 0 {
+            r.tail.0.store(pos, Ordering::Release);
+        }
+        Ok(done)
+    }
+
+    /// Discards up to `n` bytes (MSG_TRUNC). Caller holds the read lock.
+    pub fn discard(&self, d: usize, n: usize) -> Result<usize, Corrupt> {
+        let r = self.ring(d);
+        let used = self.used(d)?;
+        let k = n.min(used);
+        let tail = r.tail.0.load(Ordering::Relaxed);
+        r.tail.0.store(tail + k as u64, Ordering::Release);
+        Ok(k)
+    }
+
+    /// Copies as much of `bufs` as fits into ring `d`. Caller holds the write lock.
+    pub fn write_from(&self, d: usize, bufs: &[&[u8]]) -> Result<usize, Corrupt> {
+        let r = self.ring(d);
+        let head = r.head.0.load(Ordering::Relaxed);
+        let tail = r.tail.0.load(Ordering::Acquire);
+        let used = head.wrapping_sub(tail);
+        if used > self.ring_len as u64 {
+            return Err(Corrupt);
+        }
+        let mut free = self.ring_len - used as usize;
+        let mut pos = head;
+        let mut done = 0;
+        let base = self.data(d);
+        for b in bufs {
+            let mut off = 0;
+            while off < b.len() && free > 0 {
+                let at = (pos % self.ring_len as u64) as usize;
+                let n = (b.len() - off).min(free).min(self.ring_len - at);
+                // SAFETY: at + n <= ring_len: the destination lies in ring d,
+                // in the free part the reader does not read.
+                unsafe { std::ptr::copy_nonoverlapping(b.as_ptr().add(off), base.add(at), n) };
+                off += n;
+                free -= n;
+                pos += n as u64;
+                done += n;
+            }
+            if free == 0 {
+                break;
+            }
+        }
+        if done > 0 {
+            r.head.0.store(pos, Ordering::Release);
+        }
+        Ok(done)
+    }
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        // SAFETY: unmapping exactly what `map` mapped; nothing borrows it past drop.
+        unsafe { libc::munmap(self.base.as_ptr() as *mut libc::c_void, self.len) };
+    }
+}
+
+/// A mutex in shared memory (threads and forked processes): 0 free, 1 held,
+/// 2 held with waiters. Held only for a copy, never across a wait.
+pub struct ShmLock<'a>(&'a AtomicU32);
+
+impl<'a> ShmLock<'a> {
+    pub fn lock(word: &'a AtomicU32) -> ShmLock<'a> {
+        for _ in 0..200 {
+            if word
+                .compare_exchange(0, 1, Ordering::Acquire, Ordering::Relaxed)
+                .is_ok()
+            {
+                return ShmLock(word);
+            }
+            std::hint::spin_loop();
+        }
+        loop {
+            if word.swap(2, Ordering::Acquire) == 0 {
+                return ShmLock(word);
+            }
+            // A holder that died inside a copy would leave the word set: wait
+            // in bounded slices so a stuck lock costs latency, not a hang of
+            // the futex call itself.
+            let ts = libc::timespec {
+                tv_sec: 0,
+                tv_nsec: 10_000_000,
+            };
+            // SAFETY: futex wait on a word in a shared mapping (not PRIVATE).
+            unsafe {
+                libc::syscall(
+                    libc::SYS_futex,
+                    word.as_ptr(),
+                    libc::FUTEX_WAIT,
+                    2,
+                    &ts as *const libc::timespec,
+                );
+            }
+        }
+    }
+}
+
+impl Drop for ShmLock<'_> {
+    fn drop(&mut self) {
+        if self.0.swap(0, Ordering::Release) == 2 {
+            // SAFETY: futex wake on the shared word.
+            unsafe { libc::syscall(libc::SYS_futex, self.0.as_ptr(), libc::FUTEX_WAKE, 1) };
+        }
+    }
+}

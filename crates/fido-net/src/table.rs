@@ -1,0 +1,127 @@
+//! Which descriptors of this process are accelerated connections, and which
+//! are listening sockets we published.
+
+use crate::conn::Conn;
+use parking_lot::{Mutex, RwLock};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+static CONNS: RwLock<Option<HashMap<i32, Arc<Conn>>>> = RwLock::new(None);
+/// Number of entries in CONNS: the fast path of every interposed call on a
+/// process without accelerated connections is one relaxed load.
+static COUNT: AtomicUsize = AtomicUsize::new(0);
+
+/// Listening sockets we published: fd -> (registry key, publishing pid).
+static LISTENERS: Mutex<Option<HashMap<i32, (String, u32)>>> = Mutex::new(None);
+
+pub fn lookup(fd: i32) -> Option<Arc<Conn>> {
+    if COUNT.load(Ordering::Relaxed) == 0 || fd < 0 {
+        return None;
+    }
+    CONNS.read().as_ref()?.get(&fd).cloned()
+}
+
+/// Names `conn` by `fd` too. Returns a connection `fd` named before (the
+/// caller releases it: dup2 onto an accelerated descriptor closes it).
+pub fn insert(fd: i32, conn: Arc<Conn>) -> Option<Arc<Conn>> {
+    conn.local_refs.fetch_add(1, Ordering::SeqCst);
+    let mut g = CONNS.write();
+    let old = g.get_or_insert_with(HashMap::new).insert(fd, conn);
+    if old.is_none() {
+        COUNT.fetch_add(1, Ordering::Relaxed);
+    }
+    old
+}
+
+/// Forgets `fd`; returns its connection and whether it was this process's
+/// last descriptor for it.
+pub fn remove(fd: i32) -> Option<(Arc<Conn>, bool)> {
+    if COUNT.load(Ordering::Relaxed) == 0 || fd < 0 {
+        return None;
+    }
+    let c = CONNS.write().as_mut()?.remove(&fd)?;
+    COUNT.fetch_sub(1, Ordering::Relaxed);
+    let last = c.local_refs.fetch_sub(1, Ordering::SeqCst) == 1;
+    Some((c, last))
+}
+
+/// Distinct connections of this process.
+pub fn all() -> Vec<Arc<Conn>> {
+    let g = CONNS.read();
+    let mut v: Vec<Arc<Conn>> = Vec::new();
+    if let Some(m) = g.as_ref() {
+        for c in m.values() {
+            if !v.iter().any(|x| Arc::ptr_eq(x, c)) {
+                v.push(c.clone());
+            }
+        }
+    }
+    v
+}
+
+/// Descriptors of accelerated connections and published listeners.
+pub fn fds() -> Vec<i32> {
+    let mut v: Vec<i32> = CONNS
+        .read()
+        .as_ref()
+        .map(|m| m.keys().copied().collect())
+        .unwrap_or_default();
+    if let Some(m) = LISTENERS.lock().as_ref() {
+        v.extend(m.keys().copied());
+    }
+    v
+}
+
+pub fn add_listener(fd: i32, key: String) {
+    LISTENERS
+        .lock()
+        .get_or_insert_with(HashMap::new)
+        .insert(fd, (key, std::process::id()));
+}
+
+/// The key to withdraw when `fd` closes (only in the process that published it).
+pub fn remove_listener(fd: i32) -> Option<String> {
+    let mut g = LISTENERS.lock();
+    let (key, pid) = g.as_mut()?.remove(&fd)?;
+    (pid == std::process::id()).then_some(key)
+}
+
+pub fn is_listener(fd: i32) -> bool {
+    LISTENERS
+        .lock()
+        .as_ref()
+        .is_some_and(|m| m.contains_key(&fd))
+}
+
+pub fn dup_listener(old: i32, new: i32) {
+    let mut g = LISTENERS.lock();
+    if let Some(m) = g.as_mut() {
+        if let Some(v) = m.get(&old).cloned() {
+            // The duplicate never withdraws the key (pid 0).
+            m.insert(new, (v.0, 0));
+        }
+    }
+}
+
+/// fork(): hold every lock so the child gets them in a consistent state.
+pub fn fork_prepare() {
+    std::mem::forget(CONNS.write());
+    std::mem::forget(LISTENERS.lock());
+}
+
+pub fn fork_parent() {
+    // SAFETY: fork_prepare locked both and forgot the guards, on this thread.
+    unsafe {
+        CONNS.force_unlock_write();
+        LISTENERS.force_unlock();
+    }
+}
+
+pub fn fork_child() {
+    // SAFETY: as in fork_parent; the child has only this thread.
+    unsafe {
+        CONNS.force_unlock_write();
+        LISTENERS.force_unlock();
+    }
+}
