@@ -26,6 +26,7 @@ mod chaos;
 mod demo;
 mod pipeline;
 mod proc;
+mod rpc_bench;
 mod status;
 
 use std::path::PathBuf;
@@ -105,6 +106,21 @@ enum Suite {
         /// Only points whose system or case contains this substring.
         #[arg(long, value_name = "S")]
         filter: Option<String>,
+    },
+    /// RPC (VMRPC): null calls and Table 2 throughput, fido-rpc vs uds, tarpc, capnp-rpc, tonic, XML-RPC.
+    Rpc {
+        /// ≈0.3 s per point instead of ≈2 s, and LEN 10^2, 10^4, 10^6 only.
+        #[arg(long)]
+        quick: bool,
+        /// Also write one JSON object per result to FILE.
+        #[arg(long, value_name = "FILE")]
+        json: Option<PathBuf>,
+        /// Only points whose system or case contains one of these comma-separated terms (`T$`: case ends with T).
+        #[arg(long, value_name = "S")]
+        filter: Option<String>,
+        /// Also draw throughput against LEN per system into this PNG.
+        #[arg(long, value_name = "FILE.png")]
+        plot: Option<PathBuf>,
     },
     /// Pipelines of domains while domains and the broker are killed (-9) and
     /// restarted at random: no corruption, no silent duplicate or loss, no leak.
@@ -216,6 +232,22 @@ fn main() -> ExitCode {
             filter,
         })
         .map(|_| true),
+        Cmd::Bench {
+            suite:
+                Suite::Rpc {
+                    quick,
+                    json,
+                    filter,
+                    plot,
+                },
+        } => rpc_bench::run(
+            &fido_bench::Opts {
+                quick,
+                json,
+                filter,
+            },
+            plot,
+        ),
         Cmd::Bench {
             suite:
                 Suite::Chaos {
