@@ -4,3 +4,4 @@
 
 pub mod proto_check;
 pub mod registry_ops;
+pub mod rpc_dispatch;

@@ -9,7 +9,7 @@
 //! Modules: `rpc` (VMRPC heaps, bind, call by index, serve — `include/fido/rpc.h`) and
 //! `pipe` (vPipe — `include/fido/pipe.h`).
 
-#![allow(clippy::missing_safety_doc)]
+#![allow(clippy::missing_safety_doc, non_camel_case_types)]
 
 pub mod pipe;
 pub mod rpc;

@@ -57,17 +57,22 @@ pub struct Message {
     tag: u64,
     opcode: u16,
     parts: Parts,
+    /// Kept alive until the peer releases the message (see `Message::hold`).
+    hold: Option<Hold>,
 }
+
+/// Something a sender keeps alive while a message is in flight.
+type Hold = Box<dyn std::any::Any + Send + Sync>;
 
 impl Message {
     /// A message of one buffer.
     pub fn new(buf: Buf) -> Message {
-        Message { tag: 0, opcode: 0, parts: Parts::Bufs(SmallVec::from_iter([buf])) }
+        Message { tag: 0, opcode: 0, parts: Parts::Bufs(SmallVec::from_iter([buf])), hold: None }
     }
     /// A scatter-gather message of several buffers (up to 1024). More than two
     /// travel through an SG list written in our arena.
     pub fn gather(bufs: Vec<Buf>) -> Message {
-        Message { tag: 0, opcode: 0, parts: Parts::Bufs(SmallVec::from_vec(bufs)) }
+        Message { tag: 0, opcode: 0, parts: Parts::Bufs(SmallVec::from_vec(bufs)), hold: None }
     }
     /// An application-defined 64-bit tag (e.g. a sequence number).
     pub fn tag(mut self, tag: u64) -> Message {
@@ -80,6 +85,14 @@ impl Message {
     }
     pub fn get_tag(&self) -> u64 {
         self.tag
+    }
+    /// Keeps `value` alive until the peer releases this message (or it comes
+    /// back undelivered), then drops it. For memory the message points at
+    /// without owning it, e.g. an `Arc` of a cache entry a reply refers to:
+    /// the entry cannot be freed while the peer may still read it.
+    pub fn hold(mut self, value: impl std::any::Any + Send + Sync) -> Message {
+        self.hold = Some(Box::new(value));
+        self
     }
     /// Takes the buffers back (empty for a forwarded message).
     pub fn into_bufs(self) -> Vec<Buf> {
@@ -104,7 +117,7 @@ impl From<Buf> for Message {
 
 impl From<Msg> for Message {
     fn from(msg: Msg) -> Message {
-        Message { tag: msg.tag, opcode: msg.opcode, parts: Parts::Forward(msg) }
+        Message { tag: msg.tag, opcode: msg.opcode, parts: Parts::Forward(msg), hold: None }
     }
 }
 
@@ -149,6 +162,7 @@ struct Outstanding {
     tag: u64,
     opcode: u16,
     parts: Parts,
+    hold: Option<Hold>,
     /// The SG list we wrote for this message, if any.
     _sg_list: Option<Buf>,
 }
@@ -339,7 +353,7 @@ impl TxState {
                 self.undelivered.push(Undelivered {
                     tag: o.tag,
                     opcode: o.opcode,
-                    message: Message { tag: o.tag, opcode: o.opcode, parts: o.parts },
+                    message: Message { tag: o.tag, opcode: o.opcode, parts: o.parts, hold: o.hold },
                 });
             }
         }
@@ -775,7 +789,7 @@ impl Channel {
             }
         }
         desc.total_len = total;
-        desc.cookie = tx.insert(Outstanding { tag: msg.tag, opcode: msg.opcode, parts: msg.parts, _sg_list: sg_buf });
+        desc.cookie = tx.insert(Outstanding { tag: msg.tag, opcode: msg.opcode, parts: msg.parts, hold: msg.hold, _sg_list: sg_buf });
         tx.ring.push(&desc).expect("window checked above");
         match tx.ring.publish() {
             Ok(Notify::Rung) => sh.stats.rung.add(1),
@@ -1099,6 +1113,18 @@ impl Msg {
     /// The domain that sent this message over this connection.
     pub fn from_domain(&self) -> u64 {
         self.shared.peer.domain
+    }
+    /// A read-only view of `len` bytes at `g` in the sending peer's arena
+    /// (anywhere in it, not only in this message's segments), or `None` if the
+    /// range is not entirely inside the arena the peer granted us. One bounds
+    /// check; the view lives as long as this message, which keeps the mapping.
+    /// For protocols whose payload carries pointers (fido-rpc). The sender can
+    /// still write those bytes: copy out what you validate.
+    pub fn resolve(&self, g: GPtr, len: u64) -> Option<&[u8]> {
+        let p = within(&self.shared.peer_map, g, len)?;
+        // SAFETY: `within` checked the range lies inside the peer's mapping,
+        // which `self.shared` keeps alive for at least the borrow of `self`.
+        Some(unsafe { std::slice::from_raw_parts(p.as_ptr() as *const u8, len as usize) })
     }
 }
 

@@ -1,0 +1,366 @@
+//! The client side: a connection to a service, calls in flight by id, replies
+//! as views that cannot outlive their release.
+
+use crate::error::{CallError, Fault, RpcError};
+use crate::frame::{Frame, View};
+use crate::wire::*;
+use bytemuck::Pod;
+use fido::{Channel, Domain, Message, Msg, WaitStrategy};
+use parking_lot::{Condvar, Mutex};
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Per-call options.
+#[derive(Clone, Debug, Default)]
+pub struct CallOpts {
+    /// Give up after this long; the server sees the same deadline
+    /// ([`crate::Ctx::is_cancelled`], [`crate::Ctx::deadline_ns`]).
+    pub timeout: Option<Duration>,
+    /// Set it (from any thread) to cancel the call; the server is told.
+    pub cancel: Option<CancelToken>,
+}
+
+impl CallOpts {
+    pub fn timeout(d: Duration) -> Self {
+        CallOpts { timeout: Some(d), cancel: None }
+    }
+    pub fn cancel(mut self, t: &CancelToken) -> Self {
+        self.cancel = Some(t.clone());
+        self
+    }
+}
+
+/// Cancels a call from another thread.
+#[derive(Clone, Debug, Default)]
+pub struct CancelToken(Arc<AtomicBool>);
+
+impl CancelToken {
+    pub fn new() -> Self {
+        Self::default()
+    }
+    pub fn cancel(&self) {
+        self.0.store(true, Ordering::Release);
+    }
+    pub fn is_cancelled(&self) -> bool {
+        self.0.load(Ordering::Acquire)
+    }
+}
+
+/// A reply: the result value (copied out of the reply's root) and the reply
+/// message itself, which keeps every view of the server's memory valid.
+/// Dropping it releases the reply (the server frees what it built). Views
+/// borrow the `Reply`, so none can outlive the release:
+///
+/// ```compile_fail
+/// fn leak(r: fido_rpc::Reply<fido_rpc::ShmSlice<u8>>) -> &'static [u8] {
+///     r.slice(*r.get()).unwrap() // error: returns a value referencing data owned by `r`
+/// }
+/// ```
+pub struct Reply<R> {
+    msg: Msg,
+    value: R,
+}
+
+impl<R: Pod> Reply<R> {
+    /// The result (handles in it are resolved with [`Reply::view`]).
+    pub fn get(&self) -> &R {
+        &self.value
+    }
+    /// The server's memory this reply may point to, checked on use.
+    pub fn view(&self) -> View<'_> {
+        View::new(&self.msg)
+    }
+    /// Shorthand for `view().slice(h)`.
+    pub fn slice<T: Pod>(&self, h: ShmSlice<T>) -> Result<&[T], RpcError> {
+        self.view().slice(h).map_err(|f| RpcError::BadReply(f.to_string()))
+    }
+    /// Shorthand for `view().str(s)`.
+    pub fn str(&self, s: ShmStr) -> Result<crate::frame::ShmStrRef<'_>, RpcError> {
+        self.view().str(s).map_err(|f| RpcError::BadReply(f.to_string()))
+    }
+    /// The reply message (tag = call id).
+    pub fn message(&self) -> &Msg {
+        &self.msg
+    }
+}
+
+/// Decodes a reply message: the header copied out once, then checked.
+pub(crate) fn decode_reply<R: Pod, E: Pod + std::fmt::Debug>(msg: Msg) -> Result<Reply<R>, CallError<E>> {
+    let bad = |s: &str| CallError::Rpc(RpcError::BadReply(s.into()));
+    let first = msg.segments().next().ok_or_else(|| bad("empty reply"))?;
+    let hb = first.get(..HEADER_LEN).ok_or_else(|| bad("short header"))?;
+    let h: ReplyHeader = bytemuck::pod_read_unaligned(hb);
+    if h.magic != MAGIC {
+        return Err(bad("bad magic"));
+    }
+    let root = View::new(&msg).bytes(h.root_addr, h.root_len).map_err(|_| bad("root outside the server's grant"))?;
+    match h.status {
+        STATUS_OK => {
+            let mut r = RootReader::new(root);
+            let value: R = r.get().map_err(|_| bad("short result"))?;
+            r.finish().map_err(|_| bad("long result"))?;
+            Ok(Reply { msg, value })
+        }
+        STATUS_APP_ERROR => {
+            let mut r = RootReader::new(root);
+            let e: E = r.get().map_err(|_| bad("short error"))?;
+            Err(CallError::App(e))
+        }
+        STATUS_FAULT => {
+            let text = String::from_utf8_lossy(&root[..root.len().min(1024)]).into_owned();
+            let f = Fault::from_code(h.fault).ok_or_else(|| bad("unknown fault code"))?;
+            if f == Fault::DeadlineExceeded {
+                // The server noticed our deadline before we did.
+                return Err(CallError::Rpc(RpcError::DeadlineExceeded));
+            }
+            Err(CallError::Rpc(RpcError::Fault(f, text)))
+        }
+        _ => Err(bad("unknown status")),
+    }
+}
+
+/// Builds the call message.
+pub(crate) fn call_message(frame: Frame, method: u32, sig: u32, id: u64, oneway: bool, deadline_ns: u64, root: &[u8]) -> Result<Message, RpcError> {
+    let bufs = frame.finish(root, |root_addr, root_len| {
+        let h = CallHeader { magic: MAGIC, method, sig, _reserved: 0, deadline_ns, root_addr, root_len, _pad: [0; 3] };
+        bytemuck::cast(h)
+    })?;
+    Ok(Message::gather(bufs).tag(id).opcode(if oneway { OP_ONEWAY } else { OP_CALL }))
+}
+
+pub(crate) fn cancel_message(domain: &Domain, id: u64) -> Option<Message> {
+    domain.alloc(1).ok().map(|b| Message::new(b).tag(id).opcode(OP_CANCEL))
+}
+
+/// One connection and the replies that arrived for callers not yet awake.
+struct Conn {
+    ch: Channel,
+    st: Mutex<ConnState>,
+    cv: Condvar,
+}
+
+#[derive(Default)]
+struct ConnState {
+    /// A thread is inside `recv` on behalf of all callers.
+    receiving: bool,
+    /// Calls whose caller still waits.
+    waiting: HashSet<u64>,
+    /// Replies received for a waiting caller.
+    done: HashMap<u64, Msg>,
+    /// Set once the connection failed: every waiter gets this.
+    failed: Option<String>,
+}
+
+/// A client of one service. `Send + Sync`: share it between threads; each
+/// call waits for its own reply (one caller at a time receives for all and
+/// hands the others theirs, so replies may arrive in any order).
+///
+/// If the server dies, calls in flight fail with [`RpcError::ServerGone`];
+/// the next call connects again (to a restarted server under the same name).
+pub struct Client {
+    domain: Domain,
+    service: String,
+    conn: Mutex<Option<Arc<Conn>>>,
+    next_id: AtomicU64,
+    wait: Mutex<Option<WaitStrategy>>,
+}
+
+impl Client {
+    /// Connects to `service`.
+    pub fn connect(domain: &Domain, service: &str) -> Result<Client, RpcError> {
+        let c = Client {
+            domain: domain.clone(),
+            service: service.into(),
+            conn: Mutex::new(None),
+            next_id: AtomicU64::new(1),
+            wait: Mutex::new(None),
+        };
+        c.conn()?;
+        Ok(c)
+    }
+
+    /// How callers wait for replies: `WaitStrategy::Block` (notified: sleep on
+    /// the doorbell), `BusyPoll` (polled), `Adaptive` (spin, then sleep).
+    pub fn set_wait(&self, w: WaitStrategy) {
+        *self.wait.lock() = Some(w);
+        if let Some(c) = &*self.conn.lock() {
+            c.ch.set_wait(w);
+        }
+    }
+
+    pub fn domain(&self) -> &Domain {
+        &self.domain
+    }
+    pub fn service(&self) -> &str {
+        &self.service
+    }
+
+    /// A frame for a call's arguments, in our arena.
+    pub fn frame(&self) -> Result<Frame, RpcError> {
+        Frame::new(self.domain.arena())
+    }
+
+    /// Whether the current connection is up (false after the server died,
+    /// until the next call reconnects).
+    pub fn is_connected(&self) -> bool {
+        self.conn.lock().as_ref().is_some_and(|c| c.ch.is_open() && c.st.lock().failed.is_none())
+    }
+
+    fn conn(&self) -> Result<Arc<Conn>, RpcError> {
+        let mut g = self.conn.lock();
+        if let Some(c) = &*g {
+            if c.ch.is_open() && c.st.lock().failed.is_none() {
+                return Ok(c.clone());
+            }
+        }
+        let ch = self.domain.connect(&self.service)?;
+        if let Some(w) = *self.wait.lock() {
+            ch.set_wait(w);
+        }
+        let c = Arc::new(Conn { ch, st: Mutex::new(ConnState::default()), cv: Condvar::new() });
+        *g = Some(c.clone());
+        Ok(c)
+    }
+
+    /// A call (generated stubs use this): `root` holds the packed arguments,
+    /// `frame` the memory they point to.
+    pub fn call<R: Pod, E: Pod + std::fmt::Debug>(
+        &self,
+        method: u32,
+        sig: u32,
+        frame: Frame,
+        root: &[u8],
+        opts: &CallOpts,
+    ) -> Result<Reply<R>, CallError<E>> {
+        let msg = self.call_raw(method, sig, frame, root, opts)?;
+        decode_reply(msg)
+    }
+
+    /// A one-way call: sent, never answered. Returns once it is in the ring.
+    pub fn call_oneway(&self, method: u32, sig: u32, frame: Frame, root: &[u8]) -> Result<(), RpcError> {
+        let conn = self.conn()?;
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let m = call_message(frame, method, sig, id, true, 0, root)?;
+        conn.ch.send(m).map_err(|e| gone_or(e.error))
+    }
+
+    /// A call returning the raw reply message (the C ABI decodes it itself).
+    pub fn call_raw(&self, method: u32, sig: u32, frame: Frame, root: &[u8], opts: &CallOpts) -> Result<Msg, RpcError> {
+        let conn = self.conn()?;
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let deadline = opts.timeout.map(|t| Instant::now() + t);
+        let deadline_ns = opts.timeout.map(|t| monotonic_ns() + t.as_nanos() as u64).unwrap_or(0);
+        let m = call_message(frame, method, sig, id, false, deadline_ns, root)?;
+        conn.st.lock().waiting.insert(id);
+        let sent = match deadline {
+            Some(d) => conn.ch.send_timeout(m, d.saturating_duration_since(Instant::now())),
+            None => conn.ch.send(m),
+        };
+        if let Err(e) = sent {
+            conn.st.lock().waiting.remove(&id);
+            return Err(match e.error {
+                fido::Error::Timeout => RpcError::DeadlineExceeded,
+                other => {
+                    self.fail(&conn, &other);
+                    gone_or(other)
+                }
+            });
+        }
+        self.wait_reply(&conn, id, deadline, opts.cancel.as_ref())
+    }
+
+    fn fail(&self, conn: &Conn, e: &fido::Error) {
+        let mut st = conn.st.lock();
+        if st.failed.is_none() {
+            st.failed = Some(e.to_string());
+        }
+        conn.cv.notify_all();
+    }
+
+    fn give_up(&self, conn: &Conn, id: u64, why: RpcError) -> RpcError {
+        conn.st.lock().waiting.remove(&id);
+        conn.st.lock().done.remove(&id);
+        if let Some(m) = cancel_message(&self.domain, id) {
+            let _ = conn.ch.try_send(m);
+        }
+        why
+    }
+
+    fn wait_reply(&self, conn: &Conn, id: u64, deadline: Option<Instant>, cancel: Option<&CancelToken>) -> Result<Msg, RpcError> {
+        // With a cancel token, wake up now and then to look at it.
+        let slice = if cancel.is_some() { Some(Duration::from_millis(20)) } else { None };
+        let mut st = conn.st.lock();
+        loop {
+            if let Some(m) = st.done.remove(&id) {
+                st.waiting.remove(&id);
+                return Ok(m);
+            }
+            if let Some(why) = st.failed.clone() {
+                st.waiting.remove(&id);
+                return Err(RpcError::ServerGone(why));
+            }
+            if cancel.is_some_and(|c| c.is_cancelled()) {
+                drop(st);
+                return Err(self.give_up(conn, id, RpcError::Cancelled));
+            }
+            let now = Instant::now();
+            if deadline.is_some_and(|d| now >= d) {
+                drop(st);
+                return Err(self.give_up(conn, id, RpcError::DeadlineExceeded));
+            }
+            let mut wait_for = deadline.map(|d| d - now);
+            if let Some(s) = slice {
+                wait_for = Some(wait_for.map_or(s, |w| w.min(s)));
+            }
+            if st.receiving {
+                match wait_for {
+                    Some(w) => {
+                        conn.cv.wait_for(&mut st, w);
+                    }
+                    None => conn.cv.wait(&mut st),
+                }
+                continue;
+            }
+            // Our turn to receive for everybody.
+            st.receiving = true;
+            drop(st);
+            let r = match wait_for {
+                Some(w) => conn.ch.recv_timeout(w),
+                None => conn.ch.recv(),
+            };
+            st = conn.st.lock();
+            st.receiving = false;
+            match r {
+                Ok(m) => {
+                    let tag = m.tag();
+                    if tag == id {
+                        st.waiting.remove(&id);
+                        conn.cv.notify_all();
+                        return Ok(m);
+                    }
+                    if st.waiting.contains(&tag) {
+                        st.done.insert(tag, m);
+                    }
+                    // else: a late reply to a call its caller gave up on;
+                    // dropping it releases it.
+                }
+                Err(fido::Error::Timeout) => {}
+                Err(e) => {
+                    if st.failed.is_none() {
+                        st.failed = Some(e.to_string());
+                    }
+                }
+            }
+            conn.cv.notify_all();
+        }
+    }
+}
+
+fn gone_or(e: fido::Error) -> RpcError {
+    match e {
+        fido::Error::PeerGone { .. } | fido::Error::Closed | fido::Error::Protocol(_) => RpcError::ServerGone(e.to_string()),
+        other => RpcError::Fido(other),
+    }
+}

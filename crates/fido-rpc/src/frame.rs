@@ -1,0 +1,360 @@
+//! Building arguments and results in our own arena, and reading the peer's.
+//!
+//! A [`Frame`] is a bump allocator over buffers of our arena: arguments (or
+//! results) are written straight into memory the peer will read, and the
+//! buffers travel as the segments of the call (or reply) message, so they are
+//! freed when the peer releases it. A [`View`] is the receiving side: every
+//! handle is checked against the sender's grant, once per range.
+
+use crate::error::{Fault, RpcError};
+use crate::wire::{ShmSlice, ShmStr, HEADER_LEN};
+use bytemuck::Pod;
+use fido::Buf;
+use fido_shm::Arena;
+use std::sync::Arc;
+
+/// First chunk: header plus a small root (a null call allocates only this).
+const FIRST_CHUNK: usize = 256;
+/// Later chunks start at this size and double.
+const MIN_CHUNK: usize = 4096;
+/// Largest alignment a frame hands out (the allocator's).
+const MAX_ALIGN: usize = 64;
+
+/// Memory being prepared for the peer: a list of arena buffers, the first one
+/// starting with the header. Dropping an unsent frame frees its buffers.
+pub struct Frame {
+    arena: Arc<Arena>,
+    chunks: Vec<Buf>,
+    /// Buffers built elsewhere (ShmVec) that travel with the frame.
+    adopted: Vec<Buf>,
+    /// Bytes used in the last chunk.
+    used: usize,
+    next_chunk: usize,
+}
+
+impl Frame {
+    /// A frame in `arena` (a domain's: `Domain::arena()`).
+    pub fn new(arena: &Arc<Arena>) -> Result<Frame, RpcError> {
+        Self::with_capacity(arena, 0)
+    }
+
+    /// A frame whose first buffer has room for `bytes` beyond the header, so
+    /// arguments of known size need one allocation.
+    pub fn with_capacity(arena: &Arc<Arena>, bytes: usize) -> Result<Frame, RpcError> {
+        let first = (HEADER_LEN + bytes).max(FIRST_CHUNK);
+        let buf = arena.alloc(first).map_err(|e| RpcError::Memory(e.to_string()))?;
+        Ok(Frame { arena: arena.clone(), chunks: vec![buf], adopted: Vec::new(), used: HEADER_LEN, next_chunk: MIN_CHUNK })
+    }
+
+    /// Reserves `len` bytes aligned to `align` (≤ 64); returns the chunk
+    /// index and offset.
+    fn reserve(&mut self, len: usize, align: usize) -> Result<(usize, usize), RpcError> {
+        if align > MAX_ALIGN {
+            return Err(RpcError::Invalid(format!("alignment {align} > {MAX_ALIGN}")));
+        }
+        let at = self.used.next_multiple_of(align);
+        let last = self.chunks.len() - 1;
+        if at.checked_add(len).is_some_and(|end| end <= self.chunks[last].len()) {
+            self.used = at + len;
+            return Ok((last, at));
+        }
+        // A new chunk: the last one keeps only what it used (its tail is not
+        // sent).
+        let size = len.max(self.next_chunk);
+        self.next_chunk = (self.next_chunk * 2).min(16 << 20);
+        let buf = self.arena.alloc(size).map_err(|e| RpcError::Memory(e.to_string()))?;
+        let used = self.used;
+        self.chunks[last].truncate(used);
+        self.chunks.push(buf);
+        self.used = len;
+        Ok((self.chunks.len() - 1, 0))
+    }
+
+    fn gaddr(&self, chunk: usize, off: usize) -> u64 {
+        self.chunks[chunk].gptr().addr() + off as u64
+    }
+
+    /// `n` elements of `T` in the frame, zeroed, to fill in place.
+    pub fn alloc_slice<T: Pod>(&mut self, n: usize) -> Result<(ShmSlice<T>, &mut [T]), RpcError> {
+        let bytes = n.checked_mul(std::mem::size_of::<T>()).ok_or_else(|| RpcError::Invalid("slice too large".into()))?;
+        if bytes == 0 {
+            return Ok((ShmSlice::from_raw(0, n as u64), &mut []));
+        }
+        let (c, off) = self.reserve(bytes, std::mem::align_of::<T>())?;
+        let addr = self.gaddr(c, off);
+        let dst = &mut self.chunks[c][off..off + bytes];
+        dst.fill(0);
+        let dst: &mut [T] = bytemuck::cast_slice_mut(dst);
+        Ok((ShmSlice::from_raw(addr, n as u64), dst))
+    }
+
+    /// A copy of `data` in the frame.
+    pub fn slice<T: Pod>(&mut self, data: &[T]) -> Result<ShmSlice<T>, RpcError> {
+        let bytes: &[u8] = bytemuck::cast_slice(data);
+        if bytes.is_empty() {
+            return Ok(ShmSlice::from_raw(0, data.len() as u64));
+        }
+        let (c, off) = self.reserve(bytes.len(), std::mem::align_of::<T>())?;
+        self.chunks[c][off..off + bytes.len()].copy_from_slice(bytes);
+        Ok(ShmSlice::from_raw(self.gaddr(c, off), data.len() as u64))
+    }
+
+    /// `n` elements built one by one by `f`, which may itself allocate in the
+    /// frame (e.g. the string of each element of a VarSeq).
+    pub fn slice_with<T: Pod>(
+        &mut self,
+        n: usize,
+        mut f: impl FnMut(usize, &mut Frame) -> Result<T, RpcError>,
+    ) -> Result<ShmSlice<T>, RpcError> {
+        let size = std::mem::size_of::<T>();
+        let bytes = n.checked_mul(size).ok_or_else(|| RpcError::Invalid("slice too large".into()))?;
+        if bytes == 0 {
+            for i in 0..n {
+                f(i, self)?;
+            }
+            return Ok(ShmSlice::from_raw(0, n as u64));
+        }
+        let (c, off) = self.reserve(bytes, std::mem::align_of::<T>())?;
+        for i in 0..n {
+            let v = f(i, self)?;
+            // The reserved range is never handed out again and chunks never
+            // move (they are arena buffers), so index it afresh each time.
+            let at = off + i * size;
+            self.chunks[c][at..at + size].copy_from_slice(bytemuck::bytes_of(&v));
+        }
+        Ok(ShmSlice::from_raw(self.gaddr(c, off), n as u64))
+    }
+
+    /// A copy of `s`.
+    pub fn str(&mut self, s: &str) -> Result<ShmStr, RpcError> {
+        let h = self.slice(s.as_bytes())?;
+        Ok(ShmStr { addr: h.addr(), len: h.len() })
+    }
+
+    /// A copy of `b`.
+    pub fn bytes(&mut self, b: &[u8]) -> Result<ShmSlice<u8>, RpcError> {
+        self.slice(b)
+    }
+
+    /// Moves a vector built in the arena into the frame (no copy): it travels
+    /// with the message and is freed when the peer releases it.
+    pub fn adopt<T: Pod>(&mut self, v: ShmVec<T>) -> ShmSlice<T> {
+        let h = v.handle();
+        if let Some(mut buf) = v.buf {
+            buf.truncate((v.len * std::mem::size_of::<T>()).max(1));
+            self.adopted.push(buf);
+        }
+        h
+    }
+
+    /// Payload bytes in the frame so far (header included).
+    pub fn len(&self) -> usize {
+        self.chunks[..self.chunks.len() - 1].iter().chain(&self.adopted).map(|b| b.len()).sum::<usize>() + self.used
+    }
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// The arena this frame allocates in.
+    pub fn arena(&self) -> &Arc<Arena> {
+        &self.arena
+    }
+
+    /// Writes the root and the header, and gives up the buffers (first one
+    /// first) for sending. `header` gets the root's address and length.
+    pub(crate) fn finish(mut self, root: &[u8], header: impl FnOnce(u64, u64) -> [u8; HEADER_LEN]) -> Result<Vec<Buf>, RpcError> {
+        let root_addr = if root.is_empty() {
+            0
+        } else {
+            let (c, off) = self.reserve(root.len(), 16)?;
+            self.chunks[c][off..off + root.len()].copy_from_slice(root);
+            self.gaddr(c, off)
+        };
+        let h = header(root_addr, root.len() as u64);
+        self.chunks[0][..HEADER_LEN].copy_from_slice(&h);
+        let last = self.chunks.len() - 1;
+        let used = self.used;
+        self.chunks[last].truncate(used);
+        let mut out = std::mem::take(&mut self.chunks);
+        out.append(&mut self.adopted);
+        Ok(out)
+    }
+}
+
+impl std::fmt::Debug for Frame {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Frame {{ chunks: {}, len: {} }}", self.chunks.len(), self.len())
+    }
+}
+
+/// A growable vector in our arena (for results or arguments whose length is
+/// not known up front). [`Frame::adopt`] sends it without copying.
+pub struct ShmVec<T: Pod> {
+    arena: Arc<Arena>,
+    buf: Option<Buf>,
+    len: usize,
+    cap: usize,
+    _t: std::marker::PhantomData<T>,
+}
+
+impl<T: Pod> ShmVec<T> {
+    pub fn new(arena: &Arc<Arena>) -> Self {
+        ShmVec { arena: arena.clone(), buf: None, len: 0, cap: 0, _t: std::marker::PhantomData }
+    }
+    pub fn with_capacity(arena: &Arc<Arena>, cap: usize) -> Result<Self, RpcError> {
+        let mut v = Self::new(arena);
+        v.reserve(cap)?;
+        Ok(v)
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Room for `more` further elements (grows by doubling: one copy per
+    /// doubling, in our own arena).
+    pub fn reserve(&mut self, more: usize) -> Result<(), RpcError> {
+        let size = std::mem::size_of::<T>().max(1);
+        let need = self.len.checked_add(more).ok_or_else(|| RpcError::Invalid("vector too large".into()))?;
+        if need <= self.cap {
+            return Ok(());
+        }
+        if std::mem::align_of::<T>() > MAX_ALIGN {
+            return Err(RpcError::Invalid("alignment > 64".into()));
+        }
+        let cap = need.max(self.cap * 2).max(64 / size).max(1);
+        let bytes = cap.checked_mul(size).ok_or_else(|| RpcError::Invalid("vector too large".into()))?;
+        let mut nb = self.arena.alloc(bytes).map_err(|e| RpcError::Memory(e.to_string()))?;
+        if let Some(old) = &self.buf {
+            let n = self.len * std::mem::size_of::<T>();
+            nb[..n].copy_from_slice(&old[..n]);
+        }
+        self.buf = Some(nb);
+        self.cap = cap;
+        Ok(())
+    }
+    pub fn push(&mut self, v: T) -> Result<(), RpcError> {
+        self.reserve(1)?;
+        let len = self.len;
+        self.len += 1;
+        self.as_mut_slice()[len] = v;
+        Ok(())
+    }
+    pub fn extend_from_slice(&mut self, s: &[T]) -> Result<(), RpcError> {
+        self.reserve(s.len())?;
+        let len = self.len;
+        self.len += s.len();
+        self.as_mut_slice()[len..].copy_from_slice(s);
+        Ok(())
+    }
+    pub fn as_slice(&self) -> &[T] {
+        match &self.buf {
+            Some(b) if std::mem::size_of::<T>() > 0 => bytemuck::cast_slice(&b[..self.len * std::mem::size_of::<T>()]),
+            _ => &[],
+        }
+    }
+    pub fn as_mut_slice(&mut self) -> &mut [T] {
+        let n = self.len * std::mem::size_of::<T>();
+        match &mut self.buf {
+            Some(b) if n > 0 => bytemuck::cast_slice_mut(&mut b[..n]),
+            _ => &mut [],
+        }
+    }
+    /// The handle a peer resolves (valid while the vector's memory is alive:
+    /// send it with [`Frame::adopt`]).
+    pub fn handle(&self) -> ShmSlice<T> {
+        match &self.buf {
+            Some(b) => ShmSlice::from_raw(b.gptr().addr(), self.len as u64),
+            None => ShmSlice::from_raw(0, self.len as u64),
+        }
+    }
+}
+
+/// Memory of the peer that sent a message: resolves global ranges to local
+/// bytes after checking them against the peer's grant.
+pub trait PeerMemory {
+    /// The bytes, or `None` if `[addr, addr+len)` is not inside the grant.
+    fn bytes(&self, addr: u64, len: u64) -> Option<&[u8]>;
+}
+
+impl PeerMemory for fido::Msg {
+    #[inline]
+    fn bytes(&self, addr: u64, len: u64) -> Option<&[u8]> {
+        self.resolve(fido::GPtr(addr), len)
+    }
+}
+
+/// Read-only access to the handles a peer sent: each handle is checked once
+/// (range inside the sender's arena, alignment of `T`), then read in place.
+#[derive(Clone, Copy)]
+pub struct View<'a> {
+    mem: &'a dyn PeerMemory,
+}
+
+impl<'a> View<'a> {
+    pub fn new(mem: &'a dyn PeerMemory) -> Self {
+        View { mem }
+    }
+
+    /// The elements of `h`, in place. One range check for the whole slice.
+    #[inline]
+    pub fn slice<T: Pod>(&self, h: ShmSlice<T>) -> Result<&'a [T], Fault> {
+        let size = std::mem::size_of::<T>() as u64;
+        if h.is_empty() {
+            return Ok(&[]);
+        }
+        if size == 0 {
+            return Err(Fault::BadPointer);
+        }
+        let bytes = h.len().checked_mul(size).ok_or(Fault::BadPointer)?;
+        let b = self.mem.bytes(h.addr(), bytes).ok_or(Fault::BadPointer)?;
+        bytemuck::try_cast_slice(b).map_err(|_| Fault::BadPointer)
+    }
+
+    /// The bytes of a string, in place.
+    #[inline]
+    pub fn str(&self, s: ShmStr) -> Result<ShmStrRef<'a>, Fault> {
+        if s.len == 0 {
+            return Ok(ShmStrRef(&[]));
+        }
+        self.mem.bytes(s.addr, s.len).map(ShmStrRef).ok_or(Fault::BadPointer)
+    }
+
+    /// Raw bytes of the sender's arena.
+    pub fn bytes(&self, addr: u64, len: u64) -> Result<&'a [u8], Fault> {
+        if len == 0 {
+            return Ok(&[]);
+        }
+        self.mem.bytes(addr, len).ok_or(Fault::BadPointer)
+    }
+}
+
+/// A string read in place from the sender's arena. Its bytes are exposed as
+/// `&[u8]`; UTF-8 is checked on a copy ([`ShmStrRef::to_string`]) because the
+/// sender could change bytes after an in-place check.
+#[derive(Clone, Copy, Debug)]
+pub struct ShmStrRef<'a>(&'a [u8]);
+
+impl<'a> ShmStrRef<'a> {
+    pub fn as_bytes(&self) -> &'a [u8] {
+        self.0
+    }
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+    /// Copies, then checks UTF-8.
+    #[allow(clippy::inherent_to_string_shadow_display, clippy::inherent_to_string)]
+    pub fn to_string(&self) -> Result<String, Fault> {
+        String::from_utf8(self.0.to_vec()).map_err(|_| Fault::BadArguments)
+    }
+}
+
+impl PartialEq<&str> for ShmStrRef<'_> {
+    fn eq(&self, o: &&str) -> bool {
+        self.0 == o.as_bytes()
+    }
+}

@@ -1,0 +1,46 @@
+//! fido-rpc: VMRPC on Fido — remote procedure calls with no serialization.
+//!
+//! A service is a Rust trait marked `#[fido_rpc::service]`; the macro
+//! generates the client stubs (`<Trait>Client`, `<Trait>AsyncClient`) and the
+//! server's dispatch table (`<Trait>Server`). Arguments and results are plain
+//! old data ([`Pod`]: no padding, no pointers) and handles into arena memory
+//! ([`ShmSlice`], [`ShmStr`], and structs nesting them). The caller builds its
+//! arguments in its own arena ([`Frame`]); the call carries their global
+//! pointers; the server reads them in place, read-only, after checking each
+//! range against the caller's grant ([`View`]); results come back the same
+//! way, and a [`Reply`] keeps them valid exactly until it is dropped.
+//!
+//! This crate must never dereference a pointer a peer sent before checking
+//! its whole range against that peer's grant, never read a header twice (it
+//! is copied out once, then checked), never hand out a view that can outlive
+//! the message that keeps its memory mapped, and never let one client's calls
+//! (or death) disturb another connection. Everything runs over `fido`
+//! channels: no bytes of arguments or results are copied by the transport.
+
+extern crate self as fido_rpc;
+
+#[cfg(feature = "tokio")]
+mod asynch;
+mod client;
+mod error;
+mod frame;
+mod server;
+pub mod services;
+pub mod wire;
+
+#[cfg(feature = "tokio")]
+pub use asynch::AsyncClient;
+pub use bytemuck::{self, Pod, Zeroable};
+pub use client::{CallOpts, CancelToken, Client, Reply};
+pub use error::{CallError, Failure, Fault, RpcError};
+pub use fido;
+pub use fido_rpc_macros::service;
+pub use frame::{Frame, PeerMemory, ShmStrRef, ShmVec, View};
+pub use server::{dispatch_call, parse_call, reply_message, Ctx, Dispatch, Incoming, Outcome, Server, ServerHandle, ServerOptions};
+pub use wire::{monotonic_ns, NoAppError, ShmSlice, ShmStr};
+
+/// Re-exported for generated code.
+#[doc(hidden)]
+pub mod __private {
+    pub use crate::wire::{sig_hash, RootWriter};
+}

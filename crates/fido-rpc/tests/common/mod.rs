@@ -1,0 +1,95 @@
+//! A private broker per test, and child processes re-executing this test
+//! binary in a role (`FIDO_TEST_ROLE`, dispatched by the `child_main` test).
+#![allow(dead_code)]
+
+use fido::{Domain, JoinOptions};
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub struct TestBroker {
+    pub dir: tempfile::TempDir,
+    pub socket: PathBuf,
+    shutdown: Option<fido_broker::ShutdownHandle>,
+    thread: Option<std::thread::JoinHandle<Result<(), fido_broker::BrokerError>>>,
+}
+
+impl TestBroker {
+    pub fn start() -> TestBroker {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("broker.sock");
+        let mut c = fido_broker::Config::new(&socket, dir.path().join("state"));
+        c.heartbeat = Duration::from_millis(100);
+        c.heartbeat_misses = 5;
+        let (thread, shutdown) = fido_broker::Broker::spawn(c).unwrap();
+        TestBroker { dir, socket, shutdown: Some(shutdown), thread: Some(thread) }
+    }
+    pub fn join(&self, name: &str) -> Domain {
+        Domain::join(JoinOptions::new(name).broker(&self.socket).arena_len(64 << 20)).unwrap()
+    }
+}
+
+impl Drop for TestBroker {
+    fn drop(&mut self) {
+        if let Some(s) = self.shutdown.take() {
+            s.shutdown();
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+pub struct ChildProc {
+    pub child: Child,
+    pub out: BufReader<ChildStdout>,
+}
+
+impl ChildProc {
+    pub fn spawn(role: &str, broker: &std::path::Path) -> ChildProc {
+        let mut cmd = Command::new(std::env::current_exe().unwrap());
+        cmd.args(["--exact", "child_main", "--nocapture", "--test-threads=1", "-q"])
+            .env("FIDO_TEST_ROLE", role)
+            .env("FIDO_BROKER", broker)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        let mut child = cmd.spawn().unwrap();
+        let out = BufReader::new(child.stdout.take().unwrap());
+        ChildProc { child, out }
+    }
+    pub fn expect_line(&mut self, prefix: &str, timeout: Duration) -> String {
+        let deadline = Instant::now() + timeout;
+        let mut line = String::new();
+        while Instant::now() < deadline {
+            line.clear();
+            if self.out.read_line(&mut line).unwrap() == 0 {
+                panic!("child exited before printing {prefix:?}");
+            }
+            if let Some(rest) = line.trim_end().strip_prefix(prefix) {
+                return rest.trim().to_string();
+            }
+        }
+        panic!("no {prefix:?} line within {timeout:?}");
+    }
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for ChildProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Polls `f` until it holds, panicking after `timeout`.
+pub fn eventually(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
