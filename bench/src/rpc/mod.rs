@@ -1,6 +1,7 @@
 //! `fido bench rpc`: the VMRPC paper's evaluation (§5.2 null RPC, §5.3 Table 2
 //! throughput) with today's baselines, all measured in one invocation, plus the
-//! case study (a key-value store, fido-rpc against the same service over tonic).
+//! case study (a caching file server, fido-rpc against the same service over
+//! tonic: [`files`]).
 //!
 //! # How a point is measured
 //!
@@ -41,7 +42,7 @@ mod tarpc_sys;
 mod tonic_sys;
 mod uds;
 mod xmlrpc;
-pub mod kv;
+pub mod files;
 pub mod plot;
 
 use std::collections::{HashMap, HashSet};
@@ -82,8 +83,8 @@ pub enum Case {
     NullNotified,
     NullPolled,
     Seq { seq: Seq, dir: Dir, len: usize },
-    /// The case study: GET of a `size`-byte value from a key-value store.
-    KvGet { size: usize },
+    /// The case study: `read(path, 0, size)` from a caching file server.
+    FileRead { size: usize },
 }
 
 impl Case {
@@ -92,7 +93,7 @@ impl Case {
             Case::NullNotified => "null-notified".into(),
             Case::NullPolled => "null-polled".into(),
             Case::Seq { seq, dir, len } => format!("{}-{}-{len}", seq.name(), dir.name()),
-            Case::KvGet { size } => format!("kv-get-{size}"),
+            Case::FileRead { size } => format!("file-read-{size}"),
         }
     }
 
@@ -100,8 +101,8 @@ impl Case {
         Ok(match s {
             "null-notified" => Case::NullNotified,
             "null-polled" => Case::NullPolled,
-            _ if s.starts_with("kv-get-") => Case::KvGet {
-                size: s["kv-get-".len()..]
+            _ if s.starts_with("file-read-") => Case::FileRead {
+                size: s["file-read-".len()..]
                     .parse()
                     .with_context(|| format!("bad size in {s}"))?,
             },
@@ -130,8 +131,8 @@ impl Case {
                 }
             }
         }
-        let sizes: &[usize] = if quick { &kv::QUICK_SIZES } else { &kv::SIZES };
-        v.extend(sizes.iter().map(|&size| Case::KvGet { size }));
+        let sizes: &[usize] = if quick { &files::QUICK_SIZES } else { &files::SIZES };
+        v.extend(sizes.iter().map(|&size| Case::FileRead { size }));
         v
     }
 }
@@ -214,13 +215,13 @@ impl RpcSystem for Builtin {
     fn supports(&self, case: &Case) -> bool {
         match case {
             Case::NullPolled => self.0 == "uds",
-            Case::KvGet { .. } => self.0 == "tonic",
+            Case::FileRead { .. } => self.0 == "tonic",
             _ => true,
         }
     }
     fn server(&self, addr: &str, case: &Case, cpu: usize) -> Command {
         let system = match case {
-            Case::KvGet { .. } => format!("{}-kv", self.0),
+            Case::FileRead { .. } => format!("{}-files", self.0),
             _ => self.0.to_string(),
         };
         self_cmd(&[
@@ -303,11 +304,15 @@ pub fn run_client(c: &mut dyn RpcClient, a: &PeerArgs) -> anyhow::Result<()> {
     emit_result(&r)
 }
 
-/// The key-value client process's loop (`kv-get-<size>`).
-pub fn run_kv_client(c: &mut dyn kv::KvClient, size: usize, a: &PeerArgs) -> anyhow::Result<()> {
+/// The file-server client process's loop (`file-read-<size>`).
+pub fn run_files_client(
+    c: &mut dyn files::FilesClient,
+    size: usize,
+    a: &PeerArgs,
+) -> anyhow::Result<()> {
     let warm = Duration::from_millis(a.num("warm_ms")?);
     let dur = Duration::from_millis(a.num("dur_ms")?);
-    emit_result(&kv::client_loop(c, size, warm, dur)?)
+    emit_result(&files::client_loop(c, size, warm, dur)?)
 }
 
 pub fn emit_result(r: &ClientResult) -> anyhow::Result<()> {
@@ -340,7 +345,7 @@ pub fn client_loop(
                 p99_ns: Some(p99 as f64),
             })
         }
-        Case::KvGet { size } => bail!("kv-get-{size} runs through run_kv_client"),
+        Case::FileRead { size } => bail!("file-read-{size} runs through run_files_client"),
         Case::Seq { seq, dir, len } => {
             let mut checked = 0u64;
             let t = Instant::now();
@@ -387,17 +392,17 @@ pub(crate) fn peer(kind: &str, a: &PeerArgs) -> Option<anyhow::Result<()>> {
                 "tarpc" => tarpc_sys::serve(addr),
                 "capnp" => capnp_sys::serve(addr),
                 "tonic" => tonic_sys::serve(addr),
-                "tonic-kv" => kv::serve_tonic(addr),
+                "tonic-files" => files::serve_tonic(addr),
                 s => bail!("unknown rpc system {s}"),
             }
         })(),
         "rpc-client" => (|| {
             let addr = a.get("addr")?;
             let case = Case::parse(a.get("case")?)?;
-            if let Case::KvGet { size } = case {
+            if let Case::FileRead { size } = case {
                 return match a.get("system")? {
-                    "tonic" => run_kv_client(&mut kv::TonicKv::connect(addr)?, size, a),
-                    s => bail!("system {s} has no key-value case"),
+                    "tonic" => run_files_client(&mut files::TonicFiles::connect(addr)?, size, a),
+                    s => bail!("system {s} has no file-read case"),
                 };
             }
             match a.get("system")? {
@@ -617,7 +622,7 @@ pub fn run_suite(
                                 r.calls,
                             ));
                         }
-                        Case::KvGet { .. } => {
+                        Case::FileRead { .. } => {
                             run.records.push(rtt_record(
                                 &cname,
                                 &name,
