@@ -6,6 +6,9 @@
 # What is needed, and why (nothing else is):
 #   build-essential  cc/c++/ld: rusqlite's bundled SQLite, libFuzzer (C++), linking
 #   ucx-utils        ucx_perftest, the UCX baseline of `fido bench channel`
+#   protobuf-compiler  protoc: bench/build.rs compiles the tonic baseline's .proto
+#   capnproto        capnp: bench/build.rs compiles the capnp-rpc baseline's schema
+#   python3          xmlrpc.server/xmlrpc.client, the XML-RPC baseline of `fido bench rpc`
 #   ca-certificates, curl   only when Rust itself must be installed (rustup)
 #   cargo-fuzz       only for scripts/fuzz-replay.sh / fuzz-run.sh
 # Not needed: pkg-config (SQLite is bundled), libclang (iceoryx2 runs bindgen
@@ -49,6 +52,7 @@ apt_install() {
 }
 
 apt_install build-essential ucx-utils
+apt_install protobuf-compiler capnproto python3
 
 # Rust (stable, via rustup) if there is no cargo at all.
 if [[ -x "$HOME/.cargo/bin/cargo" ]]; then export PATH="$HOME/.cargo/bin:$PATH"; fi

@@ -29,7 +29,7 @@
 //! * Warm-up (un-timed calls, at least one) then the measured window (at least one
 //!   call). Quick: 80 ms + 0.3 s per point; full: 0.4 s + 2 s.
 //! * **Budget.** A point whose client has not reported within the budget (quick
-//!   5 s, full 30 s) is killed and reported `did_not_finish`; the same sequence and
+//!   5 s, full 20 s) is killed and reported `did_not_finish`; the same sequence and
 //!   direction at a larger LEN is then reported `did_not_finish` without running.
 //! * Baseline fairness (ANCHORS.md): single-threaded tokio runtimes on both ends,
 //!   size limits raised (tonic's 4 MiB decode limit, tokio-util's 8 MiB frame,
@@ -178,7 +178,7 @@ pub fn budget(opts: &Opts) -> Duration {
     if opts.quick {
         Duration::from_secs(5)
     } else {
-        Duration::from_secs(30)
+        Duration::from_secs(20)
     }
 }
 
@@ -815,7 +815,7 @@ mod tests {
         for c in Case::all(false) {
             assert_eq!(Case::parse(&c.name()).unwrap(), c);
         }
-        assert_eq!(Case::all(false).len(), 2 + 3 * 2 * 6);
+        assert_eq!(Case::all(false).len(), 2 + 3 * 2 * 6 + files::SIZES.len());
         assert!(Case::parse("byteseq-sideways-10").is_err());
     }
 

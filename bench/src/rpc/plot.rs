@@ -24,6 +24,15 @@ const COLORS: [RGBColor; 8] = [
     RGBColor(23, 190, 207),
 ];
 
+/// A fixed color per known system, so figures from different runs compare.
+fn color_of(system: &str, i: usize) -> RGBColor {
+    const KNOWN: [&str; 6] = ["fido", "uds", "tarpc", "capnp", "tonic", "xmlrpc"];
+    match KNOWN.iter().position(|k| *k == system) {
+        Some(p) => COLORS[p],
+        None => COLORS[(KNOWN.len() + i) % COLORS.len()],
+    }
+}
+
 fn register_font() -> anyhow::Result<()> {
     static DONE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let ok = *DONE.get_or_init(|| {
@@ -126,7 +135,7 @@ pub fn draw(records: &[Record], path: &Path, title: &str) -> anyhow::Result<()> 
             let Some(pts) = lines.get(sys) else { continue };
             let mut pts = pts.clone();
             pts.sort_by(|a, b| a.0.total_cmp(&b.0));
-            let color = COLORS[si % COLORS.len()];
+            let color = color_of(sys, si);
             let width = if sys.starts_with("fido") { 3 } else { 2 };
             chart
                 .draw_series(LineSeries::new(pts.clone(), color.stroke_width(width)))?
