@@ -46,7 +46,8 @@ impl RpcSystem for XmlRpc {
         "xmlrpc"
     }
     fn supports(&self, case: &Case) -> bool {
-        *case != Case::NullPolled
+        // No busy-polling mode, and the case study is fido against tonic only.
+        matches!(case, Case::NullNotified | Case::Seq { .. })
     }
     fn server(&self, addr: &str, _case: &Case, cpu: usize) -> Command {
         let mut c = Command::new(python());
