@@ -12,7 +12,8 @@
 //!   frame allocation are part of each call's time, as for the baselines.
 //! * `null-notified`: client and server wait with `WaitStrategy::Block`;
 //!   `null-polled`: `BusyPoll` on both ends. Sequence and file cases use the
-//!   domain default (`Adaptive`: spin 50 µs, then block).
+//!   domain default (`Adaptive`: spin 50 µs, then block); sequence cases use
+//!   8-entry rings (see [`SEQ_RING`]).
 //! * Case study: `fido_rpc::services::files` (the fido-rpc crate's caching file
 //!   server; a read is a view of the server's cache) against the same service
 //!   over tonic.
@@ -250,9 +251,8 @@ impl RpcSystem for FidoSys {
     }
 }
 
-/// Arena bytes a domain needs for one point: room for two calls' worth of the
-/// largest sequence (a frame being built while the last one's release is still
-/// travelling back), at least 64 MiB. Arenas are pre-faulted at join.
+/// Arena bytes a domain needs for one point (see the body), at least 64 MiB.
+/// Arenas up to 1 GiB are pre-faulted at join.
 fn arena_for(case: &Case) -> u64 {
     let per_call = match case {
         Case::Seq { seq, len, .. } => match seq {
@@ -264,7 +264,9 @@ fn arena_for(case: &Case) -> u64 {
         Case::FileRead { size } => (files::files_for(*size) * *size) as u64,
         _ => 0,
     };
-    (2 * per_call + (64 << 20)).next_power_of_two()
+    // Eight calls' worth: up to SEQ_RING / 2 + 1 frames are allocated at
+    // once (releases are collected in batches), plus the buddy's slack.
+    (8 * per_call + (64 << 20)).next_power_of_two()
 }
 
 fn wait_for(case: &Case) -> WaitStrategy {
@@ -275,13 +277,24 @@ fn wait_for(case: &Case) -> WaitStrategy {
     }
 }
 
+/// Ring entries of the sequence cases. A sender collects its peer's releases
+/// (freeing its buffers) only once half its ring is in flight, so with the
+/// default ring up to 32 call frames (client) or reply frames (server) of up
+/// to 100 MB each stay allocated after their calls completed, and the arena
+/// runs out. A synchronous client never has more than one call in flight:
+/// an 8-entry ring reclaims every 4 calls.
+const SEQ_RING: u32 = 8;
+
 fn join(role: &str, case: &Case) -> anyhow::Result<Domain> {
+    let mut o = JoinOptions::new(role);
+    if let Case::Seq { .. } = case {
+        o = o.ring_entries(SEQ_RING);
+    }
     Domain::join(
-        JoinOptions::new(role)
-            .arena_len(arena_for(case))
+        o.arena_len(arena_for(case))
             // Page faults of a fresh arena are paid at join, not in the
             // measured calls (ANCHORS: pre-fault and reuse shared memory).
-            .prefault(true)
+            .prefault(arena_for(case) <= 1 << 30)
             .wait(wait_for(case)),
     )
     .context("joining the embedded broker")
