@@ -3,7 +3,7 @@
 //! It admits domains (join: a [`DomainId`](fido_proto::DomainId) that is never
 //! reused and a PGVAS slot), hands out read-only arena grants, brokers
 //! connections between a client and the domain offering a service (exchanging
-//! arena grants, doorbell eventfds and a liveness socket pair), keeps the
+//! arena grants, doorbell ring ends and a liveness socket pair), keeps the
 //! registry (a tree of keys with watches and transactions, persisted in SQLite),
 //! and detects deaths — socket EOF at once, hangs by missed heartbeats — telling
 //! the peers and firing watches.
@@ -16,10 +16,12 @@
 //! mapped somewhere.
 
 mod account;
+pub mod pipe;
 pub mod policy;
 mod server;
 mod sys;
 
+pub use pipe::{Capacity, PipeConfig};
 pub use policy::{Glob, Policy, Quotas, Rule};
 
 use std::fs::{DirBuilder, File, OpenOptions};
@@ -53,6 +55,8 @@ pub struct Config {
     /// file's mode and group. Default: [`Policy::default_for_self`] (only
     /// the broker's own uid may join).
     pub policy: Arc<Policy>,
+    /// The pipe engine's capacity, sharing mode, lanes and chunk size.
+    pub pipe: PipeConfig,
 }
 
 impl Config {
@@ -65,6 +69,7 @@ impl Config {
             heartbeat_misses: 6,
             geometry: PgvasGeometry::DEFAULT,
             policy: Arc::new(Policy::default_for_self()),
+            pipe: PipeConfig::default(),
         }
     }
 
@@ -129,6 +134,34 @@ impl ShutdownHandle {
     }
 }
 
+/// Hands a running broker a new policy (what `fido broker` does on `SIGHUP`).
+///
+/// The broker applies it between two requests: every live domain is admitted
+/// again under the new rules (a domain no rule admits any more is evicted, its
+/// peers told `PeerGone { reason: Evicted }`), services the new rules do not
+/// allow are withdrawn, and connections whose client may no longer connect are
+/// revoked (both sides told `PeerGone { reason: Revoked }`).
+#[derive(Debug, Clone)]
+pub struct ReloadHandle {
+    event: Arc<OwnedFd>,
+    pending: Arc<std::sync::Mutex<Option<Policy>>>,
+}
+
+impl ReloadHandle {
+    /// Queues `policy` for the broker and wakes it; returns at once. A later
+    /// call before the broker woke replaces an earlier one.
+    pub fn reload(&self, policy: Policy) {
+        *self.pending.lock().unwrap_or_else(|e| e.into_inner()) = Some(policy);
+        let _ = rustix::io::write(self.event.as_fd(), &1u64.to_ne_bytes());
+    }
+}
+
+/// The broker's end of [`ReloadHandle`].
+pub(crate) struct ReloadSlot {
+    pub(crate) event: Arc<OwnedFd>,
+    pub(crate) pending: Arc<std::sync::Mutex<Option<Policy>>>,
+}
+
 /// A bound broker, ready to [`run`](Broker::run).
 pub struct Broker {
     config: Config,
@@ -136,6 +169,8 @@ pub struct Broker {
     /// Identity of the socket file we created, so we only ever remove our own.
     socket_id: (u64, u64),
     shutdown: Arc<OwnedFd>,
+    reload: Arc<OwnedFd>,
+    pending_policy: Arc<std::sync::Mutex<Option<Policy>>>,
     registry: fido_registry::Registry,
     reserved: BTreeMap<u32, DomainId>,
     _lock: File,
@@ -197,6 +232,11 @@ impl Broker {
             rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
         )
         .map_err(sys_err("eventfd"))?;
+        let reload = rustix::event::eventfd(
+            0,
+            rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
+        )
+        .map_err(sys_err("eventfd"))?;
 
         tracing::info!(socket = %config.socket.display(), state = %state.display(), "broker bound");
         Ok(Broker {
@@ -204,6 +244,8 @@ impl Broker {
             listener,
             socket_id,
             shutdown: Arc::new(shutdown),
+            reload: Arc::new(reload),
+            pending_policy: Arc::default(),
             registry,
             reserved,
             _lock: lock,
@@ -222,6 +264,14 @@ impl Broker {
         }
     }
 
+    /// A handle that gives the running broker a new policy from any thread.
+    pub fn reload_handle(&self) -> ReloadHandle {
+        ReloadHandle {
+            event: self.reload.clone(),
+            pending: self.pending_policy.clone(),
+        }
+    }
+
     /// Serves until the shutdown handle fires, then closes every client and
     /// removes the socket file.
     pub fn run(self) -> Result<(), BrokerError> {
@@ -230,12 +280,18 @@ impl Broker {
             listener,
             socket_id,
             shutdown,
+            reload,
+            pending_policy,
             registry,
             reserved,
             _lock,
         } = self;
         let socket = config.socket.clone();
-        let result = server::Server::new(config, listener, shutdown, registry, reserved)
+        let reload = ReloadSlot {
+            event: reload,
+            pending: pending_policy,
+        };
+        let result = server::Server::new(config, listener, shutdown, reload, registry, reserved)
             .and_then(|s| s.run());
         remove_socket_if_ours(&socket, socket_id);
         tracing::info!(socket = %socket.display(), "broker stopped");

@@ -25,7 +25,11 @@ pub const DEFAULT_QUOTAS: Quotas = Quotas {
     registry_keys: 65_536,
     registry_bytes: 64 << 20,
     watches: 4096,
+    pipes: 256,
 };
+
+/// Pipe weight of a domain whose rule names none.
+pub const DEFAULT_PIPE_WEIGHT: u32 = 1;
 
 /// Default mode of the broker's socket file: anyone may connect, the policy
 /// decides who may join.
@@ -44,6 +48,8 @@ pub struct Quotas {
     pub registry_bytes: u64,
     /// Registry watches the domain holds at once.
     pub watches: u64,
+    /// vPipe pipes the domain holds at once (one-shot operations count while they run).
+    pub pipes: u64,
 }
 
 /// A `*`/`?` glob. `*` matches any run of characters except `/`, `**` any run
@@ -189,6 +195,9 @@ pub struct Rule {
     pub registry_write: Vec<Glob>,
     /// The domain's quotas (the rule's own, else `[defaults]`, else built-in).
     pub quotas: Quotas,
+    /// The domain's share of the pipe engine relative to other domains
+    /// (`pipe_weight`, 1..=10000, default 1); `fido pipe weight` changes it live.
+    pub pipe_weight: u32,
 }
 
 impl Rule {
@@ -263,6 +272,7 @@ impl Policy {
                 connect: all("*"),
                 registry_write: all("/**"),
                 quotas: DEFAULT_QUOTAS,
+                pipe_weight: DEFAULT_PIPE_WEIGHT,
             }],
             socket_mode: DEFAULT_SOCKET_MODE,
             socket_gid: None,
@@ -331,6 +341,7 @@ struct RawQuotas {
     registry_keys: Option<u64>,
     registry_bytes: Option<Size>,
     watches: Option<u64>,
+    pipes: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -360,6 +371,8 @@ struct RawRule {
     registry_keys: Option<u64>,
     registry_bytes: Option<Size>,
     watches: Option<u64>,
+    pipes: Option<u64>,
+    pipe_weight: Option<u32>,
 }
 
 fn yes() -> bool {
@@ -418,6 +431,7 @@ impl RawQuotas {
                 None => base.registry_bytes,
             },
             watches: self.watches.unwrap_or(base.watches),
+            pipes: self.pipes.unwrap_or(base.pipes),
         })
     }
 }
@@ -458,9 +472,17 @@ impl RawPolicy {
                 registry_keys: r.registry_keys,
                 registry_bytes: r.registry_bytes.clone(),
                 watches: r.watches,
+                pipes: r.pipes,
             }
             .over(defaults)
             .map_err(|e| format!("rule {name}: {e}"))?;
+            let pipe_weight = r.pipe_weight.unwrap_or(DEFAULT_PIPE_WEIGHT);
+            if pipe_weight == 0 || pipe_weight > fido_proto::MAX_PIPE_WEIGHT {
+                return Err(format!(
+                    "rule {name}: pipe_weight = {pipe_weight}: must be 1..={}",
+                    fido_proto::MAX_PIPE_WEIGHT
+                ));
+            }
             rules.push(Rule {
                 labels: globs("labels", &name, &r.labels)?,
                 offer: globs("offer", &name, &r.offer)?,
@@ -470,6 +492,7 @@ impl RawPolicy {
                 gids,
                 join: r.join,
                 quotas,
+                pipe_weight,
                 name,
             });
         }

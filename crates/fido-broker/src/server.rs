@@ -27,6 +27,7 @@ use rustix::net::SocketFlags;
 
 use crate::account::RegAccount;
 use crate::policy::{JoinDenied, Rule};
+use crate::ReloadSlot;
 use crate::sys::{self, Recv};
 use crate::{BrokerError, Config};
 
@@ -35,7 +36,13 @@ pub(crate) const MANAGED: [&str; 3] = ["/domain", "/service", "/connection"];
 
 const KEY_LISTENER: u64 = 0;
 const KEY_SHUTDOWN: u64 = 1;
-const FIRST_CLIENT_KEY: u64 = 2;
+const KEY_RELOAD: u64 = 2;
+/// The pipe engine's completion eventfd.
+const KEY_PIPE: u64 = 3;
+const FIRST_CLIENT_KEY: u64 = 4;
+
+#[path = "pipe_server.rs"]
+mod pipes;
 
 /// Messages handled per client per wake-up, so one chatty client cannot starve others.
 const MAX_BATCH: usize = 64;
@@ -83,11 +90,15 @@ struct Domain {
     arena_len: u64,
     pid: i32,
     uid: u32,
+    /// Identity and label it joined with: a reloaded policy decides again on them.
+    gid: u32,
+    label: Option<String>,
     counters: Counters,
     services: BTreeSet<String>,
     /// Slots (of other domains, or its own) this domain has mapped.
     maps: BTreeSet<u32>,
-    /// The policy rule that admitted it; decides its rights and quotas for its life.
+    /// The policy rule that admitted it; decides its rights and quotas until
+    /// the policy is reloaded (then the new policy decides again).
     rule: Arc<Rule>,
 }
 
@@ -124,6 +135,7 @@ pub(crate) struct Server {
     cfg: Config,
     listener: OwnedFd,
     shutdown: Arc<OwnedFd>,
+    reload: ReloadSlot,
     epoll: OwnedFd,
     reg: Registry,
     clients: HashMap<u64, Client>,
@@ -150,6 +162,8 @@ pub(crate) struct Server {
     rules: Vec<Arc<Rule>>,
     /// Who is charged for which application registry key.
     acct: RegAccount,
+    /// vPipe: pipes, running transfers, the engine.
+    pipes: pipes::PipeState,
 }
 
 impl Server {
@@ -157,6 +171,7 @@ impl Server {
         cfg: Config,
         listener: OwnedFd,
         shutdown: Arc<OwnedFd>,
+        reload: ReloadSlot,
         reg: Registry,
         reserved: BTreeMap<u32, DomainId>,
     ) -> Result<Server, BrokerError> {
@@ -178,6 +193,9 @@ impl Server {
         };
         add(listener.as_fd(), KEY_LISTENER)?;
         add(shutdown.as_fd(), KEY_SHUTDOWN)?;
+        add(reload.event.as_fd(), KEY_RELOAD)?;
+        let pipe_state = pipes::PipeState::new(&cfg)?;
+        add(pipe_state.engine.done_fd(), KEY_PIPE)?;
         let grace_end = Instant::now() + cfg.heartbeat_timeout();
         let rules = cfg.policy.rules.iter().cloned().map(Arc::new).collect();
         tracing::info!(
@@ -189,6 +207,7 @@ impl Server {
             cfg,
             listener,
             shutdown,
+            reload,
             epoll: ep,
             reg,
             clients: HashMap::new(),
@@ -208,6 +227,7 @@ impl Server {
             buf: vec![0u8; fido_proto::MAX_MESSAGE],
             rules,
             acct: RegAccount::default(),
+            pipes: pipe_state,
         })
     }
 
@@ -253,6 +273,18 @@ impl Server {
                         tracing::info!(domains = self.domains.len(), "broker shutting down");
                         return Ok(());
                     }
+                    KEY_RELOAD => {
+                        let mut b = [0u8; 8];
+                        let _ = rustix::io::read(self.reload.event.as_fd(), &mut b);
+                        let next = self.reload.pending.lock().unwrap_or_else(|e| e.into_inner()).take();
+                        if let Some(policy) = next {
+                            self.apply_policy(policy);
+                            for (dom, event) in std::mem::take(&mut self.after_reply) {
+                                self.send_event(dom, event, Vec::new());
+                            }
+                        }
+                    }
+                    KEY_PIPE => self.pipe_completions(),
                     key => self.client_ready(key, flags),
                 }
                 self.reap();
@@ -621,7 +653,10 @@ impl Server {
         fds: Vec<OwnedFd>,
     ) -> Handled {
         // Only Connect and Accept carry descriptors; everywhere else they are a mistake.
-        let takes_fds = matches!(body, Request::Connect { .. } | Request::Accept { .. });
+        let takes_fds = matches!(
+            body,
+            Request::Connect { .. } | Request::Accept { .. } | Request::PipeCreate | Request::PipeOnce { .. }
+        );
         if !takes_fds && !fds.is_empty() {
             return Err(err(
                 ErrorCode::BadDescriptor,
@@ -643,12 +678,7 @@ impl Server {
                         format!("you do not offer service {service:?}"),
                     ));
                 }
-                self.services.remove(&service);
-                if let Some(d) = self.domains.get_mut(&dom) {
-                    d.services.remove(&service);
-                }
-                self.reg_delete(&format!("/service/{service}"));
-                tracing::info!(domain = dom, service, "service withdrawn");
+                self.withdraw(dom, &service);
                 Ok(Some((Reply::Ok, Vec::new())))
             }
             Request::Connect { service, block } => self.connect(dom, id, service, block, fds),
@@ -840,6 +870,12 @@ impl Server {
                 )))
             }
             Request::Status => Ok(Some((Reply::Status(self.status()), Vec::new()))),
+            body @ (Request::PipeCreate
+            | Request::PipeRun { .. }
+            | Request::PipeOnce { .. }
+            | Request::PipeCancel { .. }
+            | Request::PipeDestroy { .. }
+            | Request::PipeWeight { .. }) => self.pipe_request(key, dom, id, body, fds),
             Request::Counters { counters } => {
                 if let Some(d) = self.domains.get_mut(&dom) {
                     d.counters = counters;
@@ -1024,6 +1060,8 @@ impl Server {
                 arena_len,
                 pid,
                 uid,
+                gid,
+                label: label.clone(),
                 counters: Counters::default(),
                 services: BTreeSet::new(),
                 maps: BTreeSet::new(),
@@ -1041,6 +1079,9 @@ impl Server {
 
         if let Some(r) = resume {
             self.resume(id, r);
+            // Connections are re-registered as they were; the policy (which
+            // may have changed across the restart) decides whether they stay.
+            self.enforce_connect_policy();
             tracing::info!(domain = id, slot, name, pid, uid, "domain resumed");
         } else {
             tracing::info!(domain = id, slot, name, pid, uid, "domain joined");
@@ -1240,6 +1281,129 @@ impl Server {
     }
 
     // ----- policy and quotas --------------------------------------------------
+
+    /// Installs a new policy and applies it to everything live: domains are
+    /// admitted again (or evicted), services and connections the new rules do
+    /// not allow are withdrawn and revoked. Quotas apply to what is charged
+    /// from now on; usage already above a lowered quota is not taken away.
+    fn apply_policy(&mut self, policy: crate::Policy) {
+        tracing::info!(
+            policy = policy.source,
+            rules = policy.rules.len(),
+            "access policy reloaded"
+        );
+        self.rules = policy.rules.iter().cloned().map(Arc::new).collect();
+        self.cfg.policy = Arc::new(policy);
+        let ids: Vec<DomainId> = self.domains.keys().copied().collect();
+        for id in ids {
+            let d = &self.domains[&id];
+            match self.cfg.policy.decide(d.uid, d.gid, d.label.as_deref()) {
+                Ok(i) => {
+                    let rule = self.rules[i].clone();
+                    if let Some(d) = self.domains.get_mut(&id) {
+                        d.rule = rule;
+                    }
+                }
+                Err(_) => {
+                    tracing::warn!(
+                        domain = id,
+                        uid = d.uid,
+                        gid = d.gid,
+                        label = d.label,
+                        "evicted: the reloaded policy no longer admits this domain"
+                    );
+                    let key = d.client;
+                    self.doom(key, GoneReason::Evicted);
+                }
+            }
+        }
+        self.reap();
+        let offered: Vec<(String, DomainId)> =
+            self.services.iter().map(|(s, d)| (s.clone(), *d)).collect();
+        for (service, dom) in offered {
+            if !self.domains.get(&dom).is_some_and(|d| d.rule.may_offer(&service)) {
+                tracing::warn!(domain = dom, service, "service withdrawn: the reloaded policy forbids offering it");
+                self.withdraw(dom, &service);
+            }
+        }
+        self.enforce_connect_policy();
+    }
+
+    /// Revokes every connection (established or waiting for its server) whose
+    /// client may not connect to its service under the current rules. Runs
+    /// after a policy reload and after a domain resumed its connections.
+    fn enforce_connect_policy(&mut self) {
+        let denied = |server: &Server, client: DomainId, service: &str| {
+            server
+                .domains
+                .get(&client)
+                .is_some_and(|d| !d.rule.may_connect(service))
+        };
+        let revoked: Vec<ConnId> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| denied(self, c.client, &c.service))
+            .map(|(c, _)| *c)
+            .collect();
+        for conn in revoked {
+            self.revoke(conn);
+        }
+        let waiting: Vec<ConnId> = self
+            .pending
+            .iter()
+            .filter(|(_, p)| denied(self, p.client, &p.service))
+            .map(|(c, _)| *c)
+            .collect();
+        for conn in waiting {
+            let p = self.pending.remove(&conn).expect("listed above");
+            let e = self.deny(p.client, format!("may not connect to service {:?} (policy reloaded)", p.service));
+            self.reply_to_domain(p.client, p.client_req, Err(e), Vec::new());
+            self.send_event(
+                p.server,
+                Event::PeerGone {
+                    domain: p.client,
+                    conn: Some(conn),
+                    reason: GoneReason::Revoked,
+                },
+                Vec::new(),
+            );
+        }
+    }
+
+    /// Ends one connection by policy: both sides hear `PeerGone { reason:
+    /// Revoked }` for it (their domains live on) and no grant travels along it
+    /// any more. Memory already mapped stays mapped (the kernel cannot take a
+    /// mapping back); honest libraries close the channel.
+    fn revoke(&mut self, conn: ConnId) {
+        let Some(c) = self.conns.remove(&conn) else {
+            return;
+        };
+        self.unconfirmed.remove(&conn);
+        tracing::warn!(conn, client = c.client, server = c.server, service = c.service, "connection revoked by policy");
+        // After the reply under way (a resuming domain hears its Joined first).
+        for (me, other) in [(c.client, c.server), (c.server, c.client)] {
+            if self.domains.contains_key(&me) {
+                self.after_reply.push((
+                    me,
+                    Event::PeerGone {
+                        domain: other,
+                        conn: Some(conn),
+                        reason: GoneReason::Revoked,
+                    },
+                ));
+            }
+        }
+        self.reg_delete(&format!("/connection/{conn}"));
+    }
+
+    fn withdraw(&mut self, dom: DomainId, service: &str) {
+        self.services.remove(service);
+        if let Some(d) = self.domains.get_mut(&dom) {
+            d.services.remove(service);
+        }
+        self.reg_delete(&format!("/service/{service}"));
+        tracing::info!(domain = dom, service, "service withdrawn");
+    }
 
     /// A `Denied` error naming the rule, logged at warn.
     fn deny(&self, dom: DomainId, what: String) -> RemoteError {
@@ -1611,6 +1775,7 @@ impl Server {
         }
         self.reg.drop_owner(id);
         self.acct.forget(id);
+        self.pipe_domain_gone(id);
 
         for s in &d.services {
             self.services.remove(s);
@@ -1769,7 +1934,10 @@ impl Server {
     }
 
     fn status(&self) -> Status {
+        let (pipe_engine, pipes) = self.pipe_status();
         Status {
+            pipe_engine,
+            pipes,
             broker_pid: rustix::process::getpid().as_raw_nonzero().get(),
             domains: self
                 .domains
@@ -1804,18 +1972,18 @@ fn check_bells(what: &str, fds: &[OwnedFd]) -> Result<(), RemoteError> {
         return Err(err(
             ErrorCode::BadDescriptor,
             format!(
-                "{what} carries exactly two descriptors (data and space doorbell eventfds); got {}",
+                "{what} carries exactly two descriptors (data and space doorbells); got {}",
                 fds.len()
             ),
         ));
     }
     for (i, fd) in fds.iter().enumerate() {
-        if !sys::is_eventfd(fd.as_fd()) {
+        if !sys::is_doorbell(fd.as_fd()) {
             let kind = sys::fd_kind(fd.as_fd()).unwrap_or_else(|| "unknown".into());
             let which = if i == 0 { "data" } else { "space" };
             return Err(err(
                 ErrorCode::BadDescriptor,
-                format!("{what}: the {which} doorbell is not an eventfd ({kind})"),
+                format!("{what}: the {which} doorbell is not a Unix stream socket ({kind})"),
             ));
         }
     }

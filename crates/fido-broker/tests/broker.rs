@@ -14,20 +14,20 @@ use rustix::fs::{OFlags, SealFlags};
 
 /// Offers `svc` on `server`, connects `client` to it and accepts. Returns the
 /// connection id, the client's received fds and the server's received fds, and
-/// the eventfds each side keeps for itself (data, space).
+/// the doorbells each side keeps for itself (data, space).
 struct Link {
     conn: u64,
     client_got: Vec<std::os::fd::OwnedFd>,
     server_got: Vec<std::os::fd::OwnedFd>,
-    client_bells: [std::os::fd::OwnedFd; 2],
-    server_bells: [std::os::fd::OwnedFd; 2],
+    client_bells: [Bell; 2],
+    server_bells: [Bell; 2],
 }
 
 fn link(server: &mut Raw, client: &mut Raw, svc: &str) -> Link {
     server.ok(Request::Offer {
         service: svc.into(),
     });
-    let client_bells = [eventfd(), eventfd()];
+    let client_bells = [bell(), bell()];
     let id = client.send_request(
         Request::Connect {
             service: svc.into(),
@@ -51,7 +51,7 @@ fn link(server: &mut Raw, client: &mut Raw, svc: &str) -> Link {
     assert_eq!(peer.arena_len, ARENA_LEN);
     assert_eq!(peer.pid, std::process::id() as i32);
     assert_eq!(block, BLOCK);
-    let server_bells = [eventfd(), eventfd()];
+    let server_bells = [bell(), bell()];
     let (r, fds) = server.request_fds(
         Request::Accept { conn, block: BLOCK },
         &[server_bells[0].as_fd(), server_bells[1].as_fd()],
@@ -193,24 +193,24 @@ fn connect_exchanges_exactly_the_right_descriptors() {
         "{}",
         fd_kind(l.server_got[0].as_fd())
     );
-    assert!(is_eventfd(&l.server_got[1]) && is_eventfd(&l.server_got[2]));
+    assert!(is_doorbell(&l.server_got[1]) && is_doorbell(&l.server_got[2]));
     assert!(is_socket(&l.server_got[3]));
     fido_shm::check_grant(l.server_got[0].as_fd(), ARENA_LEN).unwrap();
     // Client got the same from the server.
     assert_eq!(l.client_got.len(), 4);
     assert!(is_memfd(&l.client_got[0]));
-    assert!(is_eventfd(&l.client_got[1]) && is_eventfd(&l.client_got[2]));
+    assert!(is_doorbell(&l.client_got[1]) && is_doorbell(&l.client_got[2]));
     assert!(is_socket(&l.client_got[3]));
     fido_shm::check_grant(l.client_got[0].as_fd(), ARENA_LEN).unwrap();
 
-    // The bells are the real thing: ringing what the client received wakes the server's own eventfd.
-    write_u64(&l.client_got[1], 7);
-    assert_eq!(read_u64(&l.server_bells[0]), Some(7));
-    write_u64(&l.client_got[2], 3);
-    assert_eq!(read_u64(&l.server_bells[1]), Some(3));
-    write_u64(&l.server_got[1], 5);
-    assert_eq!(read_u64(&l.client_bells[0]), Some(5));
-    assert_eq!(read_u64(&l.client_bells[1]), None);
+    // The bells are the real thing: ringing what the client received wakes the server's own wait end.
+    ring_bell(&l.client_got[1], 7);
+    assert_eq!(rings(&l.server_bells[0].wait), 7);
+    ring_bell(&l.client_got[2], 3);
+    assert_eq!(rings(&l.server_bells[1].wait), 3);
+    ring_bell(&l.server_got[1], 5);
+    assert_eq!(rings(&l.client_bells[0].wait), 5);
+    assert_eq!(rings(&l.client_bells[1].wait), 0);
 
     // Registry records the connection.
     assert_eq!(
@@ -263,7 +263,7 @@ fn connect_errors_refuse_and_unavailable() {
     let mut client = b.client();
     server.join("server");
     client.join("client");
-    let bells = [eventfd(), eventfd()];
+    let bells = [bell(), bell()];
     let connect = |svc: &str| Request::Connect {
         service: svc.into(),
         block: BLOCK,
@@ -282,7 +282,7 @@ fn connect_errors_refuse_and_unavailable() {
         ErrorCode::ServiceTaken
     );
 
-    // Doorbells must be eventfds, exactly two.
+    // Doorbells must be Unix stream sockets, exactly two.
     let (_rw, ro) = arena(ARENA_LEN);
     let (r, _) = client.request_fds(connect("svc"), &[bells[0].as_fd(), ro.as_fd()]);
     assert_eq!(r.unwrap_err().code, ErrorCode::BadDescriptor);
@@ -295,7 +295,7 @@ fn connect_errors_refuse_and_unavailable() {
         panic!()
     };
     // Only the server may answer.
-    let sb = [eventfd(), eventfd()];
+    let sb = [bell(), bell()];
     let (r, _) = client.request_fds(
         Request::Accept { conn, block: BLOCK },
         &[sb[0].as_fd(), sb[1].as_fd()],
@@ -336,7 +336,7 @@ fn loopback_connection_and_close() {
     a.ok(Request::Offer {
         service: "loop".into(),
     });
-    let bells = [eventfd(), eventfd()];
+    let bells = [bell(), bell()];
     let id = a.send_request(
         Request::Connect {
             service: "loop".into(),
@@ -349,7 +349,7 @@ fn loopback_connection_and_close() {
     };
     assert_eq!(p.domain, a.domain.unwrap());
     assert_eq!(fds.len(), 4);
-    let sb = [eventfd(), eventfd()];
+    let sb = [bell(), bell()];
     let (r, _) = a.request_fds(
         Request::Accept { conn, block: BLOCK },
         &[sb[0].as_fd(), sb[1].as_fd()],
@@ -979,7 +979,7 @@ fn restart_with_resume_keeps_id_and_slot() {
     // A new connection id is larger than the resumed one.
     let mut c3 = b.client();
     c3.join("c3");
-    let bells = [eventfd(), eventfd()];
+    let bells = [bell(), bell()];
     c3.send_request(
         Request::Connect {
             service: "svc".into(),

@@ -74,7 +74,7 @@ fn expect_err(r: Result<Reply, RemoteError>, code: ErrorCode, needle: &str) -> S
 
 /// Connect with fresh doorbells; returns the request id.
 fn send_connect(raw: &mut Raw, svc: &str) -> u64 {
-    let bells = [eventfd(), eventfd()];
+    let bells = [bell(), bell()];
     raw.send_request(
         Request::Connect {
             service: svc.into(),
@@ -91,7 +91,7 @@ fn connect_accepted(server: &mut Raw, client: &mut Raw, svc: &str) -> u64 {
     let Event::Incoming { conn, .. } = ev else {
         unreachable!()
     };
-    let bells = [eventfd(), eventfd()];
+    let bells = [bell(), bell()];
     let (r, _) = server.request_fds(
         Request::Accept { conn, block: BLOCK },
         &[bells[0].as_fd(), bells[1].as_fd()],
@@ -103,7 +103,16 @@ fn connect_accepted(server: &mut Raw, client: &mut Raw, svc: &str) -> u64 {
     conn
 }
 
-/// Memfds, eventfds and sockets this process holds.
+/// Whether our descriptor number `n` is a stream socket (a doorbell end or a
+/// liveness socket).
+fn is_stream(n: &str) -> bool {
+    let fd: std::os::fd::RawFd = n.parse().unwrap();
+    // SAFETY: borrowed only for this call, while the descriptor is open.
+    let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+    matches!(rustix::net::sockopt::socket_type(fd), Ok(rustix::net::SocketType::STREAM))
+}
+
+/// Memfds, eventfds, doorbells and other sockets this process holds.
 fn fd_census() -> BTreeMap<&'static str, usize> {
     let mut out = BTreeMap::new();
     for e in std::fs::read_dir("/proc/self/fd").unwrap().flatten() {
@@ -115,6 +124,8 @@ fn fd_census() -> BTreeMap<&'static str, usize> {
             "memfd"
         } else if t == "anon_inode:[eventfd]" {
             "eventfd"
+        } else if t.starts_with("socket:") && is_stream(e.file_name().to_str().unwrap()) {
+            "stream"
         } else if t.starts_with("socket:") {
             "socket"
         } else {
@@ -407,6 +418,166 @@ fn offer_connect_and_grant_follow_the_policy() {
     assert!(fds.is_empty());
 }
 
+/// The policy `fido broker` reloads on SIGHUP applies to what is live:
+/// a domain no rule admits any more is evicted, a service no longer allowed
+/// is withdrawn, a connection whose client may no longer connect is revoked
+/// (both sides told, both domains live on), and what stays allowed is untouched.
+#[test]
+fn a_reloaded_policy_applies_to_live_domains_services_and_connections() {
+    let before = |extra: &str| {
+        format!(
+            r#"
+            [[rule]]
+            name = "srv"
+            uids = [{me}]
+            labels = ["srv"]
+            offer = ["svc-*"]
+
+            [[rule]]
+            name = "cli"
+            uids = [{me}]
+            labels = ["cli"]
+            connect = {extra}
+            "#,
+            me = me()
+        )
+    };
+    let b = broker_with(Some(policy(&format!(
+        "{}\n[[rule]]\nname = \"tmp\"\nuids = [{}]\nlabels = [\"tmp\"]\n",
+        before(r#"["svc-*"]"#),
+        me()
+    ))));
+    let mut server = b.client();
+    let mut client = b.client();
+    let mut tmp = b.client();
+    join_as(&mut server, "server", Some("srv"), ARENA_LEN).unwrap();
+    join_as(&mut client, "client", Some("cli"), ARENA_LEN).unwrap();
+    join_as(&mut tmp, "tmp", Some("tmp"), ARENA_LEN).unwrap();
+    for svc in ["svc-a", "svc-b"] {
+        server.ok(Request::Offer { service: svc.into() });
+    }
+    let kept = connect_accepted(&mut server, &mut client, "svc-a");
+    let cut = connect_accepted(&mut server, &mut client, "svc-b");
+
+    // New policy: no rule for "tmp"; the server may offer only svc-a and the
+    // client connect only to svc-a.
+    let next = before(r#"["svc-a"]"#).replace(r#"offer = ["svc-*"]"#, r#"offer = ["svc-a"]"#);
+    b.reload.reload(Policy::parse(&next, "reloaded").unwrap());
+
+    assert!(tmp.wait_eof(WAIT), "the domain no rule admits is evicted");
+    let revoked = |raw: &mut Raw, who: &str| {
+        let (ev, _) = raw.event_where(|e| matches!(e, Event::PeerGone { .. }));
+        match ev {
+            Event::PeerGone { conn, reason, .. } => {
+                assert_eq!(conn, Some(cut), "{who}: only the connection to svc-b ends");
+                assert_eq!(reason, fido_proto::GoneReason::Revoked, "{who}");
+            }
+            _ => unreachable!(),
+        }
+    };
+    revoked(&mut client, "client");
+    revoked(&mut server, "server");
+    // Both domains live on, the allowed connection is untouched, and the
+    // registry shows it and not the revoked one.
+    assert!(matches!(client.request(Request::Status), Ok(Reply::Status(_))));
+    let listed = |raw: &mut Raw, conn: u64| match raw.request(Request::Read {
+        path: format!("/connection/{conn}/service"),
+    }) {
+        Ok(Reply::Value(v)) => v.is_some(),
+        other => panic!("{other:?}"),
+    };
+    assert!(listed(&mut client, kept));
+    assert!(!listed(&mut client, cut));
+    // svc-b was withdrawn and may not be offered again; svc-a still works.
+    let id = send_connect(&mut client, "svc-b");
+    let (r, _) = client.wait_reply(id);
+    expect_err(r, ErrorCode::Denied, "may not connect to service \"svc-b\"");
+    expect_err(
+        server.request(Request::Offer { service: "svc-b".into() }),
+        ErrorCode::Denied,
+        "may not offer",
+    );
+    connect_accepted(&mut server, &mut client, "svc-a");
+    // A fresh "tmp" is refused at the door.
+    let mut tmp2 = b.client();
+    expect_err(join_as(&mut tmp2, "tmp2", Some("tmp"), ARENA_LEN), ErrorCode::Denied, "may not join");
+}
+
+/// A broker restarted with a stricter policy does not let resumed domains
+/// keep connections the new policy forbids: they are revoked as the client
+/// resumes; the allowed one is re-established untouched.
+#[test]
+fn resumed_connections_are_checked_against_the_policy() {
+    let rule = |connect: &str| {
+        policy(&format!(
+            "[[rule]]\nname = \"all\"\nuids = [{}]\noffer = [\"*\"]\nconnect = {connect}\n",
+            me()
+        ))
+    };
+    let mut b = broker_with(Some(rule(r#"["svc-*"]"#)));
+    let mut server = b.client();
+    let mut client = b.client();
+    join_as(&mut server, "server", None, ARENA_LEN).unwrap();
+    join_as(&mut client, "client", None, ARENA_LEN).unwrap();
+    let (sid, sslot) = (server.domain.unwrap(), server.slot.unwrap());
+    let (cid, cslot) = (client.domain.unwrap(), client.slot.unwrap());
+    for svc in ["svc-a", "svc-b"] {
+        server.ok(Request::Offer { service: svc.into() });
+    }
+    let kept = connect_accepted(&mut server, &mut client, "svc-a");
+    let cut = connect_accepted(&mut server, &mut client, "svc-b");
+
+    b.config.policy = rule(r#"["svc-a"]"#);
+    b.restart();
+    assert!(server.wait_eof(WAIT) && client.wait_eof(WAIT));
+    let conns = vec![(kept, cid, "svc-a".to_string()), (cut, cid, "svc-b".to_string())];
+    let mut server2 = b.client();
+    let r = server2.join_with(
+        "server",
+        Some(fido_proto::Resume {
+            domain: sid,
+            slot: sslot,
+            services: vec!["svc-a".into(), "svc-b".into()],
+            mapped: vec![(cslot, cid)],
+            connections: conns.clone(),
+            watches: vec![],
+        }),
+    );
+    assert!(matches!(r, Ok(Reply::Joined { .. })), "{r:?}");
+    let mut client2 = b.client();
+    let r = client2.join_with(
+        "client",
+        Some(fido_proto::Resume {
+            domain: cid,
+            slot: cslot,
+            services: vec![],
+            mapped: vec![(sslot, sid)],
+            connections: conns.iter().map(|(c, _, s)| (*c, sid, s.clone())).collect(),
+            watches: vec![],
+        }),
+    );
+    assert!(matches!(r, Ok(Reply::Joined { .. })), "{r:?}");
+    for (raw, who) in [(&mut client2, "client"), (&mut server2, "server")] {
+        let (ev, _) = raw.event_where(|e| matches!(e, Event::PeerGone { .. }));
+        match ev {
+            Event::PeerGone { conn, reason, .. } => {
+                assert_eq!(conn, Some(cut), "{who}");
+                assert_eq!(reason, fido_proto::GoneReason::Revoked, "{who}");
+            }
+            _ => unreachable!(),
+        }
+        assert!(raw.quiet_for(Duration::from_millis(200)), "{who}: nothing else ends");
+    }
+    let listed = |raw: &mut Raw, conn: u64| match raw.request(Request::Read {
+        path: format!("/connection/{conn}/service"),
+    }) {
+        Ok(Reply::Value(v)) => v.is_some(),
+        other => panic!("{other:?}"),
+    };
+    assert!(listed(&mut client2, kept));
+    assert!(!listed(&mut client2, cut));
+}
+
 #[test]
 fn no_matching_rule_or_join_false_is_denied() {
     let p = policy(&format!(
@@ -638,7 +809,7 @@ fn denied_domain_gets_no_grant_and_no_doorbell_across_uids() {
     assert_eq!(service, "other-ok");
     assert_eq!(peer.uid, ub.uid);
     assert_eq!(fds.len(), 4);
-    let bells = [eventfd(), eventfd()];
+    let bells = [bell(), bell()];
     let (r, _) = root.request_fds(
         Request::Accept { conn, block: BLOCK },
         &[bells[0].as_fd(), bells[1].as_fd()],
@@ -739,7 +910,7 @@ fn child_main() {
         "client" => {
             let slot_a: u32 = std::env::var("FIDO_POLICY_SLOT").unwrap().parse().unwrap();
             join_as(&mut raw, "cli-b", None, ARENA_LEN).unwrap();
-            let bells = [eventfd(), eventfd()];
+            let bells = [bell(), bell()];
             let before = fd_census();
             let id = raw.send_request(
                 Request::Connect {
@@ -775,7 +946,7 @@ fn child_main() {
                 "may not write",
             );
             let after = fd_census();
-            assert_eq!(before, after, "no new memfd, eventfd or socket");
+            assert_eq!(before, after, "no new memfd, doorbell, liveness or other socket");
             println!("@@ denied-ok {after:?}");
             // The census does see a real grant: the allowed connection brings 4.
             let id = raw.send_request(
@@ -792,7 +963,8 @@ fn child_main() {
                 got.get("memfd"),
                 Some(&(before.get("memfd").unwrap_or(&0) + 1))
             );
-            assert_eq!(got.get("eventfd"), Some(&(before["eventfd"] + 2)));
+            // Two doorbells and a liveness socket.
+            assert_eq!(got.get("stream"), Some(&(before["stream"] + 3)));
             drop(fds);
             // Still no path to A (A is connected to nobody).
             expect_err(

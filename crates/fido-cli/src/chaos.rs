@@ -80,7 +80,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::fs::File;
-use std::io::{BufRead, BufReader, Write as _};
+use std::io::{BufRead, Write as _};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -1403,31 +1403,10 @@ impl Fleet {
         let out = child.stdout.take().expect("piped");
         let stdin = child.stdin.take();
         let tx = self.tx.clone();
-        let reader = std::thread::Builder::new()
-            .name(format!("chaos-{}", spec.name))
-            .spawn(move || {
-                let mut r = BufReader::new(out);
-                let mut s = String::new();
-                loop {
-                    s.clear();
-                    match r.read_line(&mut s) {
-                        Ok(0) | Err(_) => break,
-                        Ok(_) => {
-                            if tx.send(Ev::Line(inst, s.trim_end().to_string())).is_err() {
-                                return;
-                            }
-                        }
-                    }
-                }
-            });
-        let reader = match reader {
-            Ok(r) => r,
-            Err(e) => {
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(e.into());
-            }
-        };
+        let reader = crate::proc::read_lines(&mut child, format!("chaos-{}", spec.name), out, move |line| match line {
+            Some(s) => tx.send(Ev::Line(inst, s)).is_ok(),
+            None => false,
+        })?;
         if let Some(s) = stream {
             self.ledger.streams.insert(
                 s,

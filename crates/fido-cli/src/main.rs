@@ -24,6 +24,7 @@ mod bench;
 mod broker;
 mod chaos;
 mod demo;
+mod pipe_cmd;
 mod pipeline;
 mod proc;
 mod rpc_bench;
@@ -64,6 +65,23 @@ enum Cmd {
         /// Access policy and quotas (TOML, see docs/SECURITY.md) [default: only the broker's own uid may join]
         #[arg(long, value_name = "FILE")]
         policy: Option<PathBuf>,
+        /// Pipe engine capacity shared by weight: auto (calibrated at start), unlimited, or bytes/s (e.g. 120M)
+        #[arg(long, value_name = "CAP", default_value = "auto")]
+        pipe_capacity: fido_broker::Capacity,
+        /// Pipe engine: a domain out of credits waits for its next refill even if the engine is idle (not work-conserving)
+        #[arg(long)]
+        pipe_strict: bool,
+        /// Pipe engine: chunks moved at once
+        #[arg(long, default_value_t = 4)]
+        pipe_lanes: u32,
+        /// Do not run the pipe engine (pipe requests get Unavailable)
+        #[arg(long)]
+        pipe_disable: bool,
+    },
+    /// vPipe: let the broker move bytes between descriptors (see docs/PIPE.md).
+    Pipe {
+        #[command(subcommand)]
+        cmd: pipe_cmd::PipeCmd,
     },
     /// Show the broker's domains, services and connections.
     Status {
@@ -201,14 +219,26 @@ fn main() -> ExitCode {
             heartbeat_ms,
             heartbeat_misses,
             policy,
+            pipe_capacity,
+            pipe_strict,
+            pipe_lanes,
+            pipe_disable,
         } => broker::run(broker::BrokerArgs {
             state_dir,
             socket,
             heartbeat_ms,
             heartbeat_misses,
             policy,
+            pipe: fido_broker::PipeConfig {
+                capacity: pipe_capacity,
+                work_conserving: !pipe_strict,
+                lanes: pipe_lanes.max(1),
+                enabled: !pipe_disable,
+                ..Default::default()
+            },
         })
         .map(|_| true),
+        Cmd::Pipe { cmd } => pipe_cmd::run(cmd),
         Cmd::Status { json, socket } => status::run(json, socket).map(|_| true),
         Cmd::Demo {
             seconds,

@@ -98,33 +98,10 @@ impl Kid {
             .with_context(|| format!("spawning `fido {}`", args.join(" ")))?;
         let out = child.stdout.take().expect("piped");
         let (tx, rx) = mpsc::channel();
-        let reader = std::thread::Builder::new()
-            .name("fido-kid-stdout".into())
-            .spawn(move || {
-                let mut r = BufReader::new(out);
-                loop {
-                    let mut s = String::new();
-                    match r.read_line(&mut s) {
-                        Ok(0) | Err(_) => {
-                            let _ = tx.send(None);
-                            return;
-                        }
-                        Ok(_) => {
-                            if tx.send(Some(s.trim_end().to_string())).is_err() {
-                                return;
-                            }
-                        }
-                    }
-                }
-            });
-        let reader = match reader {
-            Ok(r) => r,
-            Err(e) => {
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(e.into());
-            }
-        };
+        let reader = read_lines(&mut child, "fido-kid-stdout".into(), out, move |line| {
+            let eof = line.is_none();
+            tx.send(line).is_ok() && !eof
+        })?;
         Ok(Kid {
             child: Some(child),
             what: args.join(" "),
@@ -327,4 +304,35 @@ pub fn broker_reachable(path: &Path) -> bool {
         return false;
     };
     rustix::net::connect(&s, &addr).is_ok()
+}
+
+/// Reads `out` (a child's stdout) line by line on a thread named `name`,
+/// handing each line (trimmed) to `on_line`, then `None` at end of file; stops
+/// early when `on_line` returns false. If the thread cannot be started the
+/// child is killed and reaped, so no child outlives a failed spawn.
+pub fn read_lines(
+    child: &mut std::process::Child,
+    name: String,
+    out: impl std::io::Read + Send + 'static,
+    mut on_line: impl FnMut(Option<String>) -> bool + Send + 'static,
+) -> anyhow::Result<std::thread::JoinHandle<()>> {
+    let spawned = std::thread::Builder::new().name(name).spawn(move || {
+        let mut r = BufReader::new(out);
+        loop {
+            let mut s = String::new();
+            let line = match r.read_line(&mut s) {
+                Ok(0) | Err(_) => None,
+                Ok(_) => Some(s.trim_end().to_string()),
+            };
+            let eof = line.is_none();
+            if !on_line(line) || eof {
+                return;
+            }
+        }
+    });
+    spawned.map_err(|e| {
+        let _ = child.kill();
+        let _ = child.wait();
+        e.into()
+    })
 }

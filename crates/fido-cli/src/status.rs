@@ -43,6 +43,15 @@ pub fn to_json(st: &Status) -> Value {
         "connections": st.connections.iter().map(|c| json!({
             "conn": c.conn, "service": c.service, "client": c.client, "server": c.server,
         })).collect::<Vec<_>>(),
+        "pipe_engine": st.pipe_engine.as_ref().map(|e| json!({
+            "capacity_bytes_per_s": e.capacity, "calibrated": e.calibrated,
+            "work_conserving": e.work_conserving, "lanes": e.lanes,
+        })),
+        "pipes": st.pipes.iter().map(|p| json!({
+            "domain": p.domain, "weight": p.weight, "credits": p.credits,
+            "bytes_per_s": p.bytes_per_s, "bytes_total": p.bytes_total,
+            "pipes": p.pipes, "running": p.running,
+        })).collect::<Vec<_>>(),
     })
 }
 
@@ -154,4 +163,37 @@ fn print_text(st: &Status, path: &std::path::Path, me: u64) {
         })
         .collect();
     print!("{}", table(&["conn", "service", "client", "server"], &rows));
+    if let Some(e) = &st.pipe_engine {
+        let cap = match e.capacity {
+            Some(c) => format!("{}/s{}", human_bytes(c), if e.calibrated { " (calibrated)" } else { "" }),
+            None => "unlimited".into(),
+        };
+        println!(
+            "\npipe engine: capacity {cap}, {}, {} lanes; domains with pipes ({}):",
+            if e.work_conserving { "work-conserving" } else { "strict shares" },
+            e.lanes,
+            st.pipes.len()
+        );
+        let rows: Vec<Vec<String>> = st
+            .pipes
+            .iter()
+            .map(|p| {
+                let name = st.domains.iter().find(|d| d.domain == p.domain).map_or("", |d| d.name.as_str());
+                vec![
+                    p.domain.to_string(),
+                    name.to_string(),
+                    p.weight.to_string(),
+                    format!("{}/s", human_bytes(p.bytes_per_s)),
+                    human_bytes(p.bytes_total),
+                    p.credits.to_string(),
+                    p.pipes.to_string(),
+                    p.running.to_string(),
+                ]
+            })
+            .collect();
+        print!(
+            "{}",
+            table(&["domain", "name", "weight", "throughput", "moved", "credits (B)", "pipes", "running"], &rows)
+        );
+    }
 }

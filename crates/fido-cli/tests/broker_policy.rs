@@ -126,3 +126,59 @@ fn valid_policy_is_applied() {
     let err = String::from_utf8_lossy(&status.stderr);
     assert!(err.contains("join = false"), "{err}");
 }
+
+/// SIGHUP reloads the policy file: a file that does not load is refused and
+/// the running policy stays; a valid one takes effect for the next join.
+#[test]
+fn sighup_reloads_the_policy_and_keeps_it_when_the_file_is_bad() {
+    let me = rustix::process::geteuid().as_raw();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("policy.toml");
+    std::fs::write(&path, format!("[[rule]]\nname = \"me\"\nuids = [{me}]\n")).unwrap();
+    let sock = dir.path().join("run/broker.sock");
+    let mut child = broker(dir.path(), &path).spawn().unwrap();
+    let t = Instant::now();
+    while !sock.exists() {
+        assert!(t.elapsed() < Duration::from_secs(10), "broker never bound");
+        assert!(child.try_wait().unwrap().is_none(), "broker exited early");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let pid = rustix::process::Pid::from_raw(child.id() as i32).unwrap();
+    let status_ok = || {
+        Command::new(FIDO)
+            .args(["status", "--json", "--socket"])
+            .arg(&sock)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    };
+    assert!(status_ok().status.success());
+    // Reload only acts when the signal has been handled: poll for the effect.
+    let until = |want_ok: bool| {
+        let t = Instant::now();
+        loop {
+            let out = status_ok();
+            if out.status.success() == want_ok {
+                return out;
+            }
+            assert!(t.elapsed() < Duration::from_secs(10), "policy reload had no effect");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    // A broken file: refused, the old policy stays (status still joins).
+    std::fs::write(&path, "[[rule]]\nuids = [1,\n").unwrap();
+    rustix::process::kill_process(pid, rustix::process::Signal::HUP).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(status_ok().status.success(), "a bad file must not change the policy");
+    // A valid, stricter file: the next join is denied.
+    std::fs::write(&path, format!("[[rule]]\nname = \"closed\"\nuids = [{me}]\njoin = false\n")).unwrap();
+    rustix::process::kill_process(pid, rustix::process::Signal::HUP).unwrap();
+    let denied = until(false);
+    assert!(String::from_utf8_lossy(&denied.stderr).contains("join = false"));
+    rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
+    let out = wait_exit(child, Duration::from_secs(10));
+    assert!(out.status.success(), "broker exit");
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(log.contains("policy reload refused"), "{log}");
+    assert!(log.contains("reloading policy"), "{log}");
+}

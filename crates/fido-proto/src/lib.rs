@@ -3,7 +3,7 @@
 //! Every message that crosses the broker's `SOCK_SEQPACKET` socket is one of the
 //! types in this crate, encoded with `postcard` behind a small fixed header
 //! (magic, protocol version, body length). Descriptors (arena memfds, doorbell
-//! eventfds, liveness sockets) travel beside a message as `SCM_RIGHTS`; the
+//! doorbell ring ends, liveness sockets) travel beside a message as `SCM_RIGHTS`; the
 //! message says how many it carries and what each one is, so a receiver can
 //! check that it got exactly what it expected.
 //!
@@ -125,7 +125,7 @@ pub enum Request {
     /// Stop offering a service.
     Withdraw { service: String },
     /// Connect to a service. Carries two descriptors: the caller's data doorbell
-    /// and space doorbell (eventfds the peer rings to wake it).
+    /// and space doorbell (ring ends of socket pairs the peer rings to wake it).
     Connect { service: String, block: RingBlock },
     /// Answer to [`Event::Incoming`]: accept with the acceptor's ring block and two
     /// doorbell descriptors, or refuse.
@@ -150,6 +150,153 @@ pub enum Request {
     Status,
     /// Publish this domain's counters (shown by `fido status`).
     Counters { counters: Counters },
+    /// vPipe: register a pipe between two descriptors carried with the request
+    /// (source first, then sink). Answered with [`Reply::PipeCreated`].
+    PipeCreate,
+    /// vPipe: run one operation on a pipe. Answered with [`Reply::PipeDone`]
+    /// once the transfer ends (which may take arbitrarily long), or an error
+    /// at once when the operation is refused (nothing moved).
+    PipeRun { pipe: PipeId, op: PipeOp },
+    /// vPipe: one operation on two descriptors carried with the request
+    /// (source, sink), without a pipe handle. Answered like `PipeRun`.
+    PipeOnce { op: PipeOp },
+    /// vPipe: cancel the operation running on a pipe (its `PipeRun` is then
+    /// answered with [`PipeEnd::Cancelled`]); the pipe stays usable.
+    PipeCancel { pipe: PipeId },
+    /// vPipe: cancel whatever runs on the pipe and release its descriptors.
+    PipeDestroy { pipe: PipeId },
+    /// vPipe: set the pipe weight of live domains, named by id or by name
+    /// (every live domain of that name). Administrators only (the broker's
+    /// uid or root).
+    PipeWeight { domain: String, weight: u32 },
+}
+
+/// A pipe's identity, unique for the lifetime of the broker.
+pub type PipeId = u64;
+
+/// Most bytes one pipe operation may ask for (the engine moves them in chunks).
+pub const MAX_PIPE_LEN: u64 = 1 << 62;
+/// Largest pipe weight.
+pub const MAX_PIPE_WEIGHT: u32 = 10_000;
+
+/// One vPipe operation. File offsets are explicit: the broker never uses or
+/// moves the file position shared with the client.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PipeOp {
+    /// `len` bytes of the source file from `off` to the sink stream.
+    FileToSocket { off: u64, len: u64 },
+    /// `len` bytes from the source stream to the sink stream.
+    SocketToSocket { len: u64 },
+    /// `len` bytes from the source stream into the sink file at `off`.
+    SocketToFile { off: u64, len: u64 },
+    /// `len` bytes of the source file from `in_off` into the sink file at `out_off`.
+    FileToFile { in_off: u64, len: u64, out_off: u64 },
+}
+
+impl PipeOp {
+    /// Bytes asked for.
+    pub fn len(&self) -> u64 {
+        match *self {
+            PipeOp::FileToSocket { len, .. }
+            | PipeOp::SocketToSocket { len }
+            | PipeOp::SocketToFile { len, .. }
+            | PipeOp::FileToFile { len, .. } => len,
+        }
+    }
+
+    /// True when no byte is asked for.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Does the operation read a file (`true`) or a stream (`false`)?
+    pub fn source_is_file(&self) -> bool {
+        matches!(self, PipeOp::FileToSocket { .. } | PipeOp::FileToFile { .. })
+    }
+
+    /// Does the operation write a file (`true`) or a stream (`false`)?
+    pub fn sink_is_file(&self) -> bool {
+        matches!(self, PipeOp::SocketToFile { .. } | PipeOp::FileToFile { .. })
+    }
+
+    fn validate(&self) -> Result<(), ProtoError> {
+        let (a, b) = match *self {
+            PipeOp::FileToSocket { off, len } | PipeOp::SocketToFile { off, len } => (off, len),
+            PipeOp::SocketToSocket { len } => (0, len),
+            PipeOp::FileToFile { in_off, len, out_off } => {
+                if out_off.checked_add(len).is_none_or(|e| e > i64::MAX as u64) {
+                    return Err(ProtoError::Invalid("pipe offset + length (sink)"));
+                }
+                (in_off, len)
+            }
+        };
+        if b > MAX_PIPE_LEN || a.checked_add(b).is_none_or(|e| e > i64::MAX as u64) {
+            return Err(ProtoError::Invalid("pipe offset + length"));
+        }
+        Ok(())
+    }
+}
+
+/// What a descriptor handed to the pipe engine turned out to be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PipeFdKind {
+    /// A regular file (read or written at explicit offsets).
+    File,
+    /// A stream socket (TCP, Unix stream) or a pipe/FIFO.
+    Stream,
+}
+
+/// How a pipe operation ended.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PipeEnd {
+    /// All `len` bytes were moved.
+    Done,
+    /// The source ended (end of file, or the stream's writer closed) first.
+    Eof,
+    /// Cancelled (`PipeCancel`, `PipeDestroy`, or the broker stopping).
+    Cancelled,
+    /// A system call failed: `errno` and which side (`source`/`sink`) in `message`.
+    Failed { errno: i32, message: String },
+}
+
+/// The exact outcome of a pipe operation.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PipeResult {
+    /// Bytes written to the sink.
+    pub moved: u64,
+    /// Bytes taken from the source. Equal to `moved` unless the operation was
+    /// cancelled or failed while a chunk was between the two (at most one chunk);
+    /// for a stream source those bytes are gone from it.
+    pub consumed: u64,
+    pub end: PipeEnd,
+}
+
+/// Per-domain pipe figures in [`Status`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PipeDomainStatus {
+    pub domain: DomainId,
+    pub weight: u32,
+    /// Credit balance in bytes (negative: it used more than its share lately).
+    pub credits: i64,
+    /// Bytes moved per second, averaged over about the last second.
+    pub bytes_per_s: u64,
+    /// Bytes moved since the domain joined.
+    pub bytes_total: u64,
+    /// Pipes the domain holds, and operations running.
+    pub pipes: u32,
+    pub running: u32,
+}
+
+/// The pipe engine's settings in [`Status`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PipeEngineStatus {
+    /// Bytes per second shared among domains by weight (`None`: unlimited).
+    pub capacity: Option<u64>,
+    /// Whether the capacity was measured at startup (calibrated).
+    pub calibrated: bool,
+    pub work_conserving: bool,
+    /// Chunks moved at once.
+    pub lanes: u32,
 }
 
 /// One operation in a registry transaction. All `Check`s are evaluated first; if
@@ -191,6 +338,10 @@ pub enum Reply {
     Keys(Vec<String>),
     Txn { committed: bool, reads: Vec<Option<Vec<u8>>> },
     Status(Status),
+    /// A pipe was registered; what its two descriptors are.
+    PipeCreated { pipe: PipeId, source: PipeFdKind, sink: PipeFdKind },
+    /// A pipe operation ended.
+    PipeDone(PipeResult),
 }
 
 /// The other end of a connection, as the broker vouches for it.
@@ -223,6 +374,11 @@ pub enum GoneReason {
     Exited,
     MissedHeartbeat,
     Left,
+    /// The broker removed the domain: a reloaded policy no longer admits it.
+    Evicted,
+    /// Only this connection ended: the policy no longer allows its client to
+    /// connect to the service. Both domains live on.
+    Revoked,
 }
 
 /// Per-domain data-path counters.
@@ -243,6 +399,9 @@ pub struct Status {
     pub domains: Vec<DomainStatus>,
     pub services: Vec<(String, DomainId)>,
     pub connections: Vec<ConnStatus>,
+    /// Pipe engine settings and per-domain pipe figures.
+    pub pipe_engine: Option<PipeEngineStatus>,
+    pub pipes: Vec<PipeDomainStatus>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -295,6 +454,10 @@ pub enum ErrorCode {
     BadDescriptor,
     Unavailable,
     Internal,
+    /// vPipe: no such pipe (or not this domain's).
+    NoSuchPipe,
+    /// vPipe: the pipe already runs an operation.
+    Busy,
 }
 
 /// Why a control message could not be decoded or encoded.
@@ -481,7 +644,18 @@ impl Validate for Request {
             | Request::Unmapped { .. }
             | Request::Unwatch { .. }
             | Request::Status
-            | Request::Counters { .. } => Ok(()),
+            | Request::Counters { .. }
+            | Request::PipeCreate
+            | Request::PipeCancel { .. }
+            | Request::PipeDestroy { .. } => Ok(()),
+            Request::PipeRun { op, .. } | Request::PipeOnce { op } => op.validate(),
+            Request::PipeWeight { domain, weight } => {
+                check_name(domain)?;
+                if *weight == 0 || *weight > MAX_PIPE_WEIGHT {
+                    return Err(ProtoError::Invalid("pipe weight (1..=10000)"));
+                }
+                Ok(())
+            }
         }
     }
 }

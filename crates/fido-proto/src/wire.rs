@@ -115,3 +115,10 @@ pub fn fd_kind(fd: BorrowedFd<'_>) -> Option<String> {
 pub fn is_eventfd(fd: BorrowedFd<'_>) -> bool {
     fd_kind(fd).as_deref() == Some("anon_inode:[eventfd]")
 }
+
+/// True when the descriptor can be the ring end of a doorbell: a Unix stream
+/// socket (see `fido_ring::doorbell` for why doorbells are not eventfds).
+pub fn is_doorbell(fd: BorrowedFd<'_>) -> bool {
+    matches!(rustix::net::sockopt::socket_type(fd), Ok(rustix::net::SocketType::STREAM))
+        && matches!(rustix::net::sockopt::socket_domain(fd), Ok(rustix::net::AddressFamily::UNIX))
+}

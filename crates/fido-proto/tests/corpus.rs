@@ -125,6 +125,14 @@ fn client_seeds() -> Vec<ClientMsg> {
                 },
             },
         ),
+        req(40, Request::PipeCreate),
+        req(41, Request::PipeRun { pipe: 1, op: PipeOp::FileToSocket { off: 4096, len: 1 << 20 } }),
+        req(42, Request::PipeRun { pipe: 1, op: PipeOp::SocketToSocket { len: 1 } }),
+        req(43, Request::PipeOnce { op: PipeOp::SocketToFile { off: 0, len: 0 } }),
+        req(44, Request::PipeOnce { op: PipeOp::FileToFile { in_off: 1, len: 2, out_off: 3 } }),
+        req(45, Request::PipeCancel { pipe: 1 }),
+        req(46, Request::PipeDestroy { pipe: 1 }),
+        req(47, Request::PipeWeight { domain: "web".into(), weight: 2 }),
     ]
 }
 
@@ -154,6 +162,8 @@ fn broker_seeds() -> Vec<BrokerMsg> {
                 }],
                 services: vec![("echo".into(), 2)],
                 connections: vec![ConnStatus { conn: 77, service: "echo".into(), client: 3, server: 2 }],
+                pipe_engine: Some(PipeEngineStatus { capacity: Some(1 << 30), calibrated: true, work_conserving: true, lanes: 4 }),
+                pipes: vec![PipeDomainStatus { domain: 2, weight: 2, credits: -4096, bytes_per_s: 1 << 20, bytes_total: 1 << 30, pipes: 1, running: 1 }],
             }),
         ),
         BrokerMsg::Reply { id: 10, body: Err(RemoteError::new(ErrorCode::NoSuchService, "no echo")) },
@@ -164,6 +174,9 @@ fn broker_seeds() -> Vec<BrokerMsg> {
         BrokerMsg::Event(Event::Closed { conn: 77 }),
         BrokerMsg::Event(Event::Watch { token: 1, path: "/service/echo".into(), value: Some(b"2".to_vec()) }),
         BrokerMsg::Event(Event::Watch { token: 1, path: "/service/echo".into(), value: None }),
+        ok(12, Reply::PipeCreated { pipe: 5, source: PipeFdKind::File, sink: PipeFdKind::Stream }),
+        ok(13, Reply::PipeDone(PipeResult { moved: 4096, consumed: 4096, end: PipeEnd::Eof })),
+        ok(14, Reply::PipeDone(PipeResult { moved: 1, consumed: 2, end: PipeEnd::Failed { errno: 32, message: "sink: EPIPE".into() } })),
     ]
 }
 

@@ -1,30 +1,68 @@
-//! Doorbells: one `eventfd` per thing a side can wait for. The waiter owns it and
-//! polls it; the peer holds a copy and writes it — only when the waiter said it
-//! is about to sleep (see `protocol`). eventfds work with epoll and async
-//! runtimes, and are exactly what QEMU's ivshmem doorbell uses.
+//! Doorbells: one per thing a side can wait for. A doorbell is a Unix stream
+//! socket pair: the waiter keeps the *wait end* and polls it; the peer is given
+//! the *ring end* and sends one byte on it — only when the waiter said it is
+//! about to sleep (see `protocol`). Socket ends work with poll, epoll and async
+//! runtimes.
+//!
+//! Why not an eventfd (what QEMU's ivshmem doorbell uses)? An eventfd is one
+//! open file description shared by both sides, so a hostile peer could clear
+//! its `O_NONBLOCK` and saturate its counter: our next write would block
+//! forever, or it could read the counter between our poll and our read and
+//! block that. With a socket pair the peer never holds our wait end, and every
+//! ring is `send(MSG_DONTWAIT | MSG_NOSIGNAL)`, non-blocking per call whatever
+//! flags the shared ring end carries: a full queue already means "rung", a
+//! vanished peer is reported by the liveness socket, not by the doorbell.
 
-use rustix::event::{eventfd, poll, EventfdFlags, PollFd, PollFlags, Timespec};
+use rustix::event::{poll, PollFd, PollFlags, Timespec};
 use rustix::io::Errno;
+use rustix::net::{
+    recv, send, socketpair, AddressFamily, RecvFlags, SendFlags, SocketFlags, SocketType,
+};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::time::Duration;
 
-/// Creates a doorbell: a non-blocking, close-on-exec eventfd.
-pub fn new_doorbell() -> std::io::Result<OwnedFd> {
-    Ok(eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?)
+/// The two ends of a fresh doorbell.
+#[derive(Debug)]
+pub struct Doorbell {
+    /// Kept by the waiter: [`block_on`] polls it, [`drain`] empties it.
+    pub wait: OwnedFd,
+    /// Given to whoever may wake the waiter: [`ring`] sends on it.
+    pub ring: OwnedFd,
 }
 
-/// Rings a doorbell. A full counter (`EAGAIN`) already means "rung".
+/// Creates a doorbell: a close-on-exec, non-blocking Unix stream pair.
+///
+/// A stream rather than datagrams so one `recv` takes every pending ring (on
+/// this class of virtual machine each system call costs about a microsecond).
+/// The maker keeps a copy of the ring end (to wake its own waiters), so the
+/// wait end never reads end-of-file while it is in use.
+pub fn new_doorbell() -> std::io::Result<Doorbell> {
+    let (wait, ring) = socketpair(
+        AddressFamily::UNIX,
+        SocketType::STREAM,
+        SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
+        None,
+    )?;
+    Ok(Doorbell { wait, ring })
+}
+
+/// Rings a doorbell through its ring end. Never blocks. A full queue already
+/// means "rung"; a closed wait end means the waiter is gone, which its
+/// liveness socket reports — neither is an error here.
 pub fn ring(bell: BorrowedFd<'_>) -> std::io::Result<()> {
-    match rustix::io::write(bell, &1u64.to_ne_bytes()) {
-        Ok(_) | Err(Errno::AGAIN) => Ok(()),
+    match send(bell, &[1u8], SendFlags::DONTWAIT | SendFlags::NOSIGNAL) {
+        Ok(_) | Err(Errno::AGAIN) | Err(Errno::NOBUFS) | Err(Errno::CONNREFUSED) | Err(Errno::PIPE) => Ok(()),
+        Err(Errno::CONNRESET) | Err(Errno::NOTCONN) | Err(Errno::INTR) => Ok(()),
         Err(e) => Err(e.into()),
     }
 }
 
-/// Consumes pending rings (non-blocking).
+/// Consumes pending rings on a wait end (non-blocking, one system call). A
+/// flood larger than the buffer leaves rings behind, which only cost the
+/// waiter a spurious wake-up later.
 pub fn drain(bell: BorrowedFd<'_>) {
-    let mut buf = [0u8; 8];
-    let _ = rustix::io::read(bell, &mut buf);
+    let mut buf = [0u8; 256];
+    let _ = recv(bell, &mut buf, RecvFlags::DONTWAIT);
 }
 
 /// What woke a blocked waiter.
@@ -63,4 +101,45 @@ pub fn block_on(bell: BorrowedFd<'_>, liveness: Option<BorrowedFd<'_>>, timeout:
 pub fn peer_hung_up(liveness: BorrowedFd<'_>) -> bool {
     let mut fds = [PollFd::new(&liveness, PollFlags::IN | PollFlags::RDHUP)];
     matches!(poll(&mut fds, Some(&Timespec { tv_sec: 0, tv_nsec: 0 })), Ok(n) if n > 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Instant;
+
+    /// The attack an eventfd doorbell could not survive: the peer, who shares
+    /// the ring end's file description, clears `O_NONBLOCK` on it and lets the
+    /// queue fill. Ringing must still return at once, every time.
+    #[test]
+    fn ringing_never_blocks_on_a_hostile_ring_end() {
+        let bell = new_doorbell().unwrap();
+        let peers_copy = rustix::io::fcntl_dupfd_cloexec(&bell.ring, 0).unwrap();
+        rustix::fs::fcntl_setfl(&peers_copy, rustix::fs::OFlags::empty()).unwrap();
+        assert!(!rustix::fs::fcntl_getfl(&bell.ring).unwrap().contains(rustix::fs::OFlags::NONBLOCK));
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        let ring_end = bell.ring.try_clone().unwrap();
+        std::thread::spawn(move || {
+            let started = Instant::now();
+            for _ in 0..10_000 {
+                ring(ring_end.as_fd()).unwrap();
+            }
+            done_tx.send(started.elapsed()).unwrap();
+        });
+        let took = done_rx.recv_timeout(Duration::from_secs(30)).expect("a ring blocked on a full, blocking doorbell");
+        // The queue really was full (so the flag change mattered).
+        assert!(send(&peers_copy, &[1], SendFlags::DONTWAIT) == Err(Errno::AGAIN), "queue not full after {took:?}");
+        // And the waiter still sees it rung, drains it, and sees it quiet.
+        assert!(block_on(bell.wait.as_fd(), None, Some(Duration::from_secs(1))).unwrap().rung);
+        while block_on(bell.wait.as_fd(), None, Some(Duration::ZERO)).unwrap().rung {}
+    }
+
+    /// A ring to a waiter that has gone is not an error (its liveness socket
+    /// reports the departure).
+    #[test]
+    fn ringing_a_vanished_waiter_is_quiet() {
+        let bell = new_doorbell().unwrap();
+        drop(bell.wait);
+        ring(bell.ring.as_fd()).unwrap();
+    }
 }

@@ -8,7 +8,7 @@
 //! and a side's view of its peer is a handful of untrusted numbers that this
 //! crate checks before use (an index that jumps is an error, not a wild read).
 //!
-//! Signalling is batched: a side rings its peer's doorbell (an eventfd) only when
+//! Signalling is batched: a side rings its peer's doorbell (a socket pair, see `doorbell`) only when
 //! the peer said it is going to sleep (`protocol`). A busy stream costs no system
 //! calls.
 //!
@@ -28,7 +28,7 @@ pub use block::{block_len, BlockError, LocalBlock, PeerBlock};
 pub use desc::{Descriptor, Segment, FLAG_SG_LIST, INLINE_SEGMENTS, MAX_SEGMENTS};
 pub use wait::{wait_until, SleepSite, WaitOutcome, WaitStrategy};
 
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::Arc;
 
 /// A peer broke the ring protocol. The connection is unusable; nothing outside
@@ -133,6 +133,11 @@ impl TxRing {
     pub fn releases_pending(&self) -> Result<bool, RingError> {
         let published = protocol::observe(self.peer.rel_prod());
         Ok(check_advance("release", self.rel_cons, published, self.local.entries())? > 0)
+    }
+
+    /// The ring end of the peer's data doorbell.
+    pub fn peer_data_bell(&self) -> BorrowedFd<'_> {
+        self.peer_data_bell.as_fd()
     }
 
     /// Rings the peer's data doorbell unconditionally (to make a sleeping peer

@@ -47,20 +47,23 @@ fn connect(pair: &Pair, entries: u32) -> (Side, Side) {
         (LocalBlock::init(pair.a, len, entries).unwrap(), LocalBlock::init(pair.b, len, entries).unwrap())
     };
     let (pa, pb) = unsafe { (PeerBlock::open(pair.a, len, entries).unwrap(), PeerBlock::open(pair.b, len, entries).unwrap()) };
-    let bells: Vec<Arc<OwnedFd>> = (0..4).map(|_| Arc::new(doorbell::new_doorbell().unwrap())).collect();
+    // Ring ends go to the ring/releaser that wakes the other side; wait ends stay.
+    let bells: Vec<doorbell::Doorbell> = (0..4).map(|_| doorbell::new_doorbell().unwrap()).collect();
+    let ring_end = |i: usize| Arc::new(bells[i].ring.try_clone().unwrap());
+    let wait_end = |i: usize| Arc::new(bells[i].wait.try_clone().unwrap());
     let a = Side {
-        tx: TxRing::new(la, pb, bells[2].clone()),
+        tx: TxRing::new(la, pb, ring_end(2)),
         rx: RxRing::new(la, pb),
-        rel: Releaser::new(la, pb, bells[3].clone()),
-        data_bell: bells[0].clone(),
-        _space_bell: bells[1].clone(),
+        rel: Releaser::new(la, pb, ring_end(3)),
+        data_bell: wait_end(0),
+        _space_bell: wait_end(1),
     };
     let b = Side {
-        tx: TxRing::new(lb, pa, bells[0].clone()),
+        tx: TxRing::new(lb, pa, ring_end(0)),
         rx: RxRing::new(lb, pa),
-        rel: Releaser::new(lb, pa, bells[1].clone()),
-        data_bell: bells[2].clone(),
-        _space_bell: bells[3].clone(),
+        rel: Releaser::new(lb, pa, ring_end(1)),
+        data_bell: wait_end(2),
+        _space_bell: wait_end(3),
     };
     (a, b)
 }

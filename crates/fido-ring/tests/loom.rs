@@ -3,7 +3,7 @@
 //! sleep. Run with
 //! `RUSTFLAGS="--cfg loom" cargo test -p fido-ring --release --test loom`.
 //!
-//! The doorbell (an eventfd) is modelled as a counting semaphore. loom reports a
+//! The doorbell (a socket pair: rings queue bytes) is modelled as a counting semaphore. loom reports a
 //! deadlock if the consumer blocks while the producer has finished (a lost
 //! wake-up) and a data race if the consumer reads a slot that was not published.
 #![cfg(loom)]

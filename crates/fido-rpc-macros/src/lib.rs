@@ -112,7 +112,13 @@ fn expand(tr: &mut ItemTrait) -> syn::Result<TokenStream2> {
         let mut arg_types = Vec::new();
         for (i, a) in inputs.enumerate() {
             let FnArg::Typed(pt) = a else { unreachable!() };
-            arg_names.push(format_ident!("__a{}", i));
+            // The declared name when it is a plain identifier (readable
+            // stubs), unless it would clash with the stubs' own parameters.
+            let name = match &*pt.pat {
+                syn::Pat::Ident(pi) if !["frame", "opts", "self", "cx"].contains(&pi.ident.to_string().as_str()) && !pi.ident.to_string().starts_with("__") => pi.ident.clone(),
+                _ => format_ident!("__a{}", i),
+            };
+            arg_names.push(name);
             arg_types.push((*pt.ty).clone());
         }
         let (rty, kind) = classify(&f.sig.output);

@@ -24,25 +24,25 @@ struct Pending {
     failed: Option<String>,
 }
 
-/// An async client of one service (create it inside a tokio runtime).
-/// `Send + Sync`; calls from many tasks share the connection. Dropping a
-/// call's future cancels it at the server.
-pub struct AsyncClient {
+/// One connection and its reader task (aborted when the last user drops it).
+struct Conn {
     inner: Arc<Inner>,
-    next_id: AtomicU64,
     reader: tokio::task::JoinHandle<()>,
 }
 
-impl Drop for AsyncClient {
+impl Drop for Conn {
     fn drop(&mut self) {
         self.reader.abort();
     }
 }
 
-impl AsyncClient {
-    /// Connects to `service` and starts the reader task on the current runtime.
-    pub fn connect(domain: &Domain, service: &str) -> Result<AsyncClient, RpcError> {
-        let ch = AsyncChannel::new(domain.connect(service)?)?;
+impl Conn {
+    fn open(domain: &Domain, service: &str, wait: Option<fido::WaitStrategy>) -> Result<Conn, RpcError> {
+        let ch = domain.connect(service)?;
+        if let Some(w) = wait {
+            ch.set_wait(w);
+        }
+        let ch = AsyncChannel::new(ch)?;
         let inner = Arc::new(Inner { ch, domain: domain.clone(), pending: Mutex::new(Pending::default()) });
         let r = inner.clone();
         let reader = tokio::spawn(async move {
@@ -53,6 +53,7 @@ impl AsyncClient {
                         if let Some(tx) = tx {
                             let _ = tx.send(m);
                         }
+                        // else: a late reply to an abandoned call; dropped.
                     }
                     Err(e) => {
                         let mut p = r.pending.lock();
@@ -64,20 +65,61 @@ impl AsyncClient {
                 }
             }
         });
-        Ok(AsyncClient { inner, next_id: AtomicU64::new(1), reader })
+        Ok(Conn { inner, reader })
+    }
+    fn is_up(&self) -> bool {
+        self.inner.ch.channel().is_open() && self.inner.pending.lock().failed.is_none()
+    }
+}
+
+/// An async client of one service (create it inside a tokio runtime).
+/// `Send + Sync`; calls from many tasks share the connection and complete in
+/// any order. Dropping a call's future cancels it at the server. If the
+/// server dies, calls in flight fail with [`RpcError::ServerGone`] and the
+/// next call connects again (a restarted server under the same name).
+pub struct AsyncClient {
+    domain: Domain,
+    service: String,
+    conn: Mutex<Arc<Conn>>,
+    wait: Mutex<Option<fido::WaitStrategy>>,
+    next_id: AtomicU64,
+}
+
+impl AsyncClient {
+    /// Connects to `service` and starts the reader task on the current runtime.
+    pub fn connect(domain: &Domain, service: &str) -> Result<AsyncClient, RpcError> {
+        let conn = Conn::open(domain, service, None)?;
+        Ok(AsyncClient {
+            domain: domain.clone(),
+            service: service.into(),
+            conn: Mutex::new(Arc::new(conn)),
+            wait: Mutex::new(None),
+            next_id: AtomicU64::new(1),
+        })
     }
 
     pub fn frame(&self) -> Result<Frame, RpcError> {
-        Frame::new(self.inner.domain.arena())
+        Frame::new(self.domain.arena())
     }
 
+    /// How the reader waits for replies (see [`crate::Client::set_wait`]).
     pub fn set_wait(&self, w: fido::WaitStrategy) {
-        self.inner.ch.channel().set_wait(w);
+        *self.wait.lock() = Some(w);
+        self.conn.lock().inner.ch.channel().set_wait(w);
     }
 
-    /// Whether the connection is still up.
+    /// Whether the current connection is up.
     pub fn is_connected(&self) -> bool {
-        self.inner.ch.channel().is_open() && self.inner.pending.lock().failed.is_none()
+        self.conn.lock().is_up()
+    }
+
+    /// The current connection, or a new one if it failed.
+    fn current(&self) -> Result<Arc<Conn>, RpcError> {
+        let mut g = self.conn.lock();
+        if !g.is_up() {
+            *g = Arc::new(Conn::open(&self.domain, &self.service, *self.wait.lock())?);
+        }
+        Ok(g.clone())
     }
 
     /// A call (generated stubs use this).
@@ -94,40 +136,42 @@ impl AsyncClient {
     }
 
     pub async fn call_oneway(&self, method: u32, sig: u32, frame: Frame, root: &[u8]) -> Result<(), RpcError> {
+        let conn = self.current()?;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let m = call_message(frame, method, sig, id, true, 0, root)?;
-        self.inner.ch.send(m).await.map_err(|e| RpcError::ServerGone(e.error.to_string()))
+        conn.inner.ch.send(m).await.map_err(|e| RpcError::ServerGone(e.error.to_string()))
     }
 
     pub async fn call_raw(&self, method: u32, sig: u32, frame: Frame, root: &[u8], opts: &CallOpts) -> Result<Msg, RpcError> {
+        let conn = self.current()?;
+        let inner = &conn.inner;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let deadline_ns = opts.timeout.map(|t| crate::wire::monotonic_ns() + t.as_nanos() as u64).unwrap_or(0);
         let m = call_message(frame, method, sig, id, false, deadline_ns, root)?;
         let (tx, rx) = oneshot::channel();
         {
-            let mut p = self.inner.pending.lock();
+            let mut p = inner.pending.lock();
             if let Some(why) = &p.failed {
                 return Err(RpcError::ServerGone(why.clone()));
             }
             p.calls.insert(id, tx);
         }
         // From here on, a dropped future tells the server to cancel.
-        let guard = CancelOnDrop { inner: &self.inner, id, armed: true };
-        self.inner.ch.send(m).await.map_err(|e| RpcError::ServerGone(e.error.to_string()))?;
+        let mut guard = CancelOnDrop { inner, id, armed: true };
+        inner.ch.send(m).await.map_err(|e| RpcError::ServerGone(e.error.to_string()))?;
         let wait = async {
             match rx.await {
                 Ok(m) => Ok(m),
-                Err(_) => Err(RpcError::ServerGone(self.inner.pending.lock().failed.clone().unwrap_or_else(|| "connection closed".into()))),
+                Err(_) => Err(RpcError::ServerGone(inner.pending.lock().failed.clone().unwrap_or_else(|| "connection closed".into()))),
             }
         };
         let r = match opts.timeout {
             Some(t) => match tokio::time::timeout(t, wait).await {
                 Ok(r) => r,
-                Err(_) => return Err(RpcError::DeadlineExceeded), // guard cancels
+                Err(_) => return Err(RpcError::DeadlineExceeded), // the guard cancels
             },
             None => wait.await,
         };
-        let mut guard = guard;
         guard.armed = r.is_err();
         r
     }

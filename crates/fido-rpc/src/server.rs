@@ -386,11 +386,11 @@ fn worker(domain: &Domain, svc: &dyn Dispatch, cc: &ConnCalls, stop: &AtomicBool
                 return;
             }
         };
-        handle(svc, cc, &arena, &open, msg);
+        handle(svc, cc, &arena, &open, stop, msg);
     }
 }
 
-fn handle(svc: &dyn Dispatch, cc: &ConnCalls, arena: &Arc<Arena>, open: &dyn Fn() -> bool, msg: Msg) {
+fn handle(svc: &dyn Dispatch, cc: &ConnCalls, arena: &Arc<Arena>, open: &dyn Fn() -> bool, stop: &AtomicBool, msg: Msg) {
     let id = msg.tag();
     match msg.opcode() {
         OP_CANCEL => {
@@ -414,11 +414,18 @@ fn handle(svc: &dyn Dispatch, cc: &ConnCalls, arena: &Arc<Arena>, open: &dyn Fn(
                 out
             };
             match reply_message(arena, id, out) {
-                Ok(m) => {
-                    if let Err(e) = cc.ch.send(m) {
-                        tracing::debug!(conn = cc.ch.id(), "reply to call {id} not sent: {}", e.error);
+                Ok(mut m) => loop {
+                    // A client holding all its replies fills our window: wait
+                    // for it, but stay stoppable.
+                    match cc.ch.send_timeout(m, Duration::from_millis(100)) {
+                        Ok(()) => break,
+                        Err(fido::SendError { error: fido::Error::Timeout, message }) if !stop.load(Ordering::Acquire) => m = message,
+                        Err(e) => {
+                            tracing::debug!(conn = cc.ch.id(), "reply to call {id} not sent: {}", e.error);
+                            break;
+                        }
                     }
-                }
+                },
                 Err(e) => tracing::warn!("reply to call {id}: {e}"),
             }
         }

@@ -147,3 +147,41 @@ fn client_crash_cancels_its_calls_and_frees_their_memory() {
     let c = connect_retry(&cd, "slow");
     assert_eq!(*c.hold(c.frame().unwrap(), 1, 16).unwrap().get(), 1);
 }
+
+#[test]
+fn async_client_sees_the_crash_and_reconnects() {
+    let b = TestBroker::start();
+    let d = b.join("client");
+    let mut server = ChildProc::spawn("server", &b.socket);
+    let first_pid: u64 = server.expect_line("ready", Duration::from_secs(30)).parse().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let c = Arc::new(SlowAsyncClient::connect(&d, "slow").unwrap());
+        assert_eq!(*c.pid(c.frame().unwrap()).await.unwrap().get(), first_pid);
+        let inflight = {
+            let c = c.clone();
+            tokio::spawn(async move { c.hold(c.frame().unwrap(), 60_000, 16).await.map(|r| *r.get()) })
+        };
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        server.kill9();
+        match tokio::time::timeout(Duration::from_secs(20), inflight).await.expect("the call ends").unwrap() {
+            Err(CallError::Rpc(RpcError::ServerGone(_))) => {}
+            other => panic!("expected ServerGone, got {other:?}"),
+        }
+        assert!(!c.0.is_connected());
+        let mut server2 = ChildProc::spawn("server", &b.socket);
+        let second_pid: u64 = server2.expect_line("ready", Duration::from_secs(30)).parse().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let pid = loop {
+            match c.pid(c.frame().unwrap()).await {
+                Ok(r) => break *r.get(),
+                Err(e) => {
+                    assert!(Instant::now() < deadline, "no reconnect: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        };
+        assert_eq!(pid, second_pid);
+        server2.kill9();
+    });
+}

@@ -389,3 +389,49 @@ fn file_reads_are_views_of_the_cache() {
     assert_eq!(r.slice(*r.get()).unwrap(), b"bytes");
     assert_eq!(cd.counters().bytes_copied, 0);
 }
+
+/// A client speaking raw fido to the server: short headers, bad magic,
+/// roots outside its arena, unknown opcodes. Each bad call gets a fault (or
+/// is ignored), and the server keeps serving.
+#[test]
+fn raw_garbage_from_a_client_fails_alone() {
+    use fido_rpc::wire::*;
+    let (_b, _sd, cd, _imp, _h) = setup(1);
+    let ch = cd.connect("test").unwrap();
+    let fault_of = |m: &fido::Msg| -> (u32, u32) {
+        let h: ReplyHeader = bytemuck::pod_read_unaligned(&m.segments().next().unwrap()[..HEADER_LEN]);
+        assert_eq!(h.magic, MAGIC);
+        (h.status, h.fault)
+    };
+    // Too short for a header.
+    ch.send(fido::Message::new(cd.alloc_copy(b"short").unwrap()).tag(1).opcode(OP_CALL)).unwrap();
+    assert_eq!(fault_of(&ch.recv_timeout(Duration::from_secs(10)).unwrap()), (STATUS_FAULT, Fault::BadHeader as u32));
+    // Bad magic.
+    ch.send(fido::Message::new(cd.alloc_copy(&[0xAB; 64]).unwrap()).tag(2).opcode(OP_CALL)).unwrap();
+    assert_eq!(fault_of(&ch.recv_timeout(Duration::from_secs(10)).unwrap()), (STATUS_FAULT, Fault::BadHeader as u32));
+    // A root pointing outside our arena.
+    let h = CallHeader { magic: MAGIC, method: 0, sig: 0, _reserved: 0, deadline_ns: 0, root_addr: 64, root_len: 12, _pad: [0; 3] };
+    ch.send(fido::Message::new(cd.alloc_copy(bytemuck::bytes_of(&h)).unwrap()).tag(3).opcode(OP_CALL)).unwrap();
+    assert_eq!(fault_of(&ch.recv_timeout(Duration::from_secs(10)).unwrap()), (STATUS_FAULT, Fault::BadPointer as u32));
+    // An unknown opcode and a cancel for nothing: ignored.
+    ch.send(fido::Message::new(cd.alloc_copy(b"x").unwrap()).tag(4).opcode(77)).unwrap();
+    ch.send(fido::Message::new(cd.alloc_copy(b"x").unwrap()).tag(5).opcode(OP_CANCEL)).unwrap();
+    // A well-formed call on the same raw channel still works: add(40, 2) —
+    // the root (a: u64, b: u32: 12 bytes) in a second segment.
+    let mut root = cd.alloc(16).unwrap();
+    root[..8].copy_from_slice(&40u64.to_ne_bytes());
+    root[8..12].copy_from_slice(&2u32.to_ne_bytes());
+    root.truncate(12);
+    let h = CallHeader { magic: MAGIC, method: 0, sig: 0, _reserved: 0, deadline_ns: 0, root_addr: root.gptr().addr(), root_len: 12, _pad: [0; 3] };
+    let hb = cd.alloc_copy(bytemuck::bytes_of(&h)).unwrap();
+    ch.send(fido::Message::gather(vec![hb, root]).tag(6).opcode(OP_CALL)).unwrap();
+    let m = ch.recv_timeout(Duration::from_secs(10)).unwrap();
+    assert_eq!(m.tag(), 6);
+    let rh: ReplyHeader = bytemuck::pod_read_unaligned(&m.segments().next().unwrap()[..HEADER_LEN]);
+    assert_eq!(rh.status, STATUS_OK);
+    let v = m.resolve(fido::GPtr(rh.root_addr), rh.root_len).unwrap();
+    assert_eq!(u64::from_ne_bytes(v.try_into().unwrap()), 42);
+    // And a normal client is unaffected.
+    let c = TestClient::connect(&cd, "test").unwrap();
+    assert_eq!(*c.add(c.frame().unwrap(), 1, 2).unwrap().get(), 3);
+}

@@ -2,7 +2,7 @@
 //! doorbells through tokio's reactor instead of blocking a thread.
 //!
 //! The protocol is the blocking one: try, announce the sleep in our sleep word,
-//! try again, then await the doorbell (an eventfd registered with epoll). A
+//! try again, then await the doorbell (its wait end registered with epoll). A
 //! peer that dies makes its liveness socket readable, which wakes us too.
 
 use crate::channel::{Channel, Message, Msg, SendError};

@@ -35,6 +35,8 @@ const GONE_HUNG: u8 = 2;
 const GONE_LEFT: u8 = 3;
 const BROKEN: u8 = 4;
 const CLOSED_BY_US: u8 = 5;
+const GONE_EVICTED: u8 = 6;
+const GONE_REVOKED: u8 = 7;
 
 /// A connection request waiting in a listener's backlog.
 pub(crate) struct Incoming {
@@ -220,8 +222,10 @@ pub(crate) struct ConnShared {
     peer_map: Arc<Mapping>,
     _block: Buf,
     local: LocalBlock,
-    data_bell: Arc<OwnedFd>,
-    space_bell: Arc<OwnedFd>,
+    /// Our doorbells: we wait on `.wait`; the peer holds a copy of `.ring`,
+    /// and so do we, to wake our own waiters.
+    data_bell: doorbell::Doorbell,
+    space_bell: doorbell::Doorbell,
     liveness: OwnedFd,
     releaser: Mutex<Releaser>,
     state: AtomicU8,
@@ -249,6 +253,8 @@ impl ConnShared {
             GoneReason::Exited => GONE_EXITED,
             GoneReason::MissedHeartbeat => GONE_HUNG,
             GoneReason::Left => GONE_LEFT,
+            GoneReason::Evicted => GONE_EVICTED,
+            GoneReason::Revoked => GONE_REVOKED,
         };
         let _ = self.state.compare_exchange(OPEN, code, Ordering::AcqRel, Ordering::Acquire);
         self.wake_local();
@@ -264,8 +270,8 @@ impl ConnShared {
 
     /// Wakes our own waiters so they look at the connection state again.
     pub(crate) fn wake_local(&self) {
-        let _ = doorbell::ring(self.data_bell.as_fd());
-        let _ = doorbell::ring(self.space_bell.as_fd());
+        let _ = doorbell::ring(self.data_bell.ring.as_fd());
+        let _ = doorbell::ring(self.space_bell.ring.as_fd());
     }
 
     fn state_error(&self, state: u8) -> Error {
@@ -274,6 +280,8 @@ impl ConnShared {
             GONE_EXITED => Error::PeerGone { domain, reason: "exited" },
             GONE_HUNG => Error::PeerGone { domain, reason: "missed heartbeats" },
             GONE_LEFT => Error::PeerGone { domain, reason: "left" },
+            GONE_EVICTED => Error::PeerGone { domain, reason: "evicted by the broker's policy" },
+            GONE_REVOKED => Error::PeerGone { domain, reason: "connection revoked by the broker's policy" },
             BROKEN => Error::Protocol(self.broken.lock().clone().unwrap_or_default()),
             _ => Error::Closed,
         }
@@ -523,7 +531,7 @@ impl Channel {
         mapping: Arc<Mapping>,
         (block, local): (Buf, LocalBlock),
         peer_block: PeerBlock,
-        (data_bell, space_bell): (OwnedFd, OwnedFd),
+        (data_bell, space_bell): (doorbell::Doorbell, doorbell::Doorbell),
         mut peer_fds: Vec<OwnedFd>,
     ) -> Channel {
         let liveness = peer_fds.pop().expect("checked: 3 fds left");
@@ -539,8 +547,8 @@ impl Channel {
             peer_map: mapping,
             _block: block,
             local,
-            data_bell: Arc::new(data_bell),
-            space_bell: Arc::new(space_bell),
+            data_bell,
+            space_bell,
             liveness,
             releaser: Mutex::new(Releaser::new(local, peer_block, peer_space)),
             state: AtomicU8::new(OPEN),
@@ -567,7 +575,7 @@ impl Channel {
         let (block, local) = Self::new_block(domain, entries)?;
         let bells = (doorbell::new_doorbell()?, doorbell::new_doorbell()?);
         let ring = RingBlock { offset: block.offset(), len: block_len(entries) as u64, entries };
-        let fds = [bells.0.try_clone()?, bells.1.try_clone()?];
+        let fds = [bells.0.ring.try_clone()?, bells.1.ring.try_clone()?];
         let (reply, mut peer_fds) = domain.control.request(Request::Connect { service: service.into(), block: ring }, &fds)?;
         drop(fds);
         let (conn, peer, pblock) = match reply {
@@ -596,7 +604,7 @@ impl Channel {
         };
         let bells = (doorbell::new_doorbell()?, doorbell::new_doorbell()?);
         let ring = RingBlock { offset: block.offset(), len: block_len(entries) as u64, entries };
-        let mine = [bells.0.try_clone()?, bells.1.try_clone()?];
+        let mine = [bells.0.ring.try_clone()?, bells.1.ring.try_clone()?];
         // Runs on the control thread, which reads the broker's replies itself:
         // fire and forget. If the client is gone by now, the liveness socket
         // says so on the first operation.
@@ -709,7 +717,7 @@ impl Channel {
                 wait_until(
                     wait,
                     deadline,
-                    SleepSite { sleep: local.space_sleep(), epoch: &mut epoch, bell: sh.space_bell.as_fd(), liveness: Some(sh.liveness.as_fd()) },
+                    SleepSite { sleep: local.space_sleep(), epoch: &mut epoch, bell: sh.space_bell.wait.as_fd(), liveness: Some(sh.liveness.as_fd()) },
                     || -> std::result::Result<bool, String> {
                         txr.reap()?;
                         Ok(txr.ring.free_slots() > 0 || !sh.is_open() || txr.ring.peer_closed())
@@ -852,7 +860,7 @@ impl Channel {
             let outcome = wait_until(
                 wait,
                 step_deadline,
-                SleepSite { sleep: local.data_sleep(), epoch: &mut epoch, bell: sh.data_bell.as_fd(), liveness: Some(sh.liveness.as_fd()) },
+                SleepSite { sleep: local.data_sleep(), epoch: &mut epoch, bell: sh.data_bell.wait.as_fd(), liveness: Some(sh.liveness.as_fd()) },
                 || -> std::result::Result<bool, RingError> { Ok(ring.pending()? || !sh.is_open() || ring.peer_closed()) },
             );
             rx.epoch = epoch;
@@ -939,6 +947,13 @@ impl Channel {
         self.shared.releaser.lock().wake_peer();
     }
 
+    /// Test hook: a duplicate of the ring end of the peer's data doorbell —
+    /// exactly what a peer holds of ours. Used by the adversarial tests.
+    #[doc(hidden)]
+    pub fn __peer_data_bell(&self) -> std::io::Result<OwnedFd> {
+        Ok(rustix::io::fcntl_dupfd_cloexec(self.shared.tx.lock().ring.peer_data_bell(), 0)?)
+    }
+
     #[cfg(feature = "tokio")]
     /// Announces that the receiver is about to sleep on its data doorbell.
     /// Returns false (and stays awake) when a message or a state change is
@@ -983,7 +998,7 @@ impl Channel {
 
     #[cfg(feature = "tokio")]
     pub(crate) fn space_doorbell(&self) -> std::os::fd::BorrowedFd<'_> {
-        self.shared.space_bell.as_fd()
+        self.shared.space_bell.wait.as_fd()
     }
 
     #[cfg(feature = "tokio")]
@@ -1006,11 +1021,11 @@ impl Channel {
         self.shared.is_open() && !self.shared.tx.lock().ring.peer_closed()
     }
 
-    /// The eventfd this channel's receiver sleeps on. The peer rings it only
+    /// The doorbell wait end this channel's receiver sleeps on. The peer rings it only
     /// after the receiver announced it is going to sleep (blocking `recv`, or
     /// [`crate::AsyncChannel`]), so it is not a readiness signal on its own.
     pub fn data_doorbell(&self) -> std::os::fd::BorrowedFd<'_> {
-        self.shared.data_bell.as_fd()
+        self.shared.data_bell.wait.as_fd()
     }
 }
 

@@ -449,12 +449,15 @@ impl DomainInner {
     }
 
     fn peer_gone(&self, domain: DomainId, conn: Option<ConnId>, reason: GoneReason) {
-        // Remembered for arenas of this domain mapped later (a grant of a dead
-        // domain's arena that a forwarded message still points into).
-        self.dead.lock().insert(domain);
-        for m in self.mapped.lock().values_mut() {
-            if m.owner == domain {
-                m.dead = true;
+        // A revoked connection ends only that connection: its peer lives on.
+        if reason != GoneReason::Revoked {
+            // Remembered for arenas of this domain mapped later (a grant of a dead
+            // domain's arena that a forwarded message still points into).
+            self.dead.lock().insert(domain);
+            for m in self.mapped.lock().values_mut() {
+                if m.owner == domain {
+                    m.dead = true;
+                }
             }
         }
         let conns: Vec<Arc<ConnShared>> = self.conns.lock().values().filter_map(Weak::upgrade).collect();

@@ -35,6 +35,14 @@ pub struct TestBroker {
     pub config: Config,
     pub thread: Option<JoinHandle<Result<(), BrokerError>>>,
     pub handle: ShutdownHandle,
+    pub reload: fido_broker::ReloadHandle,
+}
+
+/// Binds a broker and runs it on its own thread, keeping both handles.
+fn spawn(config: Config) -> (JoinHandle<Result<(), BrokerError>>, ShutdownHandle, fido_broker::ReloadHandle) {
+    let broker = Broker::bind(config).unwrap();
+    let (handle, reload) = (broker.shutdown_handle(), broker.reload_handle());
+    (std::thread::spawn(move || broker.run()), handle, reload)
 }
 
 pub fn config_in(dir: &Path) -> Config {
@@ -50,12 +58,13 @@ impl TestBroker {
         let dir = tempfile::tempdir().unwrap();
         let mut config = config_in(dir.path());
         tweak(&mut config);
-        let (thread, handle) = Broker::spawn(config.clone()).unwrap();
+        let (thread, handle, reload) = spawn(config.clone());
         TestBroker {
             dir,
             config,
             thread: Some(thread),
             handle,
+            reload,
         }
     }
 
@@ -70,9 +79,10 @@ impl TestBroker {
     /// Starts a new broker on the same socket and state directory.
     pub fn restart(&mut self) {
         self.stop();
-        let (thread, handle) = Broker::spawn(self.config.clone()).unwrap();
+        let (thread, handle, reload) = spawn(self.config.clone());
         self.thread = Some(thread);
         self.handle = handle;
+        self.reload = reload;
     }
 
     pub fn client(&self) -> Raw {
@@ -123,6 +133,54 @@ pub fn eventfd() -> OwnedFd {
         rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
     )
     .unwrap()
+}
+
+/// A doorbell as the library makes one: the broker is handed the ring end
+/// (`as_fd`), the maker keeps the wait end.
+pub struct Bell {
+    pub wait: OwnedFd,
+    pub ring: OwnedFd,
+}
+
+impl AsFd for Bell {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.ring.as_fd()
+    }
+}
+
+pub fn bell() -> Bell {
+    let (wait, ring) = rustix::net::socketpair(
+        rustix::net::AddressFamily::UNIX,
+        rustix::net::SocketType::STREAM,
+        rustix::net::SocketFlags::CLOEXEC | rustix::net::SocketFlags::NONBLOCK,
+        None,
+    )
+    .unwrap();
+    Bell { wait, ring }
+}
+
+pub fn is_doorbell(fd: &OwnedFd) -> bool {
+    fido_proto::wire::is_doorbell(fd.as_fd())
+}
+
+/// Rings a doorbell `n` times through a ring end.
+pub fn ring_bell(fd: &OwnedFd, n: usize) {
+    for _ in 0..n {
+        rustix::net::send(fd, &[1], rustix::net::SendFlags::DONTWAIT).unwrap();
+    }
+}
+
+/// How many rings are pending on a wait end (consumes them).
+pub fn rings(wait: &OwnedFd) -> usize {
+    let mut n = 0;
+    let mut b = [0u8; 64];
+    while let Ok((got, _)) = rustix::net::recv(wait, &mut b, rustix::net::RecvFlags::DONTWAIT) {
+        if got == 0 {
+            break;
+        }
+        n += got;
+    }
+    n
 }
 
 pub fn fd_kind(fd: BorrowedFd<'_>) -> String {

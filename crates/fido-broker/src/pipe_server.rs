@@ -1,0 +1,391 @@
+//! The pipe requests of the control protocol, on the broker's main loop.
+//!
+//! Here descriptors are checked (type, access mode, `O_APPEND`; never blocking
+//! calls), pipes are recorded per domain under its quota, operations are
+//! checked against the pipe's descriptor kinds and handed to the engine
+//! ([`crate::pipe`]); the engine's results come back through an eventfd in the
+//! main epoll set and are sent as the replies of the `PipeRun`/`PipeOnce`
+//! requests. Nothing here moves a byte.
+
+use std::collections::{BTreeMap, HashMap};
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::Arc;
+
+use fido_proto::{DomainId, ErrorCode, PipeFdKind, PipeId, PipeOp, Reply, Request};
+
+use super::{err, Handled, Server};
+use crate::pipe::{check_fd, check_op, check_overlap, Engine, JobSpec};
+
+struct PipeRec {
+    domain: DomainId,
+    src: Arc<OwnedFd>,
+    dst: Arc<OwnedFd>,
+    src_kind: PipeFdKind,
+    dst_kind: PipeFdKind,
+    /// The engine job running on it, if any.
+    job: Option<u64>,
+}
+
+struct JobRec {
+    domain: DomainId,
+    req: u64,
+    pipe: Option<PipeId>,
+}
+
+/// The broker's pipe bookkeeping (part of [`Server`]).
+pub(crate) struct PipeState {
+    pub(crate) engine: Engine,
+    pipes: BTreeMap<PipeId, PipeRec>,
+    jobs: HashMap<u64, JobRec>,
+    /// Weights set live with `PipeWeight`, overriding the policy rule's.
+    weights: HashMap<DomainId, u32>,
+    next_pipe: PipeId,
+    next_job: u64,
+}
+
+impl PipeState {
+    pub(crate) fn new(cfg: &crate::Config) -> Result<PipeState, crate::BrokerError> {
+        Ok(PipeState {
+            engine: Engine::start(cfg.pipe.clone())?,
+            pipes: BTreeMap::new(),
+            jobs: HashMap::new(),
+            weights: HashMap::new(),
+            next_pipe: 1,
+            next_job: 1,
+        })
+    }
+
+    /// Pipes and running one-shot operations of `dom` (what its quota counts).
+    fn held(&self, dom: DomainId) -> u64 {
+        let pipes = self.pipes.values().filter(|p| p.domain == dom).count();
+        let once = self
+            .jobs
+            .values()
+            .filter(|j| j.domain == dom && j.pipe.is_none())
+            .count();
+        (pipes + once) as u64
+    }
+}
+
+fn two_fds(
+    what: &str,
+    mut fds: Vec<OwnedFd>,
+) -> Result<(OwnedFd, OwnedFd), fido_proto::RemoteError> {
+    if fds.len() != 2 {
+        return Err(err(
+            ErrorCode::BadDescriptor,
+            format!(
+                "{what} carries exactly two descriptors (source, then sink); got {}",
+                fds.len()
+            ),
+        ));
+    }
+    let dst = fds.pop().expect("two");
+    let src = fds.pop().expect("two");
+    Ok((src, dst))
+}
+
+fn kinds(
+    src: &OwnedFd,
+    dst: &OwnedFd,
+) -> Result<(PipeFdKind, PipeFdKind), fido_proto::RemoteError> {
+    let bad = |m: String| err(ErrorCode::BadDescriptor, m);
+    Ok((
+        check_fd(src.as_fd(), true).map_err(bad)?,
+        check_fd(dst.as_fd(), false).map_err(bad)?,
+    ))
+}
+
+impl Server {
+    fn pipe_weight_of(&self, dom: DomainId) -> u32 {
+        self.pipes.weights.get(&dom).copied().unwrap_or_else(|| {
+            self.domains
+                .get(&dom)
+                .map_or(crate::policy::DEFAULT_PIPE_WEIGHT, |d| d.rule.pipe_weight)
+        })
+    }
+
+    fn pipe_quota(&self, dom: DomainId) -> Result<(), fido_proto::RemoteError> {
+        let limit = self.domains.get(&dom).map_or(0, |d| d.rule.quotas.pipes);
+        let held = self.pipes.held(dom);
+        if held >= limit {
+            return Err(self.quota(
+                dom,
+                format!("too many pipes: this domain holds {held} (limit {limit})"),
+            ));
+        }
+        Ok(())
+    }
+
+    fn pipe_start(
+        &mut self,
+        dom: DomainId,
+        req: u64,
+        pipe: Option<PipeId>,
+        src: Arc<OwnedFd>,
+        dst: Arc<OwnedFd>,
+        op: PipeOp,
+    ) {
+        let id = self.pipes.next_job;
+        self.pipes.next_job += 1;
+        self.pipes.jobs.insert(
+            id,
+            JobRec {
+                domain: dom,
+                req,
+                pipe,
+            },
+        );
+        if let Some(p) = pipe.and_then(|p| self.pipes.pipes.get_mut(&p)) {
+            p.job = Some(id);
+        }
+        let weight = self.pipe_weight_of(dom);
+        tracing::debug!(domain = dom, job = id, ?pipe, ?op, "pipe operation started");
+        self.pipes.engine.submit(JobSpec {
+            id,
+            domain: dom,
+            weight,
+            src,
+            dst,
+            op,
+        });
+    }
+
+    /// Handles `PipeCreate`, `PipeRun`, `PipeOnce`, `PipeCancel`, `PipeDestroy`, `PipeWeight`.
+    pub(super) fn pipe_request(
+        &mut self,
+        key: u64,
+        dom: DomainId,
+        req: u64,
+        body: Request,
+        fds: Vec<OwnedFd>,
+    ) -> Handled {
+        if let (
+            Some(why),
+            Request::PipeCreate | Request::PipeRun { .. } | Request::PipeOnce { .. },
+        ) = (self.pipes.engine.unavailable(), &body)
+        {
+            return Err(err(ErrorCode::Unavailable, why.to_string()));
+        }
+        match body {
+            Request::PipeCreate => {
+                let (src, dst) = two_fds("PipeCreate", fds)?;
+                self.pipe_quota(dom)?;
+                let (src_kind, dst_kind) = kinds(&src, &dst)?;
+                let pipe = self.pipes.next_pipe;
+                self.pipes.next_pipe += 1;
+                self.pipes.pipes.insert(
+                    pipe,
+                    PipeRec {
+                        domain: dom,
+                        src: Arc::new(src),
+                        dst: Arc::new(dst),
+                        src_kind,
+                        dst_kind,
+                        job: None,
+                    },
+                );
+                tracing::debug!(domain = dom, pipe, ?src_kind, ?dst_kind, "pipe created");
+                Ok(Some((
+                    Reply::PipeCreated {
+                        pipe,
+                        source: src_kind,
+                        sink: dst_kind,
+                    },
+                    Vec::new(),
+                )))
+            }
+            Request::PipeRun { pipe, op } => {
+                let p = self
+                    .pipes
+                    .pipes
+                    .get(&pipe)
+                    .filter(|p| p.domain == dom)
+                    .ok_or_else(|| {
+                        err(
+                            ErrorCode::NoSuchPipe,
+                            format!("no pipe {pipe} in this domain"),
+                        )
+                    })?;
+                if p.job.is_some() {
+                    return Err(err(
+                        ErrorCode::Busy,
+                        format!("pipe {pipe} already runs an operation; one at a time per pipe"),
+                    ));
+                }
+                check_op(&op, p.src_kind, p.dst_kind)
+                    .map_err(|m| err(ErrorCode::BadDescriptor, m))?;
+                check_overlap(&op, p.src.as_fd(), p.dst.as_fd())
+                    .map_err(|m| err(ErrorCode::BadRequest, m))?;
+                let (src, dst) = (p.src.clone(), p.dst.clone());
+                self.pipe_start(dom, req, Some(pipe), src, dst, op);
+                Ok(None)
+            }
+            Request::PipeOnce { op } => {
+                let (src, dst) = two_fds("PipeOnce", fds)?;
+                self.pipe_quota(dom)?;
+                let (sk, dk) = kinds(&src, &dst)?;
+                check_op(&op, sk, dk).map_err(|m| err(ErrorCode::BadDescriptor, m))?;
+                check_overlap(&op, src.as_fd(), dst.as_fd())
+                    .map_err(|m| err(ErrorCode::BadRequest, m))?;
+                self.pipe_start(dom, req, None, Arc::new(src), Arc::new(dst), op);
+                Ok(None)
+            }
+            Request::PipeCancel { pipe } => {
+                let p = self
+                    .pipes
+                    .pipes
+                    .get(&pipe)
+                    .filter(|p| p.domain == dom)
+                    .ok_or_else(|| {
+                        err(
+                            ErrorCode::NoSuchPipe,
+                            format!("no pipe {pipe} in this domain"),
+                        )
+                    })?;
+                if let Some(job) = p.job {
+                    self.pipes.engine.cancel(job);
+                }
+                Ok(Some((Reply::Ok, Vec::new())))
+            }
+            Request::PipeDestroy { pipe } => {
+                match self.pipes.pipes.get(&pipe) {
+                    Some(p) if p.domain == dom => {}
+                    _ => {
+                        return Err(err(
+                            ErrorCode::NoSuchPipe,
+                            format!("no pipe {pipe} in this domain"),
+                        ))
+                    }
+                }
+                let p = self.pipes.pipes.remove(&pipe).expect("checked");
+                if let Some(job) = p.job {
+                    // Its PipeRun is answered (Cancelled) when the engine lets go;
+                    // the engine holds its own references to the descriptors.
+                    if let Some(j) = self.pipes.jobs.get_mut(&job) {
+                        j.pipe = None;
+                    }
+                    self.pipes.engine.cancel(job);
+                }
+                tracing::debug!(domain = dom, pipe, "pipe destroyed");
+                Ok(Some((Reply::Ok, Vec::new())))
+            }
+            Request::PipeWeight { domain, weight } => {
+                let (uid, pid) = self
+                    .clients
+                    .get(&key)
+                    .map_or((u32::MAX, 0), |c| (c.uid, c.pid));
+                let me = rustix::process::geteuid().as_raw();
+                if uid != 0 && uid != me {
+                    return Err(self.deny(
+                        dom,
+                        format!("setting pipe weights is for root or the broker's uid {me} (caller uid {uid}, pid {pid})"),
+                    ));
+                }
+                let targets: Vec<DomainId> = match domain.parse::<DomainId>() {
+                    Ok(id) if self.domains.contains_key(&id) => vec![id],
+                    _ => self
+                        .domains
+                        .iter()
+                        .filter(|(_, d)| d.name == domain)
+                        .map(|(id, _)| *id)
+                        .collect(),
+                };
+                if targets.is_empty() {
+                    return Err(err(
+                        ErrorCode::NoSuchDomain,
+                        format!("no live domain with id or name {domain:?}"),
+                    ));
+                }
+                for t in targets {
+                    self.pipes.weights.insert(t, weight);
+                    self.pipes.engine.set_weight(t, weight);
+                    tracing::info!(domain = t, weight, by = dom, "pipe weight set");
+                }
+                Ok(Some((Reply::Ok, Vec::new())))
+            }
+            other => Err(err(
+                ErrorCode::BadRequest,
+                format!("not a pipe request: {other:?}"),
+            )),
+        }
+    }
+
+    /// Answers the requests whose transfers the engine finished.
+    pub(super) fn pipe_completions(&mut self) {
+        for done in self.pipes.engine.completions() {
+            let Some(j) = self.pipes.jobs.remove(&done.id) else {
+                continue;
+            };
+            if let Some(p) = j.pipe.and_then(|p| self.pipes.pipes.get_mut(&p)) {
+                if p.job == Some(done.id) {
+                    p.job = None;
+                }
+            }
+            tracing::debug!(domain = j.domain, job = done.id, result = ?done.result, "pipe operation ended");
+            self.reply_to_domain(
+                j.domain,
+                j.req,
+                Ok(Reply::PipeDone(done.result)),
+                Vec::new(),
+            );
+        }
+    }
+
+    /// A domain died or left: its pipes go, its transfers are cancelled.
+    pub(super) fn pipe_domain_gone(&mut self, dom: DomainId) {
+        let n = self.pipes.pipes.len();
+        self.pipes.pipes.retain(|_, p| p.domain != dom);
+        let dropped = n - self.pipes.pipes.len();
+        self.pipes.weights.remove(&dom);
+        self.pipes.engine.forget(dom);
+        if dropped > 0 {
+            tracing::info!(
+                domain = dom,
+                pipes = dropped,
+                "pipes of a departed domain cancelled"
+            );
+        }
+    }
+
+    /// Pipe engine settings and per-domain figures for `Status`.
+    pub(super) fn pipe_status(
+        &self,
+    ) -> (
+        Option<fido_proto::PipeEngineStatus>,
+        Vec<fido_proto::PipeDomainStatus>,
+    ) {
+        if self.pipes.engine.unavailable().is_some() {
+            return (None, Vec::new());
+        }
+        let (engine, mut doms) = self.pipes.engine.status();
+        for d in doms.iter_mut() {
+            d.pipes = self
+                .pipes
+                .pipes
+                .values()
+                .filter(|p| p.domain == d.domain)
+                .count() as u32;
+        }
+        // Domains holding pipes the engine has not seen work from yet.
+        let mut idle: BTreeMap<DomainId, u32> = BTreeMap::new();
+        for p in self.pipes.pipes.values() {
+            if !doms.iter().any(|d| d.domain == p.domain) {
+                *idle.entry(p.domain).or_default() += 1;
+            }
+        }
+        for (domain, pipes) in idle {
+            doms.push(fido_proto::PipeDomainStatus {
+                domain,
+                weight: self.pipe_weight_of(domain),
+                credits: 0,
+                bytes_per_s: 0,
+                bytes_total: 0,
+                pipes,
+                running: 0,
+            });
+        }
+        doms.sort_by_key(|d| d.domain);
+        (Some(engine), doms)
+    }
+}
