@@ -23,7 +23,10 @@ fn reader_options() -> capnp::message::ReaderOptions {
     o
 }
 
-fn network(s: tokio::net::UnixStream, side: Side) -> twoparty::VatNetwork<impl futures::AsyncRead + Unpin> {
+fn network(
+    s: tokio::net::UnixStream,
+    side: Side,
+) -> twoparty::VatNetwork<impl futures::AsyncRead + Unpin> {
     let (r, w) = s.compat().split();
     twoparty::VatNetwork::new(
         futures::io::BufReader::new(r),
@@ -148,7 +151,10 @@ fn put_fixed(
     s
 }
 
-fn put_var(mut l: capnp::struct_list::Builder<'_, super::bench_capnp::var::Owned>, seed: u64) -> u64 {
+fn put_var(
+    mut l: capnp::struct_list::Builder<'_, super::bench_capnp::var::Owned>,
+    seed: u64,
+) -> u64 {
     let mut s = 0u64;
     for k in 0..l.len() {
         let st = data::var_str_at(seed, k as usize);

@@ -36,14 +36,14 @@
 //!   capnp's 64 MiB traversal limit), bytes as `Bytes` / `serde_bytes`, HTTP/2
 //!   windows raised for tonic, tarpc deadlines raised above the budget.
 
-pub mod data;
 mod capnp_sys;
+pub mod data;
+pub mod files;
+pub mod plot;
 mod tarpc_sys;
 mod tonic_sys;
 mod uds;
 mod xmlrpc;
-pub mod files;
-pub mod plot;
 
 use std::collections::{HashMap, HashSet};
 use std::io::BufRead as _;
@@ -82,9 +82,15 @@ pub const QUICK_LENS: [usize; 3] = [100, 10_000, 1_000_000];
 pub enum Case {
     NullNotified,
     NullPolled,
-    Seq { seq: Seq, dir: Dir, len: usize },
+    Seq {
+        seq: Seq,
+        dir: Dir,
+        len: usize,
+    },
     /// The case study: `read(path, 0, size)` from a caching file server.
-    FileRead { size: usize },
+    FileRead {
+        size: usize,
+    },
 }
 
 impl Case {
@@ -131,7 +137,11 @@ impl Case {
                 }
             }
         }
-        let sizes: &[usize] = if quick { &files::QUICK_SIZES } else { &files::SIZES };
+        let sizes: &[usize] = if quick {
+            &files::QUICK_SIZES
+        } else {
+            &files::SIZES
+        };
         v.extend(sizes.iter().map(|&size| Case::FileRead { size }));
         v
     }
@@ -142,13 +152,16 @@ impl Case {
 /// is LEN 100 only).
 pub fn wants(filter: Option<&str>, system: &str, case: &str) -> bool {
     let Some(f) = filter else { return true };
-    f.split(',').map(str::trim).filter(|t| !t.is_empty()).any(|t| {
-        if let Some(t) = t.strip_suffix('$') {
-            case.ends_with(t) || system == t
-        } else {
-            system.contains(t) || case.contains(t)
-        }
-    })
+    f.split(',')
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+        .any(|t| {
+            if let Some(t) = t.strip_suffix('$') {
+                case.ends_with(t) || system == t
+            } else {
+                system.contains(t) || case.contains(t)
+            }
+        })
 }
 
 /// Timing knobs handed to a client process.
@@ -422,7 +435,11 @@ pub(crate) fn peer(kind: &str, a: &PeerArgs) -> Option<anyhow::Result<()>> {
 pub fn emit_ready() -> anyhow::Result<()> {
     use std::io::Write as _;
     let mut out = std::io::stdout().lock();
-    writeln!(out, "{{\"event\":\"ready\",\"pid\":{}}}", std::process::id())?;
+    writeln!(
+        out,
+        "{{\"event\":\"ready\",\"pid\":{}}}",
+        std::process::id()
+    )?;
     out.flush()?;
     Ok(())
 }
@@ -582,7 +599,13 @@ pub fn run_suite(
             match crate::shm::spin_floor(8, opts) {
                 Ok(mut rtts) => {
                     let (p50, p99) = crate::harness::percentiles(&mut rtts);
-                    run.records.push(rtt_record(&cname, "spin-floor", p50 as f64, p99 as f64, rtts.len() as u64));
+                    run.records.push(rtt_record(
+                        &cname,
+                        "spin-floor",
+                        p50 as f64,
+                        p99 as f64,
+                        rtts.len() as u64,
+                    ));
                 }
                 Err(e) => run.failures.push(format!("spin-floor {cname}: {e:#}")),
             }
@@ -693,7 +716,12 @@ pub fn dnf_record(case: &str, system: &str, opts: &Opts, skipped: bool) -> Recor
         system: system.into(),
         metric: "did_not_finish".into(),
         value: budget(opts).as_secs_f64(),
-        unit: if skipped { "s budget (smaller LEN over)" } else { "s budget" }.into(),
+        unit: if skipped {
+            "s budget (smaller LEN over)"
+        } else {
+            "s budget"
+        }
+        .into(),
         p50: None,
         p99: None,
         n: 0,
@@ -781,7 +809,10 @@ pub fn goals(records: &[Record]) -> Vec<Goal> {
 
 /// Prints the goals (only those measured in this run).
 pub fn print_goals(records: &[Record]) {
-    let g: Vec<Goal> = goals(records).into_iter().filter(|g| g.met.is_some()).collect();
+    let g: Vec<Goal> = goals(records)
+        .into_iter()
+        .filter(|g| g.met.is_some())
+        .collect();
     if g.is_empty() {
         return;
     }
@@ -790,9 +821,17 @@ pub fn print_goals(records: &[Record]) {
         let r = g.ratio.map(|r| format!("{r:.2}x")).unwrap_or_default();
         println!(
             "#   [{}] {}: {r}{}",
-            if g.met == Some(true) { "met" } else { "NOT met" },
+            if g.met == Some(true) {
+                "met"
+            } else {
+                "NOT met"
+            },
             g.what,
-            if g.note.is_empty() { String::new() } else { format!(" ({})", g.note) }
+            if g.note.is_empty() {
+                String::new()
+            } else {
+                format!(" ({})", g.note)
+            }
         );
     }
 }
@@ -822,8 +861,16 @@ mod tests {
     #[test]
     fn filter_terms() {
         assert!(wants(Some("uds"), "uds", "null-notified"));
-        assert!(wants(Some("x,byteseq-send-100$"), "tonic", "byteseq-send-100"));
-        assert!(!wants(Some("byteseq-send-100$"), "tonic", "byteseq-send-10000"));
+        assert!(wants(
+            Some("x,byteseq-send-100$"),
+            "tonic",
+            "byteseq-send-100"
+        ));
+        assert!(!wants(
+            Some("byteseq-send-100$"),
+            "tonic",
+            "byteseq-send-10000"
+        ));
         assert!(wants(None, "a", "b"));
     }
 }

@@ -48,6 +48,9 @@ fn register_font() -> anyhow::Result<()> {
     }
 }
 
+/// One panel's lines: system -> [(LEN, MB/s)].
+type Lines = BTreeMap<String, Vec<(f64, f64)>>;
+
 /// Draws every `bytes_per_s` record of the sequence cases into `path` (PNG).
 /// Systems appear in the order of their first record. Points that did not finish
 /// are absent (a line stops where its system ran out of budget).
@@ -55,7 +58,7 @@ pub fn draw(records: &[Record], path: &Path, title: &str) -> anyhow::Result<()> 
     register_font()?;
     // (seq, dir) -> system -> [(len, MB/s)]
     let mut systems: Vec<String> = Vec::new();
-    let mut panels: BTreeMap<(usize, usize), BTreeMap<String, Vec<(f64, f64)>>> = BTreeMap::new();
+    let mut panels: BTreeMap<(usize, usize), Lines> = BTreeMap::new();
     let (mut lo, mut hi) = (f64::MAX, f64::MIN);
     let (mut xlo, mut xhi) = (f64::MAX, f64::MIN);
     for r in records {
@@ -105,10 +108,7 @@ pub fn draw(records: &[Record], path: &Path, title: &str) -> anyhow::Result<()> 
         let seq = Seq::ALL[col];
         let dir = if row == 0 { Dir::Send } else { Dir::Recv };
         let mut chart = ChartBuilder::on(area)
-            .caption(
-                format!("{} {}", seq.name(), dir.name()),
-                ("sans-serif", 22),
-            )
+            .caption(format!("{} {}", seq.name(), dir.name()), ("sans-serif", 22))
             .margin(12)
             .x_label_area_size(45)
             .y_label_area_size(75)
@@ -184,7 +184,11 @@ mod tests {
         draw(&recs, &p, "test").unwrap();
         let b = std::fs::read(&p).unwrap();
         assert_eq!(&b[..8], b"\x89PNG\r\n\x1a\n");
-        assert!(b.len() > 10_000, "suspiciously small PNG: {} bytes", b.len());
+        assert!(
+            b.len() > 10_000,
+            "suspiciously small PNG: {} bytes",
+            b.len()
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -27,7 +27,9 @@ struct Svc;
 
 fn check_len(len: u64) -> Result<usize, Status> {
     if len > MAX_LEN {
-        return Err(Status::invalid_argument(format!("LEN {len} over {MAX_LEN}")));
+        return Err(Status::invalid_argument(format!(
+            "LEN {len} over {MAX_LEN}"
+        )));
     }
     Ok(len as usize)
 }
@@ -59,11 +61,9 @@ impl bench_server::Bench for Svc {
     }
 
     async fn send_var(&self, r: Request<pb::VarSeq>) -> Result<Response<pb::Sum>, Status> {
-        Ok(sum(r
-            .get_ref()
-            .seq
-            .iter()
-            .fold(0u64, |a, v| a.wrapping_add(data::var_sum(v.s.as_bytes(), v.d)))))
+        Ok(sum(r.get_ref().seq.iter().fold(0u64, |a, v| {
+            a.wrapping_add(data::var_sum(v.s.as_bytes(), v.d))
+        })))
     }
 
     async fn recv_bytes(
@@ -153,7 +153,7 @@ pub fn serve(addr: &str) -> anyhow::Result<()> {
 /// A tonic channel to a Unix socket (the URI is a placeholder tonic requires).
 pub(crate) async fn channel(addr: &str) -> anyhow::Result<tonic::transport::Channel> {
     let path = addr.to_string();
-    Ok(tonic::transport::Endpoint::try_from("http://[::1]:50051")?
+    tonic::transport::Endpoint::try_from("http://[::1]:50051")?
         .initial_stream_window_size(WINDOW)
         .initial_connection_window_size(WINDOW)
         .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
@@ -165,7 +165,7 @@ pub(crate) async fn channel(addr: &str) -> anyhow::Result<tonic::transport::Chan
             }
         }))
         .await
-        .with_context(|| format!("connecting {addr}"))?)
+        .with_context(|| format!("connecting {addr}"))
 }
 
 pub struct Client {
@@ -197,7 +197,11 @@ impl RpcClient for Client {
                 (Seq::Byte, Dir::Send) => {
                     let mut v = vec![0u8; seq.elements(len)];
                     let want = data::fill_bytes(&mut v, seed);
-                    let got = c.send_bytes(pb::ByteSeq { data: Bytes::from(v) }).await?;
+                    let got = c
+                        .send_bytes(pb::ByteSeq {
+                            data: Bytes::from(v),
+                        })
+                        .await?;
                     data::check("tonic send", got.get_ref().sum, want)
                 }
                 (Seq::Fixed, Dir::Send) => {
@@ -211,13 +215,23 @@ impl RpcClient for Client {
                     data::check("tonic send", got.get_ref().sum, want)
                 }
                 (Seq::Byte, Dir::Recv) => {
-                    let r = c.recv_bytes(pb::RecvReq { len: len as u64, seed }).await?;
+                    let r = c
+                        .recv_bytes(pb::RecvReq {
+                            len: len as u64,
+                            seed,
+                        })
+                        .await?;
                     let r = r.get_ref();
                     anyhow::ensure!(r.data.len() == seq.elements(len), "short ByteSeq");
                     data::check("tonic recv", data::sum_bytes(&r.data), r.sum)
                 }
                 (Seq::Fixed, Dir::Recv) => {
-                    let r = c.recv_fixed(pb::RecvReq { len: len as u64, seed }).await?;
+                    let r = c
+                        .recv_fixed(pb::RecvReq {
+                            len: len as u64,
+                            seed,
+                        })
+                        .await?;
                     let r = r.get_ref();
                     anyhow::ensure!(r.seq.len() == len, "short FixedSeq");
                     let got = r.seq.iter().fold(0u64, |a, f| {
@@ -230,13 +244,17 @@ impl RpcClient for Client {
                     data::check("tonic recv", got, r.sum)
                 }
                 (Seq::Var, Dir::Recv) => {
-                    let r = c.recv_var(pb::RecvReq { len: len as u64, seed }).await?;
+                    let r = c
+                        .recv_var(pb::RecvReq {
+                            len: len as u64,
+                            seed,
+                        })
+                        .await?;
                     let r = r.get_ref();
                     anyhow::ensure!(r.seq.len() == len, "short VarSeq");
-                    let got = r
-                        .seq
-                        .iter()
-                        .fold(0u64, |a, v| a.wrapping_add(data::var_sum(v.s.as_bytes(), v.d)));
+                    let got = r.seq.iter().fold(0u64, |a, v| {
+                        a.wrapping_add(data::var_sum(v.s.as_bytes(), v.d))
+                    });
                     data::check("tonic recv", got, r.sum)
                 }
             }

@@ -195,7 +195,11 @@ pub fn serve(addr: &str, case: Case) -> anyhow::Result<()> {
         reply.resize(REP, 0);
         let sum = match op {
             0 => 0,
-            1 => fold_seq(&body, code_seq(u32::from_le_bytes(req[4..8].try_into().unwrap()))?, len)?,
+            1 => fold_seq(
+                &body,
+                code_seq(u32::from_le_bytes(req[4..8].try_into().unwrap()))?,
+                len,
+            )?,
             2 => {
                 let seq = code_seq(u32::from_le_bytes(req[4..8].try_into().unwrap()))?;
                 put_seq(&mut reply, seq, len, seed)

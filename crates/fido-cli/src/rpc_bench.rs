@@ -28,7 +28,7 @@ use fido::{Domain, JoinOptions, WaitStrategy};
 use fido_bench::rpc::data::{self, Dir, Seq};
 use fido_bench::rpc::{self, files, Case, RpcClient, RpcSystem, Timing};
 use fido_bench::{Opts, PeerArgs};
-use fido_rpc::services::files::{FilesClient as FidoFilesClient, FileServer, FilesServer};
+use fido_rpc::services::files::{FileServer, FilesClient as FidoFilesClient, FilesServer};
 use fido_rpc::{Ctx, Fault, RpcError, Server, ServerOptions, ShmSlice, ShmStr};
 
 use crate::proc::{self, EmbeddedBroker};
@@ -315,12 +315,9 @@ pub fn peer_main(kind: &str, args: &[String]) -> anyhow::Result<()> {
                 wait: Some(wait_for(&case)),
             };
             let _h = match case {
-                Case::FileRead { .. } => Server::spawn(
-                    &d,
-                    svc,
-                    FilesServer(FileServer::new(d.arena(), None)),
-                    opts,
-                )?,
+                Case::FileRead { .. } => {
+                    Server::spawn(&d, svc, FilesServer(FileServer::new(d.arena(), None)), opts)?
+                }
                 _ => Server::spawn(&d, svc, RpcBenchServer(Impl), opts)?,
             };
             rpc::emit_ready()?;

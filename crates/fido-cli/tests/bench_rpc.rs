@@ -70,7 +70,10 @@ fn left_in(tmp: &Path) -> Vec<String> {
 
 #[test]
 fn rpc_quick_json_is_well_formed_and_checked() {
-    assert!(python_ok(), "python3 with xmlrpc is needed (Debian package python3)");
+    assert!(
+        python_ok(),
+        "python3 with xmlrpc is needed (Debian package python3)"
+    );
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("rpc.json");
     let png = dir.path().join("rpc.png");
@@ -164,7 +167,10 @@ fn rpc_quick_json_is_well_formed_and_checked() {
 
 #[test]
 fn rpc_wrong_checksum_fails_the_run() {
-    assert!(python_ok(), "python3 with xmlrpc is needed (Debian package python3)");
+    assert!(
+        python_ok(),
+        "python3 with xmlrpc is needed (Debian package python3)"
+    );
     let dir = tempfile::tempdir().unwrap();
     // Every server adds one to the checksums it returns.
     let out = bench(
