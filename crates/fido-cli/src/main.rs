@@ -8,6 +8,8 @@
 //!   over Unix sockets beside it.
 //! * `fido bench channel` measures Fido against real baselines in the same
 //!   invocation (DESIGN.md §8).
+//! * `fido bench rpc` measures fido-rpc against uds, tarpc, capnp-rpc, tonic
+//!   and XML-RPC (the VMRPC paper's evaluation) in the same invocation.
 //!
 //! What this binary must never do: leave anything behind — every helper process
 //! it starts is killed and reaped on every path (and dies with us through
