@@ -11,6 +11,9 @@
 #                    `fido bench pipe`: load generator, the nginx baselines (static
 #                    files with sendfile; TCP proxy via the stream module), the
 #                    plot's font
+#   protobuf-compiler  protoc: bench/build.rs compiles the tonic baseline's .proto
+#   capnproto        capnp: bench/build.rs compiles the capnp-rpc baseline's schema
+#   python3          xmlrpc.server/xmlrpc.client, the XML-RPC baseline of `fido bench rpc`
 #   ca-certificates, curl   only when Rust itself must be installed (rustup)
 #   cargo-fuzz       only for scripts/fuzz-replay.sh / fuzz-run.sh
 #   redis-server redis-tools nginx-light curl wrk iperf3 sockperf util-linux
@@ -59,6 +62,7 @@ apt_install() {
 apt_install build-essential ucx-utils
 apt_install curl wrk nginx-light libnginx-mod-stream fonts-dejavu-core
 apt_install redis-server redis-tools iperf3 sockperf util-linux
+apt_install protobuf-compiler capnproto python3
 
 # Rust (stable, via rustup) if there is no cargo at all.
 if [[ -x "$HOME/.cargo/bin/cargo" ]]; then export PATH="$HOME/.cargo/bin:$PATH"; fi

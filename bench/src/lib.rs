@@ -41,6 +41,7 @@
 //! `ucx-posix` (`ucx_perftest`, if installed).
 
 mod harness;
+pub mod rpc;
 mod ice;
 mod shm;
 mod sock;
@@ -68,6 +69,7 @@ pub fn peer_main(args: &[String]) -> anyhow::Result<()> {
     shm::peer(kind, &a)
         .or_else(|| sock::peer(kind, &a))
         .or_else(|| ice::peer(kind, &a))
+        .or_else(|| rpc::peer(kind, &a))
         .unwrap_or_else(|| Err(anyhow::anyhow!("unknown bench peer kind `{kind}`")))
 }
 

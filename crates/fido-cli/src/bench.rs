@@ -423,6 +423,9 @@ pub fn peer_main(args: &[String]) -> anyhow::Result<()> {
     if kind == "pipe" {
         return pipeline::role_main(rest);
     }
+    if kind.starts_with("rpc-") {
+        return crate::rpc_bench::peer_main(kind, rest);
+    }
     proc::child_prologue()?;
     let a = Args::parse(rest);
     if let Some(cpu) = a.opt("cpu") {

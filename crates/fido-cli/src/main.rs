@@ -9,6 +9,8 @@
 //! * `fido run -- CMD` runs a program with MMNet (crates/fido-net) preloaded.
 //! * `fido bench channel` measures Fido against real baselines in the same
 //!   invocation (DESIGN.md §8).
+//! * `fido bench rpc` measures fido-rpc against uds, tarpc, capnp-rpc, tonic
+//!   and XML-RPC (the VMRPC paper's evaluation) in the same invocation.
 //!
 //! What this binary must never do: leave anything behind — every helper process
 //! it starts is killed and reaped on every path (and dies with us through
@@ -35,6 +37,7 @@ mod pipe_cmd;
 mod netbench;
 mod pipeline;
 mod proc;
+mod rpc_bench;
 mod run;
 mod status;
 
@@ -173,6 +176,21 @@ enum Suite {
         /// Only points whose system or case contains this substring.
         #[arg(long, value_name = "S")]
         filter: Option<String>,
+    },
+    /// RPC (VMRPC): null calls and Table 2 throughput, fido-rpc vs uds, tarpc, capnp-rpc, tonic, XML-RPC.
+    Rpc {
+        /// ≈0.3 s per point instead of ≈2 s, and LEN 10^2, 10^4, 10^6 only.
+        #[arg(long)]
+        quick: bool,
+        /// Also write one JSON object per result to FILE.
+        #[arg(long, value_name = "FILE")]
+        json: Option<PathBuf>,
+        /// Only points whose system or case contains one of these comma-separated terms (`T$`: case ends with T).
+        #[arg(long, value_name = "S")]
+        filter: Option<String>,
+        /// Also draw throughput against LEN per system into this PNG.
+        #[arg(long, value_name = "FILE.png")]
+        plot: Option<PathBuf>,
     },
     /// Pipelines of domains while domains and the broker are killed (-9) and
     /// restarted at random: no corruption, no silent duplicate or loss, no leak.
@@ -329,6 +347,22 @@ fn main() -> ExitCode {
             filter,
         })
         .map(|_| true),
+        Cmd::Bench {
+            suite:
+                Suite::Rpc {
+                    quick,
+                    json,
+                    filter,
+                    plot,
+                },
+        } => rpc_bench::run(
+            &fido_bench::Opts {
+                quick,
+                json,
+                filter,
+            },
+            plot,
+        ),
         Cmd::Bench {
             suite:
                 Suite::Chaos {

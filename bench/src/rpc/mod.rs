@@ -1,0 +1,876 @@
+//! `fido bench rpc`: the VMRPC paper's evaluation (§5.2 null RPC, §5.3 Table 2
+//! throughput) with today's baselines, all measured in one invocation, plus the
+//! case study (a caching file server, fido-rpc against the same service over
+//! tonic: [`files`]).
+//!
+//! # How a point is measured
+//!
+//! Every point runs in **two fresh processes**: a server pinned to the peer CPU
+//! and a client pinned to the parent CPU (see [`Placement`]); the driver (this
+//! process) only starts them, reads the client's one-line JSON result and kills
+//! and reaps both. The Rust systems are this binary re-executed
+//! (`__bench-peer rpc-server|rpc-client system=...`), the fido system is the
+//! `fido` binary's own peer (`__bench-peer fido rpc-...`), XML-RPC is Python's
+//! standard `xmlrpc.server` / `xmlrpc.client` ([`xmlrpc`]).
+//!
+//! * `null-notified`: a call with no arguments and no result; each call is timed
+//!   (round trip, monotonic clock); p50/p99 over all measured calls. The client
+//!   blocks in the kernel between request and reply (the RPC systems' normal
+//!   mode: tokio runtimes park in epoll).
+//! * `null-polled`: the same with both ends busy-polling (only systems that can:
+//!   fido's `BusyPoll`, uds with `MSG_DONTWAIT` spinning); `spin-floor` is two
+//!   processes ping-ponging a shared cache line — the floor of any polled call.
+//! * `<seq>-<send|recv>-<LEN>` ([`data`]): send = the client builds the sequence
+//!   (every element, fresh per call: its values depend on the call number), calls,
+//!   the server folds every element and returns the checksum, which the client
+//!   asserts; recv = the server builds the sequence fresh and returns it with its
+//!   checksum, the client folds every element and asserts. Throughput = Table 2
+//!   payload × calls / measured time.
+//! * Warm-up (un-timed calls, at least one) then the measured window (at least one
+//!   call). Quick: 80 ms + 0.3 s per point; full: 0.4 s + 2 s.
+//! * **Budget.** A point whose client has not reported within the budget (quick
+//!   5 s, full 20 s) is killed and reported `did_not_finish`; the same sequence and
+//!   direction at a larger LEN is then reported `did_not_finish` without running.
+//! * Baseline fairness (ANCHORS.md): single-threaded tokio runtimes on both ends,
+//!   size limits raised (tonic's 4 MiB decode limit, tokio-util's 8 MiB frame,
+//!   capnp's 64 MiB traversal limit), bytes as `Bytes` / `serde_bytes`, HTTP/2
+//!   windows raised for tonic, tarpc deadlines raised above the budget.
+
+mod capnp_sys;
+pub mod data;
+pub mod files;
+pub mod plot;
+mod tarpc_sys;
+mod tonic_sys;
+mod uds;
+mod xmlrpc;
+
+use std::collections::{HashMap, HashSet};
+use std::io::BufRead as _;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context as _};
+
+pub use data::{Dir, Seq};
+
+use crate::harness::{PeerArgs, Placement, Record, PARENT_ENV};
+use crate::Opts;
+
+/// Generated protobuf + tonic code (bench/proto/bench.proto).
+pub mod pb {
+    tonic::include_proto!("fidobench");
+}
+
+/// Generated Cap'n Proto code (bench/proto/bench.capnp).
+#[allow(clippy::all, dead_code)]
+pub mod bench_capnp {
+    include!(concat!(env!("OUT_DIR"), "/bench_capnp.rs"));
+}
+
+pub const SUITE: &str = "rpc";
+
+/// LEN values of the full run (the paper's 10² … 10⁷).
+pub const LENS: [usize; 6] = [100, 1_000, 10_000, 100_000, 1_000_000, 10_000_000];
+/// LEN values of `--quick`.
+pub const QUICK_LENS: [usize; 3] = [100, 10_000, 1_000_000];
+
+/// One case of the suite.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Case {
+    NullNotified,
+    NullPolled,
+    Seq {
+        seq: Seq,
+        dir: Dir,
+        len: usize,
+    },
+    /// The case study: `read(path, 0, size)` from a caching file server.
+    FileRead {
+        size: usize,
+    },
+}
+
+impl Case {
+    pub fn name(&self) -> String {
+        match self {
+            Case::NullNotified => "null-notified".into(),
+            Case::NullPolled => "null-polled".into(),
+            Case::Seq { seq, dir, len } => format!("{}-{}-{len}", seq.name(), dir.name()),
+            Case::FileRead { size } => format!("file-read-{size}"),
+        }
+    }
+
+    pub fn parse(s: &str) -> anyhow::Result<Case> {
+        Ok(match s {
+            "null-notified" => Case::NullNotified,
+            "null-polled" => Case::NullPolled,
+            _ if s.starts_with("file-read-") => Case::FileRead {
+                size: s["file-read-".len()..]
+                    .parse()
+                    .with_context(|| format!("bad size in {s}"))?,
+            },
+            _ => {
+                let mut it = s.splitn(3, '-');
+                let (Some(q), Some(d), Some(l)) = (it.next(), it.next(), it.next()) else {
+                    bail!("bad rpc case {s}");
+                };
+                Case::Seq {
+                    seq: Seq::parse(q).with_context(|| format!("bad sequence in {s}"))?,
+                    dir: Dir::parse(d).with_context(|| format!("bad direction in {s}"))?,
+                    len: l.parse().with_context(|| format!("bad LEN in {s}"))?,
+                }
+            }
+        })
+    }
+
+    /// Every case of a run, in table order.
+    pub fn all(quick: bool) -> Vec<Case> {
+        let mut v = vec![Case::NullNotified, Case::NullPolled];
+        let lens: &[usize] = if quick { &QUICK_LENS } else { &LENS };
+        for seq in Seq::ALL {
+            for dir in [Dir::Send, Dir::Recv] {
+                for &len in lens {
+                    v.push(Case::Seq { seq, dir, len });
+                }
+            }
+        }
+        let sizes: &[usize] = if quick {
+            &files::QUICK_SIZES
+        } else {
+            &files::SIZES
+        };
+        v.extend(sizes.iter().map(|&size| Case::FileRead { size }));
+        v
+    }
+}
+
+/// `--filter` of this suite: comma-separated terms, each a substring of the system
+/// or the case; a term ending in `$` must end the case name (`byteseq-send-100$`
+/// is LEN 100 only).
+pub fn wants(filter: Option<&str>, system: &str, case: &str) -> bool {
+    let Some(f) = filter else { return true };
+    f.split(',')
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+        .any(|t| {
+            if let Some(t) = t.strip_suffix('$') {
+                case.ends_with(t) || system == t
+            } else {
+                system.contains(t) || case.contains(t)
+            }
+        })
+}
+
+/// Timing knobs handed to a client process.
+#[derive(Debug, Clone, Copy)]
+pub struct Timing {
+    pub warmup: Duration,
+    pub duration: Duration,
+}
+
+impl Timing {
+    pub fn of(opts: &Opts) -> Timing {
+        Timing {
+            warmup: opts.warmup(),
+            duration: opts.duration(),
+        }
+    }
+    fn args(&self) -> [String; 2] {
+        [
+            format!("warm_ms={}", self.warmup.as_millis()),
+            format!("dur_ms={}", self.duration.as_millis()),
+        ]
+    }
+}
+
+/// Time a point's client may take before the point is `did_not_finish`.
+pub fn budget(opts: &Opts) -> Duration {
+    if opts.quick {
+        Duration::from_secs(5)
+    } else {
+        Duration::from_secs(20)
+    }
+}
+
+/// A system under test: how to start its server and its client processes. The
+/// driver pins, watches, times out, kills and reaps them.
+pub trait RpcSystem {
+    fn name(&self) -> &str;
+    /// Whether the system takes part in `case` (only busy-polling systems run
+    /// `null-polled`).
+    fn supports(&self, case: &Case) -> bool;
+    /// The server process for one point, listening at `addr` (a Unix socket path or
+    /// a service name), pinned to `cpu`. It prints one line (`{"event":"ready"}`)
+    /// on stdout once clients may connect.
+    fn server(&self, addr: &str, case: &Case, cpu: usize) -> Command;
+    /// The client process: runs `case` against `addr` and prints one JSON line
+    /// ([`ClientResult`]) on stdout.
+    fn client(&self, addr: &str, case: &Case, cpu: usize, timing: Timing) -> Command;
+}
+
+/// A Rust system of this crate, run as `<exe> __bench-peer rpc-server|rpc-client`.
+pub struct Builtin(pub &'static str);
+
+fn self_cmd(args: &[String]) -> Command {
+    let exe = std::env::current_exe().expect("current_exe");
+    let mut c = Command::new(exe);
+    c.arg("__bench-peer").args(args);
+    c
+}
+
+impl RpcSystem for Builtin {
+    fn name(&self) -> &str {
+        self.0
+    }
+    fn supports(&self, case: &Case) -> bool {
+        match case {
+            Case::NullPolled => self.0 == "uds",
+            Case::FileRead { .. } => self.0 == "tonic",
+            _ => true,
+        }
+    }
+    fn server(&self, addr: &str, case: &Case, cpu: usize) -> Command {
+        let system = match case {
+            Case::FileRead { .. } => format!("{}-files", self.0),
+            _ => self.0.to_string(),
+        };
+        self_cmd(&[
+            "rpc-server".into(),
+            format!("system={system}"),
+            format!("addr={addr}"),
+            format!("case={}", case.name()),
+            format!("cpu={cpu}"),
+        ])
+    }
+    fn client(&self, addr: &str, case: &Case, cpu: usize, t: Timing) -> Command {
+        let [w, d] = t.args();
+        self_cmd(&[
+            "rpc-client".into(),
+            format!("system={}", self.0),
+            format!("addr={addr}"),
+            format!("case={}", case.name()),
+            format!("cpu={cpu}"),
+            w,
+            d,
+        ])
+    }
+}
+
+/// The baselines of the suite, in table order after fido. XML-RPC is left out,
+/// with a message, when no Python with `xmlrpc` runs here.
+pub fn baselines(opts: &Opts) -> Vec<Box<dyn RpcSystem>> {
+    let mut v: Vec<Box<dyn RpcSystem>> = vec![
+        Box::new(Builtin("uds")),
+        Box::new(Builtin("tarpc")),
+        Box::new(Builtin("capnp")),
+        Box::new(Builtin("tonic")),
+    ];
+    if xmlrpc::available() {
+        v.push(Box::new(xmlrpc::XmlRpc));
+    } else if wants(opts.filter.as_deref(), "xmlrpc", "") {
+        eprintln!(
+            "bench: xmlrpc skipped: `{} -c 'import xmlrpc.server'` failed (Debian package python3)",
+            xmlrpc::python()
+        );
+    }
+    v
+}
+
+// ---------------------------------------------------------------------------
+// Client side: the timing loop every Rust client (and fido's) runs
+// ---------------------------------------------------------------------------
+
+/// What a client process reports (one JSON line on stdout).
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
+pub struct ClientResult {
+    /// Measured calls.
+    pub calls: u64,
+    /// Calls (warm-up included) whose checksum the client asserted.
+    pub checked: u64,
+    /// Measured seconds.
+    pub secs: f64,
+    /// Payload bytes moved in the measured window (Table 2 volume × calls).
+    pub bytes: u64,
+    /// Round-trip p50/p99 in ns (null cases).
+    pub p50_ns: Option<f64>,
+    pub p99_ns: Option<f64>,
+}
+
+/// One connected client of a system. Implementations assert checksums inside
+/// [`RpcClient::call`] (returning an error on mismatch).
+pub trait RpcClient {
+    fn null(&mut self) -> anyhow::Result<()>;
+    /// One call moving the sequence `(seq, len, seed)` in direction `dir`; fails
+    /// unless the checksum came back right.
+    fn call(&mut self, seq: Seq, dir: Dir, len: usize, seed: u64) -> anyhow::Result<()>;
+}
+
+/// The client process's loop: warm-up, measured window, one JSON line on stdout.
+pub fn run_client(c: &mut dyn RpcClient, a: &PeerArgs) -> anyhow::Result<()> {
+    let case = Case::parse(a.get("case")?)?;
+    let warm = Duration::from_millis(a.num("warm_ms")?);
+    let dur = Duration::from_millis(a.num("dur_ms")?);
+    let r = client_loop(c, case, warm, dur)?;
+    emit_result(&r)
+}
+
+/// The file-server client process's loop (`file-read-<size>`).
+pub fn run_files_client(
+    c: &mut dyn files::FilesClient,
+    size: usize,
+    a: &PeerArgs,
+) -> anyhow::Result<()> {
+    let warm = Duration::from_millis(a.num("warm_ms")?);
+    let dur = Duration::from_millis(a.num("dur_ms")?);
+    emit_result(&files::client_loop(c, size, warm, dur)?)
+}
+
+pub fn emit_result(r: &ClientResult) -> anyhow::Result<()> {
+    use std::io::Write as _;
+    let mut out = std::io::stdout().lock();
+    serde_json::to_writer(&mut out, r)?;
+    out.write_all(b"\n")?;
+    out.flush()?;
+    Ok(())
+}
+
+pub fn client_loop(
+    c: &mut dyn RpcClient,
+    case: Case,
+    warm: Duration,
+    dur: Duration,
+) -> anyhow::Result<ClientResult> {
+    let mut seed = 1u64;
+    match case {
+        Case::NullNotified | Case::NullPolled => {
+            let rtts = crate::harness::time_round_trips(warm, dur, |_| c.null())?;
+            let mut rtts = rtts;
+            let (p50, p99) = crate::harness::percentiles(&mut rtts);
+            Ok(ClientResult {
+                calls: rtts.len() as u64,
+                checked: 0,
+                secs: 0.0,
+                bytes: 0,
+                p50_ns: Some(p50 as f64),
+                p99_ns: Some(p99 as f64),
+            })
+        }
+        Case::FileRead { size } => bail!("file-read-{size} runs through run_files_client"),
+        Case::Seq { seq, dir, len } => {
+            let mut checked = 0u64;
+            let t = Instant::now();
+            loop {
+                c.call(seq, dir, len, seed)?;
+                seed += 1;
+                checked += 1;
+                if t.elapsed() >= warm {
+                    break;
+                }
+            }
+            let t = Instant::now();
+            let mut calls = 0u64;
+            let secs = loop {
+                c.call(seq, dir, len, seed)?;
+                seed += 1;
+                checked += 1;
+                calls += 1;
+                let e = t.elapsed();
+                if e >= dur {
+                    break e.as_secs_f64();
+                }
+            };
+            Ok(ClientResult {
+                calls,
+                checked,
+                secs,
+                bytes: calls * seq.payload(len),
+                p50_ns: None,
+                p99_ns: None,
+            })
+        }
+    }
+}
+
+/// Entry point of `__bench-peer rpc-server|rpc-client system=... ...` for the
+/// Rust baselines (fido's own peers live in the `fido` binary).
+pub(crate) fn peer(kind: &str, a: &PeerArgs) -> Option<anyhow::Result<()>> {
+    let r = match kind {
+        "rpc-server" => (|| {
+            let addr = a.get("addr")?;
+            match a.get("system")? {
+                "uds" => uds::serve(addr, Case::parse(a.get("case")?)?),
+                "tarpc" => tarpc_sys::serve(addr),
+                "capnp" => capnp_sys::serve(addr),
+                "tonic" => tonic_sys::serve(addr),
+                "tonic-files" => files::serve_tonic(addr),
+                s => bail!("unknown rpc system {s}"),
+            }
+        })(),
+        "rpc-client" => (|| {
+            let addr = a.get("addr")?;
+            let case = Case::parse(a.get("case")?)?;
+            if let Case::FileRead { size } = case {
+                return match a.get("system")? {
+                    "tonic" => run_files_client(&mut files::TonicFiles::connect(addr)?, size, a),
+                    s => bail!("system {s} has no file-read case"),
+                };
+            }
+            match a.get("system")? {
+                "uds" => run_client(&mut uds::Client::connect(addr, case)?, a),
+                "tarpc" => run_client(&mut tarpc_sys::Client::connect(addr)?, a),
+                "capnp" => run_client(&mut capnp_sys::Client::connect(addr)?, a),
+                "tonic" => run_client(&mut tonic_sys::Client::connect(addr)?, a),
+                s => bail!("unknown rpc system {s}"),
+            }
+        })(),
+        _ => return None,
+    };
+    Some(r)
+}
+
+/// A server's "ready" line.
+pub fn emit_ready() -> anyhow::Result<()> {
+    use std::io::Write as _;
+    let mut out = std::io::stdout().lock();
+    writeln!(
+        out,
+        "{{\"event\":\"ready\",\"pid\":{}}}",
+        std::process::id()
+    )?;
+    out.flush()?;
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// Driver side
+// ---------------------------------------------------------------------------
+
+/// A child process whose stdout lines arrive on a channel; killed and reaped on
+/// drop (every path).
+pub struct Proc {
+    child: Option<Child>,
+    lines: mpsc::Receiver<String>,
+    what: String,
+}
+
+impl Proc {
+    pub fn spawn(mut cmd: Command, what: &str) -> anyhow::Result<Proc> {
+        cmd.env(PARENT_ENV, std::process::id().to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        let mut child = cmd.spawn().with_context(|| format!("spawning {what}"))?;
+        let out = child.stdout.take().expect("piped");
+        let (tx, rx) = mpsc::channel();
+        std::thread::Builder::new()
+            .name("rpc-bench-stdout".into())
+            .spawn(move || {
+                for l in std::io::BufReader::new(out).lines() {
+                    let Ok(l) = l else { return };
+                    if tx.send(l).is_err() {
+                        return;
+                    }
+                }
+            })?;
+        Ok(Proc {
+            child: Some(child),
+            lines: rx,
+            what: what.into(),
+        })
+    }
+
+    /// The next stdout line; `Ok(None)` on timeout; an error if the process
+    /// exited without one.
+    pub fn line(&mut self, timeout: Duration) -> anyhow::Result<Option<String>> {
+        match self.lines.recv_timeout(timeout) {
+            Ok(l) => Ok(Some(l)),
+            Err(mpsc::RecvTimeoutError::Timeout) => Ok(None),
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                let st = self.child.as_mut().and_then(|c| c.wait().ok());
+                bail!(
+                    "{} exited ({}) without reporting",
+                    self.what,
+                    st.map(|s| s.to_string()).unwrap_or_default()
+                )
+            }
+        }
+    }
+
+    /// Waits for a line that parses as JSON with `"event":"ready"`.
+    pub fn ready(&mut self, timeout: Duration) -> anyhow::Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.line(left)? {
+                Some(l) if l.contains("\"ready\"") => return Ok(()),
+                Some(_) => continue,
+                None => bail!("{} not ready within {timeout:?}", self.what),
+            }
+        }
+    }
+
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// What happened to one point.
+pub enum Outcome {
+    Done(ClientResult),
+    DidNotFinish,
+}
+
+/// Runs one point of `sys`: server, client, result (or did-not-finish).
+pub fn run_point(
+    sys: &dyn RpcSystem,
+    case: &Case,
+    addr: &str,
+    opts: &Opts,
+) -> anyhow::Result<Outcome> {
+    let place = Placement::detect();
+    let mut server = Proc::spawn(
+        sys.server(addr, case, place.peer),
+        &format!("{} server", sys.name()),
+    )?;
+    server.ready(Duration::from_secs(20))?;
+    let mut client = Proc::spawn(
+        sys.client(addr, case, place.parent, Timing::of(opts)),
+        &format!("{} client", sys.name()),
+    )?;
+    let line = client.line(budget(opts))?;
+    client.kill();
+    server.kill();
+    let Some(line) = line else {
+        return Ok(Outcome::DidNotFinish);
+    };
+    let r: ClientResult = serde_json::from_str(&line)
+        .with_context(|| format!("{} client printed `{line}`", sys.name()))?;
+    Ok(Outcome::Done(r))
+}
+
+/// A unique socket path for one point.
+pub fn sock_path(dir: &Path, system: &str, n: usize) -> PathBuf {
+    dir.join(format!("{system}-{n}.sock"))
+}
+
+/// The result of a whole suite run.
+pub struct SuiteRun {
+    pub records: Vec<Record>,
+    /// Points that failed (error, checksum mismatch): `system case: error`.
+    pub failures: Vec<String>,
+    /// Calls whose checksum a client asserted, summed over every point.
+    pub checked: u64,
+    /// Measured sequence calls summed over every point.
+    pub seq_calls: u64,
+}
+
+/// Runs `systems` (fido first, then the baselines) over every case the filter
+/// wants; `spin-floor` is added to `null-polled`.
+pub fn run_suite(
+    systems: &[&dyn RpcSystem],
+    opts: &Opts,
+    addr_of: &dyn Fn(&dyn RpcSystem, usize) -> String,
+) -> anyhow::Result<SuiteRun> {
+    let filter = opts.filter.as_deref();
+    let mut run = SuiteRun {
+        records: Vec::new(),
+        failures: Vec::new(),
+        checked: 0,
+        seq_calls: 0,
+    };
+    // (system, seq, dir) pairs that already ran out of budget at a smaller LEN.
+    let mut over: HashSet<(String, &'static str, &'static str)> = HashSet::new();
+    let mut n = 0usize;
+    for case in Case::all(opts.quick) {
+        let cname = case.name();
+        if case == Case::NullPolled && wants(filter, "spin-floor", &cname) {
+            match crate::shm::spin_floor(8, opts) {
+                Ok(mut rtts) => {
+                    let (p50, p99) = crate::harness::percentiles(&mut rtts);
+                    run.records.push(rtt_record(
+                        &cname,
+                        "spin-floor",
+                        p50 as f64,
+                        p99 as f64,
+                        rtts.len() as u64,
+                    ));
+                }
+                Err(e) => run.failures.push(format!("spin-floor {cname}: {e:#}")),
+            }
+        }
+        for sys in systems {
+            let name = sys.name().to_string();
+            if !sys.supports(&case) || !wants(filter, &name, &cname) {
+                continue;
+            }
+            if let Case::Seq { seq, dir, .. } = case {
+                if over.contains(&(name.clone(), seq.name(), dir.name())) {
+                    run.records.push(dnf_record(&cname, &name, opts, true));
+                    eprintln!("bench: {name} {cname}: did not finish (a smaller LEN already exceeded the budget)");
+                    continue;
+                }
+            }
+            n += 1;
+            let addr = addr_of(*sys, n);
+            let t = Instant::now();
+            match run_point(*sys, &case, &addr, opts) {
+                Ok(Outcome::Done(r)) => {
+                    run.checked += r.checked;
+                    match case {
+                        Case::Seq { .. } => {
+                            run.seq_calls += r.calls;
+                            if r.checked < r.calls || r.calls == 0 {
+                                run.failures.push(format!(
+                                    "{name} {cname}: {} measured calls but {} checksums asserted",
+                                    r.calls, r.checked
+                                ));
+                            }
+                            run.records.push(Record::throughput(
+                                SUITE,
+                                &cname,
+                                &name,
+                                r.bytes as f64 / r.secs.max(1e-9),
+                                r.calls,
+                            ));
+                        }
+                        Case::FileRead { .. } => {
+                            run.records.push(rtt_record(
+                                &cname,
+                                &name,
+                                r.p50_ns.unwrap_or(0.0),
+                                r.p99_ns.unwrap_or(0.0),
+                                r.calls,
+                            ));
+                            run.records.push(Record {
+                                metric: "requests_per_s".into(),
+                                unit: "req/s".into(),
+                                value: r.calls as f64 / r.secs.max(1e-9),
+                                p50: None,
+                                p99: None,
+                                ..rtt_record(&cname, &name, 0.0, 0.0, r.calls)
+                            });
+                        }
+                        _ => run.records.push(rtt_record(
+                            &cname,
+                            &name,
+                            r.p50_ns.unwrap_or(0.0),
+                            r.p99_ns.unwrap_or(0.0),
+                            r.calls,
+                        )),
+                    }
+                }
+                Ok(Outcome::DidNotFinish) => {
+                    eprintln!(
+                        "bench: {name} {cname}: did not finish within {:?} (killed after {:.1} s)",
+                        budget(opts),
+                        t.elapsed().as_secs_f64()
+                    );
+                    run.records.push(dnf_record(&cname, &name, opts, false));
+                    if let Case::Seq { seq, dir, .. } = case {
+                        over.insert((name.clone(), seq.name(), dir.name()));
+                    }
+                }
+                Err(e) => {
+                    eprintln!("bench: {name} {cname} failed: {e:#}");
+                    run.failures.push(format!("{name} {cname}: {e:#}"));
+                }
+            }
+        }
+    }
+    Ok(run)
+}
+
+/// A null-call record: value = p50 round trip.
+pub fn rtt_record(case: &str, system: &str, p50: f64, p99: f64, n: u64) -> Record {
+    Record {
+        suite: SUITE.into(),
+        case: case.into(),
+        system: system.into(),
+        metric: "round_trip_ns".into(),
+        value: p50,
+        unit: "ns".into(),
+        p50: Some(p50),
+        p99: Some(p99),
+        n,
+    }
+}
+
+/// A point over its time budget: metric `did_not_finish`, value = the budget in
+/// seconds, n = 0. `skipped`: not run because a smaller LEN already was over.
+pub fn dnf_record(case: &str, system: &str, opts: &Opts, skipped: bool) -> Record {
+    Record {
+        suite: SUITE.into(),
+        case: case.into(),
+        system: system.into(),
+        metric: "did_not_finish".into(),
+        value: budget(opts).as_secs_f64(),
+        unit: if skipped {
+            "s budget (smaller LEN over)"
+        } else {
+            "s budget"
+        }
+        .into(),
+        p50: None,
+        p99: None,
+        n: 0,
+    }
+}
+
+/// One goal of issue #4 read off a run: the ratio (fido's advantage, or for the
+/// polled goal fido / floor) and whether it was met; `met: None` = not measured.
+pub struct Goal {
+    pub what: String,
+    pub ratio: Option<f64>,
+    pub met: Option<bool>,
+    pub note: &'static str,
+}
+
+/// The goals of issue #4 read off one run's records.
+pub fn goals(records: &[Record]) -> Vec<Goal> {
+    let get = |case: &str, sys: &str, metric: &str| -> Option<f64> {
+        records
+            .iter()
+            .find(|r| r.case == case && r.system == sys && r.metric == metric)
+            .map(|r| r.value)
+    };
+    let mut out = Vec::new();
+    let fido_nn = get("null-notified", "fido", "round_trip_ns");
+    for (sys, want) in [("tonic", 5.0), ("capnp", 5.0), ("uds", 1.5)] {
+        let ratio = match (fido_nn, get("null-notified", sys, "round_trip_ns")) {
+            (Some(f), Some(b)) if f > 0.0 => Some(b / f),
+            _ => None,
+        };
+        out.push(Goal {
+            what: format!("null-notified: fido >= {want}x faster than {sys}"),
+            ratio,
+            met: ratio.map(|r| r >= want),
+            note: "",
+        });
+    }
+    let ratio = match (
+        get("null-polled", "fido", "round_trip_ns"),
+        get("null-polled", "spin-floor", "round_trip_ns"),
+    ) {
+        (Some(f), Some(s)) if s > 0.0 => Some(f / s),
+        _ => None,
+    };
+    out.push(Goal {
+        what: "null-polled: fido <= 2x the spin floor (ratio = fido / floor)".into(),
+        ratio,
+        met: ratio.map(|r| r <= 2.0),
+        note: "",
+    });
+    let mut lens: Vec<usize> = records
+        .iter()
+        .filter_map(|r| match Case::parse(&r.case) {
+            Ok(Case::Seq { len, .. }) if len >= 100_000 => Some(len),
+            _ => None,
+        })
+        .collect();
+    lens.sort_unstable();
+    lens.dedup();
+    for seq in [Seq::Fixed, Seq::Var] {
+        for dir in [Dir::Send, Dir::Recv] {
+            for &len in &lens {
+                let case = Case::Seq { seq, dir, len }.name();
+                let f = get(&case, "fido", "bytes_per_s");
+                for sys in ["capnp", "tonic"] {
+                    let b = get(&case, sys, "bytes_per_s");
+                    let dnf = get(&case, sys, "did_not_finish").is_some();
+                    let (ratio, met, note) = match (f, b) {
+                        (Some(f), Some(b)) if b > 0.0 => (Some(f / b), Some(f / b >= 10.0), ""),
+                        (Some(_), None) if dnf => (None, Some(true), "baseline did not finish"),
+                        _ => (None, None, ""),
+                    };
+                    out.push(Goal {
+                        what: format!("{case}: fido >= 10x {sys}"),
+                        ratio,
+                        met,
+                        note,
+                    });
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Prints the goals (only those measured in this run).
+pub fn print_goals(records: &[Record]) {
+    let g: Vec<Goal> = goals(records)
+        .into_iter()
+        .filter(|g| g.met.is_some())
+        .collect();
+    if g.is_empty() {
+        return;
+    }
+    println!("# goals (issue #4), ratios from this run:");
+    for g in g {
+        let r = g.ratio.map(|r| format!("{r:.2}x")).unwrap_or_default();
+        println!(
+            "#   [{}] {}: {r}{}",
+            if g.met == Some(true) {
+                "met"
+            } else {
+                "NOT met"
+            },
+            g.what,
+            if g.note.is_empty() {
+                String::new()
+            } else {
+                format!(" ({})", g.note)
+            }
+        );
+    }
+}
+
+/// Groups records by (system) for quick look-ups by the caller.
+pub fn by_system(records: &[Record]) -> HashMap<String, Vec<&Record>> {
+    let mut m: HashMap<String, Vec<&Record>> = HashMap::new();
+    for r in records {
+        m.entry(r.system.clone()).or_default().push(r);
+    }
+    m
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn case_names_round_trip() {
+        for c in Case::all(false) {
+            assert_eq!(Case::parse(&c.name()).unwrap(), c);
+        }
+        assert_eq!(Case::all(false).len(), 2 + 3 * 2 * 6 + files::SIZES.len());
+        assert!(Case::parse("byteseq-sideways-10").is_err());
+    }
+
+    #[test]
+    fn filter_terms() {
+        assert!(wants(Some("uds"), "uds", "null-notified"));
+        assert!(wants(
+            Some("x,byteseq-send-100$"),
+            "tonic",
+            "byteseq-send-100"
+        ));
+        assert!(!wants(
+            Some("byteseq-send-100$"),
+            "tonic",
+            "byteseq-send-10000"
+        ));
+        assert!(wants(None, "a", "b"));
+    }
+}

@@ -1,0 +1,198 @@
+//! `fido bench rpc --quick` end to end, on a filter small enough for CI: the JSON
+//! lines are well formed, every system ran beside fido, every sequence call's
+//! checksum was asserted, the plot is a PNG, nothing is left behind — and a
+//! server returning a wrong checksum fails the run.
+
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+const FIDO: &str = env!("CARGO_BIN_EXE_fido");
+const SYSTEMS: [&str; 6] = ["fido", "uds", "tarpc", "capnp", "tonic", "xmlrpc"];
+
+fn run(mut cmd: Command, limit: Duration) -> Output {
+    let child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn fido");
+    let pid = child.id() as i32;
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(limit) {
+        Ok(out) => out.expect("wait"),
+        Err(_) => {
+            if let Some(p) = rustix::process::Pid::from_raw(pid) {
+                let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
+            }
+            panic!("`fido bench rpc` did not finish within {limit:?}");
+        }
+    }
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+fn python_ok() -> bool {
+    Command::new("python3")
+        .args(["-c", "import xmlrpc.server"])
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+fn bench(dir: &Path, filter: &str, extra: &[&str], env: &[(&str, &str)]) -> Output {
+    let tmp = dir.join("tmp");
+    std::fs::create_dir_all(&tmp).unwrap();
+    let mut cmd = Command::new(FIDO);
+    cmd.args(["bench", "rpc", "--quick", "--filter", filter])
+        .args(extra)
+        .env("TMPDIR", &tmp)
+        .env_remove("RUST_LOG");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    run(cmd, Duration::from_secs(120))
+}
+
+fn left_in(tmp: &Path) -> Vec<String> {
+    std::fs::read_dir(tmp)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("fido-bench"))
+        .collect()
+}
+
+#[test]
+fn rpc_quick_json_is_well_formed_and_checked() {
+    assert!(
+        python_ok(),
+        "python3 with xmlrpc is needed (Debian package python3)"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("rpc.json");
+    let png = dir.path().join("rpc.png");
+    let out = bench(
+        dir.path(),
+        "null-notified,byteseq-send-100$,varseq-recv-100$",
+        &[
+            "--json",
+            json.to_str().unwrap(),
+            "--plot",
+            png.to_str().unwrap(),
+        ],
+        &[],
+    );
+    let stdout = text(&out.stdout);
+    let stderr = text(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+
+    let body = std::fs::read_to_string(&json).unwrap();
+    let mut seen: Vec<(String, String, String)> = Vec::new();
+    let mut seq_calls = 0u64;
+    for line in body.lines() {
+        let v: serde_json::Value =
+            serde_json::from_str(line).unwrap_or_else(|e| panic!("bad JSON line {line}: {e}"));
+        let o = v.as_object().unwrap();
+        for k in [
+            "suite", "case", "system", "metric", "value", "unit", "p50", "p99", "n",
+        ] {
+            assert!(o.contains_key(k), "field {k} missing in {line}");
+        }
+        assert_eq!(o.len(), 9, "extra fields in {line}");
+        assert_eq!(v["suite"], "rpc");
+        let (case, system, metric) = (
+            v["case"].as_str().unwrap().to_string(),
+            v["system"].as_str().unwrap().to_string(),
+            v["metric"].as_str().unwrap().to_string(),
+        );
+        assert!(
+            ["null-notified", "byteseq-send-100", "varseq-recv-100"].contains(&case.as_str()),
+            "case {case} is outside the filter"
+        );
+        let value = v["value"].as_f64().unwrap();
+        let n = v["n"].as_u64().unwrap();
+        match metric.as_str() {
+            "round_trip_ns" => {
+                assert_eq!(case, "null-notified");
+                assert_eq!(v["unit"], "ns");
+                let (p50, p99) = (v["p50"].as_f64().unwrap(), v["p99"].as_f64().unwrap());
+                assert!(value > 0.0 && n > 0 && p99 >= p50 && value == p50, "{line}");
+            }
+            "bytes_per_s" => {
+                assert_eq!(v["unit"], "B/s");
+                assert!(value > 0.0 && n > 0, "{line}");
+                seq_calls += n;
+            }
+            // LEN 100 takes milliseconds even for XML-RPC: nobody may run out of budget.
+            m => panic!("unexpected metric {m} in {line}"),
+        }
+        seen.push((system, case, metric));
+    }
+    for sys in SYSTEMS {
+        for case in ["null-notified", "byteseq-send-100", "varseq-recv-100"] {
+            assert!(
+                seen.iter().any(|(s, c, _)| s == sys && c == case),
+                "no {sys} {case} record in\n{body}"
+            );
+        }
+    }
+    // Every measured sequence call (and every warm-up call) had its checksum asserted.
+    let line = stdout
+        .lines()
+        .find(|l| l.contains("checksums asserted:"))
+        .unwrap_or_else(|| panic!("no checksum summary in\n{stdout}"));
+    let checked: u64 = line
+        .split("asserted:")
+        .nth(1)
+        .and_then(|s| s.split_whitespace().next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("unparsable: {line}"));
+    assert!(
+        checked >= seq_calls && seq_calls > 0,
+        "{checked} checksums asserted for {seq_calls} measured calls"
+    );
+    let png_bytes = std::fs::read(&png).unwrap();
+    assert_eq!(&png_bytes[..8], b"\x89PNG\r\n\x1a\n");
+    assert!(
+        left_in(&dir.path().join("tmp")).is_empty(),
+        "left behind in TMPDIR"
+    );
+}
+
+#[test]
+fn rpc_wrong_checksum_fails_the_run() {
+    assert!(
+        python_ok(),
+        "python3 with xmlrpc is needed (Debian package python3)"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    // Every server adds one to the checksums it returns.
+    let out = bench(
+        dir.path(),
+        "byteseq-send-100$,fixedseq-recv-100$",
+        &[],
+        &[("FIDO_BENCH_RPC_CORRUPT", "1")],
+    );
+    let stdout = text(&out.stdout);
+    let stderr = text(&out.stderr);
+    assert!(!out.status.success(), "a corrupted run passed:\n{stdout}");
+    for sys in SYSTEMS {
+        for case in ["byteseq-send-100", "fixedseq-recv-100"] {
+            assert!(
+                stdout.contains(&format!("# FAILED: {sys} {case}")),
+                "{sys} {case} did not fail:\n{stdout}\n{stderr}"
+            );
+        }
+    }
+    assert!(stderr.contains("checksum mismatch"), "{stderr}");
+    assert!(
+        left_in(&dir.path().join("tmp")).is_empty(),
+        "left behind in TMPDIR"
+    );
+}
