@@ -99,6 +99,8 @@ impl AsyncClient {
     }
 
     pub fn frame(&self) -> Result<Frame, RpcError> {
+        // As `Client::frame`: reclaim finished calls' arguments first.
+        let _ = self.conn.lock().inner.ch.channel().reap();
         Frame::new(self.domain.arena())
     }
 

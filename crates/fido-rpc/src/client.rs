@@ -199,6 +199,14 @@ impl Client {
 
     /// A frame for a call's arguments, in our arena.
     pub fn frame(&self) -> Result<Frame, RpcError> {
+        // Take back the argument memory of calls the server has finished
+        // first: sending reaps only when half the ring is in flight, which a
+        // synchronous caller never reaches, so without this up to half a ring
+        // of large argument frames stays allocated (found by `fido bench rpc`:
+        // 10 MB ByteSeq calls exhausted a 256 MiB arena).
+        if let Some(c) = self.conn.lock().as_ref() {
+            let _ = c.ch.reap();
+        }
         Frame::new(self.domain.arena())
     }
 

@@ -207,6 +207,25 @@ fn sequences(swizzle: bool) {
     assert_eq!(sd.counters().bytes_copied, 0);
 }
 
+/// A synchronous caller never fills half its ring, where sending reaps: the
+/// client must take back finished calls' argument memory itself, or large
+/// calls exhaust the arena (32 unreaped 1 MiB frames would need 32 MiB here).
+#[test]
+fn large_synchronous_calls_reuse_their_argument_memory() {
+    let b = TestBroker::start();
+    let join = |n: &str| fido::Domain::join(fido::JoinOptions::new(n).broker(&b.socket).arena_len(16 << 20)).unwrap();
+    let sd = join("server");
+    let cd = join("client");
+    let _h = Server::spawn(&sd, "bench", BenchServer(BenchImpl), ServerOptions::default()).unwrap();
+    let c = BenchClient::connect(&cd, "bench").unwrap();
+    let len = 1 << 20;
+    for i in 0..48 {
+        let mut f = c.frame().unwrap_or_else(|e| panic!("call {i}: {e}"));
+        let h = make_byteseq(&mut f, len).unwrap_or_else(|e| panic!("call {i}: {e}"));
+        assert_eq!(*c.byteseq_send(f, h).unwrap().get(), expected_byteseq(len), "call {i}");
+    }
+}
+
 #[test]
 fn many_calls_in_flight_complete_out_of_order() {
     let (_b, _sd, cd, _imp, _h) = setup(4);
