@@ -442,8 +442,8 @@ impl Conn {
                 // A current byte: it and everything after it stay.
                 return;
             }
-            if n as u64 >= pend {
-                continue; // all that was counted was drained; re-read the count
+            if n as u64 >= pend || n == buf.len() {
+                continue; // drained all we saw; re-read the count
             }
             // Counted bytes still on their way.
             if self.stuck_at.load(Ordering::Relaxed) == sent {
@@ -473,9 +473,9 @@ impl Conn {
         }
     }
 
-    /// Before `send` returns after arming for space: take the space arm back
-    /// so no space doorbell lands once nobody waits for it (it would make the
-    /// socket readable with nothing to read). If the reader already took it,
+    /// Before a `send` that armed for space returns complete: take the space
+    /// arm back so no space doorbell lands once nobody waits for it (it would
+    /// make the socket readable with nothing to read). If the reader already took it,
     /// its byte is counted: settle, which waits for it and drains it (or
     /// leaves it when our ring holds data, where it is harmless). Another
     /// thread still waiting keeps the arm.
@@ -701,7 +701,12 @@ impl Conn {
     pub fn send(&self, fd: c_int, bufs: &[&[u8]], flags: c_int) -> Out {
         let mut armed = false;
         let out = self.send_inner(fd, bufs, flags, &mut armed);
-        if armed {
+        // A program that got less than it asked for may wait for
+        // writability: the space doorbell is its wake-up (with EPOLLET it is
+        // the only new event on the socket, as the kernel's EPOLLOUT never
+        // changes), so the arm stays. A completed write needs none.
+        let total: usize = bufs.iter().map(|b| b.len()).sum();
+        if armed && matches!(out, Out::Done(n) if n == total) {
             self.disarm_space(fd);
         }
         out
