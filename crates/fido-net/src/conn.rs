@@ -11,9 +11,11 @@
 //! the reader's socket readable (and fires an epoll edge). Invariant: whenever
 //! the ring holds data and its reader is outside this library, a doorbell byte
 //! is queued on the reader's socket or on its way — so the kernel never reports
-//! "not readable" while data waits. Stale doorbells (for data already read) are
-//! drained only when the ring is empty and re-armed, and never the byte of the
-//! current arm, so at worst readiness is spurious, never missing.
+//! "not readable" while data waits. Conversely, before a call that leaves the
+//! ring empty returns, the reader *settles* (`Conn::settle`): it re-arms, waits
+//! for every counted doorbell to land and drains the stale ones, never the
+//! byte of the current arm — so a socket the kernel reports readable has data
+//! (or EOF/an error), and readiness is neither missing nor spurious.
 //! Writers waiting for space arm `space_arm` the same way (bytes 128..=255).
 //!
 //! Closing and errors are the kernel's: FIN and RST travel on the real socket,
