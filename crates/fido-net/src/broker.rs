@@ -343,6 +343,7 @@ pub fn new_conn(
         memfd: std::sync::atomic::AtomicI32::new(memfd),
         request_key,
         broken: AtomicBool::new(false),
+        stuck_at: AtomicU64::new(u64::MAX),
         connected: AtomicBool::new(connected),
         local,
         peer,

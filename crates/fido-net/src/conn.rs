@@ -11,9 +11,11 @@
 //! the reader's socket readable (and fires an epoll edge). Invariant: whenever
 //! the ring holds data and its reader is outside this library, a doorbell byte
 //! is queued on the reader's socket or on its way — so the kernel never reports
-//! "not readable" while data waits. Stale doorbells (for data already read) are
-//! drained only when the ring is empty and re-armed, and never the byte of the
-//! current arm, so at worst readiness is spurious, never missing.
+//! "not readable" while data waits. Conversely, before a call that leaves the
+//! ring empty returns, the reader *settles* (`Conn::settle`): it re-arms, waits
+//! for every counted doorbell to land and drains the stale ones, never the
+//! byte of the current arm — so a socket the kernel reports readable has data
+//! (or EOF/an error), and readiness is neither missing nor spurious.
 //! Writers waiting for space arm `space_arm` the same way (bytes 128..=255).
 //!
 //! Closing and errors are the kernel's: FIN and RST travel on the real socket,
@@ -47,6 +49,25 @@ fn spin_budget() -> Duration {
 pub fn read_config() {
     spin_budget();
     attach_wait();
+    doorbell_delay();
+}
+
+/// Test hook (`FIDO_NET_TEST_DOORBELL_DELAY_US`, default 0): a writer sleeps
+/// this long between taking the reader's arm and sending its doorbell, which
+/// makes the "doorbell lands after its data was read" race deterministic for
+/// tests/c/readiness.c. Unset, it costs one relaxed load on the doorbell path
+/// (which makes a system call anyway).
+fn doorbell_delay() -> Duration {
+    static US: AtomicU64 = AtomicU64::new(u64::MAX);
+    let mut v = US.load(Ordering::Relaxed);
+    if v == u64::MAX {
+        v = std::env::var("FIDO_NET_TEST_DOORBELL_DELAY_US")
+            .ok()
+            .and_then(|s| s.parse::<u64>().ok())
+            .unwrap_or(0);
+        US.store(v, Ordering::Relaxed);
+    }
+    Duration::from_micros(v)
 }
 
 /// Result of a data operation.
@@ -72,6 +93,9 @@ pub struct Conn {
     pub request_key: Option<String>,
     /// Set when the segment was found corrupt: the connection was reset.
     pub broken: AtomicBool,
+    /// The peer's `doorbells_sent` when our last wait for its in-flight
+    /// doorbells gave up (a stopped or dying peer): not waited for again.
+    pub stuck_at: AtomicU64,
     /// Client: the TCP connection completed (a non-blocking connect may still
     /// be in progress; until then the kernel answers every call).
     pub connected: AtomicBool,
@@ -222,6 +246,10 @@ impl Conn {
             }
             let tail = ring.tail.0.load(Ordering::SeqCst);
             if (tail.wrapping_sub(head) as i64) < 0 {
+                let d = doorbell_delay();
+                if !d.is_zero() {
+                    std::thread::sleep(d);
+                }
                 self.doorbell(fd, g as u8);
                 return;
             }
@@ -303,36 +331,74 @@ impl Conn {
             .map_err(|_| ())
     }
 
-    /// Drains doorbell bytes that no longer cover anything: those of arms
-    /// older than the current one, while our ring is empty. The byte of the
-    /// current arm (and of a blocked writer's space arm) stays.
-    fn drain_stale(&self, fd: c_int) {
-        // Only with our ring empty: with data waiting, the oldest queued
-        // doorbell may be the only one covering it.
+    /// Leaves the receive side *settled* before control returns to the
+    /// program. Returns false (and drains nothing) when our ring holds data;
+    /// otherwise arms a fresh generation, waits until every doorbell the peer
+    /// has counted has landed on our socket, drains the stale ones and
+    /// returns true.
+    ///
+    /// Why readiness is then exact for readers (a socket the kernel reports
+    /// readable has data in its ring, or EOF/an error):
+    ///
+    /// 1. A writer counts a doorbell (`doorbells_sent`) *before* it takes the
+    ///    arm, and sends it only if, after taking the arm, the reader has not
+    ///    read everything published (`tail < head`); otherwise it uncounts it.
+    ///    So every byte that is or will be on our socket is counted by the
+    ///    time we read the count (SeqCst), and its sending no longer depends
+    ///    on anything we do.
+    /// 2. Here, under the ring's read lock (no consumer runs meanwhile), we
+    ///    arm generation `g` and then find the ring empty. A byte of an older
+    ///    generation announced data published before its arm was taken, thus
+    ///    before our arm store, hence visible to our emptiness check (fences
+    ///    on both sides): that data is already read, the byte is stale. A byte
+    ///    of generation `g` was taken after our arm, and sent because data
+    ///    published after our last read was unread: it is current, and stays
+    ///    current until the program reads again (through us, settling again).
+    /// 3. The old, 2 ms-bounded version gave up on bytes counted but not yet
+    ///    landed (a writer preempted between its count and its `send`); they
+    ///    landed later, stale, making the socket readable with nothing to
+    ///    read (`EAGAIN` after readiness: wrk counts a read error). We now
+    ///    wait until every counted byte has landed and drain every byte
+    ///    before the first current one. The wait ends when the peer sends (it
+    ///    is between two instructions), uncounts, hangs up (FIN/RST: nothing
+    ///    more comes), or — for a stopped peer — after 1 s (then readiness
+    ///    may be spurious once; remembered in `stuck_at`, not waited again).
+    /// 4. Returning with data still in the ring drains nothing: the byte
+    ///    that announced that data (or a later one) is still queued or
+    ///    counted, so the socket stays readable while data waits.
+    ///
+    /// Space doorbells (bytes 128..=255) are kept only while a writer of
+    /// ours waits for space; `send` disarms before returning, so none lands
+    /// later unannounced (see `disarm_space`).
+    fn settle(&self, fd: c_int) -> bool {
+        let _l = ShmLock::lock(&self.seg.ring(self.rx()).rlock.0);
         if self.used_rx().unwrap_or(1) != 0 {
-            return;
+            return false;
         }
+        self.arm_data();
+        if self.used_rx().unwrap_or(1) != 0 {
+            return false;
+        }
+        self.drain_locked(fd);
+        true
+    }
+
+    /// Drains stale doorbells, waiting for counted ones to land (see
+    /// `settle`). Caller holds the receive ring's read lock (which also keeps
+    /// two drains from consuming the same bytes) and found the ring empty
+    /// after arming.
+    fn drain_locked(&self, fd: c_int) {
         let me = self.seg.side(self.me);
         let peer = self.seg.side(self.peer_side());
-        let pend = peer
-            .doorbells_sent
-            .load(Ordering::SeqCst)
-            .wrapping_sub(me.doorbells_drained.load(Ordering::SeqCst));
-        if pend == 0 {
-            return;
-        }
         let mut buf = [0u8; 256];
-        // A doorbell counted but not yet landed (the peer is between its count
-        // and its send) would land after this drain and make the socket
-        // readable with nothing to read — programs such as wrk treat that
-        // EAGAIN as an error. Give in-flight doorbells a moment to land.
         let t0 = Instant::now();
-        let n = loop {
-            let pend = peer
-                .doorbells_sent
-                .load(Ordering::SeqCst)
-                .wrapping_sub(me.doorbells_drained.load(Ordering::SeqCst));
-            let want = pend.min(buf.len() as u64) as isize;
+        let mut waits = 0u32;
+        loop {
+            let sent = peer.doorbells_sent.load(Ordering::SeqCst);
+            let pend = sent.wrapping_sub(me.doorbells_drained.load(Ordering::SeqCst));
+            if pend == 0 || pend > 1 << 40 {
+                return;
+            }
             // SAFETY: peek into a local buffer.
             let n = unsafe {
                 real::recv(
@@ -342,35 +408,93 @@ impl Conn {
                     libc::MSG_PEEK | libc::MSG_DONTWAIT,
                 )
             };
-            if n >= want || n == 0 || t0.elapsed() > Duration::from_millis(2) {
-                break n;
+            let n = if n > 0 {
+                n as usize
+            } else if n == 0 {
+                return; // EOF: nothing more can land
+            } else {
+                match errno() {
+                    libc::EAGAIN | libc::EINTR => 0,
+                    _ => return, // reset: the kernel reports it
+                }
+            };
+            let data_gen = me.data_gen.load(Ordering::SeqCst) as u8;
+            let waiters = me.space_waiters.load(Ordering::SeqCst) > 0;
+            let space_gen = me.space_gen.load(Ordering::SeqCst) as u8;
+            let keep = |b: u8| b == data_gen || (waiters && b == space_gen);
+            let k = buf[..n].iter().take_while(|&&b| !keep(b)).count();
+            if k > 0 {
+                // SAFETY: consuming exactly the peeked stale prefix.
+                let r = unsafe {
+                    real::recv(
+                        fd,
+                        buf.as_mut_ptr() as *mut libc::c_void,
+                        k,
+                        libc::MSG_DONTWAIT,
+                    )
+                };
+                if r > 0 {
+                    me.doorbells_drained.fetch_add(r as u64, Ordering::SeqCst);
+                }
+                if r != k as isize {
+                    return;
+                }
             }
-            if n < 0 && errno() != libc::EAGAIN {
-                break n;
+            if k < n {
+                // A current byte: it and everything after it stay.
+                return;
             }
-            std::thread::yield_now();
-        };
-        if n <= 0 {
+            if n as u64 >= pend || n == buf.len() {
+                continue; // drained all we saw; re-read the count
+            }
+            // Counted bytes still on their way.
+            if self.stuck_at.load(Ordering::Relaxed) == sent {
+                return;
+            }
+            let mut p = libc::pollfd {
+                fd,
+                events: libc::POLLRDHUP,
+                revents: 0,
+            };
+            // SAFETY: poll on one pollfd we own, not waiting.
+            unsafe { real::poll(&mut p, 1, 0) };
+            if p.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0 {
+                return; // FIN/RST queued: bytes sent before it have landed
+            }
+            if t0.elapsed() > Duration::from_secs(1) {
+                crate::debug!("fd {fd}: doorbell not landed after 1 s (peer stopped?)");
+                self.stuck_at.store(sent, Ordering::Relaxed);
+                return;
+            }
+            waits += 1;
+            if waits < 20 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+        }
+    }
+
+    /// Before a `send` that armed for space returns complete: take the space
+    /// arm back so no space doorbell lands once nobody waits for it (it would
+    /// make the socket readable with nothing to read). If the reader already took it,
+    /// its byte is counted: settle, which waits for it and drains it (or
+    /// leaves it when our ring holds data, where it is harmless). Another
+    /// thread still waiting keeps the arm.
+    fn disarm_space(&self, fd: c_int) {
+        let me = self.seg.side(self.me);
+        if me.space_waiters.load(Ordering::SeqCst) != 0 {
             return;
         }
-        let data_gen = me.data_gen.load(Ordering::SeqCst) as u8;
-        let waiters = me.space_waiters.load(Ordering::SeqCst) > 0;
-        let space_gen = me.space_gen.load(Ordering::SeqCst) as u8;
-        let keep = |b: u8| b == data_gen || (waiters && b == space_gen);
-        let k = buf[..n as usize].iter().take_while(|&&b| !keep(b)).count();
-        if k > 0 {
-            // SAFETY: consuming exactly the peeked stale prefix.
-            let r = unsafe {
-                real::recv(
-                    fd,
-                    buf.as_mut_ptr() as *mut libc::c_void,
-                    k,
-                    libc::MSG_DONTWAIT,
-                )
-            };
-            if r > 0 {
-                me.doorbells_drained.fetch_add(r as u64, Ordering::SeqCst);
-            }
+        if self
+            .seg
+            .ring(self.tx())
+            .space_arm
+            .0
+            .swap(0, Ordering::SeqCst)
+            == 0
+        {
+            self.settle(fd);
         }
     }
 
@@ -472,18 +596,11 @@ impl Conn {
                 }
                 self.notify_space(fd);
                 if got == total || !waitall {
-                    // Leave only after arming on an empty ring (so data that
-                    // comes next rings the socket: an edge for EPOLLET users).
-                    match self.used_rx() {
-                        Ok(0) => {
-                            self.arm_data();
-                            if self.used_rx().unwrap_or(0) > 0 && got < total {
-                                continue;
-                            }
-                            self.drain_stale(fd);
-                        }
-                        Ok(_) => {}
-                        Err(_) => {}
+                    // Leave only settled: armed on an empty ring (so data
+                    // that comes next rings the socket: an edge for EPOLLET
+                    // users) with no stale doorbell left to land.
+                    if !self.settle(fd) && got < total && self.used_rx().unwrap_or(0) > 0 {
+                        continue;
                     }
                     return Out::Done(got);
                 }
@@ -496,11 +613,9 @@ impl Conn {
             if self.seg.side(self.me).shut_rd.load(Ordering::Relaxed) != 0 {
                 return Out::Done(got);
             }
-            self.arm_data();
-            if self.used_rx().unwrap_or(0) > 0 {
+            if !self.settle(fd) {
                 continue;
             }
-            self.drain_stale(fd);
             match self.kernel_state(fd) {
                 KState::Eof => {
                     if self.used_rx().unwrap_or(0) > 0 {
@@ -586,6 +701,20 @@ impl Conn {
     }
 
     pub fn send(&self, fd: c_int, bufs: &[&[u8]], flags: c_int) -> Out {
+        let mut armed = false;
+        let out = self.send_inner(fd, bufs, flags, &mut armed);
+        // A program that got less than it asked for may wait for
+        // writability: the space doorbell is its wake-up (with EPOLLET it is
+        // the only new event on the socket, as the kernel's EPOLLOUT never
+        // changes), so the arm stays. A completed write needs none.
+        let total: usize = bufs.iter().map(|b| b.len()).sum();
+        if armed && matches!(out, Out::Done(n) if n == total) {
+            self.disarm_space(fd);
+        }
+        out
+    }
+
+    fn send_inner(&self, fd: c_int, bufs: &[&[u8]], flags: c_int, armed: &mut bool) -> Out {
         if self.broken.load(Ordering::Relaxed) {
             return Out::Kernel;
         }
@@ -669,6 +798,7 @@ impl Conn {
                 if sent > 0 {
                     return Out::Done(sent);
                 }
+                *armed = true;
                 self.arm_space();
                 if self.free_tx().unwrap_or(0) > 0 {
                     continue;
@@ -682,7 +812,7 @@ impl Conn {
                     me.space_waiters.fetch_add(1, Ordering::SeqCst);
                     // Doorbells nobody reads (a program that only writes)
                     // would keep the socket readable and the wait short.
-                    self.drain_stale(fd);
+                    self.settle(fd);
                     let mut p = libc::pollfd {
                         fd,
                         events: libc::POLLIN,
@@ -716,12 +846,13 @@ impl Conn {
                 }
             }
             me.space_waiters.fetch_add(1, Ordering::SeqCst);
+            *armed = true;
             self.arm_space();
             if self.free_tx().unwrap_or(1) > 0 {
                 me.space_waiters.fetch_sub(1, Ordering::SeqCst);
                 continue;
             }
-            self.drain_stale(fd);
+            self.settle(fd);
             let dl = *deadline.get_or_insert_with(|| {
                 timeout_opt(fd, libc::SO_SNDTIMEO).map(|d| Instant::now() + d)
             });
@@ -787,7 +918,7 @@ impl Conn {
         // child that exec'd closed its copy without telling us): drain stale
         // doorbells in any case, so whichever close is the kernel's last one
         // finds no unread bytes and sends a FIN, not a RST.
-        self.drain_stale(fd);
+        self.settle(fd);
         if me.holders.fetch_sub(1, Ordering::SeqCst) == 1 {
             me.closed.store(1, Ordering::SeqCst);
             // No more doorbells towards us.
