@@ -223,20 +223,22 @@ impl Mover for FidoPipe {
             };
             // Starting and finishing a piece can both be declined; either way the
             // rest goes through the in-process fallback.
-            let r = self.call(|c| c.start_once(file, sock, op)).and_then(|mut p| {
-                match p.wait_timeout(stall) {
-                    Some(r) => self.check(r),
-                    None => {
-                        let _ = rustix::net::shutdown(sock, rustix::net::Shutdown::Both);
-                        // The engine's write now fails promptly; wait for it to let go.
-                        let _ = p.wait_timeout(Duration::from_secs(10));
-                        Err(io::Error::new(
-                            io::ErrorKind::TimedOut,
-                            format!("the client read nothing for {stall:?}"),
-                        ))
+            let r = self
+                .call(|c| c.start_once(file, sock, op))
+                .and_then(|mut p| {
+                    match p.wait_timeout(stall) {
+                        Some(r) => self.check(r),
+                        None => {
+                            let _ = rustix::net::shutdown(sock, rustix::net::Shutdown::Both);
+                            // The engine's write now fails promptly; wait for it to let go.
+                            let _ = p.wait_timeout(Duration::from_secs(10));
+                            Err(io::Error::new(
+                                io::ErrorKind::TimedOut,
+                                format!("the client read nothing for {stall:?}"),
+                            ))
+                        }
                     }
-                }
-            });
+                });
             let t = match r {
                 Ok(t) => t,
                 Err(e) if declined(&e) => {
@@ -278,7 +280,9 @@ impl Mover for FidoPipe {
                 let mut b = [0u8; 1];
                 match rustix::net::recv(from, &mut b[..], rustix::net::RecvFlags::PEEK) {
                     Ok((0, _)) => return Ok(done),
-                    Ok(_) | Err(rustix::io::Errno::INTR) | Err(rustix::io::Errno::AGAIN) => continue,
+                    Ok(_) | Err(rustix::io::Errno::INTR) | Err(rustix::io::Errno::AGAIN) => {
+                        continue
+                    }
                     Err(e) => return Err(e.into()),
                 }
             }
