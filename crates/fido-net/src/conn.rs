@@ -58,6 +58,18 @@ pub enum Out {
     Kernel,
 }
 
+impl Out {
+    /// What a call that stops early returns: the bytes it already moved
+    /// (POSIX: a partial count hides the error), else the error `e`.
+    fn partial(n: usize, e: c_int) -> Out {
+        if n > 0 {
+            Out::Done(n)
+        } else {
+            Out::Err(e)
+        }
+    }
+}
+
 pub struct Conn {
     pub seg: Segment,
     /// Our side (seg::CLIENT or seg::SERVER).
@@ -116,6 +128,44 @@ fn advance(bufs: &mut Vec<&[u8]>, mut n: usize) {
             bufs[0] = &first[n..];
             n = 0;
         }
+    }
+}
+
+/// How one [`nap`] ended.
+enum Nap {
+    /// The socket's timeout (SO_RCVTIMEO/SO_SNDTIMEO) passed before the nap.
+    TimedOut,
+    /// A signal interrupted the poll (errno EINTR, read straight after it).
+    Interrupted,
+    /// Readable (a doorbell), the slice ran out, or another poll error: the
+    /// caller looks at the ring again.
+    Woke,
+}
+
+/// A blocking recv/send's sleep: at most 100 ms (less near the deadline) in
+/// poll for `fd` readable, the doorbell of both directions. `deadline` holds
+/// the socket's `opt` timeout, read on the first nap of the call.
+fn nap(fd: c_int, opt: c_int, deadline: &mut Option<Option<Instant>>) -> Nap {
+    let dl = *deadline.get_or_insert_with(|| timeout_opt(fd, opt).map(|d| Instant::now() + d));
+    let mut slice = 100i32;
+    if let Some(dl) = dl {
+        let now = Instant::now();
+        if now >= dl {
+            return Nap::TimedOut;
+        }
+        slice = slice.min((dl - now).as_millis() as i32 + 1);
+    }
+    let mut p = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: poll on one pollfd we own.
+    let r = unsafe { real::poll(&mut p, 1, slice) };
+    if r < 0 && errno() == libc::EINTR {
+        Nap::Interrupted
+    } else {
+        Nap::Woke
     }
 }
 
@@ -455,11 +505,7 @@ impl Conn {
                 Ok(n) => n,
                 Err(_) => {
                     self.reset(fd);
-                    return if got > 0 {
-                        Out::Done(got)
-                    } else {
-                        Out::Err(libc::ECONNRESET)
-                    };
+                    return Out::partial(got, libc::ECONNRESET);
                 }
             };
             if n > 0 {
@@ -513,7 +559,7 @@ impl Conn {
                     if self.used_rx().unwrap_or(0) > 0 {
                         continue;
                     }
-                    return if got > 0 { Out::Done(got) } else { Out::Err(e) };
+                    return Out::partial(got, e);
                 }
                 KState::Empty | KState::Bytes => {}
             }
@@ -531,11 +577,7 @@ impl Conn {
                         me.doorbells_drained.load(Ordering::SeqCst)
                     );
                 }
-                return if got > 0 {
-                    Out::Done(got)
-                } else {
-                    Out::Err(libc::EAGAIN)
-                };
+                return Out::partial(got, libc::EAGAIN);
             }
             // Blocking: spin on the ring, then sleep on the socket. We stay
             // armed while spinning: reclaiming the arm would let data arrive
@@ -553,34 +595,10 @@ impl Conn {
                 }
                 continue; // re-arms above if still empty
             }
-            let dl = *deadline.get_or_insert_with(|| {
-                timeout_opt(fd, libc::SO_RCVTIMEO).map(|d| Instant::now() + d)
-            });
-            let mut slice = 100i32;
-            if let Some(dl) = dl {
-                let now = Instant::now();
-                if now >= dl {
-                    return if got > 0 {
-                        Out::Done(got)
-                    } else {
-                        Out::Err(libc::EAGAIN)
-                    };
-                }
-                slice = slice.min((dl - now).as_millis() as i32 + 1);
-            }
-            let mut p = libc::pollfd {
-                fd,
-                events: libc::POLLIN,
-                revents: 0,
-            };
-            // SAFETY: poll on one pollfd we own.
-            let r = unsafe { real::poll(&mut p, 1, slice) };
-            if r < 0 && errno() == libc::EINTR {
-                return if got > 0 {
-                    Out::Done(got)
-                } else {
-                    Out::Err(libc::EINTR)
-                };
+            match nap(fd, libc::SO_RCVTIMEO, &mut deadline) {
+                Nap::TimedOut => return Out::partial(got, libc::EAGAIN),
+                Nap::Interrupted => return Out::partial(got, libc::EINTR),
+                Nap::Woke => {}
             }
         }
     }
@@ -722,37 +740,12 @@ impl Conn {
                 continue;
             }
             self.drain_stale(fd);
-            let dl = *deadline.get_or_insert_with(|| {
-                timeout_opt(fd, libc::SO_SNDTIMEO).map(|d| Instant::now() + d)
-            });
-            let mut slice = 100i32;
-            if let Some(dl) = dl {
-                let now = Instant::now();
-                if now >= dl {
-                    me.space_waiters.fetch_sub(1, Ordering::SeqCst);
-                    return if sent > 0 {
-                        Out::Done(sent)
-                    } else {
-                        Out::Err(libc::EAGAIN)
-                    };
-                }
-                slice = slice.min((dl - now).as_millis() as i32 + 1);
-            }
-            let mut p = libc::pollfd {
-                fd,
-                events: libc::POLLIN,
-                revents: 0,
-            };
-            // SAFETY: poll on one pollfd we own.
-            let r = unsafe { real::poll(&mut p, 1, slice) };
-            let e = errno();
+            let woke = nap(fd, libc::SO_SNDTIMEO, &mut deadline);
             me.space_waiters.fetch_sub(1, Ordering::SeqCst);
-            if r < 0 && e == libc::EINTR {
-                return if sent > 0 {
-                    Out::Done(sent)
-                } else {
-                    Out::Err(libc::EINTR)
-                };
+            match woke {
+                Nap::TimedOut => return Out::partial(sent, libc::EAGAIN),
+                Nap::Interrupted => return Out::partial(sent, libc::EINTR),
+                Nap::Woke => {}
             }
         }
     }
