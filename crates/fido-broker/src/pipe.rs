@@ -304,27 +304,22 @@ impl Engine {
         let (tx, rx) = mpsc::channel();
         let (done_tx, done_rx) = mpsc::channel();
         let shared = Arc::new(Mutex::new(Shared::default()));
-        if !cfg.enabled {
-            let why = "the pipe engine is disabled on this broker (--pipe-disable)".to_string();
-            return Ok(Engine {
-                tx,
-                wake,
-                done_rx,
-                done_fd,
-                shared,
-                cfg,
-                thread: None,
-                unavailable: Some(why),
-            });
-        }
-        let ring = match IoUring::new(512) {
-            Ok(r) => r,
-            Err(e) => {
-                // The rest of the broker works without it (io_uring may be
-                // disabled by sysctl or a seccomp profile).
+        // Without a ring the engine answers every request with `why` (the rest
+        // of the broker works without it).
+        let ring = if !cfg.enabled {
+            Err("the pipe engine is disabled on this broker (--pipe-disable)".to_string())
+        } else {
+            IoUring::new(512).map_err(|e| {
+                // io_uring may be disabled by sysctl or a seccomp profile.
                 let why =
                     format!("the pipe engine needs io_uring, which is unavailable here ({e})");
                 tracing::warn!("{why}; pipe requests will be refused");
+                why
+            })
+        };
+        let ring = match ring {
+            Ok(r) => r,
+            Err(why) => {
                 return Ok(Engine {
                     tx,
                     wake,

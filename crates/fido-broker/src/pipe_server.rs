@@ -55,6 +55,20 @@ impl PipeState {
         })
     }
 
+    /// `dom`'s pipe `pipe`. Another domain's pipe answers exactly as a missing
+    /// one does, so ids reveal nothing across domains.
+    fn owned(&self, dom: DomainId, pipe: PipeId) -> Result<&PipeRec, fido_proto::RemoteError> {
+        self.pipes
+            .get(&pipe)
+            .filter(|p| p.domain == dom)
+            .ok_or_else(|| {
+                err(
+                    ErrorCode::NoSuchPipe,
+                    format!("no pipe {pipe} in this domain"),
+                )
+            })
+    }
+
     /// Pipes and running one-shot operations of `dom` (what its quota counts).
     fn held(&self, dom: DomainId) -> u64 {
         let pipes = self.pipes.values().filter(|p| p.domain == dom).count();
@@ -196,17 +210,7 @@ impl Server {
                 )))
             }
             Request::PipeRun { pipe, op } => {
-                let p = self
-                    .pipes
-                    .pipes
-                    .get(&pipe)
-                    .filter(|p| p.domain == dom)
-                    .ok_or_else(|| {
-                        err(
-                            ErrorCode::NoSuchPipe,
-                            format!("no pipe {pipe} in this domain"),
-                        )
-                    })?;
+                let p = self.pipes.owned(dom, pipe)?;
                 if p.job.is_some() {
                     return Err(err(
                         ErrorCode::Busy,
@@ -232,32 +236,14 @@ impl Server {
                 Ok(None)
             }
             Request::PipeCancel { pipe } => {
-                let p = self
-                    .pipes
-                    .pipes
-                    .get(&pipe)
-                    .filter(|p| p.domain == dom)
-                    .ok_or_else(|| {
-                        err(
-                            ErrorCode::NoSuchPipe,
-                            format!("no pipe {pipe} in this domain"),
-                        )
-                    })?;
+                let p = self.pipes.owned(dom, pipe)?;
                 if let Some(job) = p.job {
                     self.pipes.engine.cancel(job);
                 }
                 Ok(Some((Reply::Ok, Vec::new())))
             }
             Request::PipeDestroy { pipe } => {
-                match self.pipes.pipes.get(&pipe) {
-                    Some(p) if p.domain == dom => {}
-                    _ => {
-                        return Err(err(
-                            ErrorCode::NoSuchPipe,
-                            format!("no pipe {pipe} in this domain"),
-                        ))
-                    }
-                }
+                self.pipes.owned(dom, pipe)?;
                 let p = self.pipes.pipes.remove(&pipe).expect("checked");
                 if let Some(job) = p.job {
                     // Its PipeRun is answered (Cancelled) when the engine lets go;

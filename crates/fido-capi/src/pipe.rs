@@ -34,6 +34,31 @@ fn guard(f: impl FnOnce() -> c_int) -> c_int {
     catch_unwind(AssertUnwindSafe(f)).unwrap_or(EFAULT)
 }
 
+/// 0 for success, else the error's negative errno: the C functions' convention.
+fn status(r: fido_pipe::Result<()>) -> c_int {
+    match r {
+        Ok(()) => 0,
+        Err(e) => e.errno(),
+    }
+}
+
+/// Gives a new handle to C through `out` and returns 0, or returns the error's
+/// code and leaves `*out` untouched.
+///
+/// # Safety
+/// `out` is non-null and valid for a write.
+unsafe fn hand_out<H>(r: fido_pipe::Result<H>, out: *mut *mut H) -> c_int {
+    match r {
+        Ok(h) => {
+            // SAFETY: per this function's contract; C owns the box until it
+            // hands it back to the matching free/close/destroy.
+            unsafe { out.write(Box::into_raw(Box::new(h))) };
+            0
+        }
+        Err(e) => e.errno(),
+    }
+}
+
 /// Writes `r` to `res` (if not null) and returns the code.
 ///
 /// # Safety
@@ -112,14 +137,8 @@ pub unsafe extern "C" fn fido_pipe_client_connect(
             };
             opts = opts.broker(p);
         }
-        match Client::connect_with(opts) {
-            Ok(c) => {
-                // SAFETY: `out` checked non-null, valid for a write per the contract.
-                unsafe { out.write(Box::into_raw(Box::new(FidoPipeClient(c)))) };
-                0
-            }
-            Err(e) => e.errno(),
-        }
+        // SAFETY: `out` checked non-null, valid for a write per the contract.
+        unsafe { hand_out(Client::connect_with(opts).map(FidoPipeClient), out) }
     })
 }
 
@@ -161,10 +180,7 @@ pub unsafe extern "C" fn fido_pipe_set_weight(
         let Ok(d) = unsafe { CStr::from_ptr(domain) }.to_str() else {
             return EINVAL;
         };
-        match c.0.set_weight(d, weight) {
-            Ok(()) => 0,
-            Err(e) => e.errno(),
-        }
+        status(c.0.set_weight(d, weight))
     })
 }
 
@@ -185,14 +201,8 @@ pub unsafe extern "C" fn fido_pipe_create(
         let (Some(i), Some(o), false) = (fd(in_fd), fd(out_fd), out.is_null()) else {
             return EINVAL;
         };
-        match c.0.create(i, o) {
-            Ok(p) => {
-                // SAFETY: `out` checked non-null.
-                unsafe { out.write(Box::into_raw(Box::new(FidoPipe(p)))) };
-                0
-            }
-            Err(e) => e.errno(),
-        }
+        // SAFETY: `out` checked non-null, valid for a write per the contract.
+        unsafe { hand_out(c.0.create(i, o).map(FidoPipe), out) }
     })
 }
 
@@ -206,10 +216,7 @@ pub unsafe extern "C" fn fido_pipe_destroy(pipe: *mut FidoPipe) -> c_int {
         }
         // SAFETY: ownership returns to Rust exactly once, per the contract.
         let p = unsafe { Box::from_raw(pipe) };
-        match p.0.destroy() {
-            Ok(()) => 0,
-            Err(e) => e.errno(),
-        }
+        status(p.0.destroy())
     })
 }
 
@@ -222,10 +229,7 @@ pub unsafe extern "C" fn fido_pipe_cancel(pipe: *mut FidoPipe) -> c_int {
         let Some(p) = (unsafe { pipe.as_ref() }) else {
             return EINVAL;
         };
-        match p.0.cancel() {
-            Ok(()) => 0,
-            Err(e) => e.errno(),
-        }
+        status(p.0.cancel())
     })
 }
 
@@ -351,14 +355,8 @@ pub unsafe extern "C" fn fido_pipe_start(
         let (Some(op), false) = (op_of(kind, in_off, len, out_off), out.is_null()) else {
             return EINVAL;
         };
-        match p.0.start(op) {
-            Ok(pending) => {
-                // SAFETY: `out` checked non-null.
-                unsafe { out.write(Box::into_raw(Box::new(FidoPipeOp(pending)))) };
-                0
-            }
-            Err(e) => e.errno(),
-        }
+        // SAFETY: `out` checked non-null, valid for a write per the contract.
+        unsafe { hand_out(p.0.start(op).map(FidoPipeOp), out) }
     })
 }
 
@@ -388,14 +386,8 @@ pub unsafe extern "C" fn fido_pipe_start_once(
         ) else {
             return EINVAL;
         };
-        match c.0.start_once(i, o, op) {
-            Ok(pending) => {
-                // SAFETY: `out` checked non-null.
-                unsafe { out.write(Box::into_raw(Box::new(FidoPipeOp(pending)))) };
-                0
-            }
-            Err(e) => e.errno(),
-        }
+        // SAFETY: `out` checked non-null, valid for a write per the contract.
+        unsafe { hand_out(c.0.start_once(i, o, op).map(FidoPipeOp), out) }
     })
 }
 

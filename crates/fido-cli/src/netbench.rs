@@ -25,6 +25,19 @@ struct Env<'a> {
 }
 
 impl Env<'_> {
+    /// Runs the client `prog args` as `system` runs it (timeout `secs` + 30 s)
+    /// and returns its output. Under fido the run must also have been
+    /// accelerated (see [`check_accel`]): every client goes through here so
+    /// no figure can skip that check.
+    fn client(&self, system: &str, prog: &str, args: &[&str], secs: u64) -> anyhow::Result<String> {
+        let before = accelerated(self.broker, prog);
+        let mut c = self.cmd(system, prog);
+        c.args(args);
+        let text = output(c, secs)?;
+        check_accel(self, system, prog, before)?;
+        Ok(text)
+    }
+
     fn cmd(&self, system: &str, prog: &str) -> Command {
         let mut c = Command::new(prog);
         if system == "fido" {
@@ -160,11 +173,11 @@ fn sockperf(e: &Env, system: &str, opts: &Opts, out: &mut Vec<Record>) -> anyhow
     s.args(["sr", "--tcp", "-i", "127.0.0.1", "-p", &p]);
     let _s = spawn_server(s, port)?;
     let t = e.secs.to_string();
-    if opts.wants(system, "sockperf-pp") {
-        let before = accelerated(e.broker, "sockperf");
-        let mut c = e.cmd(system, "sockperf");
-        c.args([
-            "pp",
+    // The client's arguments for `mode` (pp: ping-pong, tp: throughput) with
+    // messages of `size` bytes.
+    let sockperf_args = |mode: &'static str, size: &'static str| {
+        [
+            mode,
             "--tcp",
             "-i",
             "127.0.0.1",
@@ -173,32 +186,18 @@ fn sockperf(e: &Env, system: &str, opts: &Opts, out: &mut Vec<Record>) -> anyhow
             "-t",
             &t,
             "-m",
-            "14",
-        ]);
-        let text = output(c, e.secs)?;
-        check_accel(e, system, "sockperf", before)?;
+            size,
+        ]
+    };
+    if opts.wants(system, "sockperf-pp") {
+        let text = e.client(system, "sockperf", &sockperf_args("pp", "14"), e.secs)?;
         let p50 = after_number(&text, "percentile 50.000").context("sockperf p50")? * 1000.0;
         let p99 = after_number(&text, "percentile 99.000").context("sockperf p99")? * 1000.0;
         let n = after_number(&text, "ReceivedMessages").unwrap_or(0.0) as u64;
         out.push(Record::latency(SUITE, "sockperf-pp", system, p50, p99, n));
     }
     if opts.wants(system, "sockperf-tp") {
-        let before = accelerated(e.broker, "sockperf");
-        let mut c = e.cmd(system, "sockperf");
-        c.args([
-            "tp",
-            "--tcp",
-            "-i",
-            "127.0.0.1",
-            "-p",
-            &p,
-            "-t",
-            &t,
-            "-m",
-            "64000",
-        ]);
-        let text = output(c, e.secs)?;
-        check_accel(e, system, "sockperf", before)?;
+        let text = e.client(system, "sockperf", &sockperf_args("tp", "64000"), e.secs)?;
         let mbps = after_number(&text, "BandWidth is").context("sockperf bandwidth")?;
         let n = after_number(&text, "Total of").unwrap_or(0.0) as u64;
         out.push(Record::throughput(
@@ -222,22 +221,12 @@ fn iperf3(e: &Env, system: &str, opts: &Opts, out: &mut Vec<Record>) -> anyhow::
         if !opts.wants(system, case) {
             continue;
         }
-        let before = accelerated(e.broker, "iperf3");
-        let mut c = e.cmd(system, "iperf3");
-        c.args([
-            "-c",
-            "127.0.0.1",
-            "-p",
-            &p,
-            "-t",
-            &e.secs.to_string(),
-            "--json",
-        ]);
+        let t = e.secs.to_string();
+        let mut args = vec!["-c", "127.0.0.1", "-p", &p, "-t", &t, "--json"];
         if z {
-            c.arg("-Z");
+            args.push("-Z");
         }
-        let text = output(c, e.secs)?;
-        check_accel(e, system, "iperf3", before)?;
+        let text = e.client(system, "iperf3", &args, e.secs)?;
         let v: serde_json::Value = serde_json::from_str(&text).context("iperf3 json")?;
         let bps = v["end"]["sum_received"]["bits_per_second"]
             .as_f64()
@@ -268,13 +257,14 @@ fn redis(e: &Env, system: &str, opts: &Opts, out: &mut Vec<Record>) -> anyhow::R
     .current_dir(e.dir);
     let _s = spawn_server(s, port)?;
     let n = if e.quick { "20000" } else { "200000" };
-    let before = accelerated(e.broker, "redis-benchmark");
-    let mut c = e.cmd(system, "redis-benchmark");
-    c.args([
-        "-p", &p, "-t", "set,get", "-n", n, "-c", "50", "-d", "1024", "--csv",
-    ]);
-    let text = output(c, 120)?;
-    check_accel(e, system, "redis-benchmark", before)?;
+    let text = e.client(
+        system,
+        "redis-benchmark",
+        &[
+            "-p", &p, "-t", "set,get", "-n", n, "-c", "50", "-d", "1024", "--csv",
+        ],
+        120,
+    )?;
     for line in text.lines() {
         let f: Vec<&str> = line.split(',').map(|x| x.trim_matches('"')).collect();
         let case = match f.first() {
@@ -335,19 +325,20 @@ fn nginx(e: &Env, system: &str, opts: &Opts, out: &mut Vec<Record>) -> anyhow::R
         .arg("-e")
         .arg(d.join("error.log"));
     let _s = spawn_server(s, port)?;
-    let before = accelerated(e.broker, "wrk");
-    let mut c = e.cmd(system, "wrk");
-    c.args([
-        "-t",
-        "2",
-        "-c",
-        "100",
-        "-d",
-        &e.secs.to_string(),
-        &format!("http://127.0.0.1:{port}/index.html"),
-    ]);
-    let text = output(c, e.secs)?;
-    check_accel(e, system, "wrk", before)?;
+    let text = e.client(
+        system,
+        "wrk",
+        &[
+            "-t",
+            "2",
+            "-c",
+            "100",
+            "-d",
+            &e.secs.to_string(),
+            &format!("http://127.0.0.1:{port}/index.html"),
+        ],
+        e.secs,
+    )?;
     if text.contains("Socket errors") || text.contains("Non-2xx") {
         eprintln!("warning: wrk over {system} reported errors:\n{text}");
     }

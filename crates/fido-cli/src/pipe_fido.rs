@@ -221,35 +221,32 @@ impl Mover for FidoPipe {
                 off: off + done,
                 len: want,
             };
-            let mut p = match self.call(|c| c.start_once(file, sock, op)) {
-                Ok(p) => p,
+            // Starting and finishing a piece can both be declined; either way the
+            // rest goes through the in-process fallback.
+            let r = self
+                .call(|c| c.start_once(file, sock, op))
+                .and_then(|mut p| {
+                    match p.wait_timeout(stall) {
+                        Some(r) => self.check(r),
+                        None => {
+                            let _ = rustix::net::shutdown(sock, rustix::net::Shutdown::Both);
+                            // The engine's write now fails promptly; wait for it to let go.
+                            let _ = p.wait_timeout(Duration::from_secs(10));
+                            Err(io::Error::new(
+                                io::ErrorKind::TimedOut,
+                                format!("the client read nothing for {stall:?}"),
+                            ))
+                        }
+                    }
+                });
+            let t = match r {
+                Ok(t) => t,
                 Err(e) if declined(&e) => {
                     note_fallback(&e);
                     // Not under the stall timer: the socket's SO_SNDTIMEO covers it.
                     return Ok(done + Sendfile.file_to_socket(file, off + done, len - done, sock)?);
                 }
                 Err(e) => return Err(e),
-            };
-            let t = match p.wait_timeout(stall) {
-                Some(r) => match self.check(r) {
-                    Ok(t) => t,
-                    Err(e) if declined(&e) => {
-                        note_fallback(&e);
-                        return Ok(
-                            done + Sendfile.file_to_socket(file, off + done, len - done, sock)?
-                        );
-                    }
-                    Err(e) => return Err(e),
-                },
-                None => {
-                    let _ = rustix::net::shutdown(sock, rustix::net::Shutdown::Both);
-                    // The engine's write now fails promptly; wait for it to let go.
-                    let _ = p.wait_timeout(Duration::from_secs(10));
-                    return Err(io::Error::new(
-                        io::ErrorKind::TimedOut,
-                        format!("the client read nothing for {stall:?}"),
-                    ));
-                }
             };
             done += t.moved;
             if t.eof || t.moved == 0 {
@@ -283,7 +280,9 @@ impl Mover for FidoPipe {
                 let mut b = [0u8; 1];
                 match rustix::net::recv(from, &mut b[..], rustix::net::RecvFlags::PEEK) {
                     Ok((0, _)) => return Ok(done),
-                    Ok(_) | Err(rustix::io::Errno::INTR) | Err(rustix::io::Errno::AGAIN) => continue,
+                    Ok(_) | Err(rustix::io::Errno::INTR) | Err(rustix::io::Errno::AGAIN) => {
+                        continue
+                    }
                     Err(e) => return Err(e.into()),
                 }
             }

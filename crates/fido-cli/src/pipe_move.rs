@@ -107,6 +107,29 @@ fn chunk(left: Option<u64>) -> usize {
 #[derive(Debug, Default, Clone, Copy)]
 pub struct ReadWrite;
 
+/// The loop all four [`ReadWrite`] moves share: up to `len` bytes (`None`: until
+/// EOF), one [`CHUNK`] at a time. `read(buf, done)` fills `buf` from the source
+/// at `done` bytes in (0 = EOF); `write(bytes, done)` puts all of `bytes` to the
+/// sink at `done` bytes in. Returns the bytes moved.
+fn copy_loop(
+    len: Option<u64>,
+    mut read: impl FnMut(&mut [u8], u64) -> io::Result<usize>,
+    mut write: impl FnMut(&[u8], u64) -> io::Result<()>,
+) -> io::Result<u64> {
+    let mut buf = vec![0u8; CHUNK];
+    let mut done = 0u64;
+    while len.is_none_or(|l| done < l) {
+        let want = chunk(len.map(|l| l - done));
+        let n = read(&mut buf[..want], done)?;
+        if n == 0 {
+            break;
+        }
+        write(&buf[..n], done)?;
+        done += n as u64;
+    }
+    Ok(done)
+}
+
 impl Mover for ReadWrite {
     fn file_to_socket(
         &self,
@@ -115,18 +138,11 @@ impl Mover for ReadWrite {
         len: u64,
         sock: BorrowedFd<'_>,
     ) -> io::Result<u64> {
-        let mut buf = vec![0u8; CHUNK];
-        let mut done = 0u64;
-        while done < len {
-            let want = chunk(Some(len - done));
-            let n = retry(|| rustix::io::pread(file, &mut buf[..want], off + done))?;
-            if n == 0 {
-                break;
-            }
-            write_all_fd(sock, &buf[..n])?;
-            done += n as u64;
-        }
-        Ok(done)
+        copy_loop(
+            Some(len),
+            |b, done| retry(|| rustix::io::pread(file, &mut *b, off + done)),
+            |b, _| write_all_fd(sock, b),
+        )
     }
 
     fn socket_to_socket(
@@ -135,18 +151,11 @@ impl Mover for ReadWrite {
         to: BorrowedFd<'_>,
         len: Option<u64>,
     ) -> io::Result<u64> {
-        let mut buf = vec![0u8; CHUNK];
-        let mut done = 0u64;
-        while len.is_none_or(|l| done < l) {
-            let want = chunk(len.map(|l| l - done));
-            let n = retry(|| rustix::io::read(from, &mut buf[..want]))?;
-            if n == 0 {
-                break;
-            }
-            write_all_fd(to, &buf[..n])?;
-            done += n as u64;
-        }
-        Ok(done)
+        copy_loop(
+            len,
+            |b, _| retry(|| rustix::io::read(from, &mut *b)),
+            |b, _| write_all_fd(to, b),
+        )
     }
 
     fn socket_to_file(
@@ -156,18 +165,11 @@ impl Mover for ReadWrite {
         off: u64,
         len: u64,
     ) -> io::Result<u64> {
-        let mut buf = vec![0u8; CHUNK];
-        let mut done = 0u64;
-        while done < len {
-            let want = chunk(Some(len - done));
-            let n = retry(|| rustix::io::read(sock, &mut buf[..want]))?;
-            if n == 0 {
-                break;
-            }
-            pwrite_all(file, &buf[..n], off + done)?;
-            done += n as u64;
-        }
-        Ok(done)
+        copy_loop(
+            Some(len),
+            |b, _| retry(|| rustix::io::read(sock, &mut *b)),
+            |b, done| pwrite_all(file, b, off + done),
+        )
     }
 
     fn file_to_file(
@@ -178,18 +180,11 @@ impl Mover for ReadWrite {
         dst: BorrowedFd<'_>,
         dst_off: u64,
     ) -> io::Result<u64> {
-        let mut buf = vec![0u8; CHUNK];
-        let mut done = 0u64;
-        while done < len {
-            let want = chunk(Some(len - done));
-            let n = retry(|| rustix::io::pread(src, &mut buf[..want], src_off + done))?;
-            if n == 0 {
-                break;
-            }
-            pwrite_all(dst, &buf[..n], dst_off + done)?;
-            done += n as u64;
-        }
-        Ok(done)
+        copy_loop(
+            Some(len),
+            |b, done| retry(|| rustix::io::pread(src, &mut *b, src_off + done)),
+            |b, done| pwrite_all(dst, b, dst_off + done),
+        )
     }
 }
 
