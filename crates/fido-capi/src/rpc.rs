@@ -89,6 +89,10 @@ fn code_of(e: &RpcError) -> c_int {
     }
 }
 
+/// A C string argument as UTF-8 (`None` for null or invalid UTF-8).
+///
+/// # Safety
+/// `p` is null or a NUL-terminated string alive for `'a`.
 unsafe fn cstr<'a>(p: *const c_char) -> Option<&'a str> {
     if p.is_null() {
         return None;
@@ -356,6 +360,8 @@ pub unsafe extern "C" fn fido_rpc_call_alloc(call: *mut fido_rpc_ctx, len: usize
     guard(std::ptr::null_mut(), || {
         // SAFETY: the live handle of the running handler; `cx` outlives it.
         let Some(c) = (unsafe { call.as_mut() }) else { return std::ptr::null_mut() };
+        // SAFETY: `c.cx` is the context of the handler now running, which
+        // outlives this call (the handler is what calls us).
         let cx = unsafe { &mut *c.cx };
         if r.is_null() || len == 0 {
             return std::ptr::null_mut();
@@ -451,6 +457,7 @@ pub unsafe extern "C" fn fido_rpc_serve(
         if out.is_null() || (table.is_null() && count > 0) {
             return FIDO_EINVAL;
         }
+        // SAFETY: `count` handlers readable at `table` (contract, checked non-null above).
         let table = if count == 0 { Vec::new() } else { unsafe { std::slice::from_raw_parts(table, count as usize) }.to_vec() };
         let svc = CService { table, user: user as usize };
         match Server::spawn(&h.domain, service, svc, ServerOptions { workers: workers.max(1) as usize, wait: None }) {

@@ -59,7 +59,7 @@ struct Server(Child);
 impl Drop for Server {
     fn drop(&mut self) {
         // SAFETY: signalling our own child.
-        unsafe { libc_kill(self.0.id() as i32) };
+        terminate(self.0.id() as i32);
         let t = Instant::now();
         while t.elapsed() < Duration::from_secs(5) {
             if let Ok(Some(_)) = self.0.try_wait() {
@@ -72,7 +72,8 @@ impl Drop for Server {
     }
 }
 
-unsafe fn libc_kill(pid: i32) {
+/// SIGTERM to a child we started (it may already be gone: ignored).
+fn terminate(pid: i32) {
     let _ = rustix::process::kill_process(
         rustix::process::Pid::from_raw(pid).expect("child pid"),
         rustix::process::Signal::TERM,
@@ -104,7 +105,7 @@ fn output(mut c: Command, secs: u64) -> anyhow::Result<String> {
         Ok(o) => o?,
         Err(_) => {
             // SAFETY: our own child.
-            unsafe { libc_kill(pid) };
+            terminate(pid);
             bail!("{c:?} did not finish");
         }
     };

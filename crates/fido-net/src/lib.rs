@@ -485,6 +485,11 @@ fn attach(nfd: c_int, flags: c_int) {
     broker::count_accelerated();
 }
 
+/// `accept`/`accept4` for an interposed call.
+///
+/// # Safety
+/// `addr` and `len` are what the program passed to `accept4(2)`: null, or
+/// valid for the kernel to write a peer address of `*len` bytes.
 unsafe fn accept_common(
     fd: c_int,
     addr: *mut sockaddr,
@@ -556,6 +561,11 @@ fn finish(o: Out, kernel: impl FnOnce() -> ssize_t) -> ssize_t {
     }
 }
 
+/// The program's `iovec` array as slices (`None` when `cnt` is out of range).
+///
+/// # Safety
+/// As for `readv(2)`: `iov` points to `cnt` entries, each naming memory the
+/// caller may write, none overlapping, alive for `'a`.
 unsafe fn iov_mut<'a>(iov: *const iovec, cnt: c_int) -> Option<Vec<&'a mut [u8]>> {
     if !(0..=libc::UIO_MAXIOV).contains(&cnt) || (cnt > 0 && iov.is_null()) {
         return None;
@@ -572,6 +582,11 @@ unsafe fn iov_mut<'a>(iov: *const iovec, cnt: c_int) -> Option<Vec<&'a mut [u8]>
     Some(v)
 }
 
+/// The program's `iovec` array as read-only slices.
+///
+/// # Safety
+/// As for `writev(2)`: `iov` points to `cnt` entries naming readable memory
+/// alive for `'a`.
 unsafe fn iov_ref<'a>(iov: *const iovec, cnt: c_int) -> Option<Vec<&'a [u8]>> {
     if !(0..=libc::UIO_MAXIOV).contains(&cnt) || (cnt > 0 && iov.is_null()) {
         return None;
@@ -1087,6 +1102,11 @@ pub unsafe extern "C" fn dup(fd: c_int) -> c_int {
     r
 }
 
+/// `dup2`/`dup3` for an interposed call.
+///
+/// # Safety
+/// Same contract as `dup3(2)` (any integers are allowed; only the descriptor
+/// table is touched).
 unsafe fn dup2_common(old: c_int, new: c_int, flags: Option<c_int>) -> c_int {
     // SAFETY: F_GETFD probes `old` (dup2 fails with EBADF if it is invalid).
     let old_ok = unsafe { real::fcntl(old, libc::F_GETFD, 0) } >= 0;
@@ -1119,6 +1139,11 @@ pub unsafe extern "C" fn dup3(old: c_int, new: c_int, flags: c_int) -> c_int {
     unsafe { dup2_common(old, new, Some(flags)) }
 }
 
+/// `fcntl` for an interposed call.
+///
+/// # Safety
+/// `arg` is what the program passed to `fcntl(2)` for `cmd` (for the
+/// commands that take a pointer, a valid one).
 unsafe fn fcntl_common(fd: c_int, cmd: c_int, arg: c_ulong) -> c_int {
     // SAFETY: forwarding.
     let r = unsafe { real::fcntl(fd, cmd, arg) };
