@@ -198,6 +198,10 @@ pub struct Rule {
     /// The domain's share of the pipe engine relative to other domains
     /// (`pipe_weight`, 1..=10000, default 1); `fido pipe weight` changes it live.
     pub pipe_weight: u32,
+    /// May the domain take part in MMNet acceleration (`net`, default true)?
+    /// With `net = false` the broker refuses the handshake keys of fido-net
+    /// (see [`is_net_handshake`]), so the process's TCP connections stay plain.
+    pub net: bool,
 }
 
 impl Rule {
@@ -243,8 +247,60 @@ pub struct Policy {
     pub socket_mode: u32,
     /// Group of the socket file (`[socket] group`), if set.
     pub socket_gid: Option<u32>,
+    /// The `[net]` section: MMNet (fido-net) acceleration for everyone.
+    pub net: NetPolicy,
     /// Where the policy came from, for log and error messages.
     pub source: String,
+}
+
+/// The `[net]` section of the policy: which fido-net processes (domains named
+/// `net-<comm>`) may accelerate their TCP connections.
+#[derive(Debug, Clone)]
+pub struct NetPolicy {
+    /// `accelerate = false`: nobody's connections are accelerated.
+    pub accelerate: bool,
+    /// Domain names (`net-<comm>`, globs) whose connections are never accelerated.
+    pub deny: Vec<Glob>,
+}
+
+impl Default for NetPolicy {
+    fn default() -> Self {
+        NetPolicy {
+            accelerate: true,
+            deny: Vec::new(),
+        }
+    }
+}
+
+/// Is this registry operation a step of the fido-net (MMNet) handshake that
+/// the `net` policy gates? Publishing a listener (`/net/listen/…`), writing a
+/// connection request (`/net/conn/…`) and claiming one (the server deletes
+/// the request before it attaches). Withdrawing a listener and the published
+/// statistics (`/net/stats/…`) are never refused: they only ever make a
+/// process *less* accelerated or report on it.
+pub fn is_net_handshake(path: &str, delete: bool) -> bool {
+    if delete {
+        path.starts_with("/net/conn/")
+    } else {
+        path.starts_with("/net/listen/") || path.starts_with("/net/conn/")
+    }
+}
+
+impl Policy {
+    /// Why MMNet acceleration is refused to the domain `name` admitted by
+    /// `rule`, or `None` when it is allowed.
+    pub fn net_refusal(&self, rule: &Rule, name: &str) -> Option<String> {
+        if !self.net.accelerate {
+            return Some("[net] accelerate = false".into());
+        }
+        if let Some(g) = self.net.deny.iter().find(|g| g.matches(name)) {
+            return Some(format!("[net] deny matches {:?} ({name})", g.as_str()));
+        }
+        if !rule.net {
+            return Some(format!("rule {} says net = false", rule.name));
+        }
+        None
+    }
 }
 
 /// Why a join was refused.
@@ -273,9 +329,11 @@ impl Policy {
                 registry_write: all("/**"),
                 quotas: DEFAULT_QUOTAS,
                 pipe_weight: DEFAULT_PIPE_WEIGHT,
+                net: true,
             }],
             socket_mode: DEFAULT_SOCKET_MODE,
             socket_gid: None,
+            net: NetPolicy::default(),
             source: "built-in default policy".into(),
         }
     }
@@ -323,6 +381,16 @@ struct RawPolicy {
     socket: RawSocket,
     #[serde(default, rename = "rule")]
     rules: Vec<RawRule>,
+    #[serde(default)]
+    net: RawNet,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawNet {
+    accelerate: Option<bool>,
+    #[serde(default)]
+    deny: Vec<String>,
 }
 
 #[derive(Deserialize, Default)]
@@ -373,6 +441,8 @@ struct RawRule {
     watches: Option<u64>,
     pipes: Option<u64>,
     pipe_weight: Option<u32>,
+    #[serde(default = "yes")]
+    net: bool,
 }
 
 fn yes() -> bool {
@@ -493,6 +563,7 @@ impl RawPolicy {
                 join: r.join,
                 quotas,
                 pipe_weight,
+                net: r.net,
                 name,
             });
         }
@@ -507,10 +578,15 @@ impl RawPolicy {
             (Some(g), None) => Some(lookup_group(g)?),
             (None, g) => g,
         };
+        let net = NetPolicy {
+            accelerate: self.net.accelerate.unwrap_or(true),
+            deny: globs("deny", "[net]", &self.net.deny)?,
+        };
         Ok(Policy {
             rules,
             socket_mode,
             socket_gid,
+            net,
             source: source.to_string(),
         })
     }
@@ -728,5 +804,29 @@ mod tests {
         assert_eq!(parse_size("1 GiB"), Some(1 << 30));
         assert_eq!(parse_size("1x"), None);
         assert_eq!(parse_size("G"), None);
+    }
+
+    #[test]
+    fn net_section_and_rule_switch() {
+        let p = Policy::parse(
+            "[net]\ndeny = [\"net-redis*\"]\n[[rule]]\nname = \"a\"\nuids = [1]\n[[rule]]\nname = \"b\"\nnet = false\n",
+            "t",
+        )
+        .unwrap();
+        assert!(p.net.accelerate);
+        let (a, b) = (&p.rules[0], &p.rules[1]);
+        assert!(a.net && !b.net);
+        assert_eq!(p.net_refusal(a, "net-echo"), None);
+        assert!(p.net_refusal(a, "net-redis-server").unwrap().contains("net-redis*"));
+        assert!(p.net_refusal(b, "net-echo").unwrap().contains("rule b says net = false"));
+        let off = Policy::parse("[net]\naccelerate = false\n", "t").unwrap();
+        let d = Policy::default_for_uid(0);
+        assert!(off.net_refusal(&d.rules[0], "net-x").unwrap().contains("accelerate = false"));
+        assert_eq!(d.net_refusal(&d.rules[0], "net-x"), None);
+        assert!(Policy::parse("[net]\nallow = []\n", "t").is_err(), "unknown keys are refused");
+        assert!(is_net_handshake("/net/listen/1/x", false));
+        assert!(is_net_handshake("/net/conn/1/x", true));
+        assert!(!is_net_handshake("/net/listen/1/x", true), "withdrawing is allowed");
+        assert!(!is_net_handshake("/net/stats/3", false));
     }
 }

@@ -1432,6 +1432,17 @@ impl Server {
         let Some(d) = self.domains.get(&dom) else {
             return Err(internal("registry", "caller has no domain"));
         };
+        // MMNet: the `net` policy refuses the handshake steps (not a warning:
+        // a process under `fido run` meets it on every connection).
+        if crate::policy::is_net_handshake(path, delete) {
+            if let Some(why) = self.cfg.policy.net_refusal(&d.rule, &d.name) {
+                tracing::debug!(domain = dom, path, "MMNet refused: {why}");
+                return Err(err(
+                    ErrorCode::Denied,
+                    format!("MMNet acceleration disabled by policy {}: {why}", self.cfg.policy.source),
+                ));
+            }
+        }
         let ok = if delete {
             d.rule
                 .may_delete(path, || self.reg.list(path).map_or(true, |c| !c.is_empty()))

@@ -978,3 +978,81 @@ fn child_main() {
     }
     let _ = std::io::stdout().flush();
 }
+
+/// MMNet (fido-net) acceleration follows the policy: `[net] deny` (domain
+/// names `net-<comm>`), `[net] accelerate = false` and a rule's `net = false`
+/// make the broker refuse the handshake steps — publishing a listener,
+/// writing a connection request, claiming one — with `Denied` and a message
+/// naming MMNet, while withdrawing a listener and publishing statistics stay
+/// allowed. A reload applies to the next step at once.
+#[test]
+fn net_policy_refuses_the_mmnet_handshake_and_follows_reloads() {
+    let text = |net: &str, rule_net: bool| {
+        format!(
+            "{net}\n[[rule]]\nname = \"all\"\nuids = [{}]\nregistry_write = [\"/**\"]\nnet = {rule_net}\n",
+            me()
+        )
+    };
+    let b = broker_with(Some(policy(&text("[net]\ndeny = [\"net-denied*\"]", true))));
+    let mut denied = b.client();
+    let mut other = b.client();
+    join_as(&mut denied, "net-denied-app", None, ARENA_LEN).unwrap();
+    join_as(&mut other, "net-echo", None, ARENA_LEN).unwrap();
+    let put = |raw: &mut Raw, path: &str| {
+        raw.request(Request::Write {
+            path: path.into(),
+            value: b"1".to_vec(),
+        })
+    };
+    let del = |raw: &mut Raw, path: &str| raw.request(Request::Delete { path: path.into() });
+    let listen = "/net/listen/80/1@0.0.0.0@1@0@1";
+    let conn = "/net/conn/127.0.0.1/80/5000/1";
+    let msg = expect_err(put(&mut denied, listen), ErrorCode::Denied, "MMNet");
+    assert!(msg.contains("net-denied*"), "{msg}");
+    expect_err(put(&mut denied, conn), ErrorCode::Denied, "MMNet");
+    // The allowed domain publishes; the denied one may not claim its request.
+    assert!(matches!(put(&mut other, conn), Ok(Reply::Ok)));
+    assert!(matches!(put(&mut other, listen), Ok(Reply::Ok)));
+    expect_err(del(&mut denied, conn), ErrorCode::Denied, "MMNet");
+    // Statistics and withdrawing a listener are never refused.
+    assert!(matches!(put(&mut denied, "/net/stats/7"), Ok(Reply::Ok)));
+    assert!(matches!(del(&mut denied, listen), Ok(Reply::Ok)));
+
+    // Reload: a rule's `net = false` now refuses everyone it admits.
+    b.reload.reload(Policy::parse(&text("", false), "reloaded").unwrap());
+    let deadline = Instant::now() + WAIT;
+    loop {
+        match put(&mut other, conn) {
+            Err(e) if e.code == ErrorCode::Denied => {
+                assert!(e.message.contains("rule all says net = false"), "{}", e.message);
+                break;
+            }
+            Ok(_) => assert!(Instant::now() < deadline, "reload never applied"),
+            Err(e) => panic!("{e:?}"),
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Reload again: everything allowed, the denied domain may publish now.
+    b.reload.reload(Policy::parse(&text("", true), "reloaded-2").unwrap());
+    let deadline = Instant::now() + WAIT;
+    while put(&mut denied, listen).is_err() {
+        assert!(Instant::now() < deadline, "second reload never applied");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // `[net] accelerate = false` refuses everyone.
+    b.reload.reload(Policy::parse(&text("[net]\naccelerate = false", true), "off").unwrap());
+    let deadline = Instant::now() + WAIT;
+    loop {
+        match del(&mut other, conn) {
+            Err(e) => {
+                assert!(e.message.contains("accelerate = false"), "{}", e.message);
+                break;
+            }
+            Ok(_) => {
+                assert!(Instant::now() < deadline, "third reload never applied");
+                put(&mut other, conn).ok();
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

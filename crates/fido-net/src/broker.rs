@@ -148,20 +148,45 @@ pub fn euid() -> u32 {
     unsafe { libc::geteuid() }
 }
 
+/// Why the broker refused a handshake step, when it was the `net` policy
+/// (the broker answers `Denied` with "MMNet acceleration disabled by policy").
+fn policy_refusal(e: &fido::Error) -> Option<String> {
+    match e {
+        fido::Error::Broker(r)
+            if r.code == fido::ErrorCode::Denied && r.message.contains("MMNet") =>
+        {
+            Some(r.message.clone())
+        }
+        _ => None,
+    }
+}
+
 /// Publishes a listening socket. Returns the key.
+///
+/// Key: `/net/listen/<port>/<netns>@<ip>@<domain>@<uid>@<pid>` — the netns
+/// (inode) scopes loopback and same-namespace matches; the pid lets a client
+/// in another namespace ask the kernel whether its route leads there.
 pub fn publish_listener(ip: &str, port: u16) -> Option<String> {
     let d = domain()?;
     let key = format!(
-        "/net/listen/{}/{}/{}@{}@{}",
-        netns(),
+        "/net/listen/{}/{}@{}@{}@{}@{}",
         port,
+        netns(),
         ip,
         d.id(),
-        euid()
+        euid(),
+        std::process::id()
     );
-    d.write(&key, std::process::id().to_string().as_bytes())
-        .ok()?;
-    Some(key)
+    match d.write(&key, std::process::id().to_string().as_bytes()) {
+        Ok(()) => Some(key),
+        Err(e) => {
+            match policy_refusal(&e) {
+                Some(why) => crate::debug!("listen on {ip}:{port}: not published: {why}"),
+                None => crate::debug!("listen on {ip}:{port}: not published: {e}"),
+            }
+            None
+        }
+    }
 }
 
 pub fn withdraw(key: &str) {
@@ -170,49 +195,91 @@ pub fn withdraw(key: &str) {
     }
 }
 
-/// Is a live listener under Fido, of our uid, behind `ip:port` (a loopback
-/// destination)?
-pub fn find_listener(ip: &str, v4: bool, port: u16) -> bool {
-    let Some(d) = domain() else { return false };
-    let Ok(names) = d.list(&format!("/net/listen/{}/{}", netns(), port)) else {
-        return false;
-    };
+/// Where a connect to `ip:port` leads, as far as acceleration goes.
+pub enum Target {
+    /// A listener in our own namespace (loopback, or one of our addresses).
+    Same,
+    /// A listener in another namespace the kernel routes `ip` straight into.
+    Other,
+}
+
+/// Is a live listener under Fido, of our uid, behind `ip:port`? `local`:
+/// the destination is in our namespace (loopback or one of our addresses);
+/// otherwise only a listener in the namespace our direct veth route leads
+/// into counts (see `netns`).
+pub fn find_listener(ip: &str, v4: bool, port: u16, local: bool) -> Option<Target> {
+    let d = domain()?;
+    let names = d.list(&format!("/net/listen/{port}")).ok()?;
+    let me = netns();
+    let dst: Option<std::net::IpAddr> = ip.parse().ok();
     for n in names {
         let mut it = n.split('@');
-        let (Some(lip), Some(dom), Some(uid)) = (it.next(), it.next(), it.next()) else {
+        let (Some(ns), Some(lip), Some(dom), Some(uid), Some(pid)) =
+            (it.next(), it.next(), it.next(), it.next(), it.next())
+        else {
             continue;
         };
-        let ip_ok = lip == ip
-            || lip == "::"
-            || (v4 && lip == "0.0.0.0")
-            || (!v4 && ip == "::1" && lip == "::1");
-        if !ip_ok || uid.parse::<u32>().ok() != Some(euid()) {
+        let (Ok(ns), Ok(uid), Ok(pid)) = (ns.parse::<u64>(), uid.parse::<u32>(), pid.parse::<u32>())
+        else {
+            continue;
+        };
+        let wild = lip == "::" || (v4 && lip == "0.0.0.0");
+        let ip_ok = lip == ip || wild || (!v4 && ip == "::1" && lip == "::1");
+        if !ip_ok || uid != euid() {
             continue;
         }
-        if matches!(d.read(&format!("/domain/{dom}/pid")), Ok(Some(_))) {
-            return true;
+        if local != (ns == me) {
+            continue;
+        }
+        if !matches!(d.read(&format!("/domain/{dom}/pid")), Ok(Some(_))) {
+            continue;
+        }
+        if local {
+            return Some(Target::Same);
+        }
+        let Some(dst) = dst else { continue };
+        match crate::netns::leads_to(dst, pid, ns) {
+            Ok(()) => return Some(Target::Other),
+            Err(why) => crate::debug!("listener {n} not reachable for sure: {why}"),
         }
     }
-    false
+    None
 }
 
-pub fn request_key(sport: u16, cport: u16) -> String {
-    format!("/net/conn/{}/{}/{}", netns(), sport, cport)
+/// The request key: `/net/conn/<server ip>/<server port>/<client port>/<client netns>`.
+/// Both ends see the same addresses and ports (no NAT between namespaces of
+/// one host); the client's namespace tells same-namespace requests (read
+/// directly) from cross-namespace ones (verified through the kernel).
+pub fn request_key(sip: &str, sport: u16, cport: u16, cns: u64) -> String {
+    format!("/net/conn/{sip}/{sport}/{cport}/{cns}")
 }
 
-pub fn write_request(key: &str, memfd: i32, nonce: u64, ring_len: usize) -> bool {
-    let Some(d) = domain() else { return false };
+/// Writes the request; `Err(reason)` when refused.
+pub fn write_request(key: &str, memfd: i32, nonce: u64, ring_len: usize) -> Result<(), String> {
+    let Some(d) = domain() else {
+        return Err("no broker".into());
+    };
     d.write(
         key,
         format!("{} {} {} {}", std::process::id(), memfd, nonce, ring_len).as_bytes(),
     )
-    .is_ok()
+    .map_err(|e| policy_refusal(&e).unwrap_or_else(|| e.to_string()))
 }
 
 pub fn delete_key(key: &str) {
     if let Some(d) = domain() {
         let _ = d.delete(key);
     }
+}
+
+/// The server claims a request before it attaches: deleting it through the
+/// broker is the step the `net` policy can refuse. `Err(reason)` if refused.
+pub fn claim(key: &str) -> Result<(), String> {
+    let Some(d) = domain() else {
+        return Err("no broker".into());
+    };
+    d.delete(key)
+        .map_err(|e| policy_refusal(&e).unwrap_or_else(|| e.to_string()))
 }
 
 pub struct Request {
@@ -222,11 +289,8 @@ pub struct Request {
     pub ring_len: usize,
 }
 
-/// The client's request for this 4-tuple, if any (validated syntactically).
-pub fn read_request(key: &str) -> Option<Request> {
-    let d = domain()?;
-    let v = d.read(key).ok()??;
-    let s = std::str::from_utf8(&v).ok()?;
+fn parse_request(v: &[u8]) -> Option<Request> {
+    let s = std::str::from_utf8(v).ok()?;
     let mut it = s.split(' ');
     let r = Request {
         pid: it.next()?.parse().ok()?,
@@ -235,6 +299,63 @@ pub fn read_request(key: &str) -> Option<Request> {
         ring_len: it.next()?.parse().ok()?,
     };
     (r.pid > 0 && r.memfd >= 0 && crate::valid_ring_len(r.ring_len)).then_some(r)
+}
+
+/// The client's request for the connection accepted with local `sip:sport`
+/// from `peer:cport`, if any, with its key. `same`: the peer address is in
+/// our namespace (loopback or local), so the request must come from our
+/// namespace and is read directly (the 4-tuple is unique in a namespace).
+/// Otherwise a request counts only when the kernel proves our route to
+/// `peer` leads straight into that client's namespace — so a pair of
+/// namespaces reusing the same addresses can never hand us its segment.
+/// Several proven candidates (cannot happen with a direct veth) or none:
+/// `None`, plain TCP.
+pub fn read_request(
+    sip: &str,
+    sport: u16,
+    peer: &str,
+    cport: u16,
+    same: bool,
+) -> Option<(String, Request)> {
+    let d = domain()?;
+    let me = netns();
+    if same {
+        let key = request_key(sip, sport, cport, me);
+        let r = parse_request(&d.read(&key).ok()??)?;
+        if crate::netns::ns_of(r.pid) != Some(me) {
+            crate::debug!("request {key}: pid {} is not in our namespace", r.pid);
+            return None;
+        }
+        return Some((key, r));
+    }
+    let dir = format!("/net/conn/{sip}/{sport}/{cport}");
+    let names = d.list(&dir).ok()?;
+    if names.is_empty() {
+        return None;
+    }
+    let peer_ip: std::net::IpAddr = peer.parse().ok()?;
+    let mut found: Option<(String, Request)> = None;
+    for n in names {
+        let Ok(ns) = n.parse::<u64>() else { continue };
+        if ns == me {
+            continue;
+        }
+        let k = format!("{dir}/{n}");
+        let Some(r) = d.read(&k).ok().flatten().and_then(|v| parse_request(&v)) else {
+            continue;
+        };
+        match crate::netns::leads_to(peer_ip, r.pid, ns) {
+            Ok(()) => {
+                if found.is_some() {
+                    crate::debug!("{dir}: several proven requests: ambiguous, plain TCP");
+                    return None;
+                }
+                found = Some((k, r));
+            }
+            Err(why) => crate::debug!("request {k} is not our peer's: {why}"),
+        }
+    }
+    found
 }
 
 // ---- statistics -------------------------------------------------------

@@ -20,6 +20,8 @@
 
 mod broker;
 mod conn;
+mod inherit;
+mod netns;
 mod real;
 mod seg;
 mod table;
@@ -271,11 +273,13 @@ pub unsafe extern "C" fn listen(fd: c_int, backlog: c_int) -> c_int {
 
 /// Prepares acceleration of a connect to a co-located listener: binds, makes
 /// the segment and writes the request. `None`: stay plain TCP.
-fn prepare_connect(fd: c_int, dst: &Addr) -> Option<Arc<Conn>> {
-    if !broker::find_listener(&dst.ip, dst.v4, dst.port) {
+fn prepare_connect(fd: c_int, dst: &Addr, same: bool) -> Option<Arc<Conn>> {
+    if broker::find_listener(&dst.ip, dst.v4, dst.port, same).is_none() {
         debug!(
-            "connect fd {fd} to {}:{}: no listener under fido",
-            dst.ip, dst.port
+            "connect fd {fd} to {}:{}: no listener under fido{}",
+            dst.ip,
+            dst.port,
+            if same { "" } else { " that the route provably leads to" }
         );
         broker::count_plain();
         return None;
@@ -338,12 +342,14 @@ fn prepare_connect(fd: c_int, dst: &Addr) -> Option<Arc<Conn>> {
     segm.side(seg::CLIENT)
         .pid
         .store(std::process::id(), Ordering::Relaxed);
-    let key = broker::request_key(dst.port, local.port);
+    let key = broker::request_key(&dst.ip, dst.port, local.port, broker::netns());
     debug!(
         "connect fd {fd} {}:{} -> {}:{}: requesting {key}",
         local.ip, local.port, dst.ip, dst.port
     );
-    if !broker::write_request(&key, memfd, nonce, rl) {
+    if let Err(why) = broker::write_request(&key, memfd, nonce, rl) {
+        debug!("connect fd {fd}: request refused ({why}): plain TCP");
+        broker::count_plain();
         cleanup(memfd);
         return None;
     }
@@ -364,10 +370,11 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
     let prepared = if broker::enabled() && table::lookup(fd).is_none() {
         guard(None, || {
             let dst = parse_addr(addr, len)?;
-            if !dst.loopback || !is_tcp_stream(fd) {
+            if !is_tcp_stream(fd) {
                 return None;
             }
-            prepare_connect(fd, &dst)
+            let same = dst.loopback || in_our_netns(&dst.ip)?;
+            prepare_connect(fd, &dst, same)
         })
     } else {
         None
@@ -397,6 +404,17 @@ pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_
     r
 }
 
+/// Is `ip` (not loopback) one of our namespace's addresses (`Some(true)`),
+/// reached straight over a veth into another namespace (`Some(false)`), or
+/// elsewhere (`None`: not accelerated)?
+fn in_our_netns(ip: &str) -> Option<bool> {
+    match netns::route(ip.parse().ok()?) {
+        netns::Route::Local => Some(true),
+        netns::Route::Veth { .. } => Some(false),
+        netns::Route::Other => None,
+    }
+}
+
 /// Server side: attach to the client's segment if it asked for acceleration.
 /// Any failure leaves the connection plain TCP: the client, not seeing the
 /// attach, abandons the segment before its first byte.
@@ -404,19 +422,26 @@ fn attach(nfd: c_int, flags: c_int) {
     let Some(peer) = sock_name(nfd, true) else {
         return;
     };
-    if !peer.loopback {
-        return;
-    }
+    let same = if peer.loopback {
+        true
+    } else {
+        match in_our_netns(&peer.ip) {
+            Some(s) => s,
+            None => return,
+        }
+    };
     let Some(local) = sock_name(nfd, false) else {
         return;
     };
-    let key = broker::request_key(local.port, peer.port);
-    let Some(req) = broker::read_request(&key) else {
-        debug!("accept fd {nfd}: no request at {key}");
+    let Some((key, req)) = broker::read_request(&local.ip, local.port, &peer.ip, peer.port, same)
+    else {
+        debug!(
+            "accept fd {nfd}: no request for {}:{} <- {}:{}",
+            local.ip, local.port, peer.ip, peer.port
+        );
         broker::count_plain();
         return;
     };
-    broker::delete_key(&key);
     let path = format!("/proc/{}/fd/{}\0", req.pid, req.memfd);
     // SAFETY: opening a NUL-terminated path.
     let mfd = unsafe {
@@ -449,6 +474,20 @@ fn attach(nfd: c_int, flags: c_int) {
         debug!("accept fd {nfd}: segment rejected");
         return;
     };
+    // Claim the request through the broker: the step the `net` policy
+    // can refuse. Refused: abandon at once (one CAS decides for both ends),
+    // so the client does not wait for an attach that never comes.
+    if let Err(why) = broker::claim(&key) {
+        debug!("accept fd {nfd}: {why}: plain TCP");
+        let _ = segm.hdr().state.compare_exchange(
+            seg::PENDING,
+            seg::ABANDONED,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+        broker::count_plain();
+        return;
+    }
     segm.side(seg::SERVER).holders.store(1, Ordering::SeqCst);
     segm.side(seg::SERVER)
         .pid

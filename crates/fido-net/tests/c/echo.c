@@ -1,9 +1,10 @@
 /* Tiny echo server/client for the fallback tests. Built normally, statically
  * (-static: the preload cannot enter), and as a client that creates an
  * io_uring first (the library then leaves its new connections alone).
- *   echo server PORT          accept one connection, echo until EOF
- *   echo client PORT BYTES    send BYTES, read them back, verify, print "ok BYTES"
- *   echo uring-client PORT BYTES   same, after io_uring_setup through syscall() */
+ *   echo server PORT [ADDR]        accept connections, echo each until EOF
+ *   echo client PORT BYTES [ADDR]  send BYTES, read them back, verify, print "ok BYTES"
+ *   echo uring-client PORT BYTES   same, after io_uring_setup through syscall()
+ * ADDR is an IPv4 address (default 127.0.0.1; the server also takes 0.0.0.0). */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -14,9 +15,13 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-static int client(int port, size_t n) {
+static in_addr_t addr_arg(int argc, char **argv, int i) {
+    return argc > i ? inet_addr(argv[i]) : htonl(INADDR_LOOPBACK);
+}
+
+static int client(int port, size_t n, in_addr_t ip) {
     int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(port), .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(port), .sin_addr.s_addr = ip};
     if (connect(fd, (void *)&a, sizeof a)) { perror("connect"); return 1; }
     unsigned char *out = malloc(n), *in = malloc(n);
     for (size_t i = 0; i < n; i++) out[i] = (unsigned char)(i * 31 + 7);
@@ -43,7 +48,7 @@ int main(int argc, char **argv) {
     if (!strcmp(argv[1], "server")) {
         int l = socket(AF_INET, SOCK_STREAM, 0), one = 1;
         setsockopt(l, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-        struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(port), .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+        struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(port), .sin_addr.s_addr = addr_arg(argc, argv, 3)};
         if (bind(l, (void *)&a, sizeof a) || listen(l, 8)) { perror("listen"); return 1; }
         for (;;) {
             int c = accept(l, NULL, NULL);
@@ -61,5 +66,5 @@ int main(int argc, char **argv) {
         long r = syscall(SYS_io_uring_setup, 4, params);
         if (r >= 0) close((int)r);
     }
-    return client(port, n);
+    return client(port, n, addr_arg(argc, argv, 4));
 }
