@@ -2,7 +2,7 @@
  * (-static: the preload cannot enter), and as a client that creates an
  * io_uring first (the library then leaves its new connections alone).
  *   echo server PORT [ADDR]        accept connections, echo each until EOF
- *   echo client PORT BYTES [ADDR]  send BYTES, read them back, verify, print "ok BYTES"
+ *   echo client PORT BYTES [ADDR [SPORT]]  send BYTES, read them back, verify, print "ok BYTES"
  *   echo uring-client PORT BYTES   same, after io_uring_setup through syscall()
  * ADDR is an IPv4 address (default 127.0.0.1; the server also takes 0.0.0.0). */
 #define _GNU_SOURCE
@@ -19,12 +19,20 @@ static in_addr_t addr_arg(int argc, char **argv, int i) {
     return argc > i ? inet_addr(argv[i]) : htonl(INADDR_LOOPBACK);
 }
 
-static int client(int port, size_t n, in_addr_t ip) {
+static int client(int port, size_t n, in_addr_t ip, int sport) {
     int fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (sport) { /* a fixed source port (the same 4-tuple in two namespace pairs) */
+        int one = 1;
+        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+        struct sockaddr_in s = {.sin_family = AF_INET, .sin_port = htons(sport)};
+        if (bind(fd, (void *)&s, sizeof s)) { perror("bind"); return 1; }
+    }
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(port), .sin_addr.s_addr = ip};
     if (connect(fd, (void *)&a, sizeof a)) { perror("connect"); return 1; }
     unsigned char *out = malloc(n), *in = malloc(n);
-    for (size_t i = 0; i < n; i++) out[i] = (unsigned char)(i * 31 + 7);
+    /* Per-process pattern: a stream crossed with another client's shows. */
+    unsigned seed = (unsigned)getpid() * 2654435761u;
+    for (size_t i = 0; i < n; i++) out[i] = (unsigned char)(i * 31 + 7 + (seed >> (i % 24)));
     size_t sent = 0, got = 0;
     while (got < n) {
         if (sent < n) {
@@ -66,5 +74,5 @@ int main(int argc, char **argv) {
         long r = syscall(SYS_io_uring_setup, 4, params);
         if (r >= 0) close((int)r);
     }
-    return client(port, n, addr_arg(argc, argv, 4));
+    return client(port, n, addr_arg(argc, argv, 4), argc > 5 ? atoi(argv[5]) : 0);
 }

@@ -12,22 +12,43 @@ pub struct Broker {
     pub dir: tempfile::TempDir,
     pub socket: PathBuf,
     shutdown: Option<fido_broker::ShutdownHandle>,
+    reload: Option<fido_broker::ReloadHandle>,
     thread: Option<std::thread::JoinHandle<Result<(), fido_broker::BrokerError>>>,
 }
 
 impl Broker {
     pub fn start() -> Broker {
+        Broker::start_with_policy(None)
+    }
+
+    /// A broker with this access policy (TOML, see docs/SECURITY.md).
+    pub fn start_with_policy(policy: Option<&str>) -> Broker {
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("broker.sock");
         let mut cfg = fido_broker::Config::new(&socket, dir.path().join("state"));
         cfg.heartbeat = Duration::from_millis(200);
-        let (thread, shutdown) = fido_broker::Broker::spawn(cfg).unwrap();
+        if let Some(p) = policy {
+            cfg.policy = std::sync::Arc::new(fido_broker::Policy::parse(p, "test policy").unwrap());
+        }
+        let b = fido_broker::Broker::bind(cfg).unwrap();
+        let shutdown = b.shutdown_handle();
+        let reload = b.reload_handle();
+        let thread = std::thread::spawn(move || b.run());
         Broker {
             dir,
             socket,
             shutdown: Some(shutdown),
+            reload: Some(reload),
             thread: Some(thread),
         }
+    }
+
+    /// Gives the running broker a new policy (what SIGHUP does in `fido broker`).
+    pub fn reload(&self, policy: &str) {
+        self.reload
+            .as_ref()
+            .unwrap()
+            .reload(fido_broker::Policy::parse(policy, "reloaded test policy").unwrap());
     }
 
     /// A command that runs `prog` with MMNet preloaded against this broker.
@@ -61,6 +82,20 @@ impl Broker {
         out
     }
 
+    /// The registry's children of `path`.
+    pub fn list(&self, path: &str) -> Vec<String> {
+        let d = Domain::join(
+            JoinOptions::new("net-test")
+                .broker(&self.socket)
+                .arena_len(1 << 20)
+                .ring_entries(2),
+        )
+        .unwrap();
+        let v = d.list(path).unwrap_or_default();
+        let _ = d.leave();
+        v
+    }
+
     /// Waits (up to 10 s: statistics are published every 200 ms and at exit)
     /// until `name`'s accelerated connections reach `n`; returns the totals.
     pub fn wait_accelerated(&self, name: &str, n: u64) -> (u64, u64, u64) {
@@ -72,6 +107,16 @@ impl Broker {
             }
             std::thread::sleep(Duration::from_millis(100));
         }
+    }
+
+    /// Plain connections between processes under the preload on this host
+    /// (`plain_local`) of processes named `name`.
+    pub fn plain_local(&self, name: &str) -> u64 {
+        self.stats()
+            .iter()
+            .filter(|v| v["name"] == name)
+            .map(|v| v["plain_local"].as_u64().unwrap_or(0))
+            .sum()
     }
 
     /// Total accelerated connections and bytes (sent, received) of processes
