@@ -273,17 +273,14 @@ impl Default for NetPolicy {
 }
 
 /// Is this registry operation a step of the fido-net (MMNet) handshake that
-/// the `net` policy gates? Publishing a listener (`/net/listen/…`), writing a
-/// connection request (`/net/conn/…`) and claiming one (the server deletes
-/// the request before it attaches). Withdrawing a listener and the published
-/// statistics (`/net/stats/…`) are never refused: they only ever make a
-/// process *less* accelerated or report on it.
-pub fn is_net_handshake(path: &str, delete: bool) -> bool {
-    if delete {
-        path.starts_with("/net/conn/")
-    } else {
-        path.starts_with("/net/listen/") || path.starts_with("/net/conn/")
-    }
+/// the `net` policy gates? Writing a connection request (`/net/conn/…`, the
+/// client) and claiming one (deleting it, the server, just before it
+/// attaches). Listeners (`/net/listen/…`) are published and withdrawn
+/// whatever the policy says — a listener key grants nothing by itself — so
+/// that a reload that allows acceleration applies to listening sockets
+/// opened while it was refused; statistics (`/net/stats/…`) only report.
+pub fn is_net_handshake(path: &str, _delete: bool) -> bool {
+    path.starts_with("/net/conn/")
 }
 
 impl Policy {
@@ -824,9 +821,9 @@ mod tests {
         assert!(off.net_refusal(&d.rules[0], "net-x").unwrap().contains("accelerate = false"));
         assert_eq!(d.net_refusal(&d.rules[0], "net-x"), None);
         assert!(Policy::parse("[net]\nallow = []\n", "t").is_err(), "unknown keys are refused");
-        assert!(is_net_handshake("/net/listen/1/x", false));
+        assert!(is_net_handshake("/net/conn/1/x", false));
         assert!(is_net_handshake("/net/conn/1/x", true));
-        assert!(!is_net_handshake("/net/listen/1/x", true), "withdrawing is allowed");
+        assert!(!is_net_handshake("/net/listen/1/x", false), "listeners are always published");
         assert!(!is_net_handshake("/net/stats/3", false));
     }
 }

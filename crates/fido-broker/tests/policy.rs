@@ -981,10 +981,10 @@ fn child_main() {
 
 /// MMNet (fido-net) acceleration follows the policy: `[net] deny` (domain
 /// names `net-<comm>`), `[net] accelerate = false` and a rule's `net = false`
-/// make the broker refuse the handshake steps — publishing a listener,
-/// writing a connection request, claiming one — with `Denied` and a message
-/// naming MMNet, while withdrawing a listener and publishing statistics stay
-/// allowed. A reload applies to the next step at once.
+/// make the broker refuse the handshake steps — writing a connection
+/// request, claiming one — with `Denied` and a message naming MMNet, while
+/// listeners and statistics are always published (a listener key grants
+/// nothing). A reload applies to the next step at once.
 #[test]
 fn net_policy_refuses_the_mmnet_handshake_and_follows_reloads() {
     let text = |net: &str, rule_net: bool| {
@@ -1007,16 +1007,16 @@ fn net_policy_refuses_the_mmnet_handshake_and_follows_reloads() {
     let del = |raw: &mut Raw, path: &str| raw.request(Request::Delete { path: path.into() });
     let listen = "/net/listen/80/1@0.0.0.0@1@0@1";
     let conn = "/net/conn/127.0.0.1/80/5000/1";
-    let msg = expect_err(put(&mut denied, listen), ErrorCode::Denied, "MMNet");
+    let msg = expect_err(put(&mut denied, conn), ErrorCode::Denied, "MMNet");
     assert!(msg.contains("net-denied*"), "{msg}");
-    expect_err(put(&mut denied, conn), ErrorCode::Denied, "MMNet");
     // The allowed domain publishes; the denied one may not claim its request.
     assert!(matches!(put(&mut other, conn), Ok(Reply::Ok)));
     assert!(matches!(put(&mut other, listen), Ok(Reply::Ok)));
     expect_err(del(&mut denied, conn), ErrorCode::Denied, "MMNet");
-    // Statistics and withdrawing a listener are never refused.
-    assert!(matches!(put(&mut denied, "/net/stats/7"), Ok(Reply::Ok)));
+    // Listeners and statistics are never refused.
+    assert!(matches!(put(&mut denied, listen), Ok(Reply::Ok)));
     assert!(matches!(del(&mut denied, listen), Ok(Reply::Ok)));
+    assert!(matches!(put(&mut denied, "/net/stats/7"), Ok(Reply::Ok)));
 
     // Reload: a rule's `net = false` now refuses everyone it admits.
     b.reload.reload(Policy::parse(&text("", false), "reloaded").unwrap());
@@ -1032,10 +1032,10 @@ fn net_policy_refuses_the_mmnet_handshake_and_follows_reloads() {
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    // Reload again: everything allowed, the denied domain may publish now.
+    // Reload again: everything allowed, the denied domain may request now.
     b.reload.reload(Policy::parse(&text("", true), "reloaded-2").unwrap());
     let deadline = Instant::now() + WAIT;
-    while put(&mut denied, listen).is_err() {
+    while put(&mut denied, conn).is_err() {
         assert!(Instant::now() < deadline, "second reload never applied");
         std::thread::sleep(Duration::from_millis(20));
     }
