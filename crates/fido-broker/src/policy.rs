@@ -814,16 +814,31 @@ mod tests {
         let (a, b) = (&p.rules[0], &p.rules[1]);
         assert!(a.net && !b.net);
         assert_eq!(p.net_refusal(a, "net-echo"), None);
-        assert!(p.net_refusal(a, "net-redis-server").unwrap().contains("net-redis*"));
-        assert!(p.net_refusal(b, "net-echo").unwrap().contains("rule b says net = false"));
+        assert!(p
+            .net_refusal(a, "net-redis-server")
+            .unwrap()
+            .contains("net-redis*"));
+        assert!(p
+            .net_refusal(b, "net-echo")
+            .unwrap()
+            .contains("rule b says net = false"));
         let off = Policy::parse("[net]\naccelerate = false\n", "t").unwrap();
         let d = Policy::default_for_uid(0);
-        assert!(off.net_refusal(&d.rules[0], "net-x").unwrap().contains("accelerate = false"));
+        assert!(off
+            .net_refusal(&d.rules[0], "net-x")
+            .unwrap()
+            .contains("accelerate = false"));
         assert_eq!(d.net_refusal(&d.rules[0], "net-x"), None);
-        assert!(Policy::parse("[net]\nallow = []\n", "t").is_err(), "unknown keys are refused");
+        assert!(
+            Policy::parse("[net]\nallow = []\n", "t").is_err(),
+            "unknown keys are refused"
+        );
         assert!(is_net_handshake("/net/conn/1/x", false));
         assert!(is_net_handshake("/net/conn/1/x", true));
-        assert!(!is_net_handshake("/net/listen/1/x", false), "listeners are always published");
+        assert!(
+            !is_net_handshake("/net/listen/1/x", false),
+            "listeners are always published"
+        );
         assert!(!is_net_handshake("/net/stats/3", false));
     }
 }

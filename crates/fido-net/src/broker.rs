@@ -219,7 +219,8 @@ pub fn find_listener(ip: &str, v4: bool, port: u16, local: bool) -> Option<Targe
         else {
             continue;
         };
-        let (Ok(ns), Ok(uid), Ok(pid)) = (ns.parse::<u64>(), uid.parse::<u32>(), pid.parse::<u32>())
+        let (Ok(ns), Ok(uid), Ok(pid)) =
+            (ns.parse::<u64>(), uid.parse::<u32>(), pid.parse::<u32>())
         else {
             continue;
         };
@@ -362,6 +363,8 @@ pub fn read_request(
 
 static ACCELERATED: AtomicU64 = AtomicU64::new(0);
 static PLAIN_LOCAL: AtomicU64 = AtomicU64::new(0);
+/// Accelerated connections adopted from an earlier image across exec.
+static INHERITED: AtomicU64 = AtomicU64::new(0);
 static CLOSED_SENT: AtomicU64 = AtomicU64::new(0);
 static CLOSED_RECV: AtomicU64 = AtomicU64::new(0);
 static STATS_PID: AtomicU64 = AtomicU64::new(0);
@@ -380,6 +383,16 @@ pub fn count_closed(c: &Conn) {
 /// publishes its statistics.
 pub fn count_accelerated() {
     ACCELERATED.fetch_add(1, Ordering::Relaxed);
+    publish_from_now_on();
+}
+
+/// An accelerated connection was adopted across exec (see `inherit`).
+pub fn count_inherited() {
+    INHERITED.fetch_add(1, Ordering::Relaxed);
+    publish_from_now_on();
+}
+
+fn publish_from_now_on() {
     let pid = std::process::id() as u64;
     if STATS_PID.swap(pid, Ordering::SeqCst) != pid {
         let _ = std::thread::Builder::new()
@@ -420,6 +433,7 @@ fn stats_json() -> String {
         "name": exe_name(),
         "accelerated": ACCELERATED.load(Ordering::Relaxed),
         "plain_local": PLAIN_LOCAL.load(Ordering::Relaxed),
+        "inherited": INHERITED.load(Ordering::Relaxed),
         "bytes_sent": sent,
         "bytes_received": recv,
         "open": open,
@@ -428,7 +442,10 @@ fn stats_json() -> String {
 }
 
 pub fn publish_stats() {
-    if ACCELERATED.load(Ordering::Relaxed) == 0 && PLAIN_LOCAL.load(Ordering::Relaxed) == 0 {
+    if ACCELERATED.load(Ordering::Relaxed) == 0
+        && PLAIN_LOCAL.load(Ordering::Relaxed) == 0
+        && INHERITED.load(Ordering::Relaxed) == 0
+    {
         return;
     }
     let s = stats_json();

@@ -370,7 +370,7 @@ impl Conn {
     /// Space doorbells (bytes 128..=255) are kept only while a writer of
     /// ours waits for space; `send` disarms before returning, so none lands
     /// later unannounced (see `disarm_space`).
-    fn settle(&self, fd: c_int) -> bool {
+    pub(crate) fn settle(&self, fd: c_int) -> bool {
         let _l = ShmLock::lock(&self.seg.ring(self.rx()).rlock.0);
         if self.used_rx().unwrap_or(1) != 0 {
             return false;
@@ -523,7 +523,7 @@ impl Conn {
 
     /// The segment lied (an index out of range): reset the TCP connection so
     /// the peer gets ECONNRESET, and hand the socket to the kernel from now on.
-    fn reset(&self, fd: c_int) {
+    pub(crate) fn reset(&self, fd: c_int) {
         self.broken.store(true, Ordering::SeqCst);
         let sa = libc::sockaddr {
             sa_family: libc::AF_UNSPEC as libc::sa_family_t,

@@ -110,6 +110,9 @@ extern "C" fn init() {
     debug_on();
     ring_len();
     conn::read_config();
+    inherit::set_owner();
+    // Connections an earlier image passed across exec (FIDO_NET_INHERIT).
+    guard((), inherit::adopt);
     // SAFETY: registering plain extern "C" handlers.
     unsafe { libc::pthread_atfork(Some(fork_prepare), Some(fork_parent), Some(fork_child)) };
 }
@@ -125,6 +128,7 @@ extern "C" fn fork_parent() {
 extern "C" fn fork_child() {
     table::fork_child();
     broker::fork_child();
+    inherit::set_owner();
 }
 
 /// `fork`: the child holds every connection the parent holds. The holder
@@ -279,7 +283,11 @@ fn prepare_connect(fd: c_int, dst: &Addr, same: bool) -> Option<Arc<Conn>> {
             "connect fd {fd} to {}:{}: no listener under fido{}",
             dst.ip,
             dst.port,
-            if same { "" } else { " that the route provably leads to" }
+            if same {
+                ""
+            } else {
+                " that the route provably leads to"
+            }
         );
         broker::count_plain();
         return None;
@@ -334,6 +342,7 @@ fn prepare_connect(fd: c_int, dst: &Addr, same: bool) -> Option<Arc<Conn>> {
         cleanup(memfd);
         return None;
     };
+    segm.retain(memfd);
     let mut nb = [0u8; 8];
     // SAFETY: getrandom into a local buffer.
     unsafe { libc::getrandom(nb.as_mut_ptr() as *mut c_void, 8, 0) };
@@ -468,6 +477,9 @@ fn attach(nfd: c_int, flags: c_int) {
     } else {
         None
     };
+    if let Some(s) = &segm {
+        s.retain(mfd);
+    }
     // SAFETY: our own descriptor (the mapping stays).
     unsafe { real::close(mfd) };
     let Some(segm) = segm.filter(|s| s.validate(req.nonce)) else {
@@ -1091,6 +1103,7 @@ pub unsafe extern "C" fn sendfile64(
 
 /// The close of `fd` as far as we are concerned (before the real close).
 fn forget_fd(fd: c_int) {
+    seg::forget_kept(fd);
     if let Some((c, last)) = table::remove(fd) {
         if last {
             broker::count_closed(&c);
@@ -1252,7 +1265,7 @@ pub unsafe extern "C" fn ioctl(fd: c_int, req: c_ulong, arg: *mut c_void) -> c_i
 pub unsafe extern "C" fn close_range(first: c_uint, last: c_uint, flags: c_int) -> c_int {
     if flags & libc::CLOSE_RANGE_CLOEXEC as c_int == 0 {
         guard((), || {
-            for fd in table::fds() {
+            for fd in table::fds().into_iter().chain(seg::kept_fds()) {
                 if fd >= 0 && (first..=last).contains(&(fd as c_uint)) {
                     forget_fd(fd);
                 }

@@ -244,7 +244,11 @@ pub fn nsid_of(pid: u32, ino: u64) -> Option<i32> {
     }
     let raw = fd.as_raw_fd() as u32;
     // struct rtgenmsg (one byte, padded to 4).
-    let (ty, p) = ask(RTM_GETNSID, &[libc::AF_UNSPEC as u8], &[(NETNSA_FD, &raw.to_ne_bytes())])?;
+    let (ty, p) = ask(
+        RTM_GETNSID,
+        &[libc::AF_UNSPEC as u8],
+        &[(NETNSA_FD, &raw.to_ne_bytes())],
+    )?;
     if ty != RTM_NEWNSID {
         return None;
     }
@@ -270,7 +274,9 @@ pub fn leads_to(dst: IpAddr, pid: u32, ino: u64) -> Result<(), String> {
             Some(n) => Err(format!(
                 "route to {dst} enters namespace id {nsid}, pid {pid} is in id {n}"
             )),
-            None => Err(format!("no namespace id for pid {pid} (gone, or namespace {ino} not its)")),
+            None => Err(format!(
+                "no namespace id for pid {pid} (gone, or namespace {ino} not its)"
+            )),
         },
         Route::Local => Err(format!("{dst} is local to this namespace")),
         Route::Other => Err(format!(

@@ -9,8 +9,11 @@
 //! All positions are monotonically increasing byte counts (`head` written by
 //! the writer, `tail` by the reader); `head - tail` is what is buffered.
 
+use parking_lot::Mutex;
+use std::collections::HashMap;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
 
 pub const MAGIC: u64 = 0x6669_646f_6e65_7431; // "fidonet1"
 pub const VERSION: u32 = 1;
@@ -91,6 +94,58 @@ pub struct Segment {
     base: NonNull<u8>,
     len: usize,
     ring_len: usize,
+    /// A close-on-exec descriptor of the memfd, kept so the connection can
+    /// be handed to a new image across `exec` (see `inherit`); -1 when not
+    /// kept (over budget) or when the program closed that descriptor number.
+    kept: Arc<AtomicI32>,
+}
+
+/// Kept segment descriptors by number, so a program closing (or `dup2`-ing
+/// over) one of them — daemons close every descriptor — is noticed.
+static KEPT: Mutex<Option<HashMap<i32, Arc<AtomicI32>>>> = Mutex::new(None);
+static KEPT_COUNT: AtomicUsize = AtomicUsize::new(0);
+
+/// At most this many descriptors are kept (a quarter of the soft
+/// `RLIMIT_NOFILE`), so a program with many connections does not run out of
+/// descriptors because of us; connections beyond it cannot cross an exec.
+fn kept_budget() -> usize {
+    static B: AtomicUsize = AtomicUsize::new(0);
+    let v = B.load(Ordering::Relaxed);
+    if v != 0 {
+        return v;
+    }
+    let mut rl = libc::rlimit {
+        rlim_cur: 1024,
+        rlim_max: 1024,
+    };
+    // SAFETY: getrlimit into a local.
+    unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut rl) };
+    let v = ((rl.rlim_cur.min(1 << 20)) / 4).max(1) as usize;
+    B.store(v, Ordering::Relaxed);
+    v
+}
+
+/// The program is closing (or replacing) descriptor `fd`: if it was a kept
+/// segment descriptor, it is no longer ours.
+pub fn forget_kept(fd: i32) {
+    if KEPT_COUNT.load(Ordering::Relaxed) == 0 {
+        return;
+    }
+    if let Some(k) = KEPT.lock().as_mut().and_then(|m| m.remove(&fd)) {
+        KEPT_COUNT.fetch_sub(1, Ordering::Relaxed);
+        k.store(-1, Ordering::SeqCst);
+    }
+}
+
+/// Descriptors kept for segments.
+pub fn kept_fds() -> Vec<i32> {
+    if KEPT_COUNT.load(Ordering::Relaxed) == 0 {
+        return Vec::new();
+    }
+    KEPT.lock()
+        .as_ref()
+        .map(|m| m.keys().copied().collect())
+        .unwrap_or_default()
 }
 
 // SAFETY: the mapping is shared memory accessed through atomics (header) and
@@ -125,7 +180,40 @@ impl Segment {
             base: NonNull::new(p as *mut u8).expect("mmap never returns NULL on success"),
             len,
             ring_len,
+            kept: Arc::new(AtomicI32::new(-1)),
         })
+    }
+
+    /// Keeps a close-on-exec duplicate of `fd` (the memfd this segment was
+    /// mapped from), high in the descriptor table, within the budget.
+    pub fn retain(&self, fd: i32) {
+        if KEPT_COUNT.load(Ordering::Relaxed) >= kept_budget() {
+            return;
+        }
+        let floor = (kept_budget() * 2) as i32; // the upper half of the soft limit
+                                                // SAFETY: duplicating our own descriptor.
+        let mut d = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, floor) };
+        if d < 0 {
+            // SAFETY: as above, lowest free number.
+            d = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+        }
+        if d >= 0 {
+            self.adopt(d);
+        }
+    }
+
+    /// Takes `fd` (ours, close-on-exec) as the kept descriptor.
+    pub fn adopt(&self, fd: i32) {
+        self.kept.store(fd, Ordering::SeqCst);
+        KEPT.lock()
+            .get_or_insert_with(HashMap::new)
+            .insert(fd, self.kept.clone());
+        KEPT_COUNT.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The kept descriptor, or -1.
+    pub fn kept_fd(&self) -> i32 {
+        self.kept.load(Ordering::SeqCst)
     }
 
     pub fn hdr(&self) -> &Header {
@@ -283,6 +371,12 @@ impl Segment {
 
 impl Drop for Segment {
     fn drop(&mut self) {
+        let fd = self.kept.swap(-1, Ordering::SeqCst);
+        if fd >= 0 {
+            forget_kept(fd);
+            // SAFETY: our own kept descriptor (the program never saw it as its own).
+            unsafe { crate::real::close(fd) };
+        }
         // SAFETY: unmapping exactly what `map` mapped; nothing borrows it past drop.
         unsafe { libc::munmap(self.base.as_ptr() as *mut libc::c_void, self.len) };
     }

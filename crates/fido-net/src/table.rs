@@ -60,6 +60,27 @@ pub fn all() -> Vec<Arc<Conn>> {
     v
 }
 
+/// Every descriptor naming a connection, with it.
+pub fn entries() -> Vec<(i32, Arc<Conn>)> {
+    if COUNT.load(Ordering::Relaxed) == 0 {
+        return Vec::new();
+    }
+    CONNS
+        .read()
+        .as_ref()
+        .map(|m| m.iter().map(|(k, v)| (*k, v.clone())).collect())
+        .unwrap_or_default()
+}
+
+/// Descriptors of the listeners we published (or duplicated).
+pub fn listener_fds() -> Vec<i32> {
+    LISTENERS
+        .lock()
+        .as_ref()
+        .map(|m| m.keys().copied().collect())
+        .unwrap_or_default()
+}
+
 /// Descriptors of accelerated connections and published listeners.
 pub fn fds() -> Vec<i32> {
     let mut v: Vec<i32> = CONNS

@@ -57,7 +57,15 @@ impl Pair {
         ip(&["link", "set", &va, "netns", &p.a]);
         ip(&["link", "set", &vb, "netns", &p.b]);
         for (ns, dev, host) in [(&p.a, &va, 1), (&p.b, &vb, 2)] {
-            ip(&["-n", ns, "addr", "add", &format!("{net}.{host}/24"), "dev", dev]);
+            ip(&[
+                "-n",
+                ns,
+                "addr",
+                "add",
+                &format!("{net}.{host}/24"),
+                "dev",
+                dev,
+            ]);
             ip(&["-n", ns, "link", "set", dev, "up"]);
             ip(&["-n", ns, "link", "set", "lo", "up"]);
         }
@@ -87,20 +95,6 @@ fn in_ns(b: Option<&Broker>, ns: &str, prog: &std::path::Path, args: &[&str]) ->
             .env("FIDO_NET_ATTACH_MS", "10000");
     }
     c
-}
-
-/// Waits until the process `pid` (in its namespace) listens on `port`.
-fn wait_listening(pid: u32, port: u16) {
-    let needle = format!(":{port:04X} 00000000:0000 0A");
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let t = std::fs::read_to_string(format!("/proc/{pid}/net/tcp")).unwrap_or_default();
-        if t.contains(&needle) {
-            return;
-        }
-        assert!(Instant::now() < deadline, "nothing listens on {port} in {pid}'s namespace");
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 fn server(b: Option<&Broker>, ns: &str, echo: &std::path::Path, port: u16) -> Guard {
@@ -167,7 +161,12 @@ fn namespace_pairs_with_identical_addresses_never_share_segments() {
     let clients: Vec<_> = (0..6)
         .map(|i| {
             let ns = if i % 2 == 0 { &p1.a } else { &p2.a };
-            let mut c = in_ns(Some(&b), ns, &echo, &["client", &port.to_string(), "300000", "10.231.8.2"]);
+            let mut c = in_ns(
+                Some(&b),
+                ns,
+                &echo,
+                &["client", &port.to_string(), "300000", "10.231.8.2"],
+            );
             c.stdout(Stdio::piped()).stderr(Stdio::piped());
             c.spawn().unwrap()
         })
@@ -189,21 +188,37 @@ fn namespace_pairs_with_identical_addresses_never_share_segments() {
     let sport = "40000";
     // SAFETY: stopping and resuming our own child.
     unsafe { libc::kill(_s1.0.id() as i32, libc::SIGSTOP) };
-    let mut c1 = in_ns(Some(&b), &p1.a, &echo, &["client", &port.to_string(), "300000", "10.231.8.2", sport]);
+    let mut c1 = in_ns(
+        Some(&b),
+        &p1.a,
+        &echo,
+        &["client", &port.to_string(), "300000", "10.231.8.2", sport],
+    );
     c1.stdout(Stdio::piped()).stderr(Stdio::piped());
     let c1 = c1.spawn().unwrap();
     let dir = format!("/net/conn/10.231.8.2/{port}/{sport}");
     let deadline = Instant::now() + Duration::from_secs(20);
     while b.list(&dir).is_empty() {
-        assert!(Instant::now() < deadline, "the first request never appeared");
+        assert!(
+            Instant::now() < deadline,
+            "the first request never appeared"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
-    let mut c2 = in_ns(Some(&b), &p2.a, &echo, &["client", &port.to_string(), "300000", "10.231.8.2", sport]);
+    let mut c2 = in_ns(
+        Some(&b),
+        &p2.a,
+        &echo,
+        &["client", &port.to_string(), "300000", "10.231.8.2", sport],
+    );
     c2.env("FIDO_NET_DEBUG", "1");
-    let out2 = wait_timeout({
-        c2.stdout(Stdio::piped()).stderr(Stdio::piped());
-        c2.spawn().unwrap()
-    }, T);
+    let out2 = wait_timeout(
+        {
+            c2.stdout(Stdio::piped()).stderr(Stdio::piped());
+            c2.spawn().unwrap()
+        },
+        T,
+    );
     // SAFETY: as above.
     unsafe { libc::kill(_s1.0.id() as i32, libc::SIGCONT) };
     let out1 = wait_timeout(c1, T);
@@ -214,5 +229,10 @@ fn namespace_pairs_with_identical_addresses_never_share_segments() {
         );
     }
     let (n, _, _) = b.wait_accelerated("echo", 16);
-    assert_eq!(n, 16, "both colliding connections accelerated, each with its own segment: {:?}", b.stats());
+    assert_eq!(
+        n,
+        16,
+        "both colliding connections accelerated, each with its own segment: {:?}",
+        b.stats()
+    );
 }

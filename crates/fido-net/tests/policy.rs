@@ -25,7 +25,12 @@ fn policy(deny: &[&str]) -> String {
 
 fn run(b: &Broker, prog: &std::path::Path, args: &[&str]) -> Command {
     let mut c = Command::new(fido());
-    c.arg("run").arg("--socket").arg(&b.socket).arg("--").arg(prog).args(args);
+    c.arg("run")
+        .arg("--socket")
+        .arg(&b.socket)
+        .arg("--")
+        .arg(prog)
+        .args(args);
     c.env_remove("LD_PRELOAD")
         .env("FIDO_NET_DEBUG", "1")
         .env("FIDO_NET_ATTACH_MS", "10000");
@@ -65,7 +70,12 @@ fn a_denying_policy_keeps_plain_tcp_and_reloads_apply_to_new_connections() {
             && err.contains("net-echo"),
         "{err}"
     );
-    assert_eq!(b.accelerated("echo").0 + b.accelerated("echosrv").0, 0, "{:?}", b.stats());
+    assert_eq!(
+        b.accelerated("echo").0 + b.accelerated("echosrv").0,
+        0,
+        "{:?}",
+        b.stats()
+    );
 
     // Reloaded to allow: the next connection is accelerated (the listener
     // opened while refused was published all along).

@@ -250,6 +250,24 @@ pub fn wait_port(port: u16) {
     }
 }
 
+/// Waits until the process `pid` (in its network namespace) listens on
+/// `port` — without connecting (a probe connection would be accepted).
+pub fn wait_listening(pid: u32, port: u16) {
+    let needle = format!(":{port:04X} 00000000:0000 0A");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let t = std::fs::read_to_string(format!("/proc/{pid}/net/tcp")).unwrap_or_default();
+        if t.contains(&needle) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "nothing listens on {port} in {pid}'s namespace"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// Is a program installed?
 pub fn have(prog: &str) -> bool {
     Command::new("sh")
