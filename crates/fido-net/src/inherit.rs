@@ -276,8 +276,8 @@ fn finish(undo: Undo, spawned: bool) {
 
 // ---- will the new image load us? -----------------------------------------
 
-/// (device, inode) of this library's file.
-fn our_library() -> Option<(u64, u64)> {
+/// The file name of this library (`libfido_net.so`).
+fn our_library() -> Option<Vec<u8>> {
     // SAFETY: all-zero is a valid Dl_info (null pointers).
     let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
     // SAFETY: dladdr on a function of ours, into a zeroed Dl_info.
@@ -288,9 +288,8 @@ fn our_library() -> Option<(u64, u64)> {
     }
     // SAFETY: dladdr returned a NUL-terminated path.
     let p = unsafe { CStr::from_ptr(info.dli_fname) };
-    let m = std::fs::metadata(OsStr::from_bytes(p.to_bytes())).ok()?;
-    use std::os::unix::fs::MetadataExt;
-    Some((m.dev(), m.ino()))
+    let name = p.to_bytes().rsplit(|&b| b == b'/').next()?;
+    Some(name.to_vec())
 }
 
 /// The environment list as strings (bounded: a corrupt list is not ours to fix).
@@ -316,6 +315,9 @@ unsafe fn env_list<'a>(envp: *const *const c_char) -> Vec<&'a CStr> {
     v
 }
 
+/// Does `LD_PRELOAD` in `env` name an existing file called like this
+/// library? (By name, not inode: a rebuilt or upgraded library replaces the
+/// file, and the new image loads whichever file the path names then.)
 fn preload_names_us(env: &[&CStr]) -> bool {
     let Some(ours) = our_library() else {
         return false;
@@ -325,15 +327,10 @@ fn preload_names_us(env: &[&CStr]) -> bool {
             continue;
         };
         for part in v.split(|&b| b == b':' || b == b' ') {
-            if part.is_empty() {
-                continue;
-            }
-            let path = OsStr::from_bytes(part);
-            use std::os::unix::fs::MetadataExt;
-            if let Ok(m) = std::fs::metadata(path) {
-                if (m.dev(), m.ino()) == ours {
-                    return true;
-                }
+            if part.rsplit(|&b| b == b'/').next() == Some(&ours[..])
+                && std::path::Path::new(OsStr::from_bytes(part)).is_file()
+            {
+                return true;
             }
         }
     }

@@ -59,11 +59,20 @@ fn run_mode(mode: &str, handler: Option<&std::path::Path>) -> (String, bool, Str
     let server = s.spawn().unwrap();
     wait_listening(server.id(), port);
     let mut c = b.accel(&bins.client);
-    c.args(["client", &port.to_string(), &N.to_string()]);
-    let out = run_ok(c, T);
+    c.args(["client", &port.to_string(), &N.to_string()])
+        .env("FIDO_NET_DEBUG", "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let co = wait_timeout(c.spawn().unwrap(), T);
     let so = wait_timeout(server, T);
-    let err = String::from_utf8_lossy(&so.stderr).into_owned();
-    (out.trim().to_string(), so.status.success(), err, b)
+    let err = format!(
+        "{}\n(client stderr:\n{})",
+        String::from_utf8_lossy(&so.stderr),
+        String::from_utf8_lossy(&co.stderr)
+    );
+    assert!(co.status.success(), "client failed: {co:?}\nserver:\n{err}");
+    let out = String::from_utf8_lossy(&co.stdout).trim().to_string();
+    (out, so.status.success(), err, b)
 }
 
 fn continues(mode: &str) {
