@@ -19,8 +19,9 @@
 #   redis-server redis-tools nginx-light curl wrk iperf3 sockperf util-linux
 #                    the real programs of the fido-net (MMNet) tests and `fido bench net`
 #                    (setpriv from util-linux runs the setuid fallback test)
+#   iproute2         `ip netns` / veth pairs of the fido-net cross-namespace test
 # Not needed: pkg-config (SQLite is bundled), libclang (iceoryx2 runs bindgen
-# only on QNX), procps/iproute2 (no test shells out to ps or ip).
+# only on QNX), procps (no test shells out to ps).
 #
 # FIDO_SKIP_CARGO_FUZZ=1 skips cargo-fuzz (the corpus replay then relies on the
 # stable `cargo test` corpus tests only).
@@ -62,6 +63,7 @@ apt_install() {
 apt_install build-essential ucx-utils
 apt_install curl wrk nginx-light libnginx-mod-stream fonts-dejavu-core
 apt_install redis-server redis-tools iperf3 sockperf util-linux
+apt_install iproute2
 apt_install protobuf-compiler capnproto python3
 
 # Rust (stable, via rustup) if there is no cargo at all.

@@ -586,7 +586,11 @@ fn active(fd: c_int) -> Option<Arc<Conn>> {
             }
             Some(c)
         }
-        seg::ABANDONED => None,
+        seg::ABANDONED => {
+            // Plain TCP for good: the segment descriptor is not needed.
+            c.seg.drop_kept();
+            None
+        }
         _ => {
             if !c.connected.load(Ordering::Relaxed) {
                 // A non-blocking connect in progress: the kernel answers.

@@ -211,6 +211,20 @@ impl Segment {
         KEPT_COUNT.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Closes the kept descriptor (the connection will never carry data on
+    /// the ring: it was abandoned).
+    pub fn drop_kept(&self) {
+        if self.kept.load(Ordering::Relaxed) < 0 {
+            return;
+        }
+        let fd = self.kept.swap(-1, Ordering::SeqCst);
+        if fd >= 0 {
+            forget_kept(fd);
+            // SAFETY: our own kept descriptor.
+            unsafe { crate::real::close(fd) };
+        }
+    }
+
     /// The kept descriptor, or -1.
     pub fn kept_fd(&self) -> i32 {
         self.kept.load(Ordering::SeqCst)
@@ -371,12 +385,7 @@ impl Segment {
 
 impl Drop for Segment {
     fn drop(&mut self) {
-        let fd = self.kept.swap(-1, Ordering::SeqCst);
-        if fd >= 0 {
-            forget_kept(fd);
-            // SAFETY: our own kept descriptor (the program never saw it as its own).
-            unsafe { crate::real::close(fd) };
-        }
+        self.drop_kept();
         // SAFETY: unmapping exactly what `map` mapped; nothing borrows it past drop.
         unsafe { libc::munmap(self.base.as_ptr() as *mut libc::c_void, self.len) };
     }
