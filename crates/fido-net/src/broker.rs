@@ -1,17 +1,23 @@
 //! Co-location through the broker: one lazily joined Fido domain per process
-//! (joined at the first TCP `listen` or loopback `connect`), the registry keys
-//! of the handshake, and the published per-process statistics.
+//! (joined at the first TCP `listen` or possibly local `connect`), the
+//! registry keys of the handshake, and the published per-process statistics.
 //!
 //! Handshake (both ends confirm through the registry before any data byte):
-//! 1. A listener publishes `/net/listen/<netns>/<port>/<ip>@<domain>@<uid>`.
-//! 2. A client connecting to a loopback address finds such a key, checks the
-//!    listener's domain is alive (`/domain/<id>/pid`) and runs as its uid,
-//!    binds its socket to learn its port, creates the segment and writes the
-//!    request `/net/conn/<netns>/<server port>/<client port>` =
+//! 1. A listener publishes `/net/listen/<port>/<netns>@<ip>@<domain>@<uid>@<pid>`.
+//! 2. A client whose destination is in its own namespace (loopback or a local
+//!    address) looks for a listener of that namespace; one whose route leads
+//!    straight over a veth into another namespace looks for a listener the
+//!    kernel proves lives there (`netns`). It checks the listener's domain is
+//!    alive and runs as its uid, binds its socket to learn its port, creates
+//!    the segment and writes the request
+//!    `/net/conn/<server ip>/<server port>/<client port>/<client netns>` =
 //!    `<pid> <memfd> <nonce> <ring_len>` — all before its SYN leaves.
-//! 3. The server's `accept` reads the request for the accepted 4-tuple's ports,
-//!    maps the segment from `/proc/<pid>/fd/<memfd>`, checks magic and nonce,
-//!    marks it attached and deletes the key. No request: plain TCP.
+//! 3. The server's `accept` finds the request for the accepted 4-tuple (its
+//!    own namespace's directly; another namespace's only when the kernel
+//!    proves its route to the peer leads there), maps the segment from
+//!    `/proc/<pid>/fd/<memfd>`, checks magic and nonce, claims the request by
+//!    deleting it (the step the broker's `net` policy may refuse) and marks
+//!    the segment attached. No request: plain TCP.
 
 use crate::conn::Conn;
 use crate::table;
