@@ -38,6 +38,14 @@ fn bins(b: &Broker) -> Bins {
 
 /// Runs one mode; returns (client stdout, server exit success, server stderr).
 fn run_mode(mode: &str, handler: Option<&std::path::Path>) -> (String, bool, String, Broker) {
+    run_mode_with(mode, handler, &[])
+}
+
+fn run_mode_with(
+    mode: &str,
+    handler: Option<&std::path::Path>,
+    client_args: &[&str],
+) -> (String, bool, String, Broker) {
     let b = Broker::start();
     let bins = bins(&b);
     let port = free_port();
@@ -60,6 +68,7 @@ fn run_mode(mode: &str, handler: Option<&std::path::Path>) -> (String, bool, Str
     wait_listening(server.id(), port);
     let mut c = b.accel(&bins.client);
     c.args(["client", &port.to_string(), &N.to_string()])
+        .args(client_args)
         .env("FIDO_NET_DEBUG", "1")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
@@ -83,6 +92,10 @@ fn continues(mode: &str) {
         err.contains("exec: adopted the accelerated connection"),
         "server:\n{err}"
     );
+    ring_carried_both_phases(&b);
+}
+
+fn ring_carried_both_phases(b: &Broker) {
     // Both phases went through the ring: the client's ring counters hold
     // 2N bytes each way.
     let (n, sent, recv) = b.wait_accelerated("xclient", 1);
@@ -134,4 +147,27 @@ fn an_image_without_the_library_gets_a_reset_not_doorbells() {
             "{mode}:\n{err}"
         );
     }
+}
+
+/// An exec that fails (no such file) undoes its preparation: the process
+/// goes on with the connection on the ring (phase 2 in the same process).
+#[test]
+fn a_failed_exec_leaves_the_connection_working() {
+    let (out, ok, err, b) = run_mode("failexec", None);
+    assert_eq!(out, "ok", "client; server said:\n{err}");
+    assert!(ok && err.contains("exec failed as expected") && err.contains("handler ok"), "{err}");
+    ring_carried_both_phases(&b);
+}
+
+/// fork + exec of a program while the accelerated socket is close-on-exec:
+/// the child's hold (raised by fork) is given up at its exec, so when the
+/// parent closes, it is the last holder and marks the connection closed —
+/// the client's writes after EOF then fail with EPIPE as over TCP (with the
+/// hold left high they went on filling the ring).
+#[test]
+fn exec_gives_up_the_hold_of_close_on_exec_connections() {
+    let (out, ok, err, b) = run_mode_with("cloexec", None, &["epipe"]);
+    assert_eq!(out, "ok", "client; server said:\n{err}");
+    assert!(ok && err.contains("handler ok"), "{err}");
+    ring_carried_both_phases(&b);
 }

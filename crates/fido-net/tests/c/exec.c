@@ -10,15 +10,23 @@
  *                  environment: the new image cannot read the ring
  *        off       like exec, with FIDO_NET=off in the new image's environment
  *                  (the library is loaded: it still adopts the connection)
+ *        failexec  dup2 onto 0/1, an execl that fails (no such file), then
+ *                  phase 2 in this process on 0/1: a failed exec undoes everything
+ *        cloexec   fork; the child execs /bin/true (the socket is close-on-exec:
+ *                  the child's hold is given up); the parent does phase 2, closes
  *   HANDLER is the program exec'd as the handler (default: this one; the
  *   test passes a static build of it, which cannot load the library).
  *   exec handler N            phase 2: read N bytes (pattern 2) from fd 0,
  *                             write N bytes (pattern 3) to fd 1; "handler ok"
  *                             on stderr, or what went wrong
- *   exec client PORT N        both phases, verifying every byte; then expects
+ *   exec client PORT N [epipe]  both phases, verifying every byte; then expects
  *                             EOF. Prints "ok", or "reset"/"cut" when the
  *                             connection was reset or ended before the phase 2
- *                             data (never data that is not the peer's). */
+ *                             data (never data that is not the peer's).
+ *                             With "epipe": after EOF, a write then (after
+ *                             the peer's RST) another must fail with EPIPE —
+ *                             which needs the server's last holder to have
+ *                             marked the connection closed. */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <errno.h>
@@ -140,11 +148,32 @@ static int server(int port, const char *mode, size_t n, const char *self) {
         waitpid(p, &st, 0);
         return WIFEXITED(st) ? WEXITSTATUS(st) : 1;
     }
+    if (!strcmp(mode, "failexec")) {
+        dup2(c, 0);
+        dup2(c, 1);
+        close(c);
+        execl("/nonexistent/fido-net-handler", "x", (char *)NULL);
+        fprintf(stderr, "exec failed as expected: %s\n", strerror(errno));
+        return handler(n);
+    }
+    if (!strcmp(mode, "cloexec")) {
+        pid_t p = fork();
+        if (p == 0) {
+            execl("/bin/true", "true", (char *)NULL);
+            _exit(127);
+        }
+        int st;
+        waitpid(p, &st, 0);
+        dup2(c, 0); /* the handler's descriptors, in this process */
+        dup2(c, 1);
+        close(c);
+        return handler(n);
+    }
     fprintf(stderr, "unknown mode %s\n", mode);
     return 2;
 }
 
-static int client(int port, size_t n) {
+static int client(int port, size_t n, int epipe) {
     signal(SIGPIPE, SIG_IGN);
     int fd = socket(AF_INET, SOCK_STREAM, 0);
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(port), .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
@@ -169,13 +198,24 @@ static int client(int port, size_t n) {
     char x;
     ssize_t e = read(fd, &x, 1);
     if (e != 0) { printf("expected EOF, got %zd (%s)\n", e, e < 0 ? strerror(errno) : "data"); return 1; }
+    if (epipe) {
+        /* TCP: the first write after the peer closed succeeds, the peer
+         * answers with a RST, a later one fails with EPIPE. */
+        int failed = 0;
+        for (int i = 0; i < 50 && !failed; i++) {
+            if (write(fd, "x", 1) < 0) failed = errno;
+            usleep(20000);
+        }
+        if (failed != EPIPE && failed != ECONNRESET) { printf("writes after close: %s\n", failed ? strerror(failed) : "all succeeded"); return 1; }
+    }
     printf("ok\n");
     return 0;
 }
 
 int main(int argc, char **argv) {
     if (argc >= 3 && !strcmp(argv[1], "handler")) return handler(strtoul(argv[2], NULL, 10));
-    if (argc >= 4 && !strcmp(argv[1], "client")) return client(atoi(argv[2]), strtoul(argv[3], NULL, 10));
+    if (argc >= 4 && !strcmp(argv[1], "client"))
+        return client(atoi(argv[2]), strtoul(argv[3], NULL, 10), argc > 4 && !strcmp(argv[4], "epipe"));
     if (argc >= 5 && !strcmp(argv[1], "server"))
         return server(atoi(argv[2]), argv[3], strtoul(argv[4], NULL, 10), argc > 5 ? argv[5] : argv[0]);
     fprintf(stderr, "usage: see the comment at the top\n");
