@@ -22,18 +22,29 @@ struct Bins {
     stat: std::path::PathBuf,
 }
 
-fn bins(b: &Broker) -> Bins {
-    let server = b.dir.path().join("xserver");
-    compile_c("exec.c", &server, &[]);
-    let client = b.dir.path().join("xclient");
-    std::fs::copy(&server, &client).unwrap();
-    let stat = b.dir.path().join("xstatic");
-    compile_c("exec.c", &stat, &["-static"]);
-    Bins {
-        server,
-        client,
-        stat,
-    }
+/// The programs, compiled once for all tests of this binary (compiling
+/// them per test, statically too, loaded the machine enough to delay
+/// accepts past the client's attach wait).
+fn bins() -> &'static Bins {
+    static B: std::sync::OnceLock<(tempfile::TempDir, Bins)> = std::sync::OnceLock::new();
+    &B.get_or_init(|| {
+        let dir = tempfile::tempdir().unwrap();
+        let server = dir.path().join("xserver");
+        compile_c("exec.c", &server, &[]);
+        let client = dir.path().join("xclient");
+        std::fs::copy(&server, &client).unwrap();
+        let stat = dir.path().join("xstatic");
+        compile_c("exec.c", &stat, &["-static"]);
+        (
+            dir,
+            Bins {
+                server,
+                client,
+                stat,
+            },
+        )
+    })
+    .1
 }
 
 /// Runs one mode; returns (client stdout, server exit success, server stderr).
@@ -47,7 +58,7 @@ fn run_mode_with(
     client_args: &[&str],
 ) -> (String, bool, String, Broker) {
     let b = Broker::start();
-    let bins = bins(&b);
+    let bins = bins();
     let port = free_port();
     let mut s = b.accel(&bins.server);
     s.args(["server", &port.to_string(), mode, &N.to_string()]);
@@ -66,6 +77,7 @@ fn run_mode_with(
         .stderr(Stdio::piped());
     let server = s.spawn().unwrap();
     wait_listening(server.id(), port);
+    b.wait_listener(port);
     let mut c = b.accel(&bins.client);
     c.args(["client", &port.to_string(), &N.to_string()])
         .args(client_args)
@@ -155,7 +167,10 @@ fn an_image_without_the_library_gets_a_reset_not_doorbells() {
 fn a_failed_exec_leaves_the_connection_working() {
     let (out, ok, err, b) = run_mode("failexec", None);
     assert_eq!(out, "ok", "client; server said:\n{err}");
-    assert!(ok && err.contains("exec failed as expected") && err.contains("handler ok"), "{err}");
+    assert!(
+        ok && err.contains("exec failed as expected") && err.contains("handler ok"),
+        "{err}"
+    );
     ring_carried_both_phases(&b);
 }
 

@@ -102,6 +102,9 @@ fn server(b: Option<&Broker>, ns: &str, echo: &std::path::Path, port: u16) -> Gu
     c.stdout(Stdio::null());
     let g = Guard(c.spawn().unwrap());
     wait_listening(g.0.id(), port);
+    if let Some(b) = b {
+        b.wait_listener(port);
+    }
     g
 }
 
@@ -158,6 +161,7 @@ fn namespace_pairs_with_identical_addresses_never_share_segments() {
     let port = 7002;
     let _s1 = server(Some(&b), &p1.b, &echo, port);
     let _s2 = server(Some(&b), &p2.b, &echo, port);
+    b.wait_listeners(port, 2);
     let clients: Vec<_> = (0..6)
         .map(|i| {
             let ns = if i % 2 == 0 { &p1.a } else { &p2.a };

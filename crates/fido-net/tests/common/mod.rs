@@ -96,6 +96,22 @@ impl Broker {
         v
     }
 
+    /// Waits (up to 20 s) until a listener on `port` is published (the
+    /// library publishes right after the kernel's `listen` returns, so a
+    /// client started as soon as the port listens may not see it yet).
+    pub fn wait_listener(&self, port: u16) {
+        self.wait_listeners(port, 1)
+    }
+
+    /// Waits until `n` listeners on `port` are published (several namespaces).
+    pub fn wait_listeners(&self, port: u16, n: usize) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while self.list(&format!("/net/listen/{port}")).len() < n {
+            assert!(Instant::now() < deadline, "no listener published on {port}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// Waits (up to 10 s: statistics are published every 200 ms and at exit)
     /// until `name`'s accelerated connections reach `n`; returns the totals.
     pub fn wait_accelerated(&self, name: &str, n: u64) -> (u64, u64, u64) {
