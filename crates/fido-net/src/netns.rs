@@ -15,8 +15,10 @@
 //! Everything read from the kernel is length-checked; any surprise answers
 //! "not proven" (plain TCP), never a guess.
 
+use std::collections::HashMap;
 use std::net::IpAddr;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::time::{Duration, Instant};
 
 const RTM_NEWLINK: u16 = 16;
 const RTM_GETLINK: u16 = 18;
@@ -38,7 +40,7 @@ const RTN_UNICAST: u8 = 1;
 const RTN_LOCAL: u8 = 2;
 
 /// Where the route to an address leads.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Debug, PartialEq, Eq, Clone, Copy)]
 pub enum Route {
     /// The address is one of this namespace's own.
     Local,
@@ -158,8 +160,40 @@ fn i32_of(v: &[u8]) -> Option<i32> {
     Some(i32::from_ne_bytes(v.get(..4)?.try_into().ok()?))
 }
 
+/// Route answers, kept one second: a program connecting to (or accepted
+/// from) remote addresses pays the netlink round trips once per address and
+/// second, not per connection; a route that changes is seen within a second.
+static CACHE: parking_lot::Mutex<Option<(u32, HashMap<IpAddr, (Route, Instant)>)>> =
+    parking_lot::Mutex::new(None);
+const CACHE_TTL: Duration = Duration::from_secs(1);
+const CACHE_MAX: usize = 1024;
+
 /// Where this namespace's route to `dst` leads.
 pub fn route(dst: IpAddr) -> Route {
+    let pid = std::process::id();
+    if let Some((p, m)) = CACHE.lock().as_ref() {
+        if *p == pid {
+            if let Some((r, t)) = m.get(&dst) {
+                if t.elapsed() < CACHE_TTL {
+                    return *r;
+                }
+            }
+        }
+    }
+    let r = route_uncached(dst);
+    let mut g = CACHE.lock();
+    // A forked child may have moved to another namespace (unshare, setns):
+    // the cache belongs to the process that filled it.
+    if g.as_ref().is_none_or(|(p, m)| *p != pid || m.len() >= CACHE_MAX) {
+        *g = Some((pid, HashMap::new()));
+    }
+    if let Some((_, m)) = g.as_mut() {
+        m.insert(dst, (r, Instant::now()));
+    }
+    r
+}
+
+fn route_uncached(dst: IpAddr) -> Route {
     let (fam, bytes): (u8, Vec<u8>) = match dst {
         IpAddr::V4(a) => (libc::AF_INET as u8, a.octets().to_vec()),
         IpAddr::V6(a) => (libc::AF_INET6 as u8, a.octets().to_vec()),
