@@ -163,8 +163,9 @@ fn i32_of(v: &[u8]) -> Option<i32> {
 /// Route answers, kept one second: a program connecting to (or accepted
 /// from) remote addresses pays the netlink round trips once per address and
 /// second, not per connection; a route that changes is seen within a second.
-static CACHE: parking_lot::Mutex<Option<(u32, HashMap<IpAddr, (Route, Instant)>)>> =
-    parking_lot::Mutex::new(None);
+type RouteCache = (u32, HashMap<IpAddr, (Route, Instant)>);
+/// (pid that filled it, answers).
+static CACHE: parking_lot::Mutex<Option<RouteCache>> = parking_lot::Mutex::new(None);
 const CACHE_TTL: Duration = Duration::from_secs(1);
 const CACHE_MAX: usize = 1024;
 
@@ -184,7 +185,9 @@ pub fn route(dst: IpAddr) -> Route {
     let mut g = CACHE.lock();
     // A forked child may have moved to another namespace (unshare, setns):
     // the cache belongs to the process that filled it.
-    if g.as_ref().is_none_or(|(p, m)| *p != pid || m.len() >= CACHE_MAX) {
+    if g.as_ref()
+        .is_none_or(|(p, m)| *p != pid || m.len() >= CACHE_MAX)
+    {
         *g = Some((pid, HashMap::new()));
     }
     if let Some((_, m)) = g.as_mut() {
