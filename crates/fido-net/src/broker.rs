@@ -347,5 +347,8 @@ pub fn new_conn(
         connected: AtomicBool::new(connected),
         local,
         peer,
+        app_nodelay: std::sync::atomic::AtomicI32::new(0),
+        app_cork: std::sync::atomic::AtomicI32::new(0),
+        tcp_opts_taken: AtomicBool::new(false),
     })
 }

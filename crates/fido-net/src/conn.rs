@@ -101,6 +101,12 @@ pub struct Conn {
     pub connected: AtomicBool,
     pub local: String,
     pub peer: String,
+    /// The program's `TCP_NODELAY`/`TCP_CORK`, answered back while the real
+    /// socket runs with Nagle and the cork off (see `sockopt`).
+    pub app_nodelay: AtomicI32,
+    pub app_cork: AtomicI32,
+    /// `sockopt::take_over` ran.
+    pub tcp_opts_taken: AtomicBool,
 }
 
 fn errno() -> c_int {

@@ -22,6 +22,7 @@ mod broker;
 mod conn;
 mod real;
 mod seg;
+mod sockopt;
 mod table;
 
 use conn::{Conn, Out};
@@ -480,6 +481,7 @@ fn attach(nfd: c_int, flags: c_int) {
         format!("{}:{}", local.ip, local.port),
         format!("{}:{}", peer.ip, peer.port),
     );
+    sockopt::take_over(nfd, &c);
     table::insert(nfd, c);
     debug!("accept fd {nfd}: attached {key}");
     broker::count_accelerated();
@@ -533,6 +535,7 @@ fn active(fd: c_int) -> Option<Arc<Conn>> {
             if c.me == seg::CLIENT && c.memfd.load(Ordering::Relaxed) >= 0 {
                 c.decide();
             }
+            sockopt::take_over(fd, &c);
             Some(c)
         }
         seg::ABANDONED => None,
@@ -544,6 +547,9 @@ fn active(fd: c_int) -> Option<Arc<Conn>> {
             }
             let e = errno();
             let ring = guard(false, || c.decide());
+            if ring {
+                sockopt::take_over(fd, &c);
+            }
             set_errno(e);
             ring.then_some(c)
         }
@@ -1172,6 +1178,57 @@ pub unsafe extern "C" fn fcntl(fd: c_int, cmd: c_int, arg: c_ulong) -> c_int {
 pub unsafe extern "C" fn fcntl64(fd: c_int, cmd: c_int, arg: c_ulong) -> c_int {
     // SAFETY: same contract.
     unsafe { fcntl_common(fd, cmd, arg) }
+}
+
+/// The accelerated connection behind `fd` whose TCP options we own (see
+/// `sockopt`), if any.
+fn owns_opts(fd: c_int, level: c_int, name: c_int) -> Option<Arc<Conn>> {
+    if !sockopt::owned(level, name) {
+        return None;
+    }
+    table::lookup(fd).filter(|c| c.tcp_opts_taken.load(Ordering::Acquire))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn setsockopt(
+    fd: c_int,
+    level: c_int,
+    name: c_int,
+    val: *const c_void,
+    len: socklen_t,
+) -> c_int {
+    if let Some(c) = guard(None, || owns_opts(fd, level, name)) {
+        // SAFETY: the program's arguments, under setsockopt's contract.
+        let e = unsafe { sockopt::set(&c, name, val, len) };
+        if e != 0 {
+            set_errno(e);
+            return -1;
+        }
+        return 0;
+    }
+    // SAFETY: forwarding the caller's arguments.
+    unsafe { real::setsockopt(fd, level, name, val, len) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn getsockopt(
+    fd: c_int,
+    level: c_int,
+    name: c_int,
+    val: *mut c_void,
+    len: *mut socklen_t,
+) -> c_int {
+    if let Some(c) = guard(None, || owns_opts(fd, level, name)) {
+        // SAFETY: the program's arguments, under getsockopt's contract.
+        let e = unsafe { sockopt::get(&c, name, val, len) };
+        if e != 0 {
+            set_errno(e);
+            return -1;
+        }
+        return 0;
+    }
+    // SAFETY: forwarding the caller's arguments.
+    unsafe { real::getsockopt(fd, level, name, val, len) }
 }
 
 #[no_mangle]

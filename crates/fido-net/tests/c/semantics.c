@@ -372,6 +372,22 @@ static void t_names(void) {
     v = 1; setsockopt(c, IPPROTO_TCP, TCP_NODELAY, &v, sizeof v);
     v = 0; vl = sizeof v; getsockopt(c, IPPROTO_TCP, TCP_NODELAY, &v, &vl);
     OUT("nodelay %d", v != 0);
+    /* The accepted end is accelerated from accept on: its Nagle and cork
+       settings must read back as the program set them (the library runs the
+       real socket with Nagle and the cork off). */
+    v = 7; vl = sizeof v; getsockopt(s, IPPROTO_TCP, TCP_NODELAY, &v, &vl);
+    OUT("server nodelay default %d len %u", v, (unsigned)vl);
+    v = 1; int rr = setsockopt(s, IPPROTO_TCP, TCP_CORK, &v, sizeof v);
+    v = 0; vl = sizeof v; getsockopt(s, IPPROTO_TCP, TCP_CORK, &v, &vl);
+    OUT("cork set %d get %d", rr, v);
+    v = 0; setsockopt(s, IPPROTO_TCP, TCP_CORK, &v, sizeof v);
+    v = 9; vl = sizeof v; getsockopt(s, IPPROTO_TCP, TCP_CORK, &v, &vl);
+    OUT("cork cleared %d", v);
+    v = 5; setsockopt(s, IPPROTO_TCP, TCP_NODELAY, &v, sizeof v);
+    unsigned char one = 0xff; vl = 1; rr = getsockopt(s, IPPROTO_TCP, TCP_NODELAY, &one, &vl);
+    OUT("nodelay short get %d val %u len %u", rr, one, (unsigned)vl);
+    short sh = 1; rr = setsockopt(s, IPPROTO_TCP, TCP_NODELAY, &sh, sizeof sh);
+    OUT("nodelay short set %d %s", rr, ename(rr < 0 ? errno : 0));
     struct timeval tv = {0, 100000};
     setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
     char b[8];
