@@ -335,6 +335,9 @@ pub fn new_conn(
     local: String,
     peer: String,
 ) -> Arc<Conn> {
+    if !crate::wait::lazy_allowed() {
+        seg.side(me).eager.store(1, Ordering::SeqCst);
+    }
     Arc::new(Conn {
         seg,
         me,

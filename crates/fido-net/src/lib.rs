@@ -24,6 +24,7 @@ mod real;
 mod seg;
 mod sockopt;
 mod table;
+mod wait;
 
 use conn::{Conn, Out};
 use libc::{c_int, c_uint, c_ulong, c_void, iovec, msghdr, size_t, sockaddr, socklen_t, ssize_t};
@@ -109,6 +110,7 @@ extern "C" fn init() {
     debug_on();
     ring_len();
     conn::read_config();
+    wait::read_config();
     // SAFETY: registering plain extern "C" handlers.
     unsafe { libc::pthread_atfork(Some(fork_prepare), Some(fork_parent), Some(fork_child)) };
 }
@@ -116,14 +118,17 @@ extern "C" fn init() {
 extern "C" fn fork_prepare() {
     broker::fork_prepare();
     table::fork_prepare();
+    wait::fork_prepare();
 }
 extern "C" fn fork_parent() {
     table::fork_parent();
     broker::fork_parent();
+    guard((), wait::fork_after);
 }
 extern "C" fn fork_child() {
     table::fork_child();
     broker::fork_child();
+    guard((), wait::fork_after);
 }
 
 /// `fork`: the child holds every connection the parent holds. The holder
@@ -554,6 +559,16 @@ fn active(fd: c_int) -> Option<Arc<Conn>> {
             ring.then_some(c)
         }
     }
+}
+
+/// The connection behind `fd` if its data already travels on a ring (no
+/// waiting for a pending decision: a wait wrapper leaves those to the kernel).
+fn attached(fd: c_int) -> Option<Arc<Conn>> {
+    let c = table::lookup(fd)?;
+    if c.state() != seg::ATTACHED || c.broken.load(Ordering::Relaxed) {
+        return None;
+    }
+    active(fd)
 }
 
 fn finish(o: Out, kernel: impl FnOnce() -> ssize_t) -> ssize_t {
@@ -1058,6 +1073,7 @@ pub unsafe extern "C" fn sendfile64(
 
 /// The close of `fd` as far as we are concerned (before the real close).
 fn forget_fd(fd: c_int) {
+    wait::forget(fd);
     if let Some((c, last)) = table::remove(fd) {
         if last {
             broker::count_closed(&c);
@@ -1094,6 +1110,7 @@ fn dup_into(old: c_int, new: c_int) {
     if new < 0 {
         return;
     }
+    wait::duplicated(old);
     if let Some(c) = table::lookup(old) {
         table::insert(new, c);
     }
@@ -1160,6 +1177,10 @@ unsafe fn fcntl_common(fd: c_int, cmd: c_int, arg: c_ulong) -> c_int {
                 if let Some(c) = table::lookup(fd) {
                     c.nonblock
                         .store(arg as c_int & libc::O_NONBLOCK != 0, Ordering::Relaxed);
+                    if arg as c_int & libc::O_ASYNC != 0 {
+                        // SIGIO readiness is the kernel's alone.
+                        c.make_eager();
+                    }
                 }
             }
             _ => {}
@@ -1229,6 +1250,232 @@ pub unsafe extern "C" fn getsockopt(
     }
     // SAFETY: forwarding the caller's arguments.
     unsafe { real::getsockopt(fd, level, name, val, len) }
+}
+
+// ---- waiting: poll, select, epoll (readiness of lazy rings: see wait.rs) ----
+
+/// Runs a wait wrapper; a bug in it (a panic) must not unwind into C: the
+/// program sees an interrupted call, which every caller of these retries.
+fn wait_guard(f: impl FnOnce() -> c_int) -> c_int {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|_| {
+        set_errno(libc::EINTR);
+        -1
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn epoll_create(size: c_int) -> c_int {
+    // SAFETY: forwarding.
+    let r = unsafe { real::epoll_create(size) };
+    guard((), || wait::epoll_created(r));
+    r
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn epoll_create1(flags: c_int) -> c_int {
+    // SAFETY: forwarding.
+    let r = unsafe { real::epoll_create1(flags) };
+    guard((), || wait::epoll_created(r));
+    r
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn epoll_ctl(
+    epfd: c_int,
+    op: c_int,
+    fd: c_int,
+    ev: *mut libc::epoll_event,
+) -> c_int {
+    // SAFETY: forwarding.
+    let r = unsafe { real::epoll_ctl(epfd, op, fd, ev) };
+    if r == 0 {
+        let e = errno();
+        // SAFETY: the kernel accepted `ev` (null only for EPOLL_CTL_DEL).
+        let evr = unsafe { ev.as_ref() };
+        guard((), || wait::epoll_ctl_done(epfd, op, fd, evr));
+        set_errno(e);
+    }
+    r
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn epoll_wait(
+    epfd: c_int,
+    evs: *mut libc::epoll_event,
+    max: c_int,
+    timeout: c_int,
+) -> c_int {
+    let (dl, zero) = wait::dl_ms(timeout);
+    wait_guard(|| {
+        // SAFETY: the program's arguments; forwarding them unchanged.
+        unsafe {
+            wait::epoll_common(epfd, evs, max, dl, zero, std::ptr::null(), || {
+                real::epoll_wait(epfd, evs, max, timeout)
+            })
+        }
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn epoll_pwait(
+    epfd: c_int,
+    evs: *mut libc::epoll_event,
+    max: c_int,
+    timeout: c_int,
+    mask: *const libc::sigset_t,
+) -> c_int {
+    let (dl, zero) = wait::dl_ms(timeout);
+    wait_guard(|| {
+        // SAFETY: the program's arguments; forwarding them unchanged.
+        unsafe {
+            wait::epoll_common(epfd, evs, max, dl, zero, mask, || {
+                real::epoll_pwait(epfd, evs, max, timeout, mask)
+            })
+        }
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn epoll_pwait2(
+    epfd: c_int,
+    evs: *mut libc::epoll_event,
+    max: c_int,
+    ts: *const libc::timespec,
+    mask: *const libc::sigset_t,
+) -> c_int {
+    let (dl, zero) = wait::dl_ts(ts);
+    wait_guard(|| {
+        // SAFETY: the program's arguments; forwarding them unchanged.
+        unsafe {
+            wait::epoll_common(epfd, evs, max, dl, zero, mask, || {
+                real::epoll_pwait2(epfd, evs, max, ts, mask)
+            })
+        }
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn poll(fds: *mut libc::pollfd, n: libc::nfds_t, timeout: c_int) -> c_int {
+    let (dl, zero) = wait::dl_ms(timeout);
+    wait_guard(|| {
+        // SAFETY: the program's arguments; forwarding them unchanged.
+        unsafe {
+            wait::poll_common(fds, n, dl, zero, std::ptr::null(), || real::poll(fds, n, timeout))
+        }
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ppoll(
+    fds: *mut libc::pollfd,
+    n: libc::nfds_t,
+    ts: *const libc::timespec,
+    mask: *const libc::sigset_t,
+) -> c_int {
+    let (dl, zero) = wait::dl_ts(ts);
+    wait_guard(|| {
+        // SAFETY: the program's arguments; forwarding them unchanged.
+        unsafe { wait::poll_common(fds, n, dl, zero, mask, || real::ppoll(fds, n, ts, mask)) }
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __poll_chk(
+    fds: *mut libc::pollfd,
+    n: libc::nfds_t,
+    timeout: c_int,
+    fdslen: size_t,
+) -> c_int {
+    if fdslen / std::mem::size_of::<libc::pollfd>() < n as usize {
+        // SAFETY: libc's check, which reports the overflow and aborts.
+        return unsafe { real::__poll_chk(fds, n, timeout, fdslen) };
+    }
+    // SAFETY: same contract as poll.
+    unsafe { poll(fds, n, timeout) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __ppoll_chk(
+    fds: *mut libc::pollfd,
+    n: libc::nfds_t,
+    ts: *const libc::timespec,
+    mask: *const libc::sigset_t,
+    fdslen: size_t,
+) -> c_int {
+    if fdslen / std::mem::size_of::<libc::pollfd>() < n as usize {
+        // SAFETY: libc's check, which reports the overflow and aborts.
+        return unsafe { real::__ppoll_chk(fds, n, ts, mask, fdslen) };
+    }
+    // SAFETY: same contract as ppoll.
+    unsafe { ppoll(fds, n, ts, mask) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn select(
+    nfds: c_int,
+    rd: *mut libc::fd_set,
+    wr: *mut libc::fd_set,
+    ex: *mut libc::fd_set,
+    tv: *mut libc::timeval,
+) -> c_int {
+    // SAFETY: the program's timeval, if any.
+    let tvv = unsafe { tv.as_ref() }.copied();
+    let valid = tvv.map_or(true, |t| t.tv_sec >= 0 && (0..1_000_000).contains(&t.tv_usec));
+    if valid {
+        let dl = tvv.map(|t| {
+            std::time::Instant::now()
+                + std::time::Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000)
+        });
+        let zero = tvv.is_some_and(|t| t.tv_sec == 0 && t.tv_usec == 0);
+        let mut fixed = None;
+        let r = wait_guard(|| {
+            // SAFETY: the program's sets.
+            fixed = unsafe { wait::select_common(nfds, rd, wr, ex, dl, zero, std::ptr::null()) };
+            fixed.unwrap_or(0)
+        });
+        if fixed.is_some() || r < 0 {
+            if let (Some(dl), false) = (dl, tv.is_null()) {
+                // Linux select reports the time left.
+                let left = dl.saturating_duration_since(std::time::Instant::now());
+                // SAFETY: the program's non-null timeval.
+                unsafe {
+                    (*tv).tv_sec = left.as_secs() as libc::time_t;
+                    (*tv).tv_usec = left.subsec_micros() as libc::suseconds_t;
+                }
+            }
+            return r;
+        }
+    }
+    // SAFETY: forwarding.
+    unsafe { real::select(nfds, rd, wr, ex, tv) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn pselect(
+    nfds: c_int,
+    rd: *mut libc::fd_set,
+    wr: *mut libc::fd_set,
+    ex: *mut libc::fd_set,
+    ts: *const libc::timespec,
+    mask: *const libc::sigset_t,
+) -> c_int {
+    let (dl, zero) = wait::dl_ts(ts);
+    // SAFETY: the program's timespec, if any.
+    let valid = unsafe { ts.as_ref() }
+        .map_or(true, |t| t.tv_sec >= 0 && (0..1_000_000_000).contains(&t.tv_nsec));
+    if valid {
+        let mut fixed = None;
+        let r = wait_guard(|| {
+            // SAFETY: the program's sets and mask.
+            fixed = unsafe { wait::select_common(nfds, rd, wr, ex, dl, zero, mask) };
+            fixed.unwrap_or(0)
+        });
+        if fixed.is_some() || r < 0 {
+            return r;
+        }
+    }
+    // SAFETY: forwarding.
+    unsafe { real::pselect(nfds, rd, wr, ex, ts, mask) }
 }
 
 #[no_mangle]
@@ -1303,6 +1550,7 @@ pub unsafe extern "C" fn syscall(
     if n == libc::SYS_io_uring_setup {
         broker::set_off();
     }
+    guard((), || wait::raw_syscall(n));
     // SAFETY: forwarding the caller's system call (extra arguments are ignored
     // by the kernel).
     unsafe { real::syscall(n, [a1, a2, a3, a4, a5, a6]) }

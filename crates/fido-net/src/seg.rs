@@ -13,7 +13,7 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 pub const MAGIC: u64 = 0x6669_646f_6e65_7431; // "fidonet1"
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 /// Where the first ring starts (the header fits in one page).
 pub const HDR_LEN: usize = 4096;
 
@@ -49,6 +49,14 @@ pub struct Side {
     /// Threads of this side blocked waiting for ring space.
     pub space_waiters: AtomicU32,
     pub pid: AtomicU32,
+    /// Threads of this side sleeping in the kernel until data arrives (a
+    /// blocking receive, or poll/select/epoll through this library).
+    pub data_sleepers: AtomicU32,
+    /// 1: this side arms whenever it leaves with an empty ring (the original,
+    /// eager protocol), because the program may wait in a way this library
+    /// does not see; 0: it arms only around its own sleeps (lazy arming,
+    /// see `conn`).
+    pub eager: AtomicU32,
 }
 
 /// Per-direction ring control.
