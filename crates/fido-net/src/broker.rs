@@ -243,6 +243,9 @@ static ACCELERATED: AtomicU64 = AtomicU64::new(0);
 static PLAIN_LOCAL: AtomicU64 = AtomicU64::new(0);
 static CLOSED_SENT: AtomicU64 = AtomicU64::new(0);
 static CLOSED_RECV: AtomicU64 = AtomicU64::new(0);
+/// Doorbell bytes our sides of closed connections sent (wake-ups that cost
+/// a TCP send: lazy arming exists to make them rare).
+static CLOSED_DOORBELLS: AtomicU64 = AtomicU64::new(0);
 static STATS_PID: AtomicU64 = AtomicU64::new(0);
 static LAST: Mutex<String> = Mutex::new(String::new());
 
@@ -253,6 +256,7 @@ pub fn count_plain() {
 pub fn count_closed(c: &Conn) {
     CLOSED_SENT.fetch_add(c.bytes_sent(), Ordering::Relaxed);
     CLOSED_RECV.fetch_add(c.bytes_received(), Ordering::Relaxed);
+    CLOSED_DOORBELLS.fetch_add(c.doorbells_sent(), Ordering::Relaxed);
 }
 
 /// A connection was accelerated: count it and make sure this process
@@ -282,15 +286,19 @@ extern "C" fn at_exit() {
 fn stats_json() -> String {
     let mut sent = CLOSED_SENT.load(Ordering::Relaxed);
     let mut recv = CLOSED_RECV.load(Ordering::Relaxed);
+    let mut doorbells = CLOSED_DOORBELLS.load(Ordering::Relaxed);
     let open: Vec<serde_json::Value> = table::all()
         .iter()
         .map(|c| {
             sent += c.bytes_sent();
             recv += c.bytes_received();
+            doorbells += c.doorbells_sent();
             serde_json::json!({
                 "local": c.local, "peer": c.peer,
                 "side": if c.me == crate::seg::CLIENT { "client" } else { "server" },
                 "bytes_sent": c.bytes_sent(), "bytes_received": c.bytes_received(),
+                "doorbells": c.doorbells_sent(),
+                "arming": if c.is_lazy() { "lazy" } else { "eager" },
             })
         })
         .collect();
@@ -301,6 +309,7 @@ fn stats_json() -> String {
         "plain_local": PLAIN_LOCAL.load(Ordering::Relaxed),
         "bytes_sent": sent,
         "bytes_received": recv,
+        "doorbells": doorbells,
         "open": open,
     })
     .to_string()

@@ -224,6 +224,11 @@ impl Conn {
         self.seg.ring(self.rx()).tail.0.load(Ordering::Relaxed)
     }
 
+    /// Doorbell bytes our side sent (each a TCP send).
+    pub fn doorbells_sent(&self) -> u64 {
+        self.seg.side(self.me).doorbells_sent.load(Ordering::Relaxed)
+    }
+
     /// Bytes waiting for us (FIONREAD).
     pub fn readable_bytes(&self) -> usize {
         self.seg.used(self.rx()).unwrap_or(0)
