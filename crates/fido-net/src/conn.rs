@@ -867,6 +867,40 @@ impl Conn {
         out
     }
 
+    /// `sendfile` fast path: up to `max` bytes of `file` at `pos` straight
+    /// into the ring, without waiting. `Ok((moved, eof))`; moved 0 and not
+    /// eof means the ring is full (the caller waits through `send`).
+    /// `Err(Out::Kernel)` when the kernel must answer (peer gone, shut down).
+    pub fn send_file_now(&self, fd: c_int, file: c_int, pos: i64, max: usize) -> Result<(usize, bool), Out> {
+        let me = self.seg.side(self.me);
+        if self.broken.load(Ordering::Relaxed)
+            || me.shut_wr.load(Ordering::Relaxed) != 0
+            || self.seg.side(self.peer_side()).closed.load(Ordering::SeqCst) != 0
+        {
+            return Err(Out::Kernel);
+        }
+        let fill = {
+            let _l = ShmLock::lock(&self.seg.ring(self.tx()).wlock.0);
+            self.seg
+                .write_from_file(self.tx(), file, pos, max)
+                .map(|f| (f, self.seg.ring(self.tx()).head.0.load(Ordering::Relaxed)))
+        };
+        let (fill, head) = match fill {
+            Ok(v) => v,
+            Err(_) => {
+                self.reset(fd);
+                return Err(Out::Kernel);
+            }
+        };
+        if fill.moved > 0 {
+            self.notify_data(fd, head);
+        }
+        if let Some(e) = fill.err {
+            return Err(Out::Err(e));
+        }
+        Ok((fill.moved, fill.eof))
+    }
+
     fn send_inner(&self, fd: c_int, bufs: &[&[u8]], flags: c_int, armed: &mut bool) -> Out {
         if self.broken.load(Ordering::Relaxed) {
             return Out::Kernel;

@@ -906,9 +906,44 @@ pub unsafe extern "C" fn sendfile(
         // SAFETY: the caller's offset pointer.
         unsafe { *off }
     };
-    let mut buf = vec![0u8; count.min(256 << 10)];
+    let mut buf = Vec::new();
     let mut done: usize = 0;
     while done < count {
+        // Straight from the file into the ring while it has room.
+        match guard(Err(Out::Err(libc::EIO)), || c.send_file_now(out, inp, pos, count - done)) {
+            Ok((k, eof)) => {
+                done += k;
+                pos += k as libc::off_t;
+                if eof {
+                    break;
+                }
+                if k > 0 {
+                    continue;
+                }
+            }
+            Err(Out::Err(e)) => {
+                if done > 0 {
+                    break;
+                }
+                set_errno(e);
+                return -1;
+            }
+            Err(_) => {
+                if done > 0 {
+                    break;
+                }
+                // SAFETY: forwarding (the kernel reports EPIPE and friends).
+                return unsafe { real::sendfile(out, inp, off, count) };
+            }
+        }
+        if done > 0 {
+            break; // the ring is full: a partial write, as TCP returns one
+        }
+        // Full ring before the first byte: wait for room through `send`
+        // (blocking, or EAGAIN when non-blocking) with one bounce buffer.
+        if buf.is_empty() {
+            buf = vec![0u8; count.min(64 << 10)];
+        }
         let want = (count - done).min(buf.len());
         // SAFETY: pread into our buffer.
         let n = unsafe { libc::pread(inp, buf.as_mut_ptr() as *mut c_void, want, pos) };

@@ -289,6 +289,68 @@ impl Segment {
     }
 }
 
+/// Result of [`Segment::write_from_file`].
+pub struct FileFill {
+    /// Bytes read from the file into the ring (and published).
+    pub moved: usize,
+    /// The file had no more bytes at that offset.
+    pub eof: bool,
+    /// `pread` failed with this errno before anything moved.
+    pub err: Option<i32>,
+}
+
+impl Segment {
+    /// Reads up to `max` bytes of `file` at offset `pos` straight into the
+    /// free part of ring `d` and publishes them: `sendfile` without a bounce
+    /// buffer. Caller holds the ring's write lock.
+    pub fn write_from_file(
+        &self,
+        d: usize,
+        file: i32,
+        pos: i64,
+        max: usize,
+    ) -> Result<FileFill, Corrupt> {
+        let r = self.ring(d);
+        let head = r.head.0.load(Ordering::Relaxed);
+        let tail = r.tail.0.load(Ordering::Acquire);
+        let used = head.wrapping_sub(tail);
+        if used > self.ring_len as u64 {
+            return Err(Corrupt);
+        }
+        let mut want = (self.ring_len - used as usize).min(max);
+        let mut fill = FileFill { moved: 0, eof: false, err: None };
+        let base = self.data(d);
+        while want > 0 {
+            let at = ((head + fill.moved as u64) % self.ring_len as u64) as usize;
+            let n = want.min(self.ring_len - at);
+            // SAFETY: at + n <= ring_len: the destination lies in ring d, in
+            // the free part the reader does not read.
+            let got = unsafe {
+                libc::pread(file, base.add(at) as *mut libc::c_void, n, pos + fill.moved as i64)
+            };
+            if got < 0 {
+                if fill.moved == 0 {
+                    fill.err = Some(std::io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO));
+                }
+                break;
+            }
+            if got == 0 {
+                fill.eof = true;
+                break;
+            }
+            fill.moved += got as usize;
+            want -= got as usize;
+            if (got as usize) < n {
+                break; // short read: the caller asks again
+            }
+        }
+        if fill.moved > 0 {
+            r.head.0.store(head + fill.moved as u64, Ordering::Release);
+        }
+        Ok(fill)
+    }
+}
+
 impl Drop for Segment {
     fn drop(&mut self) {
         // SAFETY: unmapping exactly what `map` mapped; nothing borrows it past drop.
