@@ -4,10 +4,13 @@
 //! while every descriptor stays the real kernel TCP socket.
 //!
 //! Because the socket stays real, everything the kernel answers keeps its
-//! meaning — poll/select/epoll readiness (driven by one-byte doorbells, see
-//! `conn`), `getsockname`/`getpeername`/socket options, fork, dup, close, FIN
-//! and RST. Only the payload takes the ring. Co-location is confirmed through
-//! the broker's registry by both ends before the first byte (`broker`).
+//! meaning — `getsockname`/`getpeername`/socket options (Nagle and the cork
+//! are answered back: `sockopt`), fork, dup, close, FIN and RST — and
+//! readiness stays exact: poll/select/epoll compute it from the ring for
+//! waits they see (`wait`, lazy arming), and one-byte doorbells on the TCP
+//! stream make the kernel's own readiness exact otherwise (`conn`). Only the
+//! payload takes the ring. Co-location is confirmed through the broker's
+//! registry by both ends before the first byte (`broker`).
 //!
 //! What it must never do: change the behaviour of a connection it did not
 //! accelerate (every call on such a descriptor goes straight to libc after one
