@@ -1010,7 +1010,7 @@ impl Conn {
                         tv_nsec: 200_000,
                     };
                     // SAFETY: ppoll on one pollfd we own, no signal mask change.
-                    unsafe { libc::ppoll(&mut p, 1, &ts, std::ptr::null()) };
+                    unsafe { real::ppoll(&mut p, 1, &ts, std::ptr::null()) };
                     me.space_waiters.fetch_sub(1, Ordering::SeqCst);
                     if self.free_tx().unwrap_or(0) > 0 {
                         continue;
