@@ -238,6 +238,7 @@ fn print_net(net: &[Value]) {
                     human_bytes(v["bytes_sent"].as_u64().unwrap_or(0)),
                     human_bytes(v["bytes_received"].as_u64().unwrap_or(0))
                 ),
+                v["doorbells"].as_u64().unwrap_or(0).to_string(),
             ]
         })
         .collect();
@@ -250,7 +251,8 @@ fn print_net(net: &[Value]) {
                 "pid",
                 "accelerated",
                 "plain (local)",
-                "bytes sent/recv"
+                "bytes sent/recv",
+                "doorbells"
             ],
             &rows
         )
@@ -272,6 +274,8 @@ fn print_net(net: &[Value]) {
                         c["peer"].as_str().unwrap_or("?").to_string(),
                         human_bytes(c["bytes_sent"].as_u64().unwrap_or(0)),
                         human_bytes(c["bytes_received"].as_u64().unwrap_or(0)),
+                        c["doorbells"].as_u64().unwrap_or(0).to_string(),
+                        c["arming"].as_str().unwrap_or("?").to_string(),
                     ]
                 })
         })
@@ -279,6 +283,9 @@ fn print_net(net: &[Value]) {
     println!("\naccelerated connections open ({}):", open.len());
     print!(
         "{}",
-        table(&["pid", "side", "local", "peer", "sent", "received"], &open)
+        table(
+            &["pid", "side", "local", "peer", "sent", "received", "doorbells", "arming"],
+            &open
+        )
     );
 }

@@ -373,6 +373,9 @@ static PLAIN_LOCAL: AtomicU64 = AtomicU64::new(0);
 static INHERITED: AtomicU64 = AtomicU64::new(0);
 static CLOSED_SENT: AtomicU64 = AtomicU64::new(0);
 static CLOSED_RECV: AtomicU64 = AtomicU64::new(0);
+/// Doorbell bytes our sides of closed connections sent (wake-ups that cost
+/// a TCP send: lazy arming exists to make them rare).
+static CLOSED_DOORBELLS: AtomicU64 = AtomicU64::new(0);
 static STATS_PID: AtomicU64 = AtomicU64::new(0);
 static LAST: Mutex<String> = Mutex::new(String::new());
 
@@ -383,6 +386,7 @@ pub fn count_plain() {
 pub fn count_closed(c: &Conn) {
     CLOSED_SENT.fetch_add(c.bytes_sent(), Ordering::Relaxed);
     CLOSED_RECV.fetch_add(c.bytes_received(), Ordering::Relaxed);
+    CLOSED_DOORBELLS.fetch_add(c.doorbells_sent(), Ordering::Relaxed);
 }
 
 /// A connection was accelerated: count it and make sure this process
@@ -422,15 +426,19 @@ extern "C" fn at_exit() {
 fn stats_json() -> String {
     let mut sent = CLOSED_SENT.load(Ordering::Relaxed);
     let mut recv = CLOSED_RECV.load(Ordering::Relaxed);
+    let mut doorbells = CLOSED_DOORBELLS.load(Ordering::Relaxed);
     let open: Vec<serde_json::Value> = table::all()
         .iter()
         .map(|c| {
             sent += c.bytes_sent();
             recv += c.bytes_received();
+            doorbells += c.doorbells_sent();
             serde_json::json!({
                 "local": c.local, "peer": c.peer,
                 "side": if c.me == crate::seg::CLIENT { "client" } else { "server" },
                 "bytes_sent": c.bytes_sent(), "bytes_received": c.bytes_received(),
+                "doorbells": c.doorbells_sent(),
+                "arming": if c.is_lazy() { "lazy" } else { "eager" },
             })
         })
         .collect();
@@ -442,6 +450,7 @@ fn stats_json() -> String {
         "inherited": INHERITED.load(Ordering::Relaxed),
         "bytes_sent": sent,
         "bytes_received": recv,
+        "doorbells": doorbells,
         "open": open,
     })
     .to_string()
@@ -479,6 +488,9 @@ pub fn new_conn(
     local: String,
     peer: String,
 ) -> Arc<Conn> {
+    if !crate::wait::lazy_allowed() {
+        seg.side(me).eager.store(1, Ordering::SeqCst);
+    }
     Arc::new(Conn {
         seg,
         me,
@@ -491,5 +503,8 @@ pub fn new_conn(
         connected: AtomicBool::new(connected),
         local,
         peer,
+        app_nodelay: std::sync::atomic::AtomicI32::new(0),
+        app_cork: std::sync::atomic::AtomicI32::new(0),
+        tcp_opts_taken: AtomicBool::new(false),
     })
 }

@@ -18,6 +18,18 @@
 //! (or EOF/an error), and readiness is neither missing nor spurious.
 //! Writers waiting for space arm `space_arm` the same way (bytes 128..=255).
 //!
+//! Lazy arming. Arming on every empty ring costs the writer a doorbell (a TCP
+//! send) and the reader a drain (two receives) per message — more system
+//! calls than TCP itself. When every way the program waits for this socket
+//! goes through this library (`wait`: poll, select, epoll, and the blocking
+//! receive here), readiness can be computed from the ring instead, and the
+//! reader arms only around its own sleeps: `sleep_begin` arms (and drains
+//! stale bytes) before a thread sleeps in the kernel, `sleep_end` takes the arm
+//! back. A busy connection then moves messages with no system call at all.
+//! While any thread sleeps (`data_sleepers`), or once the side is *eager*
+//! (the program waited in a way we cannot see: see `wait`), the side arms on
+//! every empty ring as described above.
+//!
 //! Closing and errors are the kernel's: FIN and RST travel on the real socket,
 //! so EOF, EPOLLRDHUP, EPOLLHUP, ECONNRESET, EPIPE and SIGPIPE come from TCP
 //! itself. Before its socket is closed the last holder drains its doorbells
@@ -31,7 +43,7 @@ use std::sync::atomic::{fence, AtomicBool, AtomicI32, AtomicU32, AtomicU64, Orde
 use std::time::{Duration, Instant};
 
 /// How long a blocking call spins on the ring before sleeping on the socket.
-fn spin_budget() -> Duration {
+pub(crate) fn spin_budget() -> Duration {
     static NS: AtomicU64 = AtomicU64::new(u64::MAX);
     let mut v = NS.load(Ordering::Relaxed);
     if v == u64::MAX {
@@ -43,6 +55,29 @@ fn spin_budget() -> Duration {
         NS.store(v, Ordering::Relaxed);
     }
     Duration::from_nanos(v)
+}
+
+/// Spins until `ready()` or the spin budget is spent; returns `ready()`.
+///
+/// Every few iterations it yields the CPU: on a machine with more runnable
+/// threads than CPUs the peer we wait for may be queued behind us on this
+/// very CPU, and a pure spin would only delay it (measured with two vCPUs
+/// and compilers running: sockperf one-way latency grew by the whole budget).
+pub(crate) fn spin_until(budget: Duration, ready: impl Fn() -> bool) -> bool {
+    let t0 = Instant::now();
+    let mut i = 0u32;
+    while t0.elapsed() < budget {
+        if ready() {
+            return true;
+        }
+        i = i.wrapping_add(1);
+        if i % 16 == 0 {
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+    ready()
 }
 
 /// Reads the environment once (at load).
@@ -101,6 +136,12 @@ pub struct Conn {
     pub connected: AtomicBool,
     pub local: String,
     pub peer: String,
+    /// The program's `TCP_NODELAY`/`TCP_CORK`, answered back while the real
+    /// socket runs with Nagle and the cork off (see `sockopt`).
+    pub app_nodelay: AtomicI32,
+    pub app_cork: AtomicI32,
+    /// `sockopt::take_over` ran.
+    pub tcp_opts_taken: AtomicBool,
 }
 
 fn errno() -> c_int {
@@ -181,6 +222,11 @@ impl Conn {
     }
     pub fn bytes_received(&self) -> u64 {
         self.seg.ring(self.rx()).tail.0.load(Ordering::Relaxed)
+    }
+
+    /// Doorbell bytes our side sent (each a TCP send).
+    pub fn doorbells_sent(&self) -> u64 {
+        self.seg.side(self.me).doorbells_sent.load(Ordering::Relaxed)
     }
 
     /// Bytes waiting for us (FIONREAD).
@@ -370,7 +416,7 @@ impl Conn {
     /// Space doorbells (bytes 128..=255) are kept only while a writer of
     /// ours waits for space; `send` disarms before returning, so none lands
     /// later unannounced (see `disarm_space`).
-    pub(crate) fn settle(&self, fd: c_int) -> bool {
+    pub(crate) fn settle_armed(&self, fd: c_int) -> bool {
         let _l = ShmLock::lock(&self.seg.ring(self.rx()).rlock.0);
         if self.used_rx().unwrap_or(1) != 0 {
             return false;
@@ -379,15 +425,117 @@ impl Conn {
         if self.used_rx().unwrap_or(1) != 0 {
             return false;
         }
-        self.drain_locked(fd);
+        self.drain_locked(fd, true, true);
         true
+    }
+
+    /// `settle_armed` when our side arms on leaving; otherwise (lazy, nobody
+    /// asleep) only drains the doorbells that already landed — all stale, as
+    /// no data arm is out but one a writer took before its sleeper left —
+    /// without arming or waiting. Returns whether the ring is empty.
+    fn settle(&self, fd: c_int) -> bool {
+        if self.arms_on_leave() {
+            return self.settle_armed(fd);
+        }
+        let _l = ShmLock::lock(&self.seg.ring(self.rx()).rlock.0);
+        if self.used_rx().unwrap_or(1) != 0 {
+            return false;
+        }
+        if self.arms_on_leave() {
+            // A sleeper came meanwhile: it arms itself under this lock.
+            return true;
+        }
+        self.drain_locked(fd, false, false);
+        true
+    }
+
+    /// Whether our side must arm whenever it leaves with an empty ring:
+    /// always when eager, and while a thread of ours sleeps on the socket.
+    fn arms_on_leave(&self) -> bool {
+        let s = self.seg.side(self.me);
+        s.eager.load(Ordering::SeqCst) != 0 || s.data_sleepers.load(Ordering::SeqCst) != 0
+    }
+
+    /// Whether readiness of this connection is the library's to compute (lazy
+    /// arming; see the module documentation).
+    pub fn is_lazy(&self) -> bool {
+        self.seg.side(self.me).eager.load(Ordering::Relaxed) == 0
+    }
+
+    /// Switches our side to eager arming for good (the program may wait in a
+    /// way we cannot see). Data already buffered is announced by the next
+    /// arrival.
+    pub fn make_eager(&self) {
+        let s = self.seg.side(self.me);
+        if s.eager.swap(1, Ordering::SeqCst) == 0 {
+            let _l = ShmLock::lock(&self.seg.ring(self.rx()).rlock.0);
+            if self.used_rx().unwrap_or(1) == 0 {
+                self.arm_data();
+            }
+        }
+    }
+
+    /// Total bytes ever published to us (moves on every arrival: edge
+    /// detection for `EPOLLET`).
+    pub fn rx_head(&self) -> u64 {
+        self.seg.ring(self.rx()).head.0.load(Ordering::Acquire)
+    }
+
+    /// Data waits in our ring (a corrupt ring counts: the read reports it).
+    pub fn has_data(&self) -> bool {
+        self.used_rx().map_or(true, |u| u > 0)
+    }
+
+    /// Before a thread sleeps in the kernel until this connection is
+    /// readable: count it as a sleeper, arm, and drain stale doorbells.
+    /// Returns false (not counted) when data is already there.
+    pub fn sleep_begin(&self, fd: c_int) -> bool {
+        self.seg
+            .side(self.me)
+            .data_sleepers
+            .fetch_add(1, Ordering::SeqCst);
+        if !self.settle_armed(fd) {
+            self.sleep_end();
+            return false;
+        }
+        true
+    }
+
+    /// After such a sleep: the last sleeper takes the arm back (by compare
+    /// and swap, so an arm a newer sleeper just set stays).
+    pub fn sleep_end(&self) {
+        let s = self.seg.side(self.me);
+        let g = s.data_gen.load(Ordering::SeqCst);
+        if s.data_sleepers.fetch_sub(1, Ordering::SeqCst) == 1 && s.eager.load(Ordering::SeqCst) == 0
+        {
+            let _ = self.seg.ring(self.rx()).data_arm.0.compare_exchange(
+                g,
+                0,
+                Ordering::SeqCst,
+                Ordering::SeqCst,
+            );
+        }
+    }
+
+    /// The kernel reported the socket readable to a lazy waiter: is it
+    /// readable for the program? Yes with data in the ring, or EOF/an error
+    /// queued behind the doorbells (which only woke us: they are drained).
+    pub fn kernel_readable(&self, fd: c_int) -> bool {
+        if self.broken.load(Ordering::Relaxed) || self.has_data() {
+            return true;
+        }
+        self.settle(fd);
+        if self.has_data() {
+            return true;
+        }
+        matches!(self.kernel_state(fd), KState::Eof | KState::Err(_))
     }
 
     /// Drains stale doorbells, waiting for counted ones to land (see
     /// `settle`). Caller holds the receive ring's read lock (which also keeps
     /// two drains from consuming the same bytes) and found the ring empty
     /// after arming.
-    fn drain_locked(&self, fd: c_int) {
+    fn drain_locked(&self, fd: c_int, keep_data: bool, wait: bool) {
         let me = self.seg.side(self.me);
         let peer = self.seg.side(self.peer_side());
         let mut buf = [0u8; 256];
@@ -421,7 +569,7 @@ impl Conn {
             let data_gen = me.data_gen.load(Ordering::SeqCst) as u8;
             let waiters = me.space_waiters.load(Ordering::SeqCst) > 0;
             let space_gen = me.space_gen.load(Ordering::SeqCst) as u8;
-            let keep = |b: u8| b == data_gen || (waiters && b == space_gen);
+            let keep = |b: u8| (keep_data && b == data_gen) || (waiters && b == space_gen);
             let k = buf[..n].iter().take_while(|&&b| !keep(b)).count();
             if k > 0 {
                 // SAFETY: consuming exactly the peeked stale prefix.
@@ -448,7 +596,7 @@ impl Conn {
                 continue; // drained all we saw; re-read the count
             }
             // Counted bytes still on their way.
-            if self.stuck_at.load(Ordering::Relaxed) == sent {
+            if !wait || self.stuck_at.load(Ordering::Relaxed) == sent {
                 return;
             }
             let mut p = libc::pollfd {
@@ -596,6 +744,10 @@ impl Conn {
                 }
                 self.notify_space(fd);
                 if got == total || !waitall {
+                    if !self.arms_on_leave() {
+                        // Lazy: readiness is computed from the ring.
+                        return Out::Done(got);
+                    }
                     // Leave only settled: armed on an empty ring (so data
                     // that comes next rings the socket: an edge for EPOLLET
                     // users) with no stale doorbell left to land.
@@ -658,14 +810,7 @@ impl Conn {
             // ring would leave the socket unreadable (a lost wake-up).
             if !spun {
                 spun = true;
-                let t0 = Instant::now();
-                let budget = spin_budget();
-                while t0.elapsed() < budget {
-                    if self.used_rx().unwrap_or(1) > 0 {
-                        break;
-                    }
-                    std::hint::spin_loop();
-                }
+                spin_until(spin_budget(), || self.used_rx().unwrap_or(1) > 0);
                 continue; // re-arms above if still empty
             }
             let dl = *deadline.get_or_insert_with(|| {
@@ -683,6 +828,10 @@ impl Conn {
                 }
                 slice = slice.min((dl - now).as_millis() as i32 + 1);
             }
+            let lazy = self.is_lazy();
+            if lazy && !self.sleep_begin(fd) {
+                continue;
+            }
             let mut p = libc::pollfd {
                 fd,
                 events: libc::POLLIN,
@@ -690,7 +839,11 @@ impl Conn {
             };
             // SAFETY: poll on one pollfd we own.
             let r = unsafe { real::poll(&mut p, 1, slice) };
-            if r < 0 && errno() == libc::EINTR {
+            let e = errno();
+            if lazy {
+                self.sleep_end();
+            }
+            if r < 0 && e == libc::EINTR {
                 return if got > 0 {
                     Out::Done(got)
                 } else {
@@ -712,6 +865,40 @@ impl Conn {
             self.disarm_space(fd);
         }
         out
+    }
+
+    /// `sendfile` fast path: up to `max` bytes of `file` at `pos` straight
+    /// into the ring, without waiting. `Ok((moved, eof))`; moved 0 and not
+    /// eof means the ring is full (the caller waits through `send`).
+    /// `Err(Out::Kernel)` when the kernel must answer (peer gone, shut down).
+    pub fn send_file_now(&self, fd: c_int, file: c_int, pos: i64, max: usize) -> Result<(usize, bool), Out> {
+        let me = self.seg.side(self.me);
+        if self.broken.load(Ordering::Relaxed)
+            || me.shut_wr.load(Ordering::Relaxed) != 0
+            || self.seg.side(self.peer_side()).closed.load(Ordering::SeqCst) != 0
+        {
+            return Err(Out::Kernel);
+        }
+        let fill = {
+            let _l = ShmLock::lock(&self.seg.ring(self.tx()).wlock.0);
+            self.seg
+                .write_from_file(self.tx(), file, pos, max)
+                .map(|f| (f, self.seg.ring(self.tx()).head.0.load(Ordering::Relaxed)))
+        };
+        let (fill, head) = match fill {
+            Ok(v) => v,
+            Err(_) => {
+                self.reset(fd);
+                return Err(Out::Kernel);
+            }
+        };
+        if fill.moved > 0 {
+            self.notify_data(fd, head);
+        }
+        if let Some(e) = fill.err {
+            return Err(Out::Err(e));
+        }
+        Ok((fill.moved, fill.eof))
     }
 
     fn send_inner(&self, fd: c_int, bufs: &[&[u8]], flags: c_int, armed: &mut bool) -> Out {
@@ -823,7 +1010,7 @@ impl Conn {
                         tv_nsec: 200_000,
                     };
                     // SAFETY: ppoll on one pollfd we own, no signal mask change.
-                    unsafe { libc::ppoll(&mut p, 1, &ts, std::ptr::null()) };
+                    unsafe { real::ppoll(&mut p, 1, &ts, std::ptr::null()) };
                     me.space_waiters.fetch_sub(1, Ordering::SeqCst);
                     if self.free_tx().unwrap_or(0) > 0 {
                         continue;
@@ -833,15 +1020,7 @@ impl Conn {
             }
             if !spun {
                 spun = true;
-                let t0 = Instant::now();
-                let budget = spin_budget();
-                while t0.elapsed() < budget {
-                    if self.free_tx().unwrap_or(1) > 0 {
-                        break;
-                    }
-                    std::hint::spin_loop();
-                }
-                if self.free_tx().unwrap_or(1) > 0 {
+                if spin_until(spin_budget(), || self.free_tx().unwrap_or(1) > 0) {
                     continue;
                 }
             }
@@ -918,7 +1097,7 @@ impl Conn {
         // child that exec'd closed its copy without telling us): drain stale
         // doorbells in any case, so whichever close is the kernel's last one
         // finds no unread bytes and sends a FIN, not a RST.
-        self.settle(fd);
+        self.settle_armed(fd);
         if me.holders.fetch_sub(1, Ordering::SeqCst) == 1 {
             me.closed.store(1, Ordering::SeqCst);
             // No more doorbells towards us.

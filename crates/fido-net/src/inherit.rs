@@ -10,7 +10,7 @@
 //!
 //! - A connection one of whose descriptors survives gets its segment's
 //!   memfd duplicated without close-on-exec, and the new image is told in
-//!   `FIDO_NET_INHERIT` = `1;S<sock>,<sock inode>,<segfd>,<side>,<ring>,<nonce>,<held>;…;L<fd>,<inode>;…`
+//!   `FIDO_NET_INHERIT` = `1;S<sock>,<sock inode>,<segfd>,<side>,<ring>,<nonce>,<held>,<opts taken>,<nodelay>,<cork>;…;L<fd>,<inode>;…`
 //!   (one `S` per surviving descriptor, one `L` per surviving published
 //!   listener). The library's constructor in the new image validates every
 //!   entry (the descriptor is still that socket — same inode, TCP; the
@@ -167,7 +167,7 @@ fn prepare(mut kind: Kind, loads: bool) -> (Option<String>, Undo) {
             {
                 // Give up this process's hold: the exec closes every descriptor.
                 let fd = fds[0];
-                c.settle(fd);
+                c.settle_armed(fd);
                 let last = me.holders.fetch_sub(1, Ordering::SeqCst) == 1;
                 let rst = last && c.readable_bytes() > 0;
                 if rst {
@@ -230,12 +230,18 @@ fn prepare(mut kind: Kind, loads: bool) -> (Option<String>, Undo) {
         let h = c.seg.hdr();
         for fd in surv {
             let Some(ino) = inode(fd) else { continue };
+            // The program's TCP_NODELAY/TCP_CORK as it set them (the real
+            // socket runs with Nagle and the cork off: see `sockopt`).
+            let taken = c.tcp_opts_taken.load(Ordering::Acquire);
             out.push_str(&format!(
-                ";S{fd},{ino},{d},{},{},{},{}",
+                ";S{fd},{ino},{d},{},{},{},{},{},{},{}",
                 c.me,
                 c.seg.ring_len(),
                 h.nonce,
-                held as u8
+                held as u8,
+                taken as u8,
+                c.app_nodelay.load(Ordering::Relaxed),
+                c.app_cork.load(Ordering::Relaxed)
             ));
         }
     }
@@ -738,6 +744,8 @@ struct SEntry {
     ring: usize,
     nonce: u64,
     held: bool,
+    /// `sockopt::take_over` ran, and the program's TCP_NODELAY / TCP_CORK.
+    opts: Option<(i32, i32)>,
 }
 
 fn parse_s(f: &str) -> Option<SEntry> {
@@ -750,6 +758,12 @@ fn parse_s(f: &str) -> Option<SEntry> {
         ring: it.next()?.parse().ok()?,
         nonce: it.next()?.parse().ok()?,
         held: it.next()? == "1",
+        opts: {
+            let taken = it.next()? == "1";
+            let nodelay = it.next()?.parse().ok()?;
+            let cork = it.next()?.parse().ok()?;
+            taken.then_some((nodelay, cork))
+        },
     };
     (e.sock >= 0 && e.segfd >= 0 && e.side <= 1 && crate::valid_ring_len(e.ring)).then_some(e)
 }
@@ -907,6 +921,11 @@ pub fn adopt() {
                     local,
                     peer,
                 );
+                if let Some((nodelay, cork)) = first.opts {
+                    c.app_nodelay.store(nodelay, Ordering::Relaxed);
+                    c.app_cork.store(cork, Ordering::Relaxed);
+                    c.tcp_opts_taken.store(true, Ordering::Release);
+                }
                 for &fd in &mine {
                     table::insert(fd, c.clone());
                 }

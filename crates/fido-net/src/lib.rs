@@ -4,10 +4,13 @@
 //! while every descriptor stays the real kernel TCP socket.
 //!
 //! Because the socket stays real, everything the kernel answers keeps its
-//! meaning — poll/select/epoll readiness (driven by one-byte doorbells, see
-//! `conn`), `getsockname`/`getpeername`/socket options, fork, dup, close, FIN
-//! and RST. Only the payload takes the ring. Co-location is confirmed through
-//! the broker's registry by both ends before the first byte (`broker`).
+//! meaning — `getsockname`/`getpeername`/socket options (Nagle and the cork
+//! are answered back: `sockopt`), fork, dup, close, FIN and RST — and
+//! readiness stays exact: poll/select/epoll compute it from the ring for
+//! waits they see (`wait`, lazy arming), and one-byte doorbells on the TCP
+//! stream make the kernel's own readiness exact otherwise (`conn`). Only the
+//! payload takes the ring. Co-location is confirmed through the broker's
+//! registry by both ends before the first byte (`broker`).
 //!
 //! What it must never do: change the behaviour of a connection it did not
 //! accelerate (every call on such a descriptor goes straight to libc after one
@@ -24,7 +27,9 @@ mod inherit;
 mod netns;
 mod real;
 mod seg;
+mod sockopt;
 mod table;
+mod wait;
 
 use conn::{Conn, Out};
 use libc::{c_int, c_uint, c_ulong, c_void, iovec, msghdr, size_t, sockaddr, socklen_t, ssize_t};
@@ -110,6 +115,7 @@ extern "C" fn init() {
     debug_on();
     ring_len();
     conn::read_config();
+    wait::read_config();
     inherit::set_owner();
     // Connections an earlier image passed across exec (FIDO_NET_INHERIT).
     guard((), inherit::adopt);
@@ -120,15 +126,18 @@ extern "C" fn init() {
 extern "C" fn fork_prepare() {
     broker::fork_prepare();
     table::fork_prepare();
+    wait::fork_prepare();
 }
 extern "C" fn fork_parent() {
     table::fork_parent();
     broker::fork_parent();
+    guard((), wait::fork_after);
 }
 extern "C" fn fork_child() {
     table::fork_child();
     broker::fork_child();
     inherit::set_owner();
+    guard((), wait::fork_after);
 }
 
 /// `fork`: the child holds every connection the parent holds. The holder
@@ -531,6 +540,7 @@ fn attach(nfd: c_int, flags: c_int) {
         format!("{}:{}", local.ip, local.port),
         format!("{}:{}", peer.ip, peer.port),
     );
+    sockopt::take_over(nfd, &c);
     table::insert(nfd, c);
     debug!("accept fd {nfd}: attached {key}");
     broker::count_accelerated();
@@ -584,6 +594,7 @@ fn active(fd: c_int) -> Option<Arc<Conn>> {
             if c.me == seg::CLIENT && c.memfd.load(Ordering::Relaxed) >= 0 {
                 c.decide();
             }
+            sockopt::take_over(fd, &c);
             Some(c)
         }
         seg::ABANDONED => {
@@ -599,10 +610,23 @@ fn active(fd: c_int) -> Option<Arc<Conn>> {
             }
             let e = errno();
             let ring = guard(false, || c.decide());
+            if ring {
+                sockopt::take_over(fd, &c);
+            }
             set_errno(e);
             ring.then_some(c)
         }
     }
+}
+
+/// The connection behind `fd` if its data already travels on a ring (no
+/// waiting for a pending decision: a wait wrapper leaves those to the kernel).
+fn attached(fd: c_int) -> Option<Arc<Conn>> {
+    let c = table::lookup(fd)?;
+    if c.state() != seg::ATTACHED || c.broken.load(Ordering::Relaxed) {
+        return None;
+    }
+    active(fd)
 }
 
 fn finish(o: Out, kernel: impl FnOnce() -> ssize_t) -> ssize_t {
@@ -940,9 +964,44 @@ pub unsafe extern "C" fn sendfile(
         // SAFETY: the caller's offset pointer.
         unsafe { *off }
     };
-    let mut buf = vec![0u8; count.min(256 << 10)];
+    let mut buf = Vec::new();
     let mut done: usize = 0;
     while done < count {
+        // Straight from the file into the ring while it has room.
+        match guard(Err(Out::Err(libc::EIO)), || c.send_file_now(out, inp, pos, count - done)) {
+            Ok((k, eof)) => {
+                done += k;
+                pos += k as libc::off_t;
+                if eof {
+                    break;
+                }
+                if k > 0 {
+                    continue;
+                }
+            }
+            Err(Out::Err(e)) => {
+                if done > 0 {
+                    break;
+                }
+                set_errno(e);
+                return -1;
+            }
+            Err(_) => {
+                if done > 0 {
+                    break;
+                }
+                // SAFETY: forwarding (the kernel reports EPIPE and friends).
+                return unsafe { real::sendfile(out, inp, off, count) };
+            }
+        }
+        if done > 0 {
+            break; // the ring is full: a partial write, as TCP returns one
+        }
+        // Full ring before the first byte: wait for room through `send`
+        // (blocking, or EAGAIN when non-blocking) with one bounce buffer.
+        if buf.is_empty() {
+            buf = vec![0u8; count.min(64 << 10)];
+        }
         let want = (count - done).min(buf.len());
         // SAFETY: pread into our buffer.
         let n = unsafe { libc::pread(inp, buf.as_mut_ptr() as *mut c_void, want, pos) };
@@ -1108,6 +1167,7 @@ pub unsafe extern "C" fn sendfile64(
 /// The close of `fd` as far as we are concerned (before the real close).
 fn forget_fd(fd: c_int) {
     seg::forget_kept(fd);
+    wait::forget(fd);
     if let Some((c, last)) = table::remove(fd) {
         if last {
             broker::count_closed(&c);
@@ -1144,6 +1204,7 @@ fn dup_into(old: c_int, new: c_int) {
     if new < 0 {
         return;
     }
+    wait::duplicated(old);
     if let Some(c) = table::lookup(old) {
         table::insert(new, c);
     }
@@ -1210,6 +1271,10 @@ unsafe fn fcntl_common(fd: c_int, cmd: c_int, arg: c_ulong) -> c_int {
                 if let Some(c) = table::lookup(fd) {
                     c.nonblock
                         .store(arg as c_int & libc::O_NONBLOCK != 0, Ordering::Relaxed);
+                    if arg as c_int & libc::O_ASYNC != 0 {
+                        // SIGIO readiness is the kernel's alone.
+                        c.make_eager();
+                    }
                 }
             }
             _ => {}
@@ -1228,6 +1293,283 @@ pub unsafe extern "C" fn fcntl(fd: c_int, cmd: c_int, arg: c_ulong) -> c_int {
 pub unsafe extern "C" fn fcntl64(fd: c_int, cmd: c_int, arg: c_ulong) -> c_int {
     // SAFETY: same contract.
     unsafe { fcntl_common(fd, cmd, arg) }
+}
+
+/// The accelerated connection behind `fd` whose TCP options we own (see
+/// `sockopt`), if any.
+fn owns_opts(fd: c_int, level: c_int, name: c_int) -> Option<Arc<Conn>> {
+    if !sockopt::owned(level, name) {
+        return None;
+    }
+    table::lookup(fd).filter(|c| c.tcp_opts_taken.load(Ordering::Acquire))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn setsockopt(
+    fd: c_int,
+    level: c_int,
+    name: c_int,
+    val: *const c_void,
+    len: socklen_t,
+) -> c_int {
+    if let Some(c) = guard(None, || owns_opts(fd, level, name)) {
+        // SAFETY: the program's arguments, under setsockopt's contract.
+        let e = unsafe { sockopt::set(&c, name, val, len) };
+        if e != 0 {
+            set_errno(e);
+            return -1;
+        }
+        return 0;
+    }
+    // SAFETY: forwarding the caller's arguments.
+    unsafe { real::setsockopt(fd, level, name, val, len) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn getsockopt(
+    fd: c_int,
+    level: c_int,
+    name: c_int,
+    val: *mut c_void,
+    len: *mut socklen_t,
+) -> c_int {
+    if let Some(c) = guard(None, || owns_opts(fd, level, name)) {
+        // SAFETY: the program's arguments, under getsockopt's contract.
+        let e = unsafe { sockopt::get(&c, name, val, len) };
+        if e != 0 {
+            set_errno(e);
+            return -1;
+        }
+        return 0;
+    }
+    // SAFETY: forwarding the caller's arguments.
+    unsafe { real::getsockopt(fd, level, name, val, len) }
+}
+
+// ---- waiting: poll, select, epoll (readiness of lazy rings: see wait.rs) ----
+
+/// Runs a wait wrapper; a bug in it (a panic) must not unwind into C: the
+/// program sees an interrupted call, which every caller of these retries.
+fn wait_guard(f: impl FnOnce() -> c_int) -> c_int {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|_| {
+        set_errno(libc::EINTR);
+        -1
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn epoll_create(size: c_int) -> c_int {
+    // SAFETY: forwarding.
+    let r = unsafe { real::epoll_create(size) };
+    guard((), || wait::epoll_created(r));
+    r
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn epoll_create1(flags: c_int) -> c_int {
+    // SAFETY: forwarding.
+    let r = unsafe { real::epoll_create1(flags) };
+    guard((), || wait::epoll_created(r));
+    r
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn epoll_ctl(
+    epfd: c_int,
+    op: c_int,
+    fd: c_int,
+    ev: *mut libc::epoll_event,
+) -> c_int {
+    // SAFETY: forwarding.
+    let r = unsafe { real::epoll_ctl(epfd, op, fd, ev) };
+    if r == 0 {
+        let e = errno();
+        // SAFETY: the kernel accepted `ev` (null only for EPOLL_CTL_DEL).
+        let evr = unsafe { ev.as_ref() };
+        guard((), || wait::epoll_ctl_done(epfd, op, fd, evr));
+        set_errno(e);
+    }
+    r
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn epoll_wait(
+    epfd: c_int,
+    evs: *mut libc::epoll_event,
+    max: c_int,
+    timeout: c_int,
+) -> c_int {
+    let (dl, zero) = wait::dl_ms(timeout);
+    wait_guard(|| {
+        // SAFETY: the program's arguments; forwarding them unchanged.
+        unsafe {
+            wait::epoll_common(epfd, evs, max, dl, zero, std::ptr::null(), || {
+                real::epoll_wait(epfd, evs, max, timeout)
+            })
+        }
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn epoll_pwait(
+    epfd: c_int,
+    evs: *mut libc::epoll_event,
+    max: c_int,
+    timeout: c_int,
+    mask: *const libc::sigset_t,
+) -> c_int {
+    let (dl, zero) = wait::dl_ms(timeout);
+    wait_guard(|| {
+        // SAFETY: the program's arguments; forwarding them unchanged.
+        unsafe {
+            wait::epoll_common(epfd, evs, max, dl, zero, mask, || {
+                real::epoll_pwait(epfd, evs, max, timeout, mask)
+            })
+        }
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn epoll_pwait2(
+    epfd: c_int,
+    evs: *mut libc::epoll_event,
+    max: c_int,
+    ts: *const libc::timespec,
+    mask: *const libc::sigset_t,
+) -> c_int {
+    let (dl, zero) = wait::dl_ts(ts);
+    wait_guard(|| {
+        // SAFETY: the program's arguments; forwarding them unchanged.
+        unsafe {
+            wait::epoll_common(epfd, evs, max, dl, zero, mask, || {
+                real::epoll_pwait2(epfd, evs, max, ts, mask)
+            })
+        }
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn poll(fds: *mut libc::pollfd, n: libc::nfds_t, timeout: c_int) -> c_int {
+    let (dl, zero) = wait::dl_ms(timeout);
+    wait_guard(|| {
+        // SAFETY: the program's arguments; forwarding them unchanged.
+        unsafe {
+            wait::poll_common(fds, n, dl, zero, std::ptr::null(), || real::poll(fds, n, timeout))
+        }
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ppoll(
+    fds: *mut libc::pollfd,
+    n: libc::nfds_t,
+    ts: *const libc::timespec,
+    mask: *const libc::sigset_t,
+) -> c_int {
+    let (dl, zero) = wait::dl_ts(ts);
+    wait_guard(|| {
+        // SAFETY: the program's arguments; forwarding them unchanged.
+        unsafe { wait::poll_common(fds, n, dl, zero, mask, || real::ppoll(fds, n, ts, mask)) }
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __poll_chk(
+    fds: *mut libc::pollfd,
+    n: libc::nfds_t,
+    timeout: c_int,
+    fdslen: size_t,
+) -> c_int {
+    if fdslen / std::mem::size_of::<libc::pollfd>() < n as usize {
+        // SAFETY: libc's check, which reports the overflow and aborts.
+        return unsafe { real::__poll_chk(fds, n, timeout, fdslen) };
+    }
+    // SAFETY: same contract as poll.
+    unsafe { poll(fds, n, timeout) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __ppoll_chk(
+    fds: *mut libc::pollfd,
+    n: libc::nfds_t,
+    ts: *const libc::timespec,
+    mask: *const libc::sigset_t,
+    fdslen: size_t,
+) -> c_int {
+    if fdslen / std::mem::size_of::<libc::pollfd>() < n as usize {
+        // SAFETY: libc's check, which reports the overflow and aborts.
+        return unsafe { real::__ppoll_chk(fds, n, ts, mask, fdslen) };
+    }
+    // SAFETY: same contract as ppoll.
+    unsafe { ppoll(fds, n, ts, mask) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn select(
+    nfds: c_int,
+    rd: *mut libc::fd_set,
+    wr: *mut libc::fd_set,
+    ex: *mut libc::fd_set,
+    tv: *mut libc::timeval,
+) -> c_int {
+    // SAFETY: the program's timeval, if any.
+    let tvv = unsafe { tv.as_ref() }.copied();
+    let valid = tvv.map_or(true, |t| t.tv_sec >= 0 && (0..1_000_000).contains(&t.tv_usec));
+    if valid {
+        let dl = tvv.map(|t| {
+            std::time::Instant::now()
+                + std::time::Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000)
+        });
+        let zero = tvv.is_some_and(|t| t.tv_sec == 0 && t.tv_usec == 0);
+        let mut fixed = None;
+        let r = wait_guard(|| {
+            // SAFETY: the program's sets.
+            fixed = unsafe { wait::select_common(nfds, rd, wr, ex, dl, zero, std::ptr::null()) };
+            fixed.unwrap_or(0)
+        });
+        if fixed.is_some() || r < 0 {
+            if let (Some(dl), false) = (dl, tv.is_null()) {
+                // Linux select reports the time left.
+                let left = dl.saturating_duration_since(std::time::Instant::now());
+                // SAFETY: the program's non-null timeval.
+                unsafe {
+                    (*tv).tv_sec = left.as_secs() as libc::time_t;
+                    (*tv).tv_usec = left.subsec_micros() as libc::suseconds_t;
+                }
+            }
+            return r;
+        }
+    }
+    // SAFETY: forwarding.
+    unsafe { real::select(nfds, rd, wr, ex, tv) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn pselect(
+    nfds: c_int,
+    rd: *mut libc::fd_set,
+    wr: *mut libc::fd_set,
+    ex: *mut libc::fd_set,
+    ts: *const libc::timespec,
+    mask: *const libc::sigset_t,
+) -> c_int {
+    let (dl, zero) = wait::dl_ts(ts);
+    // SAFETY: the program's timespec, if any.
+    let valid = unsafe { ts.as_ref() }
+        .map_or(true, |t| t.tv_sec >= 0 && (0..1_000_000_000).contains(&t.tv_nsec));
+    if valid {
+        let mut fixed = None;
+        let r = wait_guard(|| {
+            // SAFETY: the program's sets and mask.
+            fixed = unsafe { wait::select_common(nfds, rd, wr, ex, dl, zero, mask) };
+            fixed.unwrap_or(0)
+        });
+        if fixed.is_some() || r < 0 {
+            return r;
+        }
+    }
+    // SAFETY: forwarding.
+    unsafe { real::pselect(nfds, rd, wr, ex, ts, mask) }
 }
 
 #[no_mangle]
@@ -1302,6 +1644,7 @@ pub unsafe extern "C" fn syscall(
     if n == libc::SYS_io_uring_setup {
         broker::set_off();
     }
+    guard((), || wait::raw_syscall(n));
     // SAFETY: forwarding the caller's system call (extra arguments are ignored
     // by the kernel).
     unsafe { real::syscall(n, [a1, a2, a3, a4, a5, a6]) }

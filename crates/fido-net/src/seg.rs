@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 pub const MAGIC: u64 = 0x6669_646f_6e65_7431; // "fidonet1"
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 /// Where the first ring starts (the header fits in one page).
 pub const HDR_LEN: usize = 4096;
 
@@ -52,6 +52,14 @@ pub struct Side {
     /// Threads of this side blocked waiting for ring space.
     pub space_waiters: AtomicU32,
     pub pid: AtomicU32,
+    /// Threads of this side sleeping in the kernel until data arrives (a
+    /// blocking receive, or poll/select/epoll through this library).
+    pub data_sleepers: AtomicU32,
+    /// 1: this side arms whenever it leaves with an empty ring (the original,
+    /// eager protocol), because the program may wait in a way this library
+    /// does not see; 0: it arms only around its own sleeps (lazy arming,
+    /// see `conn`).
+    pub eager: AtomicU32,
 }
 
 /// Per-direction ring control.
@@ -380,6 +388,68 @@ impl Segment {
             r.head.0.store(pos, Ordering::Release);
         }
         Ok(done)
+    }
+}
+
+/// Result of [`Segment::write_from_file`].
+pub struct FileFill {
+    /// Bytes read from the file into the ring (and published).
+    pub moved: usize,
+    /// The file had no more bytes at that offset.
+    pub eof: bool,
+    /// `pread` failed with this errno before anything moved.
+    pub err: Option<i32>,
+}
+
+impl Segment {
+    /// Reads up to `max` bytes of `file` at offset `pos` straight into the
+    /// free part of ring `d` and publishes them: `sendfile` without a bounce
+    /// buffer. Caller holds the ring's write lock.
+    pub fn write_from_file(
+        &self,
+        d: usize,
+        file: i32,
+        pos: i64,
+        max: usize,
+    ) -> Result<FileFill, Corrupt> {
+        let r = self.ring(d);
+        let head = r.head.0.load(Ordering::Relaxed);
+        let tail = r.tail.0.load(Ordering::Acquire);
+        let used = head.wrapping_sub(tail);
+        if used > self.ring_len as u64 {
+            return Err(Corrupt);
+        }
+        let mut want = (self.ring_len - used as usize).min(max);
+        let mut fill = FileFill { moved: 0, eof: false, err: None };
+        let base = self.data(d);
+        while want > 0 {
+            let at = ((head + fill.moved as u64) % self.ring_len as u64) as usize;
+            let n = want.min(self.ring_len - at);
+            // SAFETY: at + n <= ring_len: the destination lies in ring d, in
+            // the free part the reader does not read.
+            let got = unsafe {
+                libc::pread(file, base.add(at) as *mut libc::c_void, n, pos + fill.moved as i64)
+            };
+            if got < 0 {
+                if fill.moved == 0 {
+                    fill.err = Some(std::io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO));
+                }
+                break;
+            }
+            if got == 0 {
+                fill.eof = true;
+                break;
+            }
+            fill.moved += got as usize;
+            want -= got as usize;
+            if (got as usize) < n {
+                break; // short read: the caller asks again
+            }
+        }
+        if fill.moved > 0 {
+            r.head.0.store(head + fill.moved as u64, Ordering::Release);
+        }
+        Ok(fill)
     }
 }
 

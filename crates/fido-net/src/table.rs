@@ -15,6 +15,11 @@ static COUNT: AtomicUsize = AtomicUsize::new(0);
 /// Listening sockets we published: fd -> (registry key, publishing pid).
 static LISTENERS: Mutex<Option<HashMap<i32, (String, u32)>>> = Mutex::new(None);
 
+/// Descriptors naming accelerated connections (0: nothing to interpose).
+pub fn count() -> usize {
+    COUNT.load(Ordering::Relaxed)
+}
+
 pub fn lookup(fd: i32) -> Option<Arc<Conn>> {
     if COUNT.load(Ordering::Relaxed) == 0 || fd < 0 {
         return None;

@@ -10,12 +10,28 @@ use std::time::Duration;
 
 #[test]
 fn accelerated_transcript_equals_tcp() {
+    transcript_equals_tcp(None);
+}
+
+/// The same with eager arming throughout (`FIDO_NET_LAZY=0`): readiness then
+/// comes from the kernel alone, as for programs that wait in ways the
+/// library cannot see.
+#[test]
+fn eager_arming_transcript_equals_tcp() {
+    transcript_equals_tcp(Some("0"));
+}
+
+fn transcript_equals_tcp(lazy: Option<&str>) {
     let b = Broker::start();
     let exe = b.dir.path().join("fido-net-semantics");
     compile_c("semantics.c", &exe, &[]);
     let plain = run_ok(std::process::Command::new(&exe), Duration::from_secs(120));
     assert!(plain.ends_with("done\n"), "{plain}");
-    let accel = run_ok(b.accel(&exe), Duration::from_secs(120));
+    let mut cmd = b.accel(&exe);
+    if let Some(v) = lazy {
+        cmd.env("FIDO_NET_LAZY", v);
+    }
+    let accel = run_ok(cmd, Duration::from_secs(120));
     let pl: Vec<&str> = plain.lines().collect();
     let ac: Vec<&str> = accel.lines().collect();
     for (i, (p, a)) in pl.iter().zip(&ac).enumerate() {
@@ -25,7 +41,7 @@ fn accelerated_transcript_equals_tcp() {
         );
     }
     assert_eq!(pl.len(), ac.len(), "plain:\n{plain}\naccelerated:\n{accel}");
-    // The probe opens 21 connections (42 ends). An end is counted by the
+    // The probe opens 23 connections (46 ends). An end is counted by the
     // process that makes its first I/O; a few are first used in forked
     // children that leave with _exit before publishing, so the main process
     // accounts for at least 30 ends. None may have fallen back to TCP.

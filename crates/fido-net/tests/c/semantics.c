@@ -18,6 +18,7 @@
 #include <sys/epoll.h>
 #include <sys/ioctl.h>
 #include <sys/select.h>
+#include <sys/time.h>
 #include <sys/sendfile.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
@@ -372,6 +373,22 @@ static void t_names(void) {
     v = 1; setsockopt(c, IPPROTO_TCP, TCP_NODELAY, &v, sizeof v);
     v = 0; vl = sizeof v; getsockopt(c, IPPROTO_TCP, TCP_NODELAY, &v, &vl);
     OUT("nodelay %d", v != 0);
+    /* The accepted end is accelerated from accept on: its Nagle and cork
+       settings must read back as the program set them (the library runs the
+       real socket with Nagle and the cork off). */
+    v = 7; vl = sizeof v; getsockopt(s, IPPROTO_TCP, TCP_NODELAY, &v, &vl);
+    OUT("server nodelay default %d len %u", v, (unsigned)vl);
+    v = 1; int rr = setsockopt(s, IPPROTO_TCP, TCP_CORK, &v, sizeof v);
+    v = 0; vl = sizeof v; getsockopt(s, IPPROTO_TCP, TCP_CORK, &v, &vl);
+    OUT("cork set %d get %d", rr, v);
+    v = 0; setsockopt(s, IPPROTO_TCP, TCP_CORK, &v, sizeof v);
+    v = 9; vl = sizeof v; getsockopt(s, IPPROTO_TCP, TCP_CORK, &v, &vl);
+    OUT("cork cleared %d", v);
+    v = 5; setsockopt(s, IPPROTO_TCP, TCP_NODELAY, &v, sizeof v);
+    unsigned char one = 0xff; vl = 1; rr = getsockopt(s, IPPROTO_TCP, TCP_NODELAY, &one, &vl);
+    OUT("nodelay short get %d val %u len %u", rr, one, (unsigned)vl);
+    short sh = 1; rr = setsockopt(s, IPPROTO_TCP, TCP_NODELAY, &sh, sizeof sh);
+    OUT("nodelay short set %d %s", rr, ename(rr < 0 ? errno : 0));
     struct timeval tv = {0, 100000};
     setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
     char b[8];
@@ -512,6 +529,123 @@ static void t_splice(void) {
     close(p[0]); close(p[1]); close(c); close(s);
 }
 
+
+/* Waiting: what poll, select and epoll owe a program whatever the library does
+ * to compute readiness (lazy arming): interruption by a signal, two threads
+ * waiting for one socket, one-shot registrations, an epoll set shared with a
+ * forked child, select's time left, an epoll set nested in another. */
+static volatile sig_atomic_t alarms;
+static void on_alarm(int sig) { (void)sig; alarms++; }
+static void alarm_in_ms(int ms) {
+    struct itimerval it = {{0, 0}, {0, ms * 1000}};
+    setitimer(ITIMER_REAL, &it, NULL);
+}
+struct waiter { int fd; int ep; int woke; };
+static void *epoll_waiter(void *arg) {
+    struct waiter *w = arg; struct epoll_event out[2];
+    w->woke = epoll_wait(w->ep, out, 2, 10000) == 1 && (out[0].events & EPOLLIN);
+    return NULL;
+}
+static void *poll_waiter(void *arg) {
+    struct waiter *w = arg;
+    struct pollfd p = {.fd = w->fd, .events = POLLIN};
+    w->woke = poll(&p, 1, 10000) == 1 && (p.revents & POLLIN);
+    return NULL;
+}
+static void t_waits(void) {
+    int c, s; pair(&c, &s);
+    char bb[64];
+    struct sigaction sa = {0};
+    sa.sa_handler = on_alarm; /* no SA_RESTART: waits must say EINTR */
+    sigaction(SIGALRM, &sa, NULL);
+    struct pollfd p = {.fd = s, .events = POLLIN};
+    alarm_in_ms(30);
+    int r = poll(&p, 1, 10000);
+    OUT("poll interrupted: %d %s alarms %d", r, ename(r < 0 ? errno : 0), (int)alarms);
+    int ep = epoll_create1(0);
+    struct epoll_event ev = {.events = EPOLLIN, .data.u64 = 77}, out[4];
+    epoll_ctl(ep, EPOLL_CTL_ADD, s, &ev);
+    alarm_in_ms(30);
+    r = epoll_wait(ep, out, 4, 10000);
+    OUT("epoll interrupted: %d %s alarms %d", r, ename(r < 0 ? errno : 0), (int)alarms);
+    fd_set rs; FD_ZERO(&rs); FD_SET(s, &rs);
+    struct timeval tv = {10, 0};
+    alarm_in_ms(30);
+    r = select(s + 1, &rs, NULL, NULL, &tv);
+    OUT("select interrupted: %d %s alarms %d", r, ename(r < 0 ? errno : 0), (int)alarms);
+    /* ppoll with SIGALRM blocked for the wait: not interrupted, times out */
+    sigset_t mask; sigemptyset(&mask); sigaddset(&mask, SIGALRM);
+    sigset_t old; sigprocmask(SIG_BLOCK, &mask, &old);
+    sigset_t during = old; sigaddset(&during, SIGALRM);
+    struct timespec ts = {0, 100000000};
+    alarm_in_ms(10);
+    r = ppoll(&p, 1, &ts, &during);
+    OUT("ppoll with alarm blocked: %d", r);
+    sigprocmask(SIG_SETMASK, &old, NULL); /* the pending alarm runs now */
+    OUT("alarm after ppoll: %d", (int)alarms);
+    /* select reports the time left */
+    FD_ZERO(&rs); FD_SET(s, &rs);
+    tv.tv_sec = 0; tv.tv_usec = 50000;
+    r = select(s + 1, &rs, NULL, NULL, &tv);
+    OUT("select timeout: %d left %ld.%06ld", r, (long)tv.tv_sec, (long)tv.tv_usec);
+    /* data while waiting; the event carries the registered data */
+    send(c, "hello", 5, 0);
+    r = epoll_wait(ep, out, 4, 10000);
+    OUT("epoll data: %d %llu %x", r, r > 0 ? (unsigned long long)out[0].data.u64 : 0ULL, r > 0 ? out[0].events : 0);
+    recv(s, bb, sizeof bb, 0);
+    /* two threads waiting for one socket both wake */
+    struct waiter we = {s, ep, 0}, wp = {s, -1, 0};
+    pthread_t te, tp;
+    pthread_create(&te, NULL, epoll_waiter, &we);
+    pthread_create(&tp, NULL, poll_waiter, &wp);
+    usleep(50000);
+    send(c, "x", 1, 0);
+    pthread_join(te, NULL); pthread_join(tp, NULL);
+    OUT("two waiters woke: epoll %d poll %d", we.woke, wp.woke);
+    recv(s, bb, sizeof bb, 0);
+    /* one-shot: reported once, then silent until re-armed */
+    ev.events = EPOLLIN | EPOLLONESHOT;
+    epoll_ctl(ep, EPOLL_CTL_MOD, s, &ev);
+    send(c, "1", 1, 0);
+    r = epoll_wait(ep, out, 4, 10000);
+    OUT("oneshot first: %d", r);
+    OUT("oneshot silent: %d", epoll_wait(ep, out, 4, 100));
+    epoll_ctl(ep, EPOLL_CTL_MOD, s, &ev);
+    OUT("oneshot re-armed: %d", epoll_wait(ep, out, 4, 10000));
+    recv(s, bb, sizeof bb, 0);
+    ev.events = EPOLLIN;
+    epoll_ctl(ep, EPOLL_CTL_MOD, s, &ev);
+    /* an epoll set shared with a forked child that waits on it */
+    pid_t pid = fork();
+    if (pid == 0) {
+        int n = epoll_wait(ep, out, 4, 10000);
+        _exit(n == 1 && out[0].data.u64 == 77 ? 0 : 1);
+    }
+    usleep(50000);
+    send(c, "forked", 6, 0);
+    int st = 0; waitpid(pid, &st, 0);
+    OUT("child woke on shared epoll: %d", WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    recv(s, bb, sizeof bb, 0);
+    close(ep); close(c); close(s);
+    /* an epoll set nested in another: the outer set sees the inner's readiness */
+    pair(&c, &s);
+    int outer = epoll_create1(0), inner = epoll_create1(0);
+    ev.events = EPOLLIN; ev.data.u64 = 5;
+    epoll_ctl(inner, EPOLL_CTL_ADD, s, &ev);
+    ev.data.u64 = 9;
+    epoll_ctl(outer, EPOLL_CTL_ADD, inner, &ev);
+    OUT("nested quiet: %d", epoll_wait(outer, out, 4, 0));
+    send(c, "nested", 6, 0);
+    r = epoll_wait(outer, out, 4, 10000);
+    OUT("nested outer: %d %llu", r, r > 0 ? (unsigned long long)out[0].data.u64 : 0ULL);
+    r = epoll_wait(inner, out, 4, 0);
+    OUT("nested inner: %d %llu", r, r > 0 ? (unsigned long long)out[0].data.u64 : 0ULL);
+    r = recv(s, bb, sizeof bb, 0);
+    OUT("nested read: %d", r);
+    close(outer); close(inner); close(c); close(s);
+    signal(SIGALRM, SIG_DFL);
+}
+
 int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IOLBF, 0);
     const char *only = argc > 1 ? argv[1] : "";
@@ -526,6 +660,7 @@ int main(int argc, char **argv) {
     RUN(t_threads);
     RUN(t_sendfile);
     RUN(t_splice);
+    RUN(t_waits); /* last: its nested epoll set turns lazy arming off */
     OUT("done");
     return 0;
 }
