@@ -926,6 +926,11 @@ pub fn adopt() {
                     c.app_cork.store(cork, Ordering::Relaxed);
                     c.tcp_opts_taken.store(true, Ordering::Release);
                 }
+                // The new image may wait on the socket through an epoll
+                // instance it inherited, which this image's wrappers never
+                // saw being set up: kernel readiness must be exact on its
+                // own (eager arming, see `wait`).
+                c.make_eager();
                 for &fd in &mine {
                     table::insert(fd, c.clone());
                 }
