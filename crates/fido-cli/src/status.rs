@@ -169,12 +169,20 @@ fn print_text(st: &Status, path: &std::path::Path, me: u64) {
     print!("{}", table(&["conn", "service", "client", "server"], &rows));
     if let Some(e) = &st.pipe_engine {
         let cap = match e.capacity {
-            Some(c) => format!("{}/s{}", human_bytes(c), if e.calibrated { " (calibrated)" } else { "" }),
+            Some(c) => format!(
+                "{}/s{}",
+                human_bytes(c),
+                if e.calibrated { " (calibrated)" } else { "" }
+            ),
             None => "unlimited".into(),
         };
         println!(
             "\npipe engine: capacity {cap}, {}, {} lanes; domains with pipes ({}):",
-            if e.work_conserving { "work-conserving" } else { "strict shares" },
+            if e.work_conserving {
+                "work-conserving"
+            } else {
+                "strict shares"
+            },
             e.lanes,
             st.pipes.len()
         );
@@ -182,7 +190,11 @@ fn print_text(st: &Status, path: &std::path::Path, me: u64) {
             .pipes
             .iter()
             .map(|p| {
-                let name = st.domains.iter().find(|d| d.domain == p.domain).map_or("", |d| d.name.as_str());
+                let name = st
+                    .domains
+                    .iter()
+                    .find(|d| d.domain == p.domain)
+                    .map_or("", |d| d.name.as_str());
                 vec![
                     p.domain.to_string(),
                     name.to_string(),
@@ -197,7 +209,19 @@ fn print_text(st: &Status, path: &std::path::Path, me: u64) {
             .collect();
         print!(
             "{}",
-            table(&["domain", "name", "weight", "throughput", "moved", "credits (B)", "pipes", "running"], &rows)
+            table(
+                &[
+                    "domain",
+                    "name",
+                    "weight",
+                    "throughput",
+                    "moved",
+                    "credits (B)",
+                    "pipes",
+                    "running"
+                ],
+                &rows
+            )
         );
     }
 }
@@ -284,7 +308,16 @@ fn print_net(net: &[Value]) {
     print!(
         "{}",
         table(
-            &["pid", "side", "local", "peer", "sent", "received", "doorbells", "arming"],
+            &[
+                "pid",
+                "side",
+                "local",
+                "peer",
+                "sent",
+                "received",
+                "doorbells",
+                "arming"
+            ],
             &open
         )
     );

@@ -506,5 +506,6 @@ pub fn new_conn(
         app_nodelay: std::sync::atomic::AtomicI32::new(0),
         app_cork: std::sync::atomic::AtomicI32::new(0),
         tcp_opts_taken: AtomicBool::new(false),
+        kernel_err: std::sync::atomic::AtomicI32::new(0),
     })
 }

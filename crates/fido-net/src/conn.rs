@@ -142,6 +142,10 @@ pub struct Conn {
     pub app_cork: AtomicI32,
     /// `sockopt::take_over` ran.
     pub tcp_opts_taken: AtomicBool,
+    /// A socket error (e.g. `ECONNRESET`) one of our own peeks took from the
+    /// kernel, which reports an error once: kept for the program's next
+    /// receive (or `SO_ERROR`), which would otherwise see a plain EOF.
+    pub kernel_err: AtomicI32,
 }
 
 fn errno() -> c_int {
@@ -226,7 +230,10 @@ impl Conn {
 
     /// Doorbell bytes our side sent (each a TCP send).
     pub fn doorbells_sent(&self) -> u64 {
-        self.seg.side(self.me).doorbells_sent.load(Ordering::Relaxed)
+        self.seg
+            .side(self.me)
+            .doorbells_sent
+            .load(Ordering::Relaxed)
     }
 
     /// Bytes waiting for us (FIONREAD).
@@ -506,7 +513,8 @@ impl Conn {
     pub fn sleep_end(&self) {
         let s = self.seg.side(self.me);
         let g = s.data_gen.load(Ordering::SeqCst);
-        if s.data_sleepers.fetch_sub(1, Ordering::SeqCst) == 1 && s.eager.load(Ordering::SeqCst) == 0
+        if s.data_sleepers.fetch_sub(1, Ordering::SeqCst) == 1
+            && s.eager.load(Ordering::SeqCst) == 0
         {
             let _ = self.seg.ring(self.rx()).data_arm.0.compare_exchange(
                 g,
@@ -563,7 +571,16 @@ impl Conn {
             } else {
                 match errno() {
                     libc::EAGAIN | libc::EINTR => 0,
-                    _ => return, // reset: the kernel reports it
+                    e => {
+                        // Reset: the error is the program's to see.
+                        let _ = self.kernel_err.compare_exchange(
+                            0,
+                            e,
+                            Ordering::SeqCst,
+                            Ordering::SeqCst,
+                        );
+                        return;
+                    }
                 }
             };
             let data_gen = me.data_gen.load(Ordering::SeqCst) as u8;
@@ -648,6 +665,10 @@ impl Conn {
 
     /// What the kernel says about the socket, without consuming it.
     fn kernel_state(&self, fd: c_int) -> KState {
+        let kept = self.kernel_err.load(Ordering::SeqCst);
+        if kept != 0 {
+            return KState::Err(kept);
+        }
         let mut b = 0u8;
         // SAFETY: peek one byte into a local.
         let n = unsafe {
@@ -664,8 +685,23 @@ impl Conn {
             _ => match errno() {
                 libc::EAGAIN => KState::Empty,
                 libc::EINTR => KState::Empty,
-                e => KState::Err(e),
+                e => {
+                    // Taken from the kernel by this peek: keep it until a
+                    // receive reports it (`take_kernel_err`).
+                    let _ =
+                        self.kernel_err
+                            .compare_exchange(0, e, Ordering::SeqCst, Ordering::SeqCst);
+                    KState::Err(e)
+                }
             },
+        }
+    }
+
+    /// The kept socket error, reported once (like the kernel's `sk_err`).
+    pub fn take_kernel_err(&self) -> Option<c_int> {
+        match self.kernel_err.swap(0, Ordering::SeqCst) {
+            0 => None,
+            e => Some(e),
         }
     }
 
@@ -780,7 +816,11 @@ impl Conn {
                     if self.used_rx().unwrap_or(0) > 0 {
                         continue;
                     }
-                    return if got > 0 { Out::Done(got) } else { Out::Err(e) };
+                    if got > 0 {
+                        return Out::Done(got); // the error comes next time
+                    }
+                    self.take_kernel_err();
+                    return Out::Err(e);
                 }
                 KState::Empty | KState::Bytes => {}
             }
@@ -871,11 +911,22 @@ impl Conn {
     /// into the ring, without waiting. `Ok((moved, eof))`; moved 0 and not
     /// eof means the ring is full (the caller waits through `send`).
     /// `Err(Out::Kernel)` when the kernel must answer (peer gone, shut down).
-    pub fn send_file_now(&self, fd: c_int, file: c_int, pos: i64, max: usize) -> Result<(usize, bool), Out> {
+    pub fn send_file_now(
+        &self,
+        fd: c_int,
+        file: c_int,
+        pos: i64,
+        max: usize,
+    ) -> Result<(usize, bool), Out> {
         let me = self.seg.side(self.me);
         if self.broken.load(Ordering::Relaxed)
             || me.shut_wr.load(Ordering::Relaxed) != 0
-            || self.seg.side(self.peer_side()).closed.load(Ordering::SeqCst) != 0
+            || self
+                .seg
+                .side(self.peer_side())
+                .closed
+                .load(Ordering::SeqCst)
+                != 0
         {
             return Err(Out::Kernel);
         }

@@ -968,7 +968,9 @@ pub unsafe extern "C" fn sendfile(
     let mut done: usize = 0;
     while done < count {
         // Straight from the file into the ring while it has room.
-        match guard(Err(Out::Err(libc::EIO)), || c.send_file_now(out, inp, pos, count - done)) {
+        match guard(Err(Out::Err(libc::EIO)), || {
+            c.send_file_now(out, inp, pos, count - done)
+        }) {
             Ok((k, eof)) => {
                 done += k;
                 pos += k as libc::off_t;
@@ -1333,6 +1335,22 @@ pub unsafe extern "C" fn getsockopt(
     val: *mut c_void,
     len: *mut socklen_t,
 ) -> c_int {
+    if level == libc::SOL_SOCKET && name == libc::SO_ERROR && !val.is_null() && !len.is_null() {
+        // An error one of our peeks took from the kernel is reported here
+        // once, as the kernel would have.
+        // SAFETY: the program's length pointer (non-null).
+        let want = unsafe { *len } as usize;
+        if want >= std::mem::size_of::<c_int>() {
+            if let Some(e) = table::lookup(fd).and_then(|c| c.take_kernel_err()) {
+                // SAFETY: the program gave at least an int's room.
+                unsafe {
+                    (val as *mut c_int).write_unaligned(e);
+                    *len = std::mem::size_of::<c_int>() as socklen_t;
+                }
+                return 0;
+            }
+        }
+    }
     if let Some(c) = guard(None, || owns_opts(fd, level, name)) {
         // SAFETY: the program's arguments, under getsockopt's contract.
         let e = unsafe { sockopt::get(&c, name, val, len) };
@@ -1454,7 +1472,9 @@ pub unsafe extern "C" fn poll(fds: *mut libc::pollfd, n: libc::nfds_t, timeout: 
     wait_guard(|| {
         // SAFETY: the program's arguments; forwarding them unchanged.
         unsafe {
-            wait::poll_common(fds, n, dl, zero, std::ptr::null(), || real::poll(fds, n, timeout))
+            wait::poll_common(fds, n, dl, zero, std::ptr::null(), || {
+                real::poll(fds, n, timeout)
+            })
         }
     })
 }
@@ -1514,7 +1534,7 @@ pub unsafe extern "C" fn select(
 ) -> c_int {
     // SAFETY: the program's timeval, if any.
     let tvv = unsafe { tv.as_ref() }.copied();
-    let valid = tvv.map_or(true, |t| t.tv_sec >= 0 && (0..1_000_000).contains(&t.tv_usec));
+    let valid = tvv.is_none_or(|t| t.tv_sec >= 0 && (0..1_000_000).contains(&t.tv_usec));
     if valid {
         let dl = tvv.map(|t| {
             std::time::Instant::now()
@@ -1556,7 +1576,7 @@ pub unsafe extern "C" fn pselect(
     let (dl, zero) = wait::dl_ts(ts);
     // SAFETY: the program's timespec, if any.
     let valid = unsafe { ts.as_ref() }
-        .map_or(true, |t| t.tv_sec >= 0 && (0..1_000_000_000).contains(&t.tv_nsec));
+        .is_none_or(|t| t.tv_sec >= 0 && (0..1_000_000_000).contains(&t.tv_nsec));
     if valid {
         let mut fixed = None;
         let r = wait_guard(|| {

@@ -420,7 +420,11 @@ impl Segment {
             return Err(Corrupt);
         }
         let mut want = (self.ring_len - used as usize).min(max);
-        let mut fill = FileFill { moved: 0, eof: false, err: None };
+        let mut fill = FileFill {
+            moved: 0,
+            eof: false,
+            err: None,
+        };
         let base = self.data(d);
         while want > 0 {
             let at = ((head + fill.moved as u64) % self.ring_len as u64) as usize;
@@ -428,11 +432,20 @@ impl Segment {
             // SAFETY: at + n <= ring_len: the destination lies in ring d, in
             // the free part the reader does not read.
             let got = unsafe {
-                libc::pread(file, base.add(at) as *mut libc::c_void, n, pos + fill.moved as i64)
+                libc::pread(
+                    file,
+                    base.add(at) as *mut libc::c_void,
+                    n,
+                    pos + fill.moved as i64,
+                )
             };
             if got < 0 {
                 if fill.moved == 0 {
-                    fill.err = Some(std::io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO));
+                    fill.err = Some(
+                        std::io::Error::last_os_error()
+                            .raw_os_error()
+                            .unwrap_or(libc::EIO),
+                    );
                 }
                 break;
             }

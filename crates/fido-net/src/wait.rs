@@ -435,7 +435,9 @@ pub unsafe fn poll_common(
             return look(arr);
         };
         let ts = rem.map(to_ts);
-        let tsp = ts.as_ref().map_or(std::ptr::null(), |t| t as *const timespec);
+        let tsp = ts
+            .as_ref()
+            .map_or(std::ptr::null(), |t| t as *const timespec);
         // SAFETY: the program's array; a valid timespec and sigmask.
         let r = unsafe { real::ppoll(arr.as_mut_ptr(), n, tsp, mask) };
         let e = crate::errno();
@@ -471,7 +473,11 @@ pub unsafe fn select_common(
     zero: bool,
     sigmask: *const sigset_t,
 ) -> Option<c_int> {
-    if rd.is_null() || table::count() == 0 || !lazy_allowed() || !(0..=libc::FD_SETSIZE as c_int).contains(&nfds) {
+    if rd.is_null()
+        || table::count() == 0
+        || !lazy_allowed()
+        || !(0..=libc::FD_SETSIZE as c_int).contains(&nfds)
+    {
         return None;
     }
     // SAFETY: FD_ISSET on the program's sets below nfds.
@@ -492,14 +498,20 @@ pub unsafe fn select_common(
             ev |= libc::POLLPRI;
         }
         if ev != 0 {
-            pfds.push(pollfd { fd, events: ev, revents: 0 });
+            pfds.push(pollfd {
+                fd,
+                events: ev,
+                revents: 0,
+            });
         }
     }
     let np = pfds.len() as nfds_t;
     let ptr = pfds.as_mut_ptr();
     let forward = || {
         let ts = remaining(dl).map(to_ts);
-        let tsp = ts.as_ref().map_or(std::ptr::null(), |t| t as *const timespec);
+        let tsp = ts
+            .as_ref()
+            .map_or(std::ptr::null(), |t| t as *const timespec);
         // SAFETY: our own array.
         unsafe { real::ppoll(ptr, np, tsp, sigmask) }
     };
@@ -528,9 +540,22 @@ pub unsafe fn select_common(
             }
         };
         let re = p.revents;
-        set(rd, p.events & libc::POLLIN != 0 && re & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0, &mut count);
-        set(wr, p.events & libc::POLLOUT != 0 && re & (libc::POLLOUT | libc::POLLERR) != 0, &mut count);
-        set(ex, p.events & libc::POLLPRI != 0 && re & libc::POLLPRI != 0, &mut count);
+        set(
+            rd,
+            p.events & libc::POLLIN != 0
+                && re & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0,
+            &mut count,
+        );
+        set(
+            wr,
+            p.events & libc::POLLOUT != 0 && re & (libc::POLLOUT | libc::POLLERR) != 0,
+            &mut count,
+        );
+        set(
+            ex,
+            p.events & libc::POLLPRI != 0 && re & libc::POLLPRI != 0,
+            &mut count,
+        );
     }
     Some(count)
 }
@@ -619,7 +644,8 @@ fn ep_fixup(evs: &mut [epoll_event], n: usize, watches: &mut [EpWatch], start: u
             } else {
                 w.conn.has_data()
             };
-            let edge = w.events & libc::EPOLLET as u32 == 0 || head != w.last_head || !w.conn.has_data();
+            let edge =
+                w.events & libc::EPOLLET as u32 == 0 || head != w.last_head || !w.conn.has_data();
             if readable && edge {
                 e.events |= w.events & IN;
                 w.last_head = head;
@@ -705,7 +731,9 @@ pub unsafe fn epoll_common(
             let _b = SigBlock::new();
             let any = || watches.iter().any(|w| w.conn.has_data());
             // SAFETY: as above.
-            spin(dl, any, || unsafe { real::epoll_wait(epfd, arr.as_mut_ptr(), max, 0) > 0 });
+            spin(dl, any, || unsafe {
+                real::epoll_wait(epfd, arr.as_mut_ptr(), max, 0) > 0
+            });
         }
         let r = look(arr, &mut watches);
         if r != 0 {

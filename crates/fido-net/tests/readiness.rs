@@ -62,7 +62,11 @@ fn no_eagain_after_readiness_with_eager_arming() {
         let out = run_ok(c, Duration::from_secs(120));
         assert!(out.contains("spurious_eagain 0 content ok"), "{out}");
     }
-    assert!(b.wait_accelerated("fido-net-readin", 2).0 >= 2, "{:?}", b.stats());
+    assert!(
+        b.wait_accelerated("fido-net-readin", 2).0 >= 2,
+        "{:?}",
+        b.stats()
+    );
 }
 
 /// Lazy arming is what makes a busy connection free of system calls: a
@@ -76,13 +80,21 @@ fn lazy_arming_elides_doorbells() {
     let doorbells = |name: &str| -> u64 {
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         loop {
-            let v: Vec<_> = b.stats().into_iter().filter(|v| v["name"] == name).collect();
+            let v: Vec<_> = b
+                .stats()
+                .into_iter()
+                .filter(|v| v["name"] == name)
+                .collect();
             if let Some(v) = v.first() {
                 if v["accelerated"].as_u64().unwrap_or(0) >= 2 {
                     return v["doorbells"].as_u64().expect("doorbells in stats");
                 }
             }
-            assert!(std::time::Instant::now() < deadline, "no stats: {:?}", b.stats());
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no stats: {:?}",
+                b.stats()
+            );
             std::thread::sleep(Duration::from_millis(100));
         }
     };
@@ -97,6 +109,12 @@ fn lazy_arming_elides_doorbells() {
     assert!(out.contains("ok 2000"), "{out}");
     let eager = doorbells("fido-net-eager");
     eprintln!("doorbells for 2000 messages: lazy {lazy}, eager {eager}");
-    assert!(lazy <= 4, "lazy arming rang {lazy} doorbells for 2000 messages");
-    assert!(eager >= 200, "eager arming rang only {eager} doorbells: is the test still measuring?");
+    assert!(
+        lazy <= 4,
+        "lazy arming rang {lazy} doorbells for 2000 messages"
+    );
+    assert!(
+        eager >= 200,
+        "eager arming rang only {eager} doorbells: is the test still measuring?"
+    );
 }
