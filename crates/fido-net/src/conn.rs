@@ -571,6 +571,7 @@ impl Conn {
             } else {
                 match errno() {
                     libc::EAGAIN | libc::EINTR => 0,
+                    e if self.is_artifact_reset(e) => return,
                     e => {
                         // Reset: the error is the program's to see.
                         let _ = self.kernel_err.compare_exchange(
@@ -664,6 +665,17 @@ impl Conn {
     }
 
     /// What the kernel says about the socket, without consuming it.
+    /// A reset the kernel reports, as TCP would have reported the close:
+    /// a peer that died (or closed) having read everything we sent left
+    /// only doorbell bytes unread — TCP would have sent a FIN, so it is EOF.
+    /// A reset made on purpose (`Side::reset`) or with our data unread
+    /// stays a reset.
+    fn is_artifact_reset(&self, e: c_int) -> bool {
+        e == libc::ECONNRESET
+            && self.seg.side(self.peer_side()).reset.load(Ordering::SeqCst) == 0
+            && self.seg.used(self.tx()).is_ok_and(|u| u == 0)
+    }
+
     fn kernel_state(&self, fd: c_int) -> KState {
         let kept = self.kernel_err.load(Ordering::SeqCst);
         if kept != 0 {
@@ -685,6 +697,7 @@ impl Conn {
             _ => match errno() {
                 libc::EAGAIN => KState::Empty,
                 libc::EINTR => KState::Empty,
+                e if self.is_artifact_reset(e) => KState::Eof,
                 e => {
                     // Taken from the kernel by this peek: keep it until a
                     // receive reports it (`take_kernel_err`).
@@ -709,6 +722,7 @@ impl Conn {
     /// the peer gets ECONNRESET, and hand the socket to the kernel from now on.
     pub(crate) fn reset(&self, fd: c_int) {
         self.broken.store(true, Ordering::SeqCst);
+        self.seg.side(self.me).reset.store(1, Ordering::SeqCst);
         let sa = libc::sockaddr {
             sa_family: libc::AF_UNSPEC as libc::sa_family_t,
             sa_data: [0; 14],

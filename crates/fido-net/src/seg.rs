@@ -60,7 +60,14 @@ pub struct Side {
     /// does not see; 0: it arms only around its own sleeps (lazy arming,
     /// see `conn`).
     pub eager: AtomicU32,
+    /// This side reset the connection on purpose (a corrupt segment, an
+    /// image that cannot adopt it): the peer reports `ECONNRESET`. Without
+    /// it a reset from a process that died with doorbells unread — which
+    /// TCP would have closed with a FIN — reads as the EOF TCP would give.
+    pub reset: AtomicU32,
 }
+
+const _: () = assert!(std::mem::size_of::<Side>() <= 64);
 
 /// Per-direction ring control.
 #[repr(C)]
