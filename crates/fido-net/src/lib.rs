@@ -387,7 +387,14 @@ fn prepare_connect(fd: c_int, dst: &Addr, same: bool) -> Option<Arc<Conn>> {
 pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, len: socklen_t) -> c_int {
     let prepared = if broker::enabled() && table::lookup(fd).is_none() {
         guard(None, || {
-            let dst = parse_addr(addr, len)?;
+            let mut dst = parse_addr(addr, len)?;
+            // The kernel connects the unspecified address to loopback; the
+            // server sees (and looks the request up by) that address.
+            if dst.ip == "0.0.0.0" {
+                dst.ip = "127.0.0.1".into();
+            } else if dst.ip == "::" {
+                dst.ip = "::1".into();
+            }
             if !is_tcp_stream(fd) {
                 return None;
             }

@@ -646,6 +646,25 @@ static void t_waits(void) {
     signal(SIGALRM, SIG_DFL);
 }
 
+
+/* A client connecting to the unspecified address (the kernel makes it
+ * loopback), as sockperf does by default. */
+static void t_any(void) {
+    int l = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    if (bind(l, (void *)&a, sizeof a) || listen(l, 4)) DIE("bind/listen");
+    socklen_t len = sizeof a;
+    getsockname(l, (void *)&a, &len);
+    a.sin_addr.s_addr = htonl(INADDR_ANY);
+    int c = socket(AF_INET, SOCK_STREAM, 0);
+    if (connect(c, (void *)&a, sizeof a)) DIE("connect any");
+    int s = accept(l, NULL, NULL);
+    send(c, "any", 3, 0);
+    char b[8]; ssize_t r = recv(s, b, sizeof b, 0);
+    OUT("connect to 0.0.0.0: %zd '%.*s'", r, (int)(r > 0 ? r : 0), b);
+    close(c); close(s); close(l);
+}
+
 int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IOLBF, 0);
     const char *only = argc > 1 ? argv[1] : "";
@@ -660,6 +679,7 @@ int main(int argc, char **argv) {
     RUN(t_threads);
     RUN(t_sendfile);
     RUN(t_splice);
+    RUN(t_any);
     RUN(t_waits); /* last: its nested epoll set turns lazy arming off */
     OUT("done");
     return 0;
