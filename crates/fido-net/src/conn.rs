@@ -1179,20 +1179,7 @@ impl Conn {
             fence(Ordering::SeqCst);
             if !self.broken.load(Ordering::Relaxed) && self.used_rx().unwrap_or(0) > 0 {
                 // TCP resets a connection closed with unread data.
-                let l = libc::linger {
-                    l_onoff: 1,
-                    l_linger: 0,
-                };
-                // SAFETY: setsockopt with a linger struct.
-                unsafe {
-                    libc::setsockopt(
-                        fd,
-                        libc::SOL_SOCKET,
-                        libc::SO_LINGER,
-                        &l as *const _ as *const libc::c_void,
-                        std::mem::size_of::<libc::linger>() as libc::socklen_t,
-                    )
-                };
+                crate::sockopt::linger(fd, true);
             } else {
                 let mut buf = [0u8; 512];
                 for _ in 0..1024 {

@@ -92,23 +92,6 @@ fn inode(fd: c_int) -> Option<u64> {
     (unsafe { libc::fstat(fd, &mut st) } == 0).then_some(st.st_ino)
 }
 
-fn linger(fd: c_int, on: bool) {
-    let l = libc::linger {
-        l_onoff: on as c_int,
-        l_linger: 0,
-    };
-    // SAFETY: setsockopt with a linger struct.
-    unsafe {
-        libc::setsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            libc::SO_LINGER,
-            &l as *const _ as *const libc::c_void,
-            std::mem::size_of::<libc::linger>() as libc::socklen_t,
-        )
-    };
-}
-
 /// Gets every accelerated connection ready for an exec (see the module
 /// comment). Returns the variable's value (if any) and what to undo.
 fn prepare(mut kind: Kind, loads: bool) -> (Option<String>, Undo) {
@@ -171,7 +154,7 @@ fn prepare(mut kind: Kind, loads: bool) -> (Option<String>, Undo) {
                 let last = me.holders.fetch_sub(1, Ordering::SeqCst) == 1;
                 let rst = last && c.readable_bytes() > 0;
                 if rst {
-                    linger(fd, true);
+                    crate::sockopt::linger(fd, true);
                 }
                 undo.released.push((c.clone(), fd, rst));
             }
@@ -271,7 +254,7 @@ fn finish(undo: Undo, spawned: bool) {
     for (c, fd, rst) in undo.released {
         c.seg.side(c.me).holders.fetch_add(1, Ordering::SeqCst);
         if rst {
-            linger(fd, false);
+            crate::sockopt::linger(fd, false);
         }
     }
     for fd in undo.cloexec {

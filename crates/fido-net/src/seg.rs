@@ -298,6 +298,14 @@ impl Segment {
 
     /// Bytes buffered in ring `d`, validated.
     pub fn used(&self, d: usize) -> Result<usize, Corrupt> {
+        self.span(d).map(|(_, _, used)| used)
+    }
+
+    /// Ring `d`'s positions `(head, tail)` and the bytes between them,
+    /// validated: the peer writes these words, so a `used` beyond the ring
+    /// means a corrupt segment. (Acquire on both: on the side we own it
+    /// costs nothing and keeps one rule for every caller.)
+    fn span(&self, d: usize) -> Result<(u64, u64, usize), Corrupt> {
         let r = self.ring(d);
         let head = r.head.0.load(Ordering::Acquire);
         let tail = r.tail.0.load(Ordering::Acquire);
@@ -305,7 +313,7 @@ impl Segment {
         if used > self.ring_len as u64 {
             return Err(Corrupt);
         }
-        Ok(used as usize)
+        Ok((head, tail, used as usize))
     }
 
     /// Copies up to the total length of `bufs` from ring `d` into them;
@@ -317,13 +325,7 @@ impl Segment {
         peek: bool,
     ) -> Result<usize, Corrupt> {
         let r = self.ring(d);
-        let head = r.head.0.load(Ordering::Acquire);
-        let tail = r.tail.0.load(Ordering::Relaxed);
-        let avail = head.wrapping_sub(tail);
-        if avail > self.ring_len as u64 {
-            return Err(Corrupt);
-        }
-        let mut avail = avail as usize;
+        let (_, tail, mut avail) = self.span(d)?;
         let mut pos = tail;
         let mut done = 0;
         let base = self.data(d);
@@ -364,13 +366,8 @@ impl Segment {
     /// Copies as much of `bufs` as fits into ring `d`. Caller holds the write lock.
     pub fn write_from(&self, d: usize, bufs: &[&[u8]]) -> Result<usize, Corrupt> {
         let r = self.ring(d);
-        let head = r.head.0.load(Ordering::Relaxed);
-        let tail = r.tail.0.load(Ordering::Acquire);
-        let used = head.wrapping_sub(tail);
-        if used > self.ring_len as u64 {
-            return Err(Corrupt);
-        }
-        let mut free = self.ring_len - used as usize;
+        let (head, _, used) = self.span(d)?;
+        let mut free = self.ring_len - used;
         let mut pos = head;
         let mut done = 0;
         let base = self.data(d);
@@ -420,13 +417,8 @@ impl Segment {
         max: usize,
     ) -> Result<FileFill, Corrupt> {
         let r = self.ring(d);
-        let head = r.head.0.load(Ordering::Relaxed);
-        let tail = r.tail.0.load(Ordering::Acquire);
-        let used = head.wrapping_sub(tail);
-        if used > self.ring_len as u64 {
-            return Err(Corrupt);
-        }
-        let mut want = (self.ring_len - used as usize).min(max);
+        let (head, _, used) = self.span(d)?;
+        let mut want = (self.ring_len - used).min(max);
         let mut fill = FileFill {
             moved: 0,
             eof: false,

@@ -12,6 +12,9 @@
 //! settings of the two are remembered and answered back: they would only have
 //! shaped the segments of data that no longer travels on TCP.
 //!
+//! Also here: `linger`, how the library makes a close send a RST (as TCP
+//! does when data is left unread) or not.
+//!
 //! Must never: change the options of a socket that is not (yet) accelerated —
 //! a connection that falls back to TCP keeps exactly what the program set.
 
@@ -128,4 +131,22 @@ pub unsafe fn get(c: &Conn, name: c_int, val: *mut c_void, len: *mut socklen_t) 
         len.write_unaligned(n as socklen_t);
     }
     0
+}
+
+/// `SO_LINGER` with a zero timeout on (the close sends a RST) or off.
+pub fn linger(fd: c_int, on: bool) {
+    let l = libc::linger {
+        l_onoff: on as c_int,
+        l_linger: 0,
+    };
+    // SAFETY: setsockopt with a linger struct.
+    unsafe {
+        real::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            &l as *const _ as *const libc::c_void,
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        )
+    };
 }

@@ -63,15 +63,20 @@ impl Broker {
         c
     }
 
-    /// Statistics published by every process that ran under the preload.
-    pub fn stats(&self) -> Vec<serde_json::Value> {
-        let d = Domain::join(
+    /// A short-lived domain for reading the registry.
+    fn join(&self) -> Domain {
+        Domain::join(
             JoinOptions::new("net-test")
                 .broker(&self.socket)
                 .arena_len(1 << 20)
                 .ring_entries(2),
         )
-        .unwrap();
+        .unwrap()
+    }
+
+    /// Statistics published by every process that ran under the preload.
+    pub fn stats(&self) -> Vec<serde_json::Value> {
+        let d = self.join();
         let mut out = Vec::new();
         for id in d.list("/net/stats").unwrap() {
             if let Ok(Some(v)) = d.read(&format!("/net/stats/{id}")) {
@@ -84,13 +89,7 @@ impl Broker {
 
     /// The registry's children of `path`.
     pub fn list(&self, path: &str) -> Vec<String> {
-        let d = Domain::join(
-            JoinOptions::new("net-test")
-                .broker(&self.socket)
-                .arena_len(1 << 20)
-                .ring_entries(2),
-        )
-        .unwrap();
+        let d = self.join();
         let v = d.list(path).unwrap_or_default();
         let _ = d.leave();
         v
