@@ -148,6 +148,23 @@ pub struct Conn {
     pub kernel_err: AtomicI32,
 }
 
+/// Disconnects TCP socket `fd` with a RST (`connect(AF_UNSPEC)`): the peer
+/// reads `ECONNRESET`.
+pub(crate) fn send_reset(fd: c_int) {
+    let sa = libc::sockaddr {
+        sa_family: libc::AF_UNSPEC as libc::sa_family_t,
+        sa_data: [0; 14],
+    };
+    // SAFETY: connect(AF_UNSPEC) on a descriptor, with a sockaddr of the size given.
+    unsafe {
+        real::connect(
+            fd,
+            &sa,
+            std::mem::size_of::<libc::sockaddr>() as libc::socklen_t,
+        )
+    };
+}
+
 fn errno() -> c_int {
     std::io::Error::last_os_error()
         .raw_os_error()
@@ -723,18 +740,7 @@ impl Conn {
     pub(crate) fn reset(&self, fd: c_int) {
         self.broken.store(true, Ordering::SeqCst);
         self.seg.side(self.me).reset.store(1, Ordering::SeqCst);
-        let sa = libc::sockaddr {
-            sa_family: libc::AF_UNSPEC as libc::sa_family_t,
-            sa_data: [0; 14],
-        };
-        // SAFETY: connect(AF_UNSPEC) disconnects a TCP socket (sending RST).
-        unsafe {
-            real::connect(
-                fd,
-                &sa,
-                std::mem::size_of::<libc::sockaddr>() as libc::socklen_t,
-            )
-        };
+        send_reset(fd);
     }
 
     pub fn recv(&self, fd: c_int, bufs: &mut [&mut [u8]], flags: c_int) -> Out {

@@ -962,16 +962,5 @@ pub fn adopt() {
 /// Resets a TCP connection (RST to the peer) that must not be read as
 /// plain TCP.
 fn reset(fd: c_int) {
-    let sa = libc::sockaddr {
-        sa_family: libc::AF_UNSPEC as libc::sa_family_t,
-        sa_data: [0; 14],
-    };
-    // SAFETY: connect(AF_UNSPEC) disconnects a TCP socket, with a RST.
-    unsafe {
-        real::connect(
-            fd,
-            &sa,
-            std::mem::size_of::<libc::sockaddr>() as libc::socklen_t,
-        )
-    };
+    crate::conn::send_reset(fd);
 }
