@@ -114,6 +114,52 @@ pub enum Out {
     Kernel,
 }
 
+impl Out {
+    /// What a call that moved `n` bytes before meeting `otherwise` returns:
+    /// the bytes if any (the error comes with the next call), else `otherwise`.
+    fn moved_or(n: usize, otherwise: Out) -> Out {
+        if n > 0 {
+            Out::Done(n)
+        } else {
+            otherwise
+        }
+    }
+}
+
+/// How long the next sleep of a blocking call may last: 100 ms slices (so a
+/// vanished peer or a missed doorbell costs at most one), cut to the socket's
+/// `SO_RCVTIMEO`/`SO_SNDTIMEO` (`opt`), whose deadline is computed on the
+/// first sleep and kept in `deadline`. `Err(EAGAIN)` once it has passed.
+fn sleep_slice(
+    fd: c_int,
+    opt: c_int,
+    deadline: &mut Option<Option<Instant>>,
+) -> Result<c_int, c_int> {
+    let dl = *deadline.get_or_insert_with(|| timeout_opt(fd, opt).map(|d| Instant::now() + d));
+    let Some(dl) = dl else { return Ok(100) };
+    let now = Instant::now();
+    if now >= dl {
+        return Err(libc::EAGAIN);
+    }
+    Ok(100.min((dl - now).as_millis() as c_int + 1))
+}
+
+/// Sleeps in the kernel until `fd` is readable (data, a doorbell, EOF) or
+/// `slice_ms` passes. `Err(EINTR)` when a signal interrupted it.
+fn sleep_readable(fd: c_int, slice_ms: c_int) -> Result<(), c_int> {
+    let mut p = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: poll on one pollfd we own.
+    let r = unsafe { real::poll(&mut p, 1, slice_ms) };
+    if r < 0 && errno() == libc::EINTR {
+        return Err(libc::EINTR);
+    }
+    Ok(())
+}
+
 pub struct Conn {
     pub seg: Segment,
     /// Our side (seg::CLIENT or seg::SERVER).
@@ -783,11 +829,7 @@ impl Conn {
                 Ok(n) => n,
                 Err(_) => {
                     self.reset(fd);
-                    return if got > 0 {
-                        Out::Done(got)
-                    } else {
-                        Out::Err(libc::ECONNRESET)
-                    };
+                    return Out::moved_or(got, Out::Err(libc::ECONNRESET));
                 }
             };
             if n > 0 {
@@ -858,11 +900,7 @@ impl Conn {
                         me.doorbells_drained.load(Ordering::SeqCst)
                     );
                 }
-                return if got > 0 {
-                    Out::Done(got)
-                } else {
-                    Out::Err(libc::EAGAIN)
-                };
+                return Out::moved_or(got, Out::Err(libc::EAGAIN));
             }
             // Blocking: spin on the ring, then sleep on the socket. We stay
             // armed while spinning: reclaiming the arm would let data arrive
@@ -873,42 +911,20 @@ impl Conn {
                 spin_until(spin_budget(), || self.used_rx().unwrap_or(1) > 0);
                 continue; // re-arms above if still empty
             }
-            let dl = *deadline.get_or_insert_with(|| {
-                timeout_opt(fd, libc::SO_RCVTIMEO).map(|d| Instant::now() + d)
-            });
-            let mut slice = 100i32;
-            if let Some(dl) = dl {
-                let now = Instant::now();
-                if now >= dl {
-                    return if got > 0 {
-                        Out::Done(got)
-                    } else {
-                        Out::Err(libc::EAGAIN)
-                    };
-                }
-                slice = slice.min((dl - now).as_millis() as i32 + 1);
-            }
+            let slice = match sleep_slice(fd, libc::SO_RCVTIMEO, &mut deadline) {
+                Ok(s) => s,
+                Err(e) => return Out::moved_or(got, Out::Err(e)),
+            };
             let lazy = self.is_lazy();
             if lazy && !self.sleep_begin(fd) {
                 continue;
             }
-            let mut p = libc::pollfd {
-                fd,
-                events: libc::POLLIN,
-                revents: 0,
-            };
-            // SAFETY: poll on one pollfd we own.
-            let r = unsafe { real::poll(&mut p, 1, slice) };
-            let e = errno();
+            let slept = sleep_readable(fd, slice);
             if lazy {
                 self.sleep_end();
             }
-            if r < 0 && e == libc::EINTR {
-                return if got > 0 {
-                    Out::Done(got)
-                } else {
-                    Out::Err(libc::EINTR)
-                };
+            if let Err(e) = slept {
+                return Out::moved_or(got, Out::Err(e));
             }
         }
     }
@@ -1003,11 +1019,7 @@ impl Conn {
                 Ok(v) => v,
                 Err(_) => {
                     self.reset(fd);
-                    return if sent > 0 {
-                        Out::Done(sent)
-                    } else {
-                        Out::Kernel
-                    };
+                    return Out::moved_or(sent, Out::Kernel);
                 }
             };
             if n > 0 {
@@ -1019,11 +1031,7 @@ impl Conn {
                 return Out::Done(sent);
             }
             if peer.closed.load(Ordering::SeqCst) != 0 {
-                return if sent > 0 {
-                    Out::Done(sent)
-                } else {
-                    Out::Kernel
-                };
+                return Out::moved_or(sent, Out::Kernel);
             }
             if nonblock && sent > 0 {
                 return Out::Done(sent);
@@ -1039,11 +1047,7 @@ impl Conn {
             // SAFETY: poll on one pollfd we own, not waiting.
             unsafe { real::poll(&mut p, 1, 0) };
             if p.revents & (libc::POLLERR | libc::POLLHUP) != 0 {
-                return if sent > 0 {
-                    Out::Done(sent)
-                } else {
-                    Out::Kernel
-                };
+                return Out::moved_or(sent, Out::Kernel);
             }
             if p.revents & libc::POLLRDHUP != 0 && !probed {
                 // The peer shut down or exited. A probe byte makes a dead
@@ -1103,37 +1107,12 @@ impl Conn {
                 continue;
             }
             self.settle(fd);
-            let dl = *deadline.get_or_insert_with(|| {
-                timeout_opt(fd, libc::SO_SNDTIMEO).map(|d| Instant::now() + d)
-            });
-            let mut slice = 100i32;
-            if let Some(dl) = dl {
-                let now = Instant::now();
-                if now >= dl {
-                    me.space_waiters.fetch_sub(1, Ordering::SeqCst);
-                    return if sent > 0 {
-                        Out::Done(sent)
-                    } else {
-                        Out::Err(libc::EAGAIN)
-                    };
-                }
-                slice = slice.min((dl - now).as_millis() as i32 + 1);
-            }
-            let mut p = libc::pollfd {
-                fd,
-                events: libc::POLLIN,
-                revents: 0,
-            };
-            // SAFETY: poll on one pollfd we own.
-            let r = unsafe { real::poll(&mut p, 1, slice) };
-            let e = errno();
+            // The space doorbell arrives on our socket, as data would.
+            let slept = sleep_slice(fd, libc::SO_SNDTIMEO, &mut deadline)
+                .and_then(|slice| sleep_readable(fd, slice));
             me.space_waiters.fetch_sub(1, Ordering::SeqCst);
-            if r < 0 && e == libc::EINTR {
-                return if sent > 0 {
-                    Out::Done(sent)
-                } else {
-                    Out::Err(libc::EINTR)
-                };
+            if let Err(e) = slept {
+                return Out::moved_or(sent, Out::Err(e));
             }
         }
     }
