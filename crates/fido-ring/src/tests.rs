@@ -145,7 +145,7 @@ fn doorbell_only_when_asleep() {
     b.rx.poll().unwrap().unwrap();
     // Consumer arms: the next publish rings exactly once.
     let mut epoch = 0;
-    protocol::arm(b.rx.local().data_sleep(), &mut epoch);
+    protocol::arm(b.rx.local().data_sleep(), &mut epoch, protocol::Sleep::Socket);
     a.tx.push(&desc(2)).unwrap();
     assert_eq!(a.tx.publish().unwrap(), Notify::Rung);
     a.tx.push(&desc(3)).unwrap();
@@ -155,7 +155,41 @@ fn doorbell_only_when_asleep() {
 }
 
 #[test]
+fn futex_sleeper_is_woken_through_the_bell() {
+    let pair = Pair::new(64);
+    let (mut a, mut b) = connect(&pair, 64);
+    let before = b.rx.peer_data_bell().load(Ordering::Relaxed);
+    let mut epoch = 0;
+    protocol::arm(b.rx.local().data_sleep(), &mut epoch, protocol::Sleep::Futex);
+    a.tx.push(&desc(1)).unwrap();
+    assert_eq!(a.tx.publish().unwrap(), Notify::Rung);
+    // The bell moved (the futex word the sleeper waits on) and no socket
+    // doorbell was rung.
+    assert_eq!(b.rx.peer_data_bell().load(Ordering::Relaxed), before.wrapping_add(1));
+    assert!(!doorbell::block_on(b.data_bell.as_fd(), None, Some(Duration::ZERO)).unwrap().rung);
+    // Woken once per sleep.
+    a.tx.push(&desc(2)).unwrap();
+    assert_eq!(a.tx.publish().unwrap(), Notify::Suppressed);
+    assert_eq!(b.rx.peer_data_bell().load(Ordering::Relaxed), before.wrapping_add(1));
+    // A waiter gone back to its doorbell is rung there instead.
+    protocol::arm(b.rx.local().data_sleep(), &mut epoch, protocol::Sleep::Socket);
+    a.tx.push(&desc(3)).unwrap();
+    assert_eq!(a.tx.publish().unwrap(), Notify::Rung);
+    assert!(doorbell::block_on(b.data_bell.as_fd(), None, Some(Duration::from_secs(1))).unwrap().rung);
+    assert_eq!(b.rx.peer_data_bell().load(Ordering::Relaxed), before.wrapping_add(1));
+}
+
+#[test]
 fn blocking_wait_across_threads_never_loses_a_wakeup() {
+    blocking_wait_across_threads(false);
+}
+
+#[test]
+fn futex_wait_across_threads_never_loses_a_wakeup() {
+    blocking_wait_across_threads(true);
+}
+
+fn blocking_wait_across_threads(futex: bool) {
     let pair = Pair::new(16);
     let (mut a, mut b) = connect(&pair, 16);
     const N: u64 = 20_000;
@@ -167,10 +201,17 @@ fn blocking_wait_across_threads_never_loses_a_wakeup() {
             let rx = &mut b.rx;
             let mut got = None;
             let local = *rx.local();
+            let peer = rx.peer();
             let outcome = wait_until(
                 WaitStrategy::Block,
                 Some(Instant::now() + Duration::from_secs(10)),
-                SleepSite { sleep: local.data_sleep(), epoch: &mut epoch, bell: bell.as_fd(), liveness: None },
+                SleepSite {
+                    sleep: local.data_sleep(),
+                    epoch: &mut epoch,
+                    bell: bell.as_fd(),
+                    liveness: None,
+                    futex: futex.then_some(peer.data_bell()),
+                },
                 || -> Result<bool, RingError> {
                     got = rx.poll()?;
                     Ok(got.is_some())
