@@ -111,18 +111,16 @@ fn fixed_of(f: &FFixed) -> data::Fixed {
     }
 }
 
-fn fill_fixed(dst: &mut [FFixed], seed: u64) -> u64 {
+/// Builds the FixedSeq of `seed` straight into `frame`; returns its handle
+/// and checksum.
+fn build_fixed(frame: &mut fido_rpc::Frame, len: usize, seed: u64) -> Result<(ShmSlice<FFixed>, u64), RpcError> {
     let mut s = 0u64;
-    for (k, e) in dst.iter_mut().enumerate() {
+    let h = frame.fill_slice(len, |k| {
         let f = data::fixed_at(seed, k);
         s = s.wrapping_add(data::fixed_sum(&f));
-        *e = FFixed {
-            i: f.i,
-            j: f.j,
-            d: f.d,
-        };
-    }
-    s
+        FFixed { i: f.i, j: f.j, d: f.d }
+    })?;
+    Ok((h, s))
 }
 
 /// Builds the VarSeq of `seed` in `frame` (each string in the frame too);
@@ -189,12 +187,7 @@ impl RpcBench for Impl {
 
     fn recv_fixed(&self, cx: &mut Ctx<'_>, len: u64, seed: u64) -> Result<FixedReply, Fault> {
         let n = check_len(len)?;
-        let (h, dst) = cx
-            .frame()
-            .map_err(mem)?
-            .alloc_slice::<FFixed>(n)
-            .map_err(mem)?;
-        let s = fill_fixed(dst, seed);
+        let (h, s) = build_fixed(cx.frame().map_err(mem)?, n, seed).map_err(mem)?;
         Ok(FixedReply {
             data: h,
             sum: data::server_sum(s),
@@ -366,8 +359,7 @@ impl RpcClient for FidoClient {
             }
             (Seq::Fixed, Dir::Send) => {
                 let mut f = c.frame()?;
-                let (h, dst) = f.alloc_slice::<FFixed>(len)?;
-                let want = fill_fixed(dst, seed);
+                let (h, want) = build_fixed(&mut f, len, seed)?;
                 data::check("fido send", *c.send_fixed(f, h)?.get(), want)
             }
             (Seq::Var, Dir::Send) => {

@@ -1164,6 +1164,17 @@ impl Msg {
         // which `self.shared` keeps alive for at least the borrow of `self`.
         Some(unsafe { std::slice::from_raw_parts(p.as_ptr() as *const u8, len as usize) })
     }
+    /// The sending peer's whole arena, read-only, and its global address:
+    /// what [`Msg::resolve`] checks against, for a caller that resolves many
+    /// small ranges (fido-rpc's `View`, one string of a VarSeq at a time)
+    /// and does the bounds check itself. Lives as long as this message.
+    pub fn peer_arena(&self) -> (GPtr, &[u8]) {
+        let m = &self.shared.peer_map;
+        // SAFETY: the whole mapping, which `self.shared` keeps alive for at
+        // least the borrow of `self`; mapped read-only, never unmapped before.
+        let bytes = unsafe { std::slice::from_raw_parts(m.local_base(), m.len() as usize) };
+        (m.global_base(), bytes)
+    }
 }
 
 impl Drop for Msg {
