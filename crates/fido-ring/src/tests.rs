@@ -246,3 +246,23 @@ fn blocking_wait_across_threads(futex: bool) {
     consumer.join().unwrap();
     assert!(rung <= N);
 }
+
+#[test]
+fn the_release_ring_fills_when_the_peer_stops_reaping_and_a_lying_reap_index_is_caught() {
+    let pair = Pair::new(8);
+    let (a, mut b) = connect(&pair, 8);
+    // B releases to A, which never reaps: 8 fit, the 9th does not.
+    for i in 0..8 {
+        b.rel.release(i).unwrap();
+    }
+    assert_eq!(b.rel.release(8), Err(RingError::Full));
+    // A reaps three (its reap index is what B reads): three more fit.
+    a.tx.local().rel_cons().store(3, Ordering::Release);
+    for i in 8..11 {
+        b.rel.release(i).unwrap();
+    }
+    assert_eq!(b.rel.release(11), Err(RingError::Full));
+    // A reap index past everything released is a lie, caught when read.
+    a.tx.local().rel_cons().store(100, Ordering::Release);
+    assert!(matches!(b.rel.release(11), Err(RingError::IndexJump { what: "release-consume", .. })));
+}
