@@ -46,18 +46,28 @@ impl Frame {
         Ok(Frame { arena: arena.clone(), chunks: vec![buf], adopted: Vec::new(), used: HEADER_LEN, next_chunk: MIN_CHUNK })
     }
 
-    /// Reserves `len` bytes aligned to `align` (≤ 64); returns the chunk
-    /// index and offset.
+    /// Reserves `len` bytes aligned to `align` (a power of two ≤ 64); returns
+    /// the chunk index and offset. Inlined: a VarSeq reserves one string per
+    /// element, and with the alignment known the rounding is one mask.
+    #[inline]
     fn reserve(&mut self, len: usize, align: usize) -> Result<(usize, usize), RpcError> {
-        if align > MAX_ALIGN {
-            return Err(RpcError::Invalid(format!("alignment {align} > {MAX_ALIGN}")));
+        if align > MAX_ALIGN || !align.is_power_of_two() {
+            return Err(RpcError::Invalid(format!("alignment {align} (must be a power of two ≤ {MAX_ALIGN})")));
         }
-        let at = self.used.next_multiple_of(align);
+        // `used` ≤ the chunk's length, far below usize::MAX: no overflow.
+        let at = (self.used + align - 1) & !(align - 1);
         let last = self.chunks.len() - 1;
         if at.checked_add(len).is_some_and(|end| end <= self.chunks[last].len()) {
             self.used = at + len;
             return Ok((last, at));
         }
+        self.new_chunk(len)
+    }
+
+    /// `reserve`'s slow path: a new chunk for `len` bytes.
+    #[cold]
+    fn new_chunk(&mut self, len: usize) -> Result<(usize, usize), RpcError> {
+        let last = self.chunks.len() - 1;
         // A new chunk: the last one keeps only what it used (its tail is not
         // sent).
         let size = len.max(self.next_chunk);
@@ -70,6 +80,7 @@ impl Frame {
         Ok((self.chunks.len() - 1, 0))
     }
 
+    #[inline]
     fn gaddr(&self, chunk: usize, off: usize) -> u64 {
         self.chunks[chunk].gptr().addr() + off as u64
     }
@@ -145,12 +156,14 @@ impl Frame {
     }
 
     /// A copy of `s`.
+    #[inline]
     pub fn str(&mut self, s: &str) -> Result<ShmStr, RpcError> {
         let h = self.slice(s.as_bytes())?;
         Ok(ShmStr { addr: h.addr(), len: h.len() })
     }
 
     /// A copy of `b`.
+    #[inline]
     pub fn bytes(&mut self, b: &[u8]) -> Result<ShmSlice<u8>, RpcError> {
         self.slice(b)
     }
