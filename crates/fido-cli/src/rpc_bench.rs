@@ -12,8 +12,8 @@
 //!   frame allocation are part of each call's time, as for the baselines.
 //! * `null-notified`: client and server wait with `WaitStrategy::Block`;
 //!   `null-polled`: `BusyPoll` on both ends. Sequence and file cases use the
-//!   domain default (`Adaptive`: spin 50 µs, then block); sequence cases use
-//!   8-entry rings (see [`SEQ_RING`]).
+//!   domain default (`Adaptive`: spin 50 µs, then sleep); `recv` sequence
+//!   cases use 8-entry rings (see [`SEQ_RING`]).
 //! * Case study: `fido_rpc::services::files` (the fido-rpc crate's caching file
 //!   server; a read is a view of the server's cache) against the same service
 //!   over tonic.
@@ -270,17 +270,18 @@ fn wait_for(case: &Case) -> WaitStrategy {
     }
 }
 
-/// Ring entries of the sequence cases. A sender collects its peer's releases
-/// (freeing its buffers) only once half its ring is in flight, so with the
-/// default ring up to 32 call frames (client) or reply frames (server) of up
-/// to 100 MB each stay allocated after their calls completed, and the arena
-/// runs out. A synchronous client never has more than one call in flight:
-/// an 8-entry ring reclaims every 4 calls.
+/// Ring entries of the `recv` sequence cases. A sender collects its peer's
+/// releases (freeing its buffers) only once half its ring is in flight, so
+/// with the default ring up to 32 reply frames of up to 160 MB each stay
+/// allocated on the server after their calls completed, and its arena runs
+/// out; an 8-entry ring reclaims every 4 calls. The client's call frames no
+/// longer need this (`Client::frame` collects releases first), so the `send`
+/// cases run on the default ring.
 const SEQ_RING: u32 = 8;
 
 fn join(role: &str, case: &Case) -> anyhow::Result<Domain> {
     let mut o = JoinOptions::new(role);
-    if let Case::Seq { .. } = case {
+    if let Case::Seq { dir: Dir::Recv, .. } = case {
         o = o.ring_entries(SEQ_RING);
     }
     Domain::join(
