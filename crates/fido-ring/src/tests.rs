@@ -157,7 +157,7 @@ fn doorbell_only_when_asleep() {
 #[test]
 fn futex_sleeper_is_woken_through_the_bell() {
     let pair = Pair::new(64);
-    let (mut a, mut b) = connect(&pair, 64);
+    let (mut a, b) = connect(&pair, 64);
     let before = b.rx.peer_data_bell().load(Ordering::Relaxed);
     let mut epoch = 0;
     protocol::arm(b.rx.local().data_sleep(), &mut epoch, protocol::Sleep::Futex);
