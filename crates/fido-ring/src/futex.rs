@@ -107,6 +107,32 @@ mod tests {
             let results = rx.recv_timeout(Duration::from_secs(60)).expect("sleeper never woke");
             assert!(!results.is_empty() && results.iter().all(|r| *r == FutexWait::Woken), "{results:?}");
         });
+        // A wake through the read-only mapping reaches a sleeper too (how a
+        // side wakes its own waiters on its peer's bell, `Channel` state
+        // changes): the sleeper waits on the unchanged word and only the wake
+        // can end its wait before the 20 s timeout.
+        let (tx, rx) = std::sync::mpsc::channel();
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let mut results = Vec::new();
+                while !stop.load(Ordering::Acquire) && results.len() < 1000 {
+                    results.push(wait(sleeper, 1, Duration::from_secs(20)));
+                }
+                tx.send(results).unwrap();
+            });
+            std::thread::sleep(Duration::from_millis(50));
+            stop.store(true, Ordering::Release);
+            // Again and again: a wake before the sleeper reached the kernel
+            // is lost (nobody changed the word), the next one is not.
+            let results = loop {
+                wake_all(sleeper);
+                if let Ok(r) = rx.recv_timeout(Duration::from_millis(100)) {
+                    break r;
+                }
+            };
+            assert!(results.iter().all(|r| *r == FutexWait::Woken), "{results:?}");
+        });
         // SAFETY: nothing refers to the mappings any more.
         unsafe {
             munmap(rw, 4096).unwrap();
