@@ -127,8 +127,10 @@ mod tests {
             // is lost (nobody changed the word), the next one is not.
             let results = loop {
                 wake_all(sleeper);
-                if let Ok(r) = rx.recv_timeout(Duration::from_millis(100)) {
-                    break r;
+                match rx.recv_timeout(Duration::from_millis(100)) {
+                    Ok(r) => break r,
+                    Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+                    Err(e) => panic!("sleeper thread failed: {e}"),
                 }
             };
             assert!(results.iter().all(|r| *r == FutexWait::Woken), "{results:?}");
