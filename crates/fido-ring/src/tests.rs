@@ -266,3 +266,62 @@ fn the_release_ring_fills_when_the_peer_stops_reaping_and_a_lying_reap_index_is_
     a.tx.local().rel_cons().store(100, Ordering::Release);
     assert!(matches!(b.rel.release(11), Err(RingError::IndexJump { what: "release-consume", .. })));
 }
+
+/// A producer that bumps and wakes its bell without ever publishing (hostile,
+/// or a third domain waking the same word) cannot keep a waiter spinning in
+/// the futex stage: it moves to its doorbell, and a real publish still wakes
+/// it there.
+#[test]
+fn a_bell_storm_moves_the_waiter_to_its_doorbell_and_a_publish_still_wakes_it() {
+    let pair = Pair::new(16);
+    let (mut a, mut b) = connect(&pair, 16);
+    let storm_block = *a.tx.local();
+    let waiter_block = *b.rx.local();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let storm = s.spawn(|| {
+            while !stop.load(Ordering::Acquire) {
+                protocol::bump(storm_block.data_bell());
+                futex::wake_all(storm_block.data_bell());
+            }
+        });
+        let waiter = s.spawn(move || {
+            let mut epoch = 0;
+            let bell = b.data_bell.clone();
+            let peer = b.rx.peer();
+            let rx = &mut b.rx;
+            let mut got = None;
+            let outcome = wait_until(
+                WaitStrategy::Block,
+                Some(Instant::now() + Duration::from_secs(60)),
+                SleepSite {
+                    sleep: waiter_block.data_sleep(),
+                    epoch: &mut epoch,
+                    bell: bell.as_fd(),
+                    liveness: None,
+                    futex: Some(peer.data_bell()),
+                },
+                || -> Result<bool, RingError> {
+                    got = rx.poll()?;
+                    Ok(got.is_some())
+                },
+            )
+            .unwrap();
+            (outcome, got)
+        });
+        // The waiter reaches its doorbell despite the storm.
+        let started = Instant::now();
+        while waiter_block.data_sleep().load(Ordering::Acquire) & 3 != protocol::ON_SOCKET {
+            assert!(started.elapsed() < Duration::from_secs(30), "waiter never left the futex stage");
+            assert!(!waiter.is_finished(), "waiter returned early");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        a.tx.push(&desc(7)).unwrap();
+        assert_eq!(a.tx.publish().unwrap(), Notify::Rung);
+        let (outcome, got) = waiter.join().unwrap();
+        assert_eq!(outcome, WaitOutcome::Ready);
+        assert_eq!(got.unwrap().cookie, 7);
+        stop.store(true, Ordering::Release);
+        storm.join().unwrap();
+    });
+}
