@@ -118,7 +118,10 @@ impl Frame {
         Ok(ShmSlice::from_raw(addr, n as u64))
     }
 
-    /// A copy of `data` in the frame.
+    /// A copy of `data` in the frame. Always inlined: with the length known
+    /// at the call site (a VarSeq's fixed-size strings) the copy is a couple
+    /// of moves instead of a `memmove` call per string.
+    #[inline(always)]
     pub fn slice<T: Pod>(&mut self, data: &[T]) -> Result<ShmSlice<T>, RpcError> {
         let bytes: &[u8] = bytemuck::cast_slice(data);
         if bytes.is_empty() {
@@ -150,7 +153,14 @@ impl Frame {
             // The reserved range is never handed out again and chunks never
             // move (they are arena buffers), so index it afresh each time.
             let at = off + i * size;
-            self.chunks[c][at..at + size].copy_from_slice(bytemuck::bytes_of(&v));
+            let dst = &mut self.chunks[c][at..at + size];
+            // A typed store (the slot is aligned for `T`: arena buffers are
+            // 64-byte aligned and `reserve` aligned `off`), not a `memmove`
+            // call per element.
+            match bytemuck::try_from_bytes_mut::<T>(dst) {
+                Ok(slot) => *slot = v,
+                Err(_) => dst.copy_from_slice(bytemuck::bytes_of(&v)),
+            }
         }
         Ok(ShmSlice::from_raw(self.gaddr(c, off), n as u64))
     }
@@ -163,7 +173,7 @@ impl Frame {
     }
 
     /// A copy of `b`.
-    #[inline]
+    #[inline(always)]
     pub fn bytes(&mut self, b: &[u8]) -> Result<ShmSlice<u8>, RpcError> {
         self.slice(b)
     }
