@@ -38,6 +38,12 @@ impl PeerMemory for Fake {
         let all: &[u8] = bytemuck_bytes(&self.mem);
         Some(&all[off as usize..end as usize])
     }
+    // Like a real message (`fido::Msg`): the grant as one window, so the
+    // handles are checked by `View`'s inline range check, the path the
+    // server takes.
+    fn window(&self) -> Option<(u64, &[u8])> {
+        Some((BASE, &bytemuck_bytes(&self.mem)[..self.len]))
+    }
 }
 
 fn bytemuck_bytes(v: &[u64]) -> &[u8] {

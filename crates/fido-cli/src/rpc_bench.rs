@@ -12,8 +12,8 @@
 //!   frame allocation are part of each call's time, as for the baselines.
 //! * `null-notified`: client and server wait with `WaitStrategy::Block`;
 //!   `null-polled`: `BusyPoll` on both ends. Sequence and file cases use the
-//!   domain default (`Adaptive`: spin 50 µs, then block); sequence cases use
-//!   8-entry rings (see [`SEQ_RING`]).
+//!   domain default (`Adaptive`: spin 50 µs, then sleep); `recv` sequence
+//!   cases use 8-entry rings (see [`SEQ_RING`]).
 //! * Case study: `fido_rpc::services::files` (the fido-rpc crate's caching file
 //!   server; a read is a view of the server's cache) against the same service
 //!   over tonic.
@@ -111,18 +111,16 @@ fn fixed_of(f: &FFixed) -> data::Fixed {
     }
 }
 
-fn fill_fixed(dst: &mut [FFixed], seed: u64) -> u64 {
+/// Builds the FixedSeq of `seed` straight into `frame`; returns its handle
+/// and checksum.
+fn build_fixed(frame: &mut fido_rpc::Frame, len: usize, seed: u64) -> Result<(ShmSlice<FFixed>, u64), RpcError> {
     let mut s = 0u64;
-    for (k, e) in dst.iter_mut().enumerate() {
+    let h = frame.fill_slice(len, |k| {
         let f = data::fixed_at(seed, k);
         s = s.wrapping_add(data::fixed_sum(&f));
-        *e = FFixed {
-            i: f.i,
-            j: f.j,
-            d: f.d,
-        };
-    }
-    s
+        FFixed { i: f.i, j: f.j, d: f.d }
+    })?;
+    Ok((h, s))
 }
 
 /// Builds the VarSeq of `seed` in `frame` (each string in the frame too);
@@ -189,12 +187,7 @@ impl RpcBench for Impl {
 
     fn recv_fixed(&self, cx: &mut Ctx<'_>, len: u64, seed: u64) -> Result<FixedReply, Fault> {
         let n = check_len(len)?;
-        let (h, dst) = cx
-            .frame()
-            .map_err(mem)?
-            .alloc_slice::<FFixed>(n)
-            .map_err(mem)?;
-        let s = fill_fixed(dst, seed);
+        let (h, s) = build_fixed(cx.frame().map_err(mem)?, n, seed).map_err(mem)?;
         Ok(FixedReply {
             data: h,
             sum: data::server_sum(s),
@@ -277,17 +270,18 @@ fn wait_for(case: &Case) -> WaitStrategy {
     }
 }
 
-/// Ring entries of the sequence cases. A sender collects its peer's releases
-/// (freeing its buffers) only once half its ring is in flight, so with the
-/// default ring up to 32 call frames (client) or reply frames (server) of up
-/// to 100 MB each stay allocated after their calls completed, and the arena
-/// runs out. A synchronous client never has more than one call in flight:
-/// an 8-entry ring reclaims every 4 calls.
+/// Ring entries of the `recv` sequence cases. A sender collects its peer's
+/// releases (freeing its buffers) only once half its ring is in flight, so
+/// with the default ring up to 32 reply frames of up to 160 MB each stay
+/// allocated on the server after their calls completed, and its arena runs
+/// out; an 8-entry ring reclaims every 4 calls. The client's call frames no
+/// longer need this (`Client::frame` collects releases first), so the `send`
+/// cases run on the default ring.
 const SEQ_RING: u32 = 8;
 
 fn join(role: &str, case: &Case) -> anyhow::Result<Domain> {
     let mut o = JoinOptions::new(role);
-    if let Case::Seq { .. } = case {
+    if let Case::Seq { dir: Dir::Recv, .. } = case {
         o = o.ring_entries(SEQ_RING);
     }
     Domain::join(
@@ -366,8 +360,7 @@ impl RpcClient for FidoClient {
             }
             (Seq::Fixed, Dir::Send) => {
                 let mut f = c.frame()?;
-                let (h, dst) = f.alloc_slice::<FFixed>(len)?;
-                let want = fill_fixed(dst, seed);
+                let (h, want) = build_fixed(&mut f, len, seed)?;
                 data::check("fido send", *c.send_fixed(f, h)?.get(), want)
             }
             (Seq::Var, Dir::Send) => {

@@ -2,23 +2,34 @@
 //! side's own arena. The owner writes it; the peer maps it read-only and reads it.
 //!
 //! ```text
-//! line 0  magic            line 5  rel_prod    (releases I published)
-//! line 1  entries          line 6  rel_cons    (peer releases I reaped)
-//! line 2  data_prod        line 7  space_sleep (I sleep waiting for releases)
-//! line 3  data_cons        line 8  state       (OPEN / CLOSED by me)
-//! line 4  data_sleep       then    descriptors[entries], releases[entries] (u64 cookies)
+//! line 0  magic
+//! line 1  entries
+//! line 2  data_prod   (descriptors I published)  + data_bell  (u32 at byte 8)
+//! line 3  data_cons   (peer descriptors I consumed)
+//! line 4  data_sleep  (I sleep waiting for descriptors)
+//! line 5  rel_prod    (releases I published)     + space_bell (u32 at byte 8)
+//! line 6  rel_cons    (peer releases I reaped)
+//! line 7  space_sleep (I sleep waiting for releases)
+//! line 8  state       (OPEN / CLOSED by me)
+//! then    descriptors[entries], releases[entries] (u64 cookies)
 //! ```
 //!
-//! Every word sits on its own cache line so the two sides never false-share.
+//! Every word sits on its own cache line so the two sides never false-share,
+//! except the bells: a bell (a `u32` futex word at byte 8 of its index's line)
+//! is written by the same side as the index beside it, and a futex sleeper
+//! reads both, so sharing the line saves it a cache miss.
+//!
 //! This module is the only one in the crate with `unsafe`: it turns the raw
 //! addresses the caller vouches for into typed, bounds-checked accessors.
 
 use crate::desc::Descriptor;
-use crate::sync::{AtomicU64, Ordering};
+use crate::sync::{AtomicU32, AtomicU64, Ordering};
 use std::ptr::NonNull;
 
-/// Identifies an initialised block ("FIDORNG1").
-pub const BLOCK_MAGIC: u64 = u64::from_le_bytes(*b"FIDORNG1");
+/// Identifies an initialised block ("FIDORNG2": version 2 added the futex
+/// bells and the two-bit sleep state; a version-1 peer is refused, since it
+/// would read a futex sleeper's word as a socket sleeper's).
+pub const BLOCK_MAGIC: u64 = u64::from_le_bytes(*b"FIDORNG2");
 /// `state` value while the owner keeps the connection open.
 pub const STATE_OPEN: u64 = 1;
 /// `state` value once the owner closed the connection gracefully.
@@ -27,14 +38,21 @@ pub const STATE_CLOSED: u64 = 2;
 #[repr(C, align(64))]
 struct Line(AtomicU64);
 
+/// A publish index and the bell its writer bumps to wake a futex sleeper.
+#[repr(C, align(64))]
+struct ProdLine {
+    index: AtomicU64,
+    bell: AtomicU32,
+}
+
 #[repr(C)]
 struct Header {
     magic: Line,
     entries: Line,
-    data_prod: Line,
+    data_prod: ProdLine,
     data_cons: Line,
     data_sleep: Line,
-    rel_prod: Line,
+    rel_prod: ProdLine,
     rel_cons: Line,
     space_sleep: Line,
     state: Line,
@@ -147,7 +165,11 @@ impl LocalBlock {
     }
 
     pub fn data_prod(&self) -> &AtomicU64 {
-        &self.header().data_prod.0
+        &self.header().data_prod.index
+    }
+    /// The futex word a sleeping data consumer waits on (bumped by the producer).
+    pub fn data_bell(&self) -> &AtomicU32 {
+        &self.header().data_prod.bell
     }
     pub fn data_cons(&self) -> &AtomicU64 {
         &self.header().data_cons.0
@@ -156,7 +178,11 @@ impl LocalBlock {
         &self.header().data_sleep.0
     }
     pub fn rel_prod(&self) -> &AtomicU64 {
-        &self.header().rel_prod.0
+        &self.header().rel_prod.index
+    }
+    /// The futex word a sender waiting for releases sleeps on (bumped by the releaser).
+    pub fn space_bell(&self) -> &AtomicU32 {
+        &self.header().rel_prod.bell
     }
     pub fn rel_cons(&self) -> &AtomicU64 {
         &self.header().rel_cons.0
@@ -192,7 +218,8 @@ impl PeerBlock {
     fn header(&self) -> &Header {
         // SAFETY: `open` checked size and alignment; the mapping is readable.
         // Only loads are performed (atomic loads of naturally aligned u64 are
-        // plain loads, valid on read-only memory).
+        // plain loads, valid on read-only memory; so are `FUTEX_WAIT`s on the
+        // bells, which the kernel only reads).
         unsafe { &*(self.base.as_ptr() as *const Header) }
     }
 
@@ -218,7 +245,11 @@ impl PeerBlock {
     }
 
     pub fn data_prod(&self) -> &AtomicU64 {
-        &self.header().data_prod.0
+        &self.header().data_prod.index
+    }
+    /// The futex word a sleeping data consumer waits on (bumped by the producer).
+    pub fn data_bell(&self) -> &AtomicU32 {
+        &self.header().data_prod.bell
     }
     pub fn data_cons(&self) -> &AtomicU64 {
         &self.header().data_cons.0
@@ -227,7 +258,11 @@ impl PeerBlock {
         &self.header().data_sleep.0
     }
     pub fn rel_prod(&self) -> &AtomicU64 {
-        &self.header().rel_prod.0
+        &self.header().rel_prod.index
+    }
+    /// The futex word a sender waiting for releases sleeps on (bumped by the releaser).
+    pub fn space_bell(&self) -> &AtomicU32 {
+        &self.header().rel_prod.bell
     }
     pub fn rel_cons(&self) -> &AtomicU64 {
         &self.header().rel_cons.0

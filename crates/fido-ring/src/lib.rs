@@ -8,8 +8,10 @@
 //! and a side's view of its peer is a handful of untrusted numbers that this
 //! crate checks before use (an index that jumps is an error, not a wild read).
 //!
-//! Signalling is batched: a side rings its peer's doorbell (a socket pair, see `doorbell`) only when
-//! the peer said it is going to sleep (`protocol`). A busy stream costs no system
+//! Signalling is batched: a side wakes its peer only when the peer said it is
+//! going to sleep (`protocol`), and the way the peer said: a `FUTEX_WAKE` on a
+//! bell word in our own block (`futex`, for short sleeps) or one byte on its
+//! socket doorbell (`doorbell`, for long ones). A busy stream costs no system
 //! calls.
 //!
 //! This crate must never write a peer's block, never read a descriptor slot that
@@ -20,6 +22,7 @@
 pub mod block;
 pub mod desc;
 pub mod doorbell;
+pub mod futex;
 pub mod protocol;
 mod sync;
 pub mod wait;
@@ -28,8 +31,33 @@ pub use block::{block_len, BlockError, LocalBlock, PeerBlock};
 pub use desc::{Descriptor, Segment, FLAG_SG_LIST, INLINE_SEGMENTS, MAX_SEGMENTS};
 pub use wait::{wait_until, SleepSite, WaitOutcome, WaitStrategy};
 
+use protocol::Wake;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::Arc;
+
+/// Wakes a peer the way its sleep word asked: `bell` is our own bell word
+/// beside the index we just published, `socket` the ring end of its doorbell.
+fn wake(how: Wake, bell: &sync::AtomicU32, socket: BorrowedFd<'_>) -> std::io::Result<Notify> {
+    match how {
+        Wake::None => Ok(Notify::Suppressed),
+        Wake::Futex => {
+            protocol::bump(bell);
+            futex::wake_all(bell);
+            Ok(Notify::Rung)
+        }
+        Wake::Socket => {
+            doorbell::ring(socket)?;
+            Ok(Notify::Rung)
+        }
+    }
+}
+
+/// Wakes a peer however it sleeps (for state changes, e.g. a close).
+fn wake_any(bell: &sync::AtomicU32, socket: BorrowedFd<'_>) {
+    protocol::bump(bell);
+    futex::wake_all(bell);
+    let _ = doorbell::ring(socket);
+}
 
 /// A peer broke the ring protocol. The connection is unusable; nothing outside
 /// it is affected.
@@ -102,14 +130,10 @@ impl TxRing {
         Ok(())
     }
 
-    /// Makes pushed descriptors visible and rings the peer only if it sleeps.
+    /// Makes pushed descriptors visible and wakes the peer only if it sleeps.
     pub fn publish(&mut self) -> std::io::Result<Notify> {
-        if protocol::publish(self.local.data_prod(), self.prod, self.peer.data_sleep(), &mut self.last_rung) {
-            doorbell::ring(self.peer_data_bell.as_fd())?;
-            Ok(Notify::Rung)
-        } else {
-            Ok(Notify::Suppressed)
-        }
+        let how = protocol::publish(self.local.data_prod(), self.prod, self.peer.data_sleep(), &mut self.last_rung);
+        wake(how, self.local.data_bell(), self.peer_data_bell.as_fd())
     }
 
     /// Takes the next cookie the peer released, if any.
@@ -140,10 +164,16 @@ impl TxRing {
         self.peer_data_bell.as_fd()
     }
 
-    /// Rings the peer's data doorbell unconditionally (to make a sleeping peer
-    /// look at the connection state, e.g. after we closed it).
+    /// Wakes the peer's data waiter unconditionally, however it sleeps (to make
+    /// it look at the connection state, e.g. after we closed it).
     pub fn wake_peer(&self) {
-        let _ = doorbell::ring(self.peer_data_bell.as_fd());
+        wake_any(self.local.data_bell(), self.peer_data_bell.as_fd());
+    }
+
+    /// The peer's release bell (its memory, read-only here): where we sleep on
+    /// a futex for window space.
+    pub fn peer_space_bell(&self) -> &sync::AtomicU32 {
+        self.peer.space_bell()
     }
 
     pub fn published(&self) -> u64 {
@@ -201,6 +231,17 @@ impl RxRing {
     pub fn consumed(&self) -> u64 {
         self.cons
     }
+
+    /// The peer's data bell (its memory, read-only here): where we sleep on a
+    /// futex for descriptors.
+    pub fn peer_data_bell(&self) -> &sync::AtomicU32 {
+        self.peer.data_bell()
+    }
+
+    /// The peer's block (read-only, untrusted).
+    pub fn peer(&self) -> PeerBlock {
+        self.peer
+    }
 }
 
 /// Publishes releases (cookies of messages we are done with) to the peer. Shared
@@ -214,9 +255,9 @@ pub struct Releaser {
 }
 
 impl Releaser {
-    /// Rings the peer's space doorbell unconditionally.
+    /// Wakes the peer's space waiter unconditionally, however it sleeps.
     pub fn wake_peer(&self) {
-        let _ = doorbell::ring(self.peer_space_bell.as_fd());
+        wake_any(self.local.space_bell(), self.peer_space_bell.as_fd());
     }
 
     pub fn new(local: LocalBlock, peer: PeerBlock, peer_space_bell: Arc<OwnedFd>) -> Releaser {
@@ -236,12 +277,10 @@ impl Releaser {
         }
         self.local.write_release(self.prod, cookie);
         self.prod += 1;
-        if protocol::publish(self.local.rel_prod(), self.prod, self.peer.space_sleep(), &mut self.last_rung) {
-            let _ = doorbell::ring(self.peer_space_bell.as_fd());
-            Ok(Notify::Rung)
-        } else {
-            Ok(Notify::Suppressed)
-        }
+        let how = protocol::publish(self.local.rel_prod(), self.prod, self.peer.space_sleep(), &mut self.last_rung);
+        // A doorbell error is the waiter's problem (its liveness socket
+        // reports its departure); the release itself is published.
+        Ok(wake(how, self.local.space_bell(), self.peer_space_bell.as_fd()).unwrap_or(Notify::Rung))
     }
 }
 

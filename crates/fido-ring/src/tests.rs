@@ -145,7 +145,7 @@ fn doorbell_only_when_asleep() {
     b.rx.poll().unwrap().unwrap();
     // Consumer arms: the next publish rings exactly once.
     let mut epoch = 0;
-    protocol::arm(b.rx.local().data_sleep(), &mut epoch);
+    protocol::arm(b.rx.local().data_sleep(), &mut epoch, protocol::Sleep::Socket);
     a.tx.push(&desc(2)).unwrap();
     assert_eq!(a.tx.publish().unwrap(), Notify::Rung);
     a.tx.push(&desc(3)).unwrap();
@@ -155,7 +155,41 @@ fn doorbell_only_when_asleep() {
 }
 
 #[test]
+fn futex_sleeper_is_woken_through_the_bell() {
+    let pair = Pair::new(64);
+    let (mut a, b) = connect(&pair, 64);
+    let before = b.rx.peer_data_bell().load(Ordering::Relaxed);
+    let mut epoch = 0;
+    protocol::arm(b.rx.local().data_sleep(), &mut epoch, protocol::Sleep::Futex);
+    a.tx.push(&desc(1)).unwrap();
+    assert_eq!(a.tx.publish().unwrap(), Notify::Rung);
+    // The bell moved (the futex word the sleeper waits on) and no socket
+    // doorbell was rung.
+    assert_eq!(b.rx.peer_data_bell().load(Ordering::Relaxed), before.wrapping_add(1));
+    assert!(!doorbell::block_on(b.data_bell.as_fd(), None, Some(Duration::ZERO)).unwrap().rung);
+    // Woken once per sleep.
+    a.tx.push(&desc(2)).unwrap();
+    assert_eq!(a.tx.publish().unwrap(), Notify::Suppressed);
+    assert_eq!(b.rx.peer_data_bell().load(Ordering::Relaxed), before.wrapping_add(1));
+    // A waiter gone back to its doorbell is rung there instead.
+    protocol::arm(b.rx.local().data_sleep(), &mut epoch, protocol::Sleep::Socket);
+    a.tx.push(&desc(3)).unwrap();
+    assert_eq!(a.tx.publish().unwrap(), Notify::Rung);
+    assert!(doorbell::block_on(b.data_bell.as_fd(), None, Some(Duration::from_secs(1))).unwrap().rung);
+    assert_eq!(b.rx.peer_data_bell().load(Ordering::Relaxed), before.wrapping_add(1));
+}
+
+#[test]
 fn blocking_wait_across_threads_never_loses_a_wakeup() {
+    blocking_wait_across_threads(false);
+}
+
+#[test]
+fn futex_wait_across_threads_never_loses_a_wakeup() {
+    blocking_wait_across_threads(true);
+}
+
+fn blocking_wait_across_threads(futex: bool) {
     let pair = Pair::new(16);
     let (mut a, mut b) = connect(&pair, 16);
     const N: u64 = 20_000;
@@ -167,10 +201,17 @@ fn blocking_wait_across_threads_never_loses_a_wakeup() {
             let rx = &mut b.rx;
             let mut got = None;
             let local = *rx.local();
+            let peer = rx.peer();
             let outcome = wait_until(
                 WaitStrategy::Block,
                 Some(Instant::now() + Duration::from_secs(10)),
-                SleepSite { sleep: local.data_sleep(), epoch: &mut epoch, bell: bell.as_fd(), liveness: None },
+                SleepSite {
+                    sleep: local.data_sleep(),
+                    epoch: &mut epoch,
+                    bell: bell.as_fd(),
+                    liveness: None,
+                    futex: futex.then_some(peer.data_bell()),
+                },
                 || -> Result<bool, RingError> {
                     got = rx.poll()?;
                     Ok(got.is_some())
@@ -204,4 +245,83 @@ fn blocking_wait_across_threads_never_loses_a_wakeup() {
     }
     consumer.join().unwrap();
     assert!(rung <= N);
+}
+
+#[test]
+fn the_release_ring_fills_when_the_peer_stops_reaping_and_a_lying_reap_index_is_caught() {
+    let pair = Pair::new(8);
+    let (a, mut b) = connect(&pair, 8);
+    // B releases to A, which never reaps: 8 fit, the 9th does not.
+    for i in 0..8 {
+        b.rel.release(i).unwrap();
+    }
+    assert_eq!(b.rel.release(8), Err(RingError::Full));
+    // A reaps three (its reap index is what B reads): three more fit.
+    a.tx.local().rel_cons().store(3, Ordering::Release);
+    for i in 8..11 {
+        b.rel.release(i).unwrap();
+    }
+    assert_eq!(b.rel.release(11), Err(RingError::Full));
+    // A reap index past everything released is a lie, caught when read.
+    a.tx.local().rel_cons().store(100, Ordering::Release);
+    assert!(matches!(b.rel.release(11), Err(RingError::IndexJump { what: "release-consume", .. })));
+}
+
+/// A producer that bumps and wakes its bell without ever publishing (hostile,
+/// or a third domain waking the same word) cannot keep a waiter spinning in
+/// the futex stage: it moves to its doorbell, and a real publish still wakes
+/// it there.
+#[test]
+fn a_bell_storm_moves_the_waiter_to_its_doorbell_and_a_publish_still_wakes_it() {
+    let pair = Pair::new(16);
+    let (mut a, mut b) = connect(&pair, 16);
+    let storm_block = *a.tx.local();
+    let waiter_block = *b.rx.local();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let storm = s.spawn(|| {
+            while !stop.load(Ordering::Acquire) {
+                protocol::bump(storm_block.data_bell());
+                futex::wake_all(storm_block.data_bell());
+            }
+        });
+        let waiter = s.spawn(move || {
+            let mut epoch = 0;
+            let bell = b.data_bell.clone();
+            let peer = b.rx.peer();
+            let rx = &mut b.rx;
+            let mut got = None;
+            let outcome = wait_until(
+                WaitStrategy::Block,
+                Some(Instant::now() + Duration::from_secs(60)),
+                SleepSite {
+                    sleep: waiter_block.data_sleep(),
+                    epoch: &mut epoch,
+                    bell: bell.as_fd(),
+                    liveness: None,
+                    futex: Some(peer.data_bell()),
+                },
+                || -> Result<bool, RingError> {
+                    got = rx.poll()?;
+                    Ok(got.is_some())
+                },
+            )
+            .unwrap();
+            (outcome, got)
+        });
+        // The waiter reaches its doorbell despite the storm.
+        let started = Instant::now();
+        while waiter_block.data_sleep().load(Ordering::Acquire) & 3 != protocol::ON_SOCKET {
+            assert!(started.elapsed() < Duration::from_secs(30), "waiter never left the futex stage");
+            assert!(!waiter.is_finished(), "waiter returned early");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        a.tx.push(&desc(7)).unwrap();
+        assert_eq!(a.tx.publish().unwrap(), Notify::Rung);
+        let (outcome, got) = waiter.join().unwrap();
+        assert_eq!(outcome, WaitOutcome::Ready);
+        assert_eq!(got.unwrap().cookie, 7);
+        stop.store(true, Ordering::Release);
+        storm.join().unwrap();
+    });
 }

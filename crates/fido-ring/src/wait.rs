@@ -2,14 +2,23 @@
 //!
 //! On a virtual machine the cost of IPC is the wake-up, not the copy (an eventfd
 //! wake across vCPUs is 13–16 µs here; a polled cache line 0.4 µs), so the default
-//! spins for a bounded time and then blocks on the doorbell. Pure spinning is
-//! available for dedicated cores; it checks the peer's liveness every few
-//! milliseconds and yields now and then so two spinners sharing one vCPU cannot
-//! livelock.
+//! spins for a bounded time and then sleeps. Pure spinning is available for
+//! dedicated cores; it checks the peer's liveness every few milliseconds and
+//! yields now and then so two spinners sharing one vCPU cannot livelock.
+//!
+//! Sleeping has two stages. First a **futex** sleep on the peer's bell word
+//! (`futex`), for at most [`FUTEX_PHASE`]: the cheapest wake-up there is (a
+//! futex round trip between two processes costs about half a Unix-socket one
+//! here), which is what a waiter for a reply or the next request of a busy
+//! client needs. Then the **socket doorbell** together with the peer's liveness
+//! socket, for as long as it takes: a futex cannot see a peer die, so nobody
+//! ever sleeps on one for longer than a phase, and a peer that never wakes us
+//! (hostile, or dead) or that wakes us for nothing costs at most one phase.
 
 use crate::doorbell::{block_on, peer_hung_up};
-use crate::protocol;
-use crate::sync::AtomicU64;
+use crate::futex::{self, FutexWait};
+use crate::protocol::{self, Sleep};
+use crate::sync::{AtomicU32, AtomicU64};
 use std::os::fd::BorrowedFd;
 use std::time::{Duration, Instant};
 
@@ -18,9 +27,9 @@ use std::time::{Duration, Instant};
 pub enum WaitStrategy {
     /// Spin until the condition holds (or the deadline passes); never sleeps.
     BusyPoll,
-    /// Spin for `spin`, then block on the doorbell. The default (50 µs).
+    /// Spin for `spin`, then sleep (futex, then doorbell). The default (50 µs).
     Adaptive { spin: Duration },
-    /// Block on the doorbell at once.
+    /// Sleep at once (futex, then doorbell).
     Block,
 }
 
@@ -39,16 +48,31 @@ pub enum WaitOutcome {
     PeerGone,
 }
 
-/// Where a waiter sleeps: its own sleep word and epoch, its own doorbell, and the
-/// liveness socket shared with the peer.
+/// Where a waiter sleeps: its own sleep word and epoch, its own doorbell, the
+/// liveness socket shared with the peer, and the peer's bell word (in the
+/// peer's memory, read-only here) for futex sleeps.
 pub struct SleepSite<'a> {
     pub sleep: &'a AtomicU64,
     pub epoch: &'a mut u64,
     pub bell: BorrowedFd<'a>,
     pub liveness: Option<BorrowedFd<'a>>,
+    /// `None`: skip the futex stage.
+    pub futex: Option<&'a AtomicU32>,
 }
 
 const LIVENESS_CHECK_EVERY: Duration = Duration::from_millis(2);
+
+/// Longest a waiter sleeps on a futex before it moves to the doorbell and the
+/// liveness socket. Also bounds how late a waiter notices a wake-up it can miss
+/// in this stage: one of its own (`Channel` state changes from another thread,
+/// which cannot bump the peer's bell), or a peer that stopped waking it.
+pub const FUTEX_PHASE: Duration = Duration::from_millis(2);
+
+/// Futex sleeps per stage that may end without the condition holding (wake-ups
+/// for nothing — a third domain mapping the same arena can cause them — or a
+/// peer bumping its bell without publishing) before the waiter moves on to the
+/// doorbell instead of spinning through them.
+const FUTEX_ROUNDS: u32 = 64;
 
 /// Waits until `ready()` returns true, following `strategy`.
 ///
@@ -97,10 +121,44 @@ pub fn wait_until<E>(
         std::hint::spin_loop();
         spins = spins.wrapping_add(1);
     }
-    // Block phase.
-    let SleepSite { sleep, epoch, bell, liveness } = site;
+    let SleepSite { sleep, epoch, bell, liveness, futex: word } = site;
+    // Futex stage.
+    if let Some(word) = word {
+        let now = Instant::now();
+        let until = deadline.map_or(now + FUTEX_PHASE, |d| d.min(now + FUTEX_PHASE));
+        let mut rounds = 0;
+        loop {
+            // The bell before arming: a wake-up for this sleep bumps it
+            // after, so `FUTEX_WAIT` cannot miss it (read after arming, the
+            // bump could already be in `seen`: `tests/loom.rs` finds that).
+            let seen = protocol::bell_value(word);
+            protocol::arm(sleep, epoch, Sleep::Futex);
+            if ready()? {
+                protocol::disarm(sleep, *epoch);
+                return Ok(WaitOutcome::Ready);
+            }
+            let now = Instant::now();
+            if now >= until || rounds >= FUTEX_ROUNDS {
+                protocol::disarm(sleep, *epoch);
+                break;
+            }
+            let r = futex::wait(word, seen, until - now);
+            protocol::disarm(sleep, *epoch);
+            if ready()? {
+                return Ok(WaitOutcome::Ready);
+            }
+            if matches!(r, FutexWait::Failed(_)) {
+                break;
+            }
+            rounds += 1;
+        }
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            return Ok(WaitOutcome::TimedOut);
+        }
+    }
+    // Doorbell stage.
     loop {
-        protocol::arm(sleep, epoch);
+        protocol::arm(sleep, epoch, Sleep::Socket);
         if ready()? {
             protocol::disarm(sleep, *epoch);
             return Ok(WaitOutcome::Ready);

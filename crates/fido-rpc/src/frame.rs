@@ -46,18 +46,28 @@ impl Frame {
         Ok(Frame { arena: arena.clone(), chunks: vec![buf], adopted: Vec::new(), used: HEADER_LEN, next_chunk: MIN_CHUNK })
     }
 
-    /// Reserves `len` bytes aligned to `align` (≤ 64); returns the chunk
-    /// index and offset.
+    /// Reserves `len` bytes aligned to `align` (a power of two ≤ 64); returns
+    /// the chunk index and offset. Inlined: a VarSeq reserves one string per
+    /// element, and with the alignment known the rounding is one mask.
+    #[inline]
     fn reserve(&mut self, len: usize, align: usize) -> Result<(usize, usize), RpcError> {
-        if align > MAX_ALIGN {
-            return Err(RpcError::Invalid(format!("alignment {align} > {MAX_ALIGN}")));
+        if align > MAX_ALIGN || !align.is_power_of_two() {
+            return Err(RpcError::Invalid(format!("alignment {align} (must be a power of two ≤ {MAX_ALIGN})")));
         }
-        let at = self.used.next_multiple_of(align);
+        // `used` ≤ the chunk's length, far below usize::MAX: no overflow.
+        let at = (self.used + align - 1) & !(align - 1);
         let last = self.chunks.len() - 1;
         if at.checked_add(len).is_some_and(|end| end <= self.chunks[last].len()) {
             self.used = at + len;
             return Ok((last, at));
         }
+        self.new_chunk(len)
+    }
+
+    /// `reserve`'s slow path: a new chunk for `len` bytes.
+    #[cold]
+    fn new_chunk(&mut self, len: usize) -> Result<(usize, usize), RpcError> {
+        let last = self.chunks.len() - 1;
         // A new chunk: the last one keeps only what it used (its tail is not
         // sent).
         let size = len.max(self.next_chunk);
@@ -70,6 +80,7 @@ impl Frame {
         Ok((self.chunks.len() - 1, 0))
     }
 
+    #[inline]
     fn gaddr(&self, chunk: usize, off: usize) -> u64 {
         self.chunks[chunk].gptr().addr() + off as u64
     }
@@ -88,7 +99,29 @@ impl Frame {
         Ok((ShmSlice::from_raw(addr, n as u64), dst))
     }
 
-    /// A copy of `data` in the frame.
+    /// `n` elements, element `i` being `f(i)`, written straight into the
+    /// frame: like [`Frame::alloc_slice`] followed by a loop over it, without
+    /// zeroing the memory first (one pass over it instead of two).
+    pub fn fill_slice<T: Pod>(&mut self, n: usize, mut f: impl FnMut(usize) -> T) -> Result<ShmSlice<T>, RpcError> {
+        let bytes = n.checked_mul(std::mem::size_of::<T>()).ok_or_else(|| RpcError::Invalid("slice too large".into()))?;
+        if bytes == 0 {
+            return Ok(ShmSlice::from_raw(0, n as u64));
+        }
+        let (c, off) = self.reserve(bytes, std::mem::align_of::<T>())?;
+        let addr = self.gaddr(c, off);
+        // The arena's bytes are plain memory (any value is a valid `u8`, and
+        // so a valid `T: Pod`); every element is overwritten below.
+        let dst: &mut [T] = bytemuck::cast_slice_mut(&mut self.chunks[c][off..off + bytes]);
+        for (i, e) in dst.iter_mut().enumerate() {
+            *e = f(i);
+        }
+        Ok(ShmSlice::from_raw(addr, n as u64))
+    }
+
+    /// A copy of `data` in the frame. Always inlined: with the length known
+    /// at the call site (a VarSeq's fixed-size strings) the copy is a couple
+    /// of moves instead of a `memmove` call per string.
+    #[inline(always)]
     pub fn slice<T: Pod>(&mut self, data: &[T]) -> Result<ShmSlice<T>, RpcError> {
         let bytes: &[u8] = bytemuck::cast_slice(data);
         if bytes.is_empty() {
@@ -120,18 +153,27 @@ impl Frame {
             // The reserved range is never handed out again and chunks never
             // move (they are arena buffers), so index it afresh each time.
             let at = off + i * size;
-            self.chunks[c][at..at + size].copy_from_slice(bytemuck::bytes_of(&v));
+            let dst = &mut self.chunks[c][at..at + size];
+            // A typed store (the slot is aligned for `T`: arena buffers are
+            // 64-byte aligned and `reserve` aligned `off`), not a `memmove`
+            // call per element.
+            match bytemuck::try_from_bytes_mut::<T>(dst) {
+                Ok(slot) => *slot = v,
+                Err(_) => dst.copy_from_slice(bytemuck::bytes_of(&v)),
+            }
         }
         Ok(ShmSlice::from_raw(self.gaddr(c, off), n as u64))
     }
 
     /// A copy of `s`.
+    #[inline]
     pub fn str(&mut self, s: &str) -> Result<ShmStr, RpcError> {
         let h = self.slice(s.as_bytes())?;
         Ok(ShmStr { addr: h.addr(), len: h.len() })
     }
 
     /// A copy of `b`.
+    #[inline(always)]
     pub fn bytes(&mut self, b: &[u8]) -> Result<ShmSlice<u8>, RpcError> {
         self.slice(b)
     }
@@ -276,12 +318,23 @@ impl<T: Pod> ShmVec<T> {
 pub trait PeerMemory {
     /// The bytes, or `None` if `[addr, addr+len)` is not inside the grant.
     fn bytes(&self, addr: u64, len: u64) -> Option<&[u8]>;
+    /// The whole grant as one contiguous window (its global address and its
+    /// bytes), when there is one: [`View`] then checks ranges inline instead
+    /// of calling [`PeerMemory::bytes`] for each.
+    fn window(&self) -> Option<(u64, &[u8])> {
+        None
+    }
 }
 
 impl PeerMemory for fido::Msg {
     #[inline]
     fn bytes(&self, addr: u64, len: u64) -> Option<&[u8]> {
         self.resolve(fido::GPtr(addr), len)
+    }
+    #[inline]
+    fn window(&self) -> Option<(u64, &[u8])> {
+        let (g, b) = self.peer_arena();
+        Some((g.addr(), b))
     }
 }
 
@@ -290,11 +343,28 @@ impl PeerMemory for fido::Msg {
 #[derive(Clone, Copy)]
 pub struct View<'a> {
     mem: &'a dyn PeerMemory,
+    /// The sender's grant as one window (global base, bytes), if it is one.
+    window: Option<(u64, &'a [u8])>,
 }
 
 impl<'a> View<'a> {
     pub fn new(mem: &'a dyn PeerMemory) -> Self {
-        View { mem }
+        View { mem, window: mem.window() }
+    }
+
+    /// `[addr, addr+len)` of the sender's grant (`len` > 0), checked: inline
+    /// against the window when there is one (a VarSeq checks one string per
+    /// element: no indirect call), else by the memory itself.
+    #[inline]
+    fn range(&self, addr: u64, len: u64) -> Option<&'a [u8]> {
+        match self.window {
+            Some((base, bytes)) => {
+                let off = addr.checked_sub(base)?;
+                let end = off.checked_add(len)?;
+                bytes.get(usize::try_from(off).ok()?..usize::try_from(end).ok()?)
+            }
+            None => self.mem.bytes(addr, len),
+        }
     }
 
     /// The elements of `h`, in place. One range check for the whole slice.
@@ -308,7 +378,7 @@ impl<'a> View<'a> {
             return Err(Fault::BadPointer);
         }
         let bytes = h.len().checked_mul(size).ok_or(Fault::BadPointer)?;
-        let b = self.mem.bytes(h.addr(), bytes).ok_or(Fault::BadPointer)?;
+        let b = self.range(h.addr(), bytes).ok_or(Fault::BadPointer)?;
         bytemuck::try_cast_slice(b).map_err(|_| Fault::BadPointer)
     }
 
@@ -318,7 +388,7 @@ impl<'a> View<'a> {
         if s.len == 0 {
             return Ok(ShmStrRef(&[]));
         }
-        self.mem.bytes(s.addr, s.len).map(ShmStrRef).ok_or(Fault::BadPointer)
+        self.range(s.addr, s.len).map(ShmStrRef).ok_or(Fault::BadPointer)
     }
 
     /// Raw bytes of the sender's arena.
@@ -326,7 +396,7 @@ impl<'a> View<'a> {
         if len == 0 {
             return Ok(&[]);
         }
-        self.mem.bytes(addr, len).ok_or(Fault::BadPointer)
+        self.range(addr, len).ok_or(Fault::BadPointer)
     }
 }
 

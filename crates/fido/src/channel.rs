@@ -227,6 +227,9 @@ pub(crate) struct ConnShared {
     data_bell: doorbell::Doorbell,
     space_bell: doorbell::Doorbell,
     liveness: OwnedFd,
+    /// The peer's block (read-only): its bell words are where our waiters
+    /// sleep on a futex.
+    peer_block: PeerBlock,
     releaser: Mutex<Releaser>,
     state: AtomicU8,
     broken: Mutex<Option<String>>,
@@ -268,8 +271,15 @@ impl ConnShared {
         Error::Protocol(why)
     }
 
-    /// Wakes our own waiters so they look at the connection state again.
+    /// Wakes our own waiters so they look at the connection state again:
+    /// those on a futex (the peer's bell words, through our read-only mapping:
+    /// same key) and those on a doorbell. A futex waiter that is between its
+    /// last look at the state and its `FUTEX_WAIT` misses this (we cannot
+    /// change the peer's word); it moves to its doorbell, rung here, within
+    /// `fido_ring::wait::FUTEX_PHASE`.
     pub(crate) fn wake_local(&self) {
+        fido_ring::futex::wake_all(self.peer_block.data_bell());
+        fido_ring::futex::wake_all(self.peer_block.space_bell());
         let _ = doorbell::ring(self.data_bell.ring.as_fd());
         let _ = doorbell::ring(self.space_bell.ring.as_fd());
     }
@@ -550,6 +560,7 @@ impl Channel {
             data_bell,
             space_bell,
             liveness,
+            peer_block,
             releaser: Mutex::new(Releaser::new(local, peer_block, peer_space)),
             state: AtomicU8::new(OPEN),
             broken: Mutex::new(None),
@@ -717,7 +728,13 @@ impl Channel {
                 wait_until(
                     wait,
                     deadline,
-                    SleepSite { sleep: local.space_sleep(), epoch: &mut epoch, bell: sh.space_bell.wait.as_fd(), liveness: Some(sh.liveness.as_fd()) },
+                    SleepSite {
+                        sleep: local.space_sleep(),
+                        epoch: &mut epoch,
+                        bell: sh.space_bell.wait.as_fd(),
+                        liveness: Some(sh.liveness.as_fd()),
+                        futex: Some(sh.peer_block.space_bell()),
+                    },
                     || -> std::result::Result<bool, String> {
                         txr.reap()?;
                         Ok(txr.ring.free_slots() > 0 || !sh.is_open() || txr.ring.peer_closed())
@@ -860,7 +877,13 @@ impl Channel {
             let outcome = wait_until(
                 wait,
                 step_deadline,
-                SleepSite { sleep: local.data_sleep(), epoch: &mut epoch, bell: sh.data_bell.wait.as_fd(), liveness: Some(sh.liveness.as_fd()) },
+                SleepSite {
+                    sleep: local.data_sleep(),
+                    epoch: &mut epoch,
+                    bell: sh.data_bell.wait.as_fd(),
+                    liveness: Some(sh.liveness.as_fd()),
+                    futex: Some(sh.peer_block.data_bell()),
+                },
                 || -> std::result::Result<bool, RingError> { Ok(ring.pending()? || !sh.is_open() || ring.peer_closed()) },
             );
             rx.epoch = epoch;
@@ -961,7 +984,7 @@ impl Channel {
     pub(crate) fn arm_rx(&self) -> bool {
         let mut rx = self.shared.rx.lock();
         let local = *rx.ring.local();
-        fido_ring::protocol::arm(local.data_sleep(), &mut rx.epoch);
+        fido_ring::protocol::arm(local.data_sleep(), &mut rx.epoch, fido_ring::protocol::Sleep::Socket);
         let ready = rx.ring.pending().unwrap_or(true) || !self.shared.is_open() || rx.ring.peer_closed();
         if ready {
             fido_ring::protocol::disarm(local.data_sleep(), rx.epoch);
@@ -981,7 +1004,7 @@ impl Channel {
         let mut tx = self.shared.tx.lock();
         let local = *tx.ring.local();
         let mut epoch = tx.epoch;
-        fido_ring::protocol::arm(local.space_sleep(), &mut epoch);
+        fido_ring::protocol::arm(local.space_sleep(), &mut epoch, fido_ring::protocol::Sleep::Socket);
         tx.epoch = epoch;
         let ready = tx.reap().is_err() || tx.ring.free_slots() > 0 || !self.shared.is_open() || tx.ring.peer_closed();
         if ready {
@@ -1140,6 +1163,17 @@ impl Msg {
         // SAFETY: `within` checked the range lies inside the peer's mapping,
         // which `self.shared` keeps alive for at least the borrow of `self`.
         Some(unsafe { std::slice::from_raw_parts(p.as_ptr() as *const u8, len as usize) })
+    }
+    /// The sending peer's whole arena, read-only, and its global address:
+    /// what [`Msg::resolve`] checks against, for a caller that resolves many
+    /// small ranges (fido-rpc's `View`, one string of a VarSeq at a time)
+    /// and does the bounds check itself. Lives as long as this message.
+    pub fn peer_arena(&self) -> (GPtr, &[u8]) {
+        let m = &self.shared.peer_map;
+        // SAFETY: the whole mapping, which `self.shared` keeps alive for at
+        // least the borrow of `self`; mapped read-only, never unmapped before.
+        let bytes = unsafe { std::slice::from_raw_parts(m.local_base(), m.len() as usize) };
+        (m.global_base(), bytes)
     }
 }
 

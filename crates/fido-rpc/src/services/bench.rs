@@ -88,11 +88,7 @@ pub fn make_byteseq(frame: &mut Frame, len: usize) -> Result<ShmSlice<u8>, RpcEr
     Ok(h)
 }
 pub fn make_fixedseq(frame: &mut Frame, len: usize) -> Result<ShmSlice<Fixed>, RpcError> {
-    let (h, dst) = frame.alloc_slice::<Fixed>(len)?;
-    for (i, f) in dst.iter_mut().enumerate() {
-        *f = fixed_elem(i);
-    }
-    Ok(h)
+    frame.fill_slice(len, fixed_elem)
 }
 pub fn make_varseq(frame: &mut Frame, len: usize) -> Result<ShmSlice<Var>, RpcError> {
     let mut tmp = [0u8; 24];
