@@ -636,6 +636,16 @@ fn attached(fd: c_int) -> Option<Arc<Conn>> {
     active(fd)
 }
 
+/// An interposed data call on `fd`: through the ring when the connection is
+/// accelerated (`ring`), else — or when the ring hands the call back to the
+/// kernel — libc's (`kernel`).
+fn dispatch(fd: c_int, ring: impl FnOnce(&Conn) -> Out, kernel: impl Fn() -> ssize_t) -> ssize_t {
+    match active(fd) {
+        None => kernel(),
+        Some(c) => finish(ring(&c), kernel),
+    }
+}
+
 fn finish(o: Out, kernel: impl FnOnce() -> ssize_t) -> ssize_t {
     match o {
         Out::Done(n) => n as ssize_t,
@@ -723,14 +733,12 @@ fn do_send(c: &Conn, fd: c_int, buf: *const c_void, n: size_t, flags: c_int) -> 
 
 #[no_mangle]
 pub unsafe extern "C" fn read(fd: c_int, buf: *mut c_void, n: size_t) -> ssize_t {
-    match active(fd) {
-        // SAFETY: forwarding.
-        None => unsafe { real::read(fd, buf, n) },
-        // SAFETY: forwarding.
-        Some(c) => finish(do_recv(&c, fd, buf, n, 0), || unsafe {
-            real::read(fd, buf, n)
-        }),
-    }
+    dispatch(
+        fd,
+        |c| do_recv(c, fd, buf, n, 0),
+        // SAFETY: forwarding the caller's arguments.
+        || unsafe { real::read(fd, buf, n) },
+    )
 }
 
 #[no_mangle]
@@ -750,14 +758,12 @@ pub unsafe extern "C" fn __read_chk(
 
 #[no_mangle]
 pub unsafe extern "C" fn recv(fd: c_int, buf: *mut c_void, n: size_t, flags: c_int) -> ssize_t {
-    match active(fd) {
-        // SAFETY: forwarding.
-        None => unsafe { real::recv(fd, buf, n, flags) },
-        // SAFETY: forwarding.
-        Some(c) => finish(do_recv(&c, fd, buf, n, flags), || unsafe {
-            real::recv(fd, buf, n, flags)
-        }),
-    }
+    dispatch(
+        fd,
+        |c| do_recv(c, fd, buf, n, flags),
+        // SAFETY: forwarding the caller's arguments.
+        || unsafe { real::recv(fd, buf, n, flags) },
+    )
 }
 
 #[no_mangle]
@@ -867,26 +873,22 @@ pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut msghdr, flags: c_int) -> s
 
 #[no_mangle]
 pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, n: size_t) -> ssize_t {
-    match active(fd) {
-        // SAFETY: forwarding.
-        None => unsafe { real::write(fd, buf, n) },
-        // SAFETY: forwarding.
-        Some(c) => finish(do_send(&c, fd, buf, n, 0), || unsafe {
-            real::write(fd, buf, n)
-        }),
-    }
+    dispatch(
+        fd,
+        |c| do_send(c, fd, buf, n, 0),
+        // SAFETY: forwarding the caller's arguments.
+        || unsafe { real::write(fd, buf, n) },
+    )
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn send(fd: c_int, buf: *const c_void, n: size_t, flags: c_int) -> ssize_t {
-    match active(fd) {
-        // SAFETY: forwarding.
-        None => unsafe { real::send(fd, buf, n, flags) },
-        // SAFETY: forwarding.
-        Some(c) => finish(do_send(&c, fd, buf, n, flags), || unsafe {
-            real::send(fd, buf, n, flags)
-        }),
-    }
+    dispatch(
+        fd,
+        |c| do_send(c, fd, buf, n, flags),
+        // SAFETY: forwarding the caller's arguments.
+        || unsafe { real::send(fd, buf, n, flags) },
+    )
 }
 
 #[no_mangle]
@@ -898,14 +900,12 @@ pub unsafe extern "C" fn sendto(
     addr: *const sockaddr,
     alen: socklen_t,
 ) -> ssize_t {
-    match active(fd) {
-        // SAFETY: forwarding.
-        None => unsafe { real::sendto(fd, buf, n, flags, addr, alen) },
-        // SAFETY: forwarding (a connected TCP socket ignores the address).
-        Some(c) => finish(do_send(&c, fd, buf, n, flags), || unsafe {
-            real::sendto(fd, buf, n, flags, addr, alen)
-        }),
-    }
+    dispatch(
+        fd,
+        |c| do_send(c, fd, buf, n, flags),
+        // SAFETY: forwarding the caller's arguments.
+        || unsafe { real::sendto(fd, buf, n, flags, addr, alen) },
+    )
 }
 
 #[no_mangle]

@@ -113,8 +113,12 @@ fn lazy_arming_elides_doorbells() {
         lazy <= 4,
         "lazy arming rang {lazy} doorbells for 2000 messages"
     );
+    // Eagerly, a doorbell follows each time the reader emptied the ring:
+    // most messages on an idle machine (1946 of 2000), fewer under load
+    // (94 seen with CI running), but at least after each of the writer's 19
+    // long pauses.
     assert!(
-        eager >= 200,
+        eager >= 15,
         "eager arming rang only {eager} doorbells: is the test still measuring?"
     );
 }
