@@ -313,6 +313,58 @@ impl Broker {
     }
 }
 
+/// A broker on a thread of this process that is stopped, and waited for, when
+/// dropped: what tests, examples and `fido demo` embed instead of a separate
+/// `fido broker` process.
+pub struct Embedded {
+    socket: PathBuf,
+    shutdown: ShutdownHandle,
+    thread: Option<JoinHandle<Result<(), BrokerError>>>,
+}
+
+impl Embedded {
+    /// Binds a broker with `config` and runs it on its own thread.
+    pub fn start(config: Config) -> Result<Embedded, BrokerError> {
+        let socket = config.socket.clone();
+        let (thread, shutdown) = Broker::spawn(config)?;
+        Ok(Embedded {
+            socket,
+            shutdown,
+            thread: Some(thread),
+        })
+    }
+
+    /// The socket domains join through.
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    /// Stops the broker and waits for it; returns how its loop ended (a
+    /// panic on the broker's thread is resumed here).
+    pub fn stop(mut self) -> Result<(), BrokerError> {
+        self.stop_and_join()
+    }
+
+    fn stop_and_join(&mut self) -> Result<(), BrokerError> {
+        self.shutdown.shutdown();
+        match self.thread.take().map(JoinHandle::join) {
+            Some(Ok(r)) => r,
+            Some(Err(panic)) => std::panic::resume_unwind(panic),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Embedded {
+    fn drop(&mut self) {
+        self.shutdown.shutdown();
+        if let Some(t) = self.thread.take() {
+            // How it ended is for `stop` to report; a drop only waits.
+            let _ = t.join();
+        }
+    }
+}
+
 fn bind_socket(path: &Path, policy: &Policy) -> Result<(OwnedFd, (u64, u64)), BrokerError> {
     if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
         DirBuilder::new()

@@ -53,7 +53,7 @@ fn c_example_copies_through_the_broker() {
     let mut cfg = fido_broker::Config::new(&socket, dir.path().join("state"));
     cfg.heartbeat = Duration::from_millis(100);
     cfg.pipe.capacity = fido_broker::Capacity::Unlimited;
-    let (thread, shutdown) = fido_broker::Broker::spawn(cfg).unwrap();
+    let broker = fido_broker::Embedded::start(cfg).unwrap();
 
     let src = dir.path().join("src.bin");
     let data: Vec<u8> = (0..(3u32 << 20) + 4099)
@@ -78,6 +78,5 @@ fn c_example_copies_through_the_broker() {
         "{stdout}"
     );
     assert_eq!(std::fs::read(&dst).unwrap(), data);
-    shutdown.shutdown();
-    thread.join().unwrap().unwrap();
+    broker.stop().unwrap();
 }

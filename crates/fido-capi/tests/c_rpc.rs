@@ -51,7 +51,7 @@ fn build_demo(out: &Path) -> PathBuf {
 fn c_client_and_c_server() {
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("broker.sock");
-    let (_t, shutdown) = fido_broker::Broker::spawn(fido_broker::Config::new(&sock, dir.path().join("state"))).unwrap();
+    let broker = fido_broker::Embedded::start(fido_broker::Config::new(&sock, dir.path().join("state"))).unwrap();
     let bin = build_demo(dir.path());
     let mut server = Command::new(&bin)
         .args(["server", "c-demo"])
@@ -69,5 +69,5 @@ fn c_client_and_c_server() {
     drop(server.stdin.take());
     let st = server.wait().unwrap();
     assert!(st.success());
-    shutdown.shutdown();
+    broker.stop().unwrap();
 }

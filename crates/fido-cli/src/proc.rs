@@ -11,7 +11,7 @@
 //!   a second signal exits at once (children still die by PDEATHSIG).
 
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
@@ -250,9 +250,7 @@ pub fn finish_all(kids: Vec<Kid>, timeout: Duration) -> anyhow::Result<()> {
 
 /// A broker on its own thread, in a temporary directory it owns.
 pub struct EmbeddedBroker {
-    socket: PathBuf,
-    handle: fido_broker::ShutdownHandle,
-    thread: Option<JoinHandle<Result<(), fido_broker::BrokerError>>>,
+    broker: Option<fido_broker::Embedded>,
     dir: Option<tempfile::TempDir>,
 }
 
@@ -270,18 +268,18 @@ impl EmbeddedBroker {
         let socket = dir.path().join("broker.sock");
         let mut config = fido_broker::Config::new(&socket, dir.path().join("state"));
         config.pipe = pipe;
-        let (thread, handle) =
-            fido_broker::Broker::spawn(config).context("starting the embedded broker")?;
+        let broker = fido_broker::Embedded::start(config).context("starting the embedded broker")?;
         Ok(EmbeddedBroker {
-            socket,
-            handle,
-            thread: Some(thread),
+            broker: Some(broker),
             dir: Some(dir),
         })
     }
 
     pub fn socket(&self) -> &Path {
-        &self.socket
+        self.broker
+            .as_ref()
+            .expect("an EmbeddedBroker is only stopped by stop(self)")
+            .socket()
     }
 
     /// Stops the broker, waits for it, removes the directory.
@@ -290,12 +288,8 @@ impl EmbeddedBroker {
     }
 
     fn stop_inner(&mut self) -> anyhow::Result<()> {
-        self.handle.shutdown();
-        let r = match self.thread.take() {
-            Some(t) => match t.join() {
-                Ok(r) => r.map_err(|e| anyhow!("embedded broker: {e}")),
-                Err(_) => Err(anyhow!("embedded broker thread panicked")),
-            },
+        let r = match self.broker.take() {
+            Some(b) => b.stop().map_err(|e| anyhow!("embedded broker: {e}")),
             None => Ok(()),
         };
         if let Some(d) = self.dir.take() {
@@ -309,7 +303,7 @@ impl EmbeddedBroker {
 
 impl Drop for EmbeddedBroker {
     fn drop(&mut self) {
-        if self.thread.is_some() || self.dir.is_some() {
+        if self.broker.is_some() || self.dir.is_some() {
             if let Err(e) = self.stop_inner() {
                 eprintln!("fido: {e:#}");
             }

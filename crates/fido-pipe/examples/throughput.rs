@@ -53,7 +53,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let socket = dir.path().join("broker.sock");
     let mut cfg = fido_broker::Config::new(&socket, dir.path().join("state"));
     cfg.pipe.capacity = fido_broker::Capacity::Unlimited;
-    let (thread, shutdown) = fido_broker::Broker::spawn(cfg)?;
+    let broker = fido_broker::Embedded::start(cfg)?;
     let c = Client::connect_with(ClientOptions::new("throughput").broker(&socket))?;
 
     for round in 0..2 {
@@ -169,7 +169,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     drop(tx);
     d.join().unwrap();
     drop(c);
-    shutdown.shutdown();
-    let _ = thread.join();
+    broker.stop()?;
     Ok(())
 }

@@ -48,7 +48,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let tmp = tempfile::tempdir()?;
     let sock = tmp.path().join("broker.sock");
-    let (_t, shutdown) = fido_broker::Broker::spawn(fido_broker::Config::new(&sock, tmp.path().join("state")))?;
+    let broker = fido_broker::Embedded::start(fido_broker::Config::new(&sock, tmp.path().join("state")))?;
     let mut child = Command::new(std::env::current_exe()?)
         .args(["--serve", dir])
         .env("FIDO_BROKER", &sock)
@@ -84,6 +84,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("bytes copied by the client: {}", d.counters().bytes_copied);
     drop(child.stdin.take());
     let _ = child.wait();
-    shutdown.shutdown();
+    broker.stop()?;
     Ok(())
 }

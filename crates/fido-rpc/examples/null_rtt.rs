@@ -33,7 +33,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let iters: usize = std::env::args().nth(1).map(|s| s.parse()).transpose()?.unwrap_or(20_000);
     let dir = tempfile::tempdir()?;
     let sock = dir.path().join("broker.sock");
-    let (_t, shutdown) = fido_broker::Broker::spawn(fido_broker::Config::new(&sock, dir.path().join("state")))?;
+    let broker = fido_broker::Embedded::start(fido_broker::Config::new(&sock, dir.path().join("state")))?;
     let mut child = Command::new(std::env::current_exe()?)
         .arg("--serve")
         .env("FIDO_BROKER", &sock)
@@ -61,7 +61,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     drop(child.stdin.take());
     let _ = child.wait();
-    shutdown.shutdown();
+    broker.stop()?;
     std::thread::sleep(Duration::from_millis(10));
     Ok(())
 }

@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use anyhow::{anyhow, bail, Context};
+use anyhow::{bail, Context};
 use fido::{Domain, JoinOptions, Message};
 
 /// The child process: offers "greeter", answers one request, then waits for
@@ -47,7 +47,7 @@ fn main() -> anyhow::Result<()> {
         None => {
             let socket = dir.path().join("broker.sock");
             let config = fido_broker::Config::new(&socket, dir.path().join("state"));
-            (socket, Some(fido_broker::Broker::spawn(config)?))
+            (socket, Some(fido_broker::Embedded::start(config)?))
         }
     };
     let mut child = Command::new(std::env::current_exe()?)
@@ -88,11 +88,8 @@ fn main() -> anyhow::Result<()> {
     if !status.success() {
         bail!("the server failed: {status}");
     }
-    if let Some((thread, shutdown)) = broker {
-        shutdown.shutdown();
-        thread
-            .join()
-            .map_err(|_| anyhow!("the broker panicked"))??;
+    if let Some(broker) = broker {
+        broker.stop()?;
     }
     Ok(())
 }

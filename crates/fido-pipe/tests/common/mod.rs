@@ -10,10 +10,10 @@ use std::time::Duration;
 use fido_pipe::{Client, ClientOptions};
 
 pub struct TestBroker {
-    pub dir: tempfile::TempDir,
     pub socket: PathBuf,
-    shutdown: Option<fido_broker::ShutdownHandle>,
-    thread: Option<std::thread::JoinHandle<Result<(), fido_broker::BrokerError>>>,
+    // Dropped first: the broker stops before its directory goes.
+    _broker: fido_broker::Embedded,
+    pub dir: tempfile::TempDir,
 }
 
 impl TestBroker {
@@ -30,28 +30,16 @@ impl TestBroker {
         // Calibration costs startup time; tests that need a capacity set one.
         c.pipe.capacity = fido_broker::Capacity::Unlimited;
         f(&mut c);
-        let (thread, shutdown) = fido_broker::Broker::spawn(c).unwrap();
+        let broker = fido_broker::Embedded::start(c).unwrap();
         TestBroker {
-            dir,
             socket,
-            shutdown: Some(shutdown),
-            thread: Some(thread),
+            _broker: broker,
+            dir,
         }
     }
 
     pub fn client(&self, name: &str) -> Client {
         Client::connect_with(ClientOptions::new(name).broker(&self.socket)).unwrap()
-    }
-}
-
-impl Drop for TestBroker {
-    fn drop(&mut self) {
-        if let Some(s) = self.shutdown.take() {
-            s.shutdown();
-        }
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
     }
 }
 

@@ -9,10 +9,10 @@ use std::process::{Child, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
 pub struct TestBroker {
-    pub dir: tempfile::TempDir,
     pub socket: PathBuf,
-    shutdown: Option<fido_broker::ShutdownHandle>,
-    thread: Option<std::thread::JoinHandle<Result<(), fido_broker::BrokerError>>>,
+    // Dropped first: the broker stops before its directory goes.
+    _broker: fido_broker::Embedded,
+    pub dir: tempfile::TempDir,
 }
 
 impl TestBroker {
@@ -24,22 +24,11 @@ impl TestBroker {
         // Generous: a loaded CI machine must not declare a busy test domain hung
         // (crashes are detected at once through the liveness socket anyway).
         c.heartbeat_misses = 50;
-        let (thread, shutdown) = fido_broker::Broker::spawn(c).unwrap();
-        TestBroker { dir, socket, shutdown: Some(shutdown), thread: Some(thread) }
+        let broker = fido_broker::Embedded::start(c).unwrap();
+        TestBroker { socket, _broker: broker, dir }
     }
     pub fn join(&self, name: &str) -> Domain {
         Domain::join(JoinOptions::new(name).broker(&self.socket).arena_len(64 << 20)).unwrap()
-    }
-}
-
-impl Drop for TestBroker {
-    fn drop(&mut self) {
-        if let Some(s) = self.shutdown.take() {
-            s.shutdown();
-        }
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
     }
 }
 

@@ -10,10 +10,10 @@ use std::process::{Child, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
 pub struct TestBroker {
-    pub dir: tempfile::TempDir,
     pub socket: PathBuf,
-    shutdown: Option<fido_broker::ShutdownHandle>,
-    thread: Option<std::thread::JoinHandle<Result<(), fido_broker::BrokerError>>>,
+    // Dropped first: the broker stops before its directory goes.
+    _broker: fido_broker::Embedded,
+    pub dir: tempfile::TempDir,
 }
 
 pub fn config(socket: &Path, state: &Path) -> fido_broker::Config {
@@ -28,8 +28,8 @@ impl TestBroker {
     pub fn start() -> TestBroker {
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("broker.sock");
-        let (thread, shutdown) = fido_broker::Broker::spawn(config(&socket, &dir.path().join("state"))).unwrap();
-        TestBroker { dir, socket, shutdown: Some(shutdown), thread: Some(thread) }
+        let broker = fido_broker::Embedded::start(config(&socket, &dir.path().join("state"))).unwrap();
+        TestBroker { socket, _broker: broker, dir }
     }
 
     pub fn join(&self, name: &str) -> Domain {
@@ -38,17 +38,6 @@ impl TestBroker {
 
     pub fn join_with(&self, opts: JoinOptions) -> Domain {
         Domain::join(opts.broker(&self.socket)).unwrap()
-    }
-}
-
-impl Drop for TestBroker {
-    fn drop(&mut self) {
-        if let Some(s) = self.shutdown.take() {
-            s.shutdown();
-        }
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
     }
 }
 
