@@ -1462,7 +1462,10 @@ pub unsafe extern "C" fn epoll_pwait2(
     ts: *const libc::timespec,
     mask: *const libc::sigset_t,
 ) -> c_int {
-    let (dl, zero) = wait::dl_ts(ts);
+    let Some((dl, zero)) = wait::dl_ts(ts) else {
+        // SAFETY: forwarding (the kernel reports the bad timeout).
+        return unsafe { real::epoll_pwait2(epfd, evs, max, ts, mask) };
+    };
     wait_guard(|| {
         // SAFETY: the program's arguments; forwarding them unchanged.
         unsafe {
@@ -1493,7 +1496,10 @@ pub unsafe extern "C" fn ppoll(
     ts: *const libc::timespec,
     mask: *const libc::sigset_t,
 ) -> c_int {
-    let (dl, zero) = wait::dl_ts(ts);
+    let Some((dl, zero)) = wait::dl_ts(ts) else {
+        // SAFETY: forwarding (the kernel reports the bad timeout).
+        return unsafe { real::ppoll(fds, n, ts, mask) };
+    };
     wait_guard(|| {
         // SAFETY: the program's arguments; forwarding them unchanged.
         unsafe { wait::poll_common(fds, n, dl, zero, mask, || real::ppoll(fds, n, ts, mask)) }
@@ -1580,11 +1586,7 @@ pub unsafe extern "C" fn pselect(
     ts: *const libc::timespec,
     mask: *const libc::sigset_t,
 ) -> c_int {
-    let (dl, zero) = wait::dl_ts(ts);
-    // SAFETY: the program's timespec, if any.
-    let valid = unsafe { ts.as_ref() }
-        .is_none_or(|t| t.tv_sec >= 0 && (0..1_000_000_000).contains(&t.tv_nsec));
-    if valid {
+    if let Some((dl, zero)) = wait::dl_ts(ts) {
         let mut fixed = None;
         let r = wait_guard(|| {
             // SAFETY: the program's sets and mask.

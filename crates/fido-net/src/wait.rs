@@ -216,7 +216,9 @@ pub fn raw_syscall(n: libc::c_long) {
         libc::SYS_epoll_pwait2,
         libc::SYS_epoll_ctl,
     ];
-    if waits.contains(&n) && table::count() > 0 {
+    // Sticky even before the first accelerated connection: a program that
+    // waits this way once likely always does.
+    if waits.contains(&n) && lazy_allowed() {
         all_eager("a wait made through syscall(2)");
     }
 }
@@ -290,11 +292,8 @@ fn deadline_ts(ts: *const timespec) -> Option<Instant> {
     if ts.is_null() {
         return None;
     }
-    // SAFETY: the program's non-null timespec.
+    // SAFETY: the program's non-null timespec (validated by `dl_ts`).
     let t = unsafe { *ts };
-    if t.tv_sec < 0 || !(0..1_000_000_000).contains(&t.tv_nsec) {
-        return Some(Instant::now()); // EINVAL comes from the kernel's own look
-    }
     Some(Instant::now() + Duration::new(t.tv_sec as u64, t.tv_nsec as u32))
 }
 
@@ -336,7 +335,9 @@ fn spin(dl: Option<Instant>, any_data: impl Fn() -> bool, kernel: impl FnMut() -
 /// Accelerated lazy entries of a pollfd array that ask for readability.
 fn poll_watches(fds: &[pollfd]) -> Vec<(usize, Arc<Conn>)> {
     let mut v = Vec::new();
-    if table::count() == 0 || !lazy_allowed_somewhere() {
+    // With lazy arming off there is nothing to fix up: `all_eager` made every
+    // connection eager, and new ones are created eager.
+    if table::count() == 0 || !lazy_allowed() {
         return v;
     }
     for (i, p) in fds.iter().enumerate() {
@@ -352,13 +353,6 @@ fn poll_watches(fds: &[pollfd]) -> Vec<(usize, Arc<Conn>)> {
         }
     }
     v
-}
-
-/// Lazy connections may exist (a process that turned eager has none).
-fn lazy_allowed_somewhere() -> bool {
-    // Connections made before `all_eager` were made eager by it; new ones are
-    // created eager. So when lazy arming is off nothing needs fixing up.
-    lazy_allowed()
 }
 
 /// Fixes up the readability of the watched entries after a kernel look;
@@ -593,7 +587,10 @@ fn ep_watches(epfd: c_int) -> Option<Vec<EpWatch>> {
     let mut v = Vec::new();
     for (fd, r) in regs {
         if let Some(c) = lazy_conn(fd) {
-            if shared {
+            // (Checked here too: a connection may have been pending when it
+            // was registered, and accelerated since.)
+            let odd = r.events & (libc::EPOLLONESHOT as u32 | libc::EPOLLEXCLUSIVE as u32) != 0;
+            if shared || odd {
                 c.make_eager();
                 continue;
             }
@@ -774,9 +771,14 @@ pub fn dl_ms(timeout: c_int) -> (Option<Instant>, bool) {
 }
 
 /// Deadline of a `ppoll`/`epoll_pwait2`-style timespec.
-pub fn dl_ts(ts: *const timespec) -> (Option<Instant>, bool) {
-    let dl = deadline_ts(ts);
-    // SAFETY: non-null timespec from the program.
-    let zero = !ts.is_null() && unsafe { (*ts).tv_sec == 0 && (*ts).tv_nsec == 0 };
-    (dl, zero)
+/// `None` for an invalid timespec: the caller forwards the call, so the
+/// kernel answers `EINVAL` as it would.
+pub fn dl_ts(ts: *const timespec) -> Option<(Option<Instant>, bool)> {
+    // SAFETY: the program's timespec, if not null.
+    let t = unsafe { ts.as_ref() };
+    if t.is_some_and(|t| t.tv_sec < 0 || !(0..1_000_000_000).contains(&t.tv_nsec)) {
+        return None;
+    }
+    let zero = t.is_some_and(|t| t.tv_sec == 0 && t.tv_nsec == 0);
+    Some((deadline_ts(ts), zero))
 }
