@@ -583,6 +583,10 @@ static void t_waits(void) {
     OUT("ppoll with alarm blocked: %d", r);
     sigprocmask(SIG_SETMASK, &old, NULL); /* the pending alarm runs now */
     OUT("alarm after ppoll: %d", (int)alarms);
+    /* a bad timeout is the kernel's EINVAL */
+    struct timespec bad = {0, 2000000000L};
+    r = ppoll(&p, 1, &bad, NULL);
+    OUT("ppoll bad timeout: %d %s", r, ename(r < 0 ? errno : 0));
     /* select reports the time left */
     FD_ZERO(&rs); FD_SET(s, &rs);
     tv.tv_sec = 0; tv.tv_usec = 50000;
