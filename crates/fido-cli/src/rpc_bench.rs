@@ -12,8 +12,8 @@
 //!   frame allocation are part of each call's time, as for the baselines.
 //! * `null-notified`: client and server wait with `WaitStrategy::Block`;
 //!   `null-polled`: `BusyPoll` on both ends. Sequence and file cases use the
-//!   domain default (`Adaptive`: spin 50 µs, then sleep); `recv` sequence
-//!   cases use 8-entry rings (see [`SEQ_RING`]).
+//!   domain default (`Adaptive`: spin 50 µs, then sleep) and ring (64
+//!   entries).
 //! * Case study: `fido_rpc::services::files` (the fido-rpc crate's caching file
 //!   server; a read is a view of the server's cache) against the same service
 //!   over tonic.
@@ -257,8 +257,10 @@ fn arena_for(case: &Case) -> u64 {
         Case::FileRead { size } => (files::files_for(*size) * *size) as u64,
         _ => 0,
     };
-    // Eight calls' worth: up to SEQ_RING / 2 + 1 frames are allocated at
-    // once (releases are collected in batches), plus the buddy's slack.
+    // Eight calls' worth (a call's frame and the previous ones not yet
+    // released, with room to spare), plus the buddy's slack. Both ends
+    // collect releases before building a frame (`Client::frame`, and the
+    // server before each call), so frames do not pile up with the window.
     (8 * per_call + (64 << 20)).next_power_of_two()
 }
 
@@ -270,22 +272,10 @@ fn wait_for(case: &Case) -> WaitStrategy {
     }
 }
 
-/// Ring entries of the `recv` sequence cases. A sender collects its peer's
-/// releases (freeing its buffers) only once half its ring is in flight, so
-/// with the default ring up to 32 reply frames of up to 160 MB each stay
-/// allocated on the server after their calls completed, and its arena runs
-/// out; an 8-entry ring reclaims every 4 calls. The client's call frames no
-/// longer need this (`Client::frame` collects releases first), so the `send`
-/// cases run on the default ring.
-const SEQ_RING: u32 = 8;
-
 fn join(role: &str, case: &Case) -> anyhow::Result<Domain> {
-    let mut o = JoinOptions::new(role);
-    if let Case::Seq { dir: Dir::Recv, .. } = case {
-        o = o.ring_entries(SEQ_RING);
-    }
     Domain::join(
-        o.arena_len(arena_for(case))
+        JoinOptions::new(role)
+            .arena_len(arena_for(case))
             // Page faults of a fresh arena are paid at join, not in the
             // measured calls (ANCHORS: pre-fault and reuse shared memory).
             .prefault(arena_for(case) <= 1 << 30)

@@ -398,6 +398,11 @@ fn handle(svc: &dyn Dispatch, cc: &ConnCalls, arena: &Arc<Arena>, open: &dyn Fn(
         }
         op @ (OP_CALL | OP_ONEWAY) => {
             let flag = cc.register(id);
+            // Collect the client's releases of earlier replies before this
+            // call builds its results: their frames return to the arena now,
+            // not only once half the window is out (which left a server
+            // returning large results holding that many of them).
+            let _ = cc.ch.reap();
             let first: &[u8] = msg.segments().next().unwrap_or(&[]);
             let out = dispatch_call(svc, first, &msg, id, msg.from_domain(), &flag, open, arena);
             cc.unregister(id);

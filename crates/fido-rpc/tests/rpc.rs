@@ -226,6 +226,25 @@ fn large_synchronous_calls_reuse_their_argument_memory() {
     }
 }
 
+/// The same for results: a server replying synchronously never fills half
+/// its window either, so it must collect the client's releases of earlier
+/// replies before building the next, or large results exhaust its arena
+/// (32 unreaped 1 MiB reply frames would need 32 MiB here).
+#[test]
+fn large_synchronous_results_reuse_the_servers_memory() {
+    let b = TestBroker::start();
+    let join = |n: &str| fido::Domain::join(fido::JoinOptions::new(n).broker(&b.socket).arena_len(16 << 20)).unwrap();
+    let sd = join("server");
+    let cd = join("client");
+    let _h = Server::spawn(&sd, "bench", BenchServer(BenchImpl), ServerOptions::default()).unwrap();
+    let c = BenchClient::connect(&cd, "bench").unwrap();
+    let len = 1 << 20;
+    for i in 0..48 {
+        let r = c.byteseq_recv(c.frame().unwrap(), len as u64).unwrap_or_else(|e| panic!("call {i}: {e}"));
+        assert_eq!(byteseq_sum(r.slice(*r.get()).unwrap()), expected_byteseq(len), "call {i}");
+    }
+}
+
 #[test]
 fn many_calls_in_flight_complete_out_of_order() {
     let (_b, _sd, cd, _imp, _h) = setup(4);
