@@ -598,10 +598,7 @@ fn active(fd: c_int) -> Option<Arc<Conn>> {
     let c = table::lookup(fd)?;
     match c.state() {
         seg::ATTACHED => {
-            if c.me == seg::CLIENT && c.memfd.load(Ordering::Relaxed) >= 0 {
-                c.decide();
-            }
-            sockopt::take_over(fd, &c);
+            on_ring(fd, &c);
             Some(c)
         }
         seg::ABANDONED => {
@@ -633,7 +630,18 @@ fn attached(fd: c_int) -> Option<Arc<Conn>> {
     if c.state() != seg::ATTACHED || c.broken.load(Ordering::Relaxed) {
         return None;
     }
-    active(fd)
+    on_ring(fd, &c);
+    Some(c)
+}
+
+/// Bookkeeping owed once an attached connection is used through `fd`: a
+/// client that has not yet seen the decision closes its kept request state,
+/// and the real socket's Nagle and cork are taken over (`sockopt`).
+fn on_ring(fd: c_int, c: &Conn) {
+    if c.me == seg::CLIENT && c.memfd.load(Ordering::Relaxed) >= 0 {
+        c.decide();
+    }
+    sockopt::take_over(fd, c);
 }
 
 /// An interposed data call on `fd`: through the ring when the connection is

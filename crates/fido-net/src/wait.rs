@@ -225,10 +225,6 @@ pub fn raw_syscall(n: libc::c_long) {
 
 // ---- shared machinery --------------------------------------------------------
 
-fn spin_budget() -> Duration {
-    crate::conn::spin_budget()
-}
-
 /// Blocks every signal for the spin, keeping the program's mask for the sleep.
 struct SigBlock {
     old: sigset_t,
@@ -318,7 +314,7 @@ fn to_ts(r: Duration) -> timespec {
 /// Spins until a watched ring holds data, `kernel()` reports something, or the
 /// budget (capped by the deadline) is spent.
 fn spin(dl: Option<Instant>, any_data: impl Fn() -> bool, kernel: impl FnMut() -> bool) {
-    let mut budget = spin_budget();
+    let mut budget = crate::conn::spin_budget();
     if let Some(r) = remaining(dl) {
         budget = budget.min(r);
     }
@@ -340,13 +336,22 @@ fn poll_watches(fds: &[pollfd]) -> Vec<(usize, Arc<Conn>)> {
     if table::count() == 0 || !lazy_allowed() {
         return v;
     }
+    const RD: libc::c_short = libc::POLLIN | libc::POLLRDNORM;
+    // One look at the registrations for the whole array (not a lock per entry).
+    let epoll_polled = {
+        let g = EPOLLS.lock();
+        g.as_ref().is_some_and(|m| {
+            fds.iter()
+                .any(|p| p.events & RD != 0 && m.contains_key(&p.fd))
+        })
+    };
+    if epoll_polled {
+        all_eager("an epoll descriptor polled");
+        return v;
+    }
     for (i, p) in fds.iter().enumerate() {
-        if p.events & (libc::POLLIN | libc::POLLRDNORM) == 0 {
+        if p.events & RD == 0 {
             continue;
-        }
-        if is_epoll(p.fd) {
-            all_eager("an epoll descriptor polled");
-            return Vec::new();
         }
         if let Some(c) = lazy_conn(p.fd) {
             v.push((i, c));
