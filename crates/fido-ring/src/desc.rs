@@ -21,6 +21,8 @@ pub struct Segment {
 ///
 /// `cookie` is chosen by the sender and comes back to it in a release; `tag` and
 /// `opcode` belong to the application (e.g. a sequence number, an RPC method).
+/// `seq` belongs to the ring: it is the slot's publication mark (see
+/// [`crate::block::lap_mark`]); senders leave it 0 and receivers ignore it.
 #[repr(C, align(64))]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Descriptor {
@@ -30,12 +32,15 @@ pub struct Descriptor {
     pub opcode: u16,
     pub flags: u16,
     pub nseg: u16,
-    pub reserved: u16,
+    pub seq: u16,
     pub segments: [Segment; INLINE_SEGMENTS],
 }
 
 const _: () = assert!(std::mem::size_of::<Descriptor>() == 64);
 const _: () = assert!(std::mem::size_of::<Segment>() == 16);
+/// Where `seq` sits in a slot (the ring stores it atomically, last).
+pub(crate) const SEQ_OFFSET: usize = std::mem::offset_of!(Descriptor, seq);
+const _: () = assert!(SEQ_OFFSET == 30);
 
 impl Descriptor {
     /// True when the segments live in an SG list rather than inline.

@@ -119,8 +119,9 @@ impl TxRing {
         self.prod - self.rel_cons
     }
 
-    /// Writes a descriptor into the next slot; it is not visible until
-    /// [`TxRing::publish`].
+    /// Writes a descriptor into the next slot. A polling consumer may take it
+    /// at once (the slot carries its publication mark); a sleeping one is
+    /// woken only by [`TxRing::publish`], so push a batch, then publish once.
     pub fn push(&mut self, desc: &Descriptor) -> Result<(), RingError> {
         if self.free_slots() == 0 {
             return Err(RingError::Full);
@@ -204,20 +205,34 @@ impl RxRing {
     /// Copies out the next published descriptor, if any. The caller validates
     /// its contents.
     pub fn poll(&mut self) -> Result<Option<Descriptor>, RingError> {
-        let published = protocol::observe(self.peer.data_prod());
-        if check_advance("publish", self.cons, published, self.local.entries())? == 0 {
+        if !self.pending()? {
             return Ok(None);
         }
-        let desc = self.peer.read_descriptor(self.cons);
+        // The mark is the ring's, not the message's.
+        let desc = Descriptor { seq: 0, ..self.peer.read_descriptor(self.cons) };
         self.cons += 1;
         self.local.data_cons().store(self.cons, std::sync::atomic::Ordering::Release);
         Ok(Some(desc))
     }
 
     /// True when a descriptor is waiting.
+    ///
+    /// Looks at the next slot's publication mark, so a waiting message costs
+    /// one cache-line transfer. Only when there is none does it read the
+    /// publish index, to catch a peer whose index went wild: it may trail
+    /// what we consumed (a producer marks slots before it publishes them as
+    /// a batch), but never by more than a ring, and never lead by more.
+    #[inline]
     pub fn pending(&self) -> Result<bool, RingError> {
+        if self.peer.slot_published(self.cons) {
+            return Ok(true);
+        }
         let published = protocol::observe(self.peer.data_prod());
-        Ok(check_advance("publish", self.cons, published, self.local.entries())? > 0)
+        let entries = self.local.entries();
+        if published.abs_diff(self.cons) > entries as u64 {
+            return Err(RingError::IndexJump { what: "publish", from: self.cons, to: published, entries });
+        }
+        Ok(false)
     }
 
     pub fn local(&self) -> &LocalBlock {
@@ -250,6 +265,9 @@ pub struct Releaser {
     local: LocalBlock,
     peer: PeerBlock,
     prod: u64,
+    /// The peer's reap index as last read: a lower bound of the real one
+    /// (it only grows), so the room it implies is never more than there is.
+    reaped: u64,
     last_rung: u64,
     peer_space_bell: Arc<OwnedFd>,
 }
@@ -261,19 +279,27 @@ impl Releaser {
     }
 
     pub fn new(local: LocalBlock, peer: PeerBlock, peer_space_bell: Arc<OwnedFd>) -> Releaser {
-        Releaser { local, peer, prod: 0, last_rung: 0, peer_space_bell }
+        Releaser { local, peer, prod: 0, reaped: 0, last_rung: 0, peer_space_bell }
     }
 
     /// Publishes one release. `Full` means the peer stopped reaping releases
     /// while holding more messages in flight than the ring has slots: a
     /// misbehaving peer.
     pub fn release(&mut self, cookie: u64) -> Result<Notify, RingError> {
-        let reaped = self.peer.rel_cons().load(std::sync::atomic::Ordering::Acquire);
-        let unreaped = self.prod.checked_sub(reaped).filter(|u| *u <= self.local.entries() as u64).ok_or(
-            RingError::IndexJump { what: "release-consume", from: self.prod, to: reaped, entries: self.local.entries() },
-        )?;
-        if unreaped == self.local.entries() as u64 {
-            return Err(RingError::Full);
+        // Read the peer's reap index only when our last reading says the
+        // ring is full: it is a line the peer writes whenever it reaps, so
+        // reading it on every release would cost a cache miss each time.
+        let entries = self.local.entries() as u64;
+        if self.prod - self.reaped == entries {
+            let reaped = self.peer.rel_cons().load(std::sync::atomic::Ordering::Acquire);
+            // The index may only grow, and never past what we published.
+            if reaped < self.reaped || reaped > self.prod {
+                return Err(RingError::IndexJump { what: "release-consume", from: self.reaped, to: reaped, entries: self.local.entries() });
+            }
+            self.reaped = reaped;
+            if self.prod - reaped == entries {
+                return Err(RingError::Full);
+            }
         }
         self.local.write_release(self.prod, cookie);
         self.prod += 1;

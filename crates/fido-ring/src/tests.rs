@@ -81,8 +81,9 @@ fn send_receive_release() {
         a.tx.push(&desc(i)).unwrap();
     }
     assert_eq!(a.tx.push(&desc(99)), Err(RingError::Full));
-    // Not visible before publish.
-    assert_eq!(b.rx.poll().unwrap(), None);
+    // A polling consumer sees pushed slots at once (each carries its
+    // publication mark); publishing is what wakes a sleeping one.
+    assert!(b.rx.pending().unwrap());
     a.tx.publish().unwrap();
     for i in 0..8 {
         let d = b.rx.poll().unwrap().unwrap();
@@ -262,7 +263,10 @@ fn the_release_ring_fills_when_the_peer_stops_reaping_and_a_lying_reap_index_is_
         b.rel.release(i).unwrap();
     }
     assert_eq!(b.rel.release(11), Err(RingError::Full));
-    // A reap index past everything released is a lie, caught when read.
+    // A reap index that goes back is a lie, caught when read.
+    a.tx.local().rel_cons().store(2, Ordering::Release);
+    assert!(matches!(b.rel.release(11), Err(RingError::IndexJump { what: "release-consume", .. })));
+    // So is one past everything released.
     a.tx.local().rel_cons().store(100, Ordering::Release);
     assert!(matches!(b.rel.release(11), Err(RingError::IndexJump { what: "release-consume", .. })));
 }
@@ -324,4 +328,23 @@ fn a_bell_storm_moves_the_waiter_to_its_doorbell_and_a_publish_still_wakes_it() 
         stop.store(true, Ordering::Release);
         storm.join().unwrap();
     });
+}
+
+/// A slot holds this lap's descriptor or the previous lap's; their marks must
+/// differ for every ring size, also where the `u16` lap counter wraps, and a
+/// zeroed slot must carry no lap's mark.
+#[test]
+fn lap_marks_tell_a_slots_lap_from_the_previous_one() {
+    use crate::block::lap_mark;
+    for shift in [0u32, 3, 6, 16] {
+        let entries = 1u32 << shift;
+        for lap in [0u64, 1, 2, 65_534, 65_535, 65_536, 65_537, 1 << 40] {
+            let index = lap * entries as u64 + (entries as u64 - 1);
+            let mark = lap_mark(index, entries);
+            assert_ne!(mark, 0, "entries {entries}, lap {lap}");
+            if index >= entries as u64 {
+                assert_ne!(mark, lap_mark(index - entries as u64, entries), "entries {entries}, lap {lap}");
+            }
+        }
+    }
 }

@@ -3,7 +3,7 @@
 //! in a child process (this program re-executed with `--serve`), and calls
 //! it from this one.
 //!
-//! cargo run --release -p fido-rpc --example null_rtt [ITERS]
+//! cargo run --release -p fido-rpc --example null_rtt [ITERS [notified|polled]]
 
 use fido::{Domain, JoinOptions, WaitStrategy};
 use fido_rpc::services::bench::{BenchClient, BenchImpl, BenchServer};
@@ -43,7 +43,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut buf = [0u8; 6];
     child.stdout.take().expect("piped").read_exact(&mut buf)?;
     let cd = Domain::join(JoinOptions::new("rtt-client").broker(&sock).arena_len(64 << 20))?;
-    for (name, wait) in CASES {
+    let only = std::env::args().nth(2);
+    for (name, wait) in CASES.into_iter().filter(|(n, _)| only.as_deref().is_none_or(|o| o == *n)) {
         let c = BenchClient::connect(&cd, name)?;
         c.0.set_wait(wait);
         for _ in 0..1000 {

@@ -100,7 +100,7 @@ impl AsyncClient {
 
     pub fn frame(&self) -> Result<Frame, RpcError> {
         // As `Client::frame`: reclaim finished calls' arguments first.
-        let _ = self.conn.lock().inner.ch.channel().reap();
+        let _ = self.conn.lock().inner.ch.channel().reap_if_holding(crate::REAP_ABOVE);
         Frame::new(self.domain.arena())
     }
 

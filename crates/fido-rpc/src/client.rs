@@ -205,7 +205,7 @@ impl Client {
         // of large argument frames stays allocated (found by `fido bench rpc`:
         // 10 MB ByteSeq calls exhausted a 256 MiB arena).
         if let Some(c) = self.conn.lock().as_ref() {
-            let _ = c.ch.reap();
+            let _ = c.ch.reap_if_holding(crate::REAP_ABOVE);
         }
         Frame::new(self.domain.arena())
     }

@@ -402,7 +402,7 @@ fn handle(svc: &dyn Dispatch, cc: &ConnCalls, arena: &Arc<Arena>, open: &dyn Fn(
             // call builds its results: their frames return to the arena now,
             // not only once half the window is out (which left a server
             // returning large results holding that many of them).
-            let _ = cc.ch.reap();
+            let _ = cc.ch.reap_if_holding(crate::REAP_ABOVE);
             let first: &[u8] = msg.segments().next().unwrap_or(&[]);
             let out = dispatch_call(svc, first, &msg, id, msg.from_domain(), &flag, open, arena);
             cc.unregister(id);

@@ -163,6 +163,8 @@ impl From<SendError> for Error {
 struct Outstanding {
     tag: u64,
     opcode: u16,
+    /// Payload bytes, for [`TxState::unreleased_bytes`].
+    len: u64,
     parts: Parts,
     hold: Option<Hold>,
     /// The SG list we wrote for this message, if any.
@@ -178,6 +180,9 @@ struct TxState {
     epoch: u64,
     wait: WaitStrategy,
     undelivered: Vec<Undelivered>,
+    /// Payload bytes of the messages in `table`: what the peer's releases
+    /// will give back.
+    unreleased_bytes: u64,
 }
 
 struct RxState {
@@ -340,6 +345,7 @@ impl TxState {
     fn insert(&mut self, o: Outstanding) -> u64 {
         let index = self.free.pop().expect("window checked before insert");
         self.generation = self.generation.wrapping_add(1);
+        self.unreleased_bytes += o.len;
         self.table[index as usize] = Some((self.generation, o));
         ((self.generation as u64) << 32) | index as u64
     }
@@ -356,7 +362,9 @@ impl TxState {
             let generation = (cookie >> 32) as u32;
             match self.table.get_mut(index) {
                 Some(slot @ Some(_)) if slot.as_ref().is_some_and(|(g, _)| *g == generation) => {
-                    *slot = None;
+                    if let Some((_, o)) = slot.take() {
+                        self.unreleased_bytes -= o.len;
+                    }
                     self.free.push(index as u32);
                 }
                 _ => return Err(format!("released unknown message cookie {cookie:#x}")),
@@ -368,6 +376,7 @@ impl TxState {
     fn fail_outstanding(&mut self) {
         for slot in self.table.iter_mut() {
             if let Some((_, o)) = slot.take() {
+                self.unreleased_bytes -= o.len;
                 self.undelivered.push(Undelivered {
                     tag: o.tag,
                     opcode: o.opcode,
@@ -573,6 +582,7 @@ impl Channel {
                 epoch: 0,
                 wait,
                 undelivered: Vec::new(),
+                unreleased_bytes: 0,
             }),
             rx: Mutex::new(RxState { ring: RxRing::new(local, peer_block), epoch: 0, wait }),
             forwarding: std::sync::atomic::AtomicBool::new(false),
@@ -659,6 +669,26 @@ impl Channel {
     pub fn reap(&self) -> Result<()> {
         let mut tx = self.shared.tx.lock();
         tx.reap().map_err(|why| self.shared.mark_broken(why))
+    }
+
+    /// Collects the peer's releases only if more than `bytes` of payload are
+    /// out unreleased. Reaping reads the peer's release index, a cache line
+    /// the peer writes on every release: a caller that frees memory before
+    /// each request (an RPC client) pays that transfer only when there is
+    /// real memory to get back, not for every small message. (Sends collect
+    /// anyway once half the window is out.)
+    pub fn reap_if_holding(&self, bytes: u64) -> Result<()> {
+        let mut tx = self.shared.tx.lock();
+        if tx.unreleased_bytes <= bytes {
+            return Ok(());
+        }
+        tx.reap().map_err(|why| self.shared.mark_broken(why))
+    }
+
+    /// Payload bytes sent and not yet known to be released (releases the
+    /// peer published but we have not collected still count).
+    pub fn unreleased_bytes(&self) -> u64 {
+        self.shared.tx.lock().unreleased_bytes
     }
 
     /// Sends a message, waiting (per the wait strategy) while the window is full.
@@ -814,7 +844,7 @@ impl Channel {
             }
         }
         desc.total_len = total;
-        desc.cookie = tx.insert(Outstanding { tag: msg.tag, opcode: msg.opcode, parts: msg.parts, hold: msg.hold, _sg_list: sg_buf });
+        desc.cookie = tx.insert(Outstanding { tag: msg.tag, opcode: msg.opcode, len: total, parts: msg.parts, hold: msg.hold, _sg_list: sg_buf });
         tx.ring.push(&desc).expect("window checked above");
         match tx.ring.publish() {
             Ok(Notify::Rung) => sh.stats.rung.add(1),

@@ -43,8 +43,6 @@ pub struct Validated<K> {
 pub enum Invalid {
     #[error("unknown descriptor flags {0:#x}")]
     Flags(u16),
-    #[error("reserved descriptor field is not zero")]
-    Reserved,
     #[error("segment count {0} out of range")]
     SegmentCount(u16),
     #[error("segment {index}: empty")]
@@ -63,9 +61,6 @@ pub enum Invalid {
 pub fn validate<R: Resolver>(desc: &Descriptor, resolver: &R) -> Result<Validated<R::Keep>, Invalid> {
     if desc.flags & !FLAG_SG_LIST != 0 {
         return Err(Invalid::Flags(desc.flags));
-    }
-    if desc.reserved != 0 {
-        return Err(Invalid::Reserved);
     }
     let nseg = desc.nseg as usize;
     let mut segments = SmallVec::new();
@@ -143,7 +138,7 @@ pub fn fuzz_descriptor(data: &[u8]) {
         opcode: words[3] as u16,
         flags: (words[3] >> 16) as u16,
         nseg: (words[3] >> 32) as u16,
-        reserved: (words[3] >> 48) as u16,
+        seq: (words[3] >> 48) as u16,
         segments: [Segment { addr: words[4], len: words[5] }, Segment { addr: words[6], len: words[7] }],
     };
     // The arena: the rest of the input, at global address 1 << 40, 8-aligned copy.
