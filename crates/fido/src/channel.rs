@@ -18,7 +18,7 @@ use crate::validate::{validate, Resolver};
 use fido_proto::{ConnId, Counters, GoneReason, PeerInfo, Reply, Request, RingBlock};
 use fido_ring::{
     block_len, doorbell, wait_until, Descriptor, LocalBlock, Notify, PeerBlock, Releaser, RingError, RxRing, Segment,
-    SleepSite, TxRing, WaitOutcome, WaitStrategy, FLAG_SG_LIST, INLINE_SEGMENTS, MAX_SEGMENTS,
+    SleepSite, TxRing, WaitOutcome, WaitStrategy, FLAG_SG_LIST, INLINE_BYTES, INLINE_SEGMENTS, MAX_SEGMENTS,
 };
 use fido_shm::{Buf, GPtr, Mapping, ShmError};
 use parking_lot::Mutex;
@@ -51,6 +51,8 @@ pub(crate) struct Incoming {
 enum Parts {
     Bufs(SmallVec<[Buf; 2]>),
     Forward(Msg),
+    /// Bytes carried in the descriptor itself (`FLAG_INLINE`).
+    Inline { bytes: [u8; INLINE_BYTES], len: u8 },
 }
 
 /// An outgoing message: buffers from our arena (one, or several gathered), or a
@@ -76,6 +78,20 @@ impl Message {
     pub fn gather(bufs: Vec<Buf>) -> Message {
         Message { tag: 0, opcode: 0, parts: Parts::Bufs(SmallVec::from_vec(bufs)), hold: None }
     }
+    /// A message of at most [`INLINE_BYTES`] bytes that travel in the ring
+    /// descriptor itself: nothing is allocated in the arena, and the receiver
+    /// gets them with the descriptor (one cache line, not two). For headers
+    /// and other small control messages. `Invalid` if `bytes` is too long.
+    /// A received inline message has one segment (its bytes, copied out of
+    /// the ring) and no global pointers: forwarding it copies those bytes.
+    pub fn inline(bytes: &[u8]) -> Result<Message> {
+        if bytes.len() > INLINE_BYTES {
+            return Err(Error::Invalid(format!("inline message of {} bytes (at most {INLINE_BYTES})", bytes.len())));
+        }
+        let mut area = [0u8; INLINE_BYTES];
+        area[..bytes.len()].copy_from_slice(bytes);
+        Ok(Message { tag: 0, opcode: 0, parts: Parts::Inline { bytes: area, len: bytes.len() as u8 }, hold: None })
+    }
     /// An application-defined 64-bit tag (e.g. a sequence number).
     pub fn tag(mut self, tag: u64) -> Message {
         self.tag = tag;
@@ -100,13 +116,14 @@ impl Message {
     pub fn into_bufs(self) -> Vec<Buf> {
         match self.parts {
             Parts::Bufs(b) => b.into_vec(),
-            Parts::Forward(_) => Vec::new(),
+            Parts::Forward(_) | Parts::Inline { .. } => Vec::new(),
         }
     }
     fn len(&self) -> u64 {
         match &self.parts {
             Parts::Bufs(b) => b.iter().map(|b| b.len() as u64).sum(),
             Parts::Forward(m) => m.len() as u64,
+            Parts::Inline { len, .. } => *len as u64,
         }
     }
 }
@@ -832,7 +849,10 @@ impl Channel {
                     sh.domain.forwarding.lock().push(Arc::downgrade(&self.shared));
                 }
                 total = m.total_len;
-                if let Some(list) = m.sg_list {
+                if let Some(bytes) = &m.inline {
+                    // Validated on receipt: `total_len` ≤ INLINE_BYTES.
+                    desc.set_inline(&bytes[..total as usize]).expect("validated inline length");
+                } else if let Some(list) = m.sg_list {
                     desc.flags = FLAG_SG_LIST;
                     desc.segments[0] = list;
                 } else {
@@ -841,6 +861,10 @@ impl Channel {
                     }
                 }
                 desc.nseg = m.nseg;
+            }
+            Parts::Inline { bytes, len } => {
+                total = *len as u64;
+                desc.set_inline(&bytes[..*len as usize]).expect("checked by Message::inline");
             }
         }
         desc.total_len = total;
@@ -956,6 +980,7 @@ impl Channel {
             sg_list: v.sg_list.as_ref().map(|(s, _)| *s),
             _sg_keep: v.sg_list.map(|(_, k)| k),
             segs: v.segments.into_iter().map(|s| Seg { ptr: s.ptr, len: s.len, global: s.global, _keep: s.keep }).collect(),
+            inline: v.inline,
         })
     }
 
@@ -1125,6 +1150,9 @@ pub struct Msg {
     sg_list: Option<Segment>,
     _sg_keep: Option<Option<Arc<Mapping>>>,
     segs: SmallVec<[Seg; 2]>,
+    /// An inline message's bytes (the first `total_len`), copied out of the
+    /// ring with its descriptor.
+    inline: Option<[u8; INLINE_BYTES]>,
 }
 
 // SAFETY: the segment pointers are into read-only mappings kept alive by the
@@ -1147,25 +1175,33 @@ impl Msg {
         self.total_len == 0
     }
     pub fn segment_count(&self) -> usize {
-        self.segs.len()
+        self.segs.len() + self.inline_bytes().is_some_and(|b| !b.is_empty()) as usize
     }
-    /// The payload segments, in order.
+    /// An inline message's bytes ([`Message::inline`]): a copy taken with the
+    /// descriptor, so the sender cannot change them any more.
+    pub fn inline_bytes(&self) -> Option<&[u8]> {
+        // `total_len` ≤ INLINE_BYTES for inline messages (validated).
+        self.inline.as_ref().map(|b| &b[..self.total_len as usize])
+    }
+    /// The payload segments, in order (an inline message: one, its bytes).
     pub fn segments(&self) -> impl Iterator<Item = &[u8]> {
-        self.segs.iter().map(|s| {
+        let inline = self.inline_bytes().filter(|b| !b.is_empty());
+        inline.into_iter().chain(self.segs.iter().map(|s| {
             // SAFETY: validated against a live mapping that `s._keep` keeps
             // mapped for as long as `self` (and so this borrow) lives.
             unsafe { std::slice::from_raw_parts(s.ptr.as_ptr() as *const u8, s.len) }
-        })
+        }))
     }
     /// The payload when it is one segment.
     pub fn as_slice(&self) -> Option<&[u8]> {
-        if self.segs.len() == 1 {
+        if self.segment_count() == 1 {
             self.segments().next()
         } else {
             None
         }
     }
-    /// The global pointers of the payload segments (identical in every domain).
+    /// The global pointers of the payload segments (identical in every
+    /// domain; none for an inline message).
     pub fn global_segments(&self) -> impl Iterator<Item = (GPtr, usize)> + '_ {
         self.segs.iter().map(|s| (GPtr(s.global.addr), s.len))
     }
@@ -1215,6 +1251,6 @@ impl Drop for Msg {
 
 impl std::fmt::Debug for Msg {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Msg {{ tag: {}, opcode: {}, len: {}, segments: {} }}", self.tag, self.opcode, self.total_len, self.segs.len())
+        write!(f, "Msg {{ tag: {}, opcode: {}, len: {}, segments: {} }}", self.tag, self.opcode, self.total_len, self.segment_count())
     }
 }

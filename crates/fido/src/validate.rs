@@ -9,7 +9,7 @@
 //!
 //! Ranges are validated, not bytes: the payload itself is the peer's business.
 
-use fido_ring::{Descriptor, Segment, FLAG_SG_LIST, INLINE_SEGMENTS, MAX_SEGMENTS};
+use fido_ring::{Descriptor, Segment, FLAG_INLINE, FLAG_SG_LIST, INLINE_BYTES, INLINE_SEGMENTS, MAX_SEGMENTS};
 use fido_shm::GPtr;
 use smallvec::SmallVec;
 use std::ptr::NonNull;
@@ -36,6 +36,9 @@ pub struct Validated<K> {
     pub total_len: u64,
     /// The SG list pointer, when the message came with one (forwarded as is).
     pub sg_list: Option<(Segment, K)>,
+    /// The payload of an inline message (its first `total_len` bytes), copied
+    /// out with the descriptor.
+    pub inline: Option<[u8; INLINE_BYTES]>,
 }
 
 /// Why a descriptor was rejected.
@@ -55,12 +58,23 @@ pub enum Invalid {
     TotalLength { claimed: u64, actual: u64 },
     #[error("message length overflows")]
     Overflow,
+    #[error("inline message of {0} bytes (at most {INLINE_BYTES} fit)")]
+    InlineLength(u64),
 }
 
 /// Checks a descriptor copied out of peer memory.
 pub fn validate<R: Resolver>(desc: &Descriptor, resolver: &R) -> Result<Validated<R::Keep>, Invalid> {
-    if desc.flags & !FLAG_SG_LIST != 0 {
+    if desc.flags & !(FLAG_SG_LIST | FLAG_INLINE) != 0 || desc.flags == FLAG_SG_LIST | FLAG_INLINE {
         return Err(Invalid::Flags(desc.flags));
+    }
+    if desc.is_inline() {
+        if desc.nseg != 0 {
+            return Err(Invalid::SegmentCount(desc.nseg));
+        }
+        if desc.total_len > INLINE_BYTES as u64 {
+            return Err(Invalid::InlineLength(desc.total_len));
+        }
+        return Ok(Validated { segments: SmallVec::new(), total_len: desc.total_len, sg_list: None, inline: Some(desc.inline_area()) });
     }
     let nseg = desc.nseg as usize;
     let mut segments = SmallVec::new();
@@ -116,7 +130,7 @@ pub fn validate<R: Resolver>(desc: &Descriptor, resolver: &R) -> Result<Validate
     if total != desc.total_len {
         return Err(Invalid::TotalLength { claimed: desc.total_len, actual: total });
     }
-    Ok(Validated { segments, total_len: total, sg_list })
+    Ok(Validated { segments, total_len: total, sg_list, inline: None })
 }
 
 /// Entry point for the `descriptor` fuzz target: validates an arbitrary 64-byte
@@ -172,7 +186,11 @@ pub fn fuzz_descriptor(data: &[u8]) {
             assert!(p >= lo && p + s.len <= hi, "accepted segment outside the arena");
             sum += s.len as u64;
         }
-        assert_eq!(sum, desc.total_len);
+        if v.inline.is_some() {
+            assert!(v.segments.is_empty() && desc.total_len <= INLINE_BYTES as u64, "inline message with segments or too long");
+        } else {
+            assert_eq!(sum, desc.total_len);
+        }
     }
 }
 
@@ -214,6 +232,13 @@ mod tests {
         let v = validate(&d, &r).unwrap();
         assert_eq!(v.segments.len(), 2);
         assert_eq!(v.total_len, 32);
+        // An inline message: its bytes come with the descriptor, no pointer.
+        let mut d = Descriptor::default();
+        d.set_inline(b"thirty-two bytes at most, here!!").unwrap();
+        let v = validate(&d, &r).unwrap();
+        assert!(v.segments.is_empty());
+        assert_eq!(&v.inline.unwrap()[..v.total_len as usize], b"thirty-two bytes at most, here!!");
+        assert!(Descriptor::default().set_inline(&[0; 33]).is_none());
         let bad = [
             Descriptor { total_len: 8, nseg: 1, segments: [seg(B + 1000, 8), seg(0, 0)], ..Default::default() },
             Descriptor { total_len: 8, nseg: 1, segments: [seg(B - 8, 8), seg(0, 0)], ..Default::default() },
@@ -224,6 +249,10 @@ mod tests {
             Descriptor { total_len: 0, nseg: 1, segments: [seg(B, 0), seg(0, 0)], ..Default::default() },
             Descriptor { total_len: 32, nseg: 2, flags: FLAG_SG_LIST, segments: [seg(B + 120, 32), seg(0, 0)], ..Default::default() },
             Descriptor { total_len: 32, nseg: 2000, flags: FLAG_SG_LIST, segments: [seg(B + 64, 32000), seg(0, 0)], ..Default::default() },
+            // Inline: too long, with segments, or also claiming an SG list.
+            Descriptor { total_len: 33, flags: FLAG_INLINE, ..Default::default() },
+            Descriptor { total_len: 8, nseg: 1, flags: FLAG_INLINE, segments: [seg(B, 8), seg(0, 0)], ..Default::default() },
+            Descriptor { total_len: 8, nseg: 0, flags: FLAG_INLINE | FLAG_SG_LIST, ..Default::default() },
         ];
         for (i, d) in bad.iter().enumerate() {
             assert!(validate(d, &r).is_err(), "forged descriptor {i} accepted");

@@ -38,9 +38,30 @@ fn scatter_gather_and_inline_messages_arrive_intact() {
         }
         assert_eq!(m.len(), (0..parts).map(|i| 10 + i).sum::<usize>());
     }
+    // Messages carried in the descriptor itself: any length up to
+    // INLINE_BYTES, one segment (none when empty), no global pointers; a
+    // forward copies the bytes on; a longer one is refused.
+    for len in [0usize, 1, 8, fido::INLINE_BYTES] {
+        let bytes: Vec<u8> = (0..len as u8).map(|i| i ^ 0x5a).collect();
+        c.send(Message::inline(&bytes).unwrap().tag(len as u64).opcode(9)).unwrap();
+        let m = s.recv_timeout(Duration::from_secs(5)).unwrap();
+        assert_eq!((m.tag(), m.opcode(), m.len()), (len as u64, 9, len));
+        assert_eq!(m.inline_bytes(), Some(&bytes[..]));
+        assert_eq!(m.segment_count(), (len > 0) as usize);
+        assert_eq!(m.segments().next().unwrap_or(&[]), &bytes[..]);
+        assert_eq!(m.global_segments().count(), 0);
+        // Back the other way, forwarded.
+        s.forward(m).unwrap();
+        let back = c.recv_timeout(Duration::from_secs(5)).unwrap();
+        assert_eq!((back.tag(), back.inline_bytes()), (len as u64, Some(&bytes[..])));
+    }
+    assert!(matches!(Message::inline(&[0; fido::INLINE_BYTES + 1]), Err(Error::Invalid(_))));
     // Every buffer (and SG list) is released back to the client.
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
     while c.in_flight() > 0 {
+        // The server collects the releases of what it forwarded (which
+        // releases those messages upstream, to us).
+        s.reap().unwrap();
         assert!(std::time::Instant::now() < deadline);
         std::thread::sleep(Duration::from_millis(5));
     }
