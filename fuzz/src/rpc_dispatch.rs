@@ -5,7 +5,9 @@
 //! first segment, so headers, roots, handles and the data they point to all
 //! come from the fuzzer. Mode bits help it past the magic: bit 0 writes the
 //! magic, bit 1 points the root inside the memory, bit 2 disables the
-//! signature check, bit 3 picks the file service instead of the bench service.
+//! signature check, bit 3 picks the file service instead of the bench service,
+//! bit 4 sends the first 32 bytes as an inline call (header and root in the
+//! descriptor) instead of a framed one.
 //!
 //! Property: `dispatch_call` never panics and never reports a handler panic
 //! (`Fault::Panicked` would mean generated decoding or a handler tripped on
@@ -15,7 +17,7 @@
 use fido_rpc::services::bench::{BenchImpl, BenchServer};
 use fido_rpc::services::files::{FileServer, FilesServer};
 use fido_rpc::wire::{CallHeader, HEADER_LEN, MAGIC, STATUS_FAULT};
-use fido_rpc::{dispatch_call, reply_message, Dispatch, Fault, PeerMemory};
+use fido_rpc::{dispatch_call, reply_message, CallBytes, Dispatch, Fault, PeerMemory};
 use fido_shm::{AddressSpace, Arena, ModeRequest, PgvasGeometry, UnplacedArena};
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, OnceLock};
@@ -99,7 +101,18 @@ pub fn run(data: &[u8]) -> Option<(u32, u32)> {
     let first = fake.bytes(BASE, len as u64).expect("first segment");
     let cancelled = AtomicBool::new(false);
     let open = || true;
-    let out = dispatch_call(svc, first, &fake, 1, 2, &cancelled, &open, &e.arena);
+    // Mode bit 4: the input's first bytes as an inline call instead (deadline
+    // cleared and method folded, as above).
+    let mut inline = [0u8; fido_rpc::fido::INLINE_BYTES];
+    let n = rest.len().min(inline.len());
+    inline[..n].copy_from_slice(&rest[..n]);
+    if n >= 16 {
+        inline[8..16].fill(0);
+        let m = u32::from_ne_bytes(inline[..4].try_into().expect("4 bytes")) % 16;
+        inline[..4].copy_from_slice(&m.to_ne_bytes());
+    }
+    let call = if mode & 16 != 0 { CallBytes::Inline(&inline[..n]) } else { CallBytes::Framed(first) };
+    let out = dispatch_call(svc, call, &fake, 1, 2, &cancelled, &open, &e.arena);
     if out.status == STATUS_FAULT {
         assert_ne!(out.fault, Fault::Panicked as u32, "a handler or decoder panicked on this input");
     }
@@ -148,6 +161,11 @@ pub fn seeds() -> Vec<(String, Vec<u8>)> {
         ("files_put".into(), call(2, &[handle(128, 4), handle(132, 4)].concat(), b"namedata", true)),
         ("files_read".into(), call(0, &[handle(128, 4), u64b(0), u64b(4)].concat(), b"name", true)),
     ];
+    // Inline calls: method, signature (0: any), deadline, then the root.
+    let inline = |method: u32, root: &[u8]| [&[16u8][..], &method.to_ne_bytes(), &[0; 12], root].concat();
+    s.push(("inline_null".into(), inline(0, &[])));
+    s.push(("inline_byteseq_recv".into(), inline(2, &u64b(100))));
+    s.push(("inline_short".into(), vec![16, 1, 2, 3]));
     // varseq_send: two elements {id, name} with names after them.
     let mut data = Vec::new();
     data.extend_from_slice(&1u64.to_ne_bytes());

@@ -269,31 +269,29 @@ pub unsafe extern "C" fn fido_rpc_call(
             Ok(m) => m,
             Err(e) => return code_of(&e),
         };
-        // Header copied out once, then checked.
-        let Some(first) = msg.segments().next() else { return FIDO_EPROTO };
-        let Some(hb) = first.get(..fido_rpc::wire::HEADER_LEN) else { return FIDO_EPROTO };
-        let h: fido_rpc::wire::ReplyHeader = fido_rpc::bytemuck::pod_read_unaligned(hb);
-        if h.magic != fido_rpc::wire::MAGIC {
-            return FIDO_EPROTO;
-        }
-        let Ok(root) = fido_rpc::View::new(&msg).bytes(h.root_addr, h.root_len) else { return FIDO_EPROTO };
-        let root = (root.as_ptr(), root.len());
-        match h.status {
+        // Header copied out once, then checked (either form).
+        let Ok((status, fault, _)) = fido_rpc::reply_parts(&msg) else { return FIDO_EPROTO };
+        match status {
             STATUS_OK => {
+                // The root may live inside the message itself (an inline
+                // reply): take its address once the message is in its box,
+                // where it stays until `fido_rpc_reply_free`.
+                let mut r = Box::new(fido_rpc_reply { msg, root: (std::ptr::null(), 0) });
+                let Ok((_, _, root)) = fido_rpc::reply_parts(&r.msg) else { return FIDO_EPROTO };
+                r.root = (root.as_ptr(), root.len());
                 // SAFETY: `out` checked non-null.
-                unsafe { *out = Box::into_raw(Box::new(fido_rpc_reply { msg, root })) };
+                unsafe { *out = Box::into_raw(r) };
                 FIDO_OK
             }
             STATUS_APP_ERROR => {
-                // SAFETY: `root` was resolved against the reply's grant just above.
-                let b = unsafe { std::slice::from_raw_parts(root.0, root.1) };
+                let Ok((_, _, b)) = fido_rpc::reply_parts(&msg) else { return FIDO_EPROTO };
                 match b.get(..4) {
                     Some(c) => i32::from_ne_bytes(c.try_into().expect("4 bytes")).max(1),
                     None => FIDO_EPROTO,
                 }
             }
-            STATUS_FAULT if h.fault == Fault::DeadlineExceeded as u32 => FIDO_ETIMEDOUT,
-            STATUS_FAULT if h.fault == Fault::Cancelled as u32 => FIDO_ECANCELED,
+            STATUS_FAULT if fault == Fault::DeadlineExceeded as u32 => FIDO_ETIMEDOUT,
+            STATUS_FAULT if fault == Fault::Cancelled as u32 => FIDO_ECANCELED,
             _ => FIDO_EPROTO,
         }
     })

@@ -86,17 +86,31 @@ impl<R: Pod> Reply<R> {
     }
 }
 
-/// Decodes a reply message: the header copied out once, then checked.
-pub(crate) fn decode_reply<R: Pod, E: Pod + std::fmt::Debug>(msg: Msg) -> Result<Reply<R>, CallError<E>> {
-    let bad = |s: &str| CallError::Rpc(RpcError::BadReply(s.into()));
-    let first = msg.segments().next().ok_or_else(|| bad("empty reply"))?;
-    let hb = first.get(..HEADER_LEN).ok_or_else(|| bad("short header"))?;
+/// A reply's status, fault code and root, from either form: an inline reply's
+/// bytes (copied with its descriptor), or a framed reply's header — copied
+/// out once, then checked — and its root, resolved against the server's
+/// grant. The root lives as long as `msg`.
+pub fn reply_parts(msg: &Msg) -> Result<(u32, u32, &[u8]), &'static str> {
+    if let Some(b) = msg.inline_bytes() {
+        let h = b.get(..INLINE_HEADER_LEN).ok_or("short inline reply")?;
+        let word = |i: usize| u32::from_ne_bytes(h[i..i + 4].try_into().expect("4 bytes"));
+        return Ok((word(0), word(4), &b[INLINE_HEADER_LEN..]));
+    }
+    let first = msg.segments().next().ok_or("empty reply")?;
+    let hb = first.get(..HEADER_LEN).ok_or("short header")?;
     let h: ReplyHeader = bytemuck::pod_read_unaligned(hb);
     if h.magic != MAGIC {
-        return Err(bad("bad magic"));
+        return Err("bad magic");
     }
-    let root = View::new(&msg).bytes(h.root_addr, h.root_len).map_err(|_| bad("root outside the server's grant"))?;
-    match h.status {
+    let root = View::new(msg).bytes(h.root_addr, h.root_len).map_err(|_| "root outside the server's grant")?;
+    Ok((h.status, h.fault, root))
+}
+
+/// Decodes a reply message (either form, [`reply_parts`]).
+pub(crate) fn decode_reply<R: Pod, E: Pod + std::fmt::Debug>(msg: Msg) -> Result<Reply<R>, CallError<E>> {
+    let bad = |s: &str| CallError::Rpc(RpcError::BadReply(s.into()));
+    let (status, fault, root) = reply_parts(&msg).map_err(bad)?;
+    match status {
         STATUS_OK => {
             let mut r = RootReader::new(root);
             let value: R = r.get().map_err(|_| bad("short result"))?;
@@ -110,7 +124,7 @@ pub(crate) fn decode_reply<R: Pod, E: Pod + std::fmt::Debug>(msg: Msg) -> Result
         }
         STATUS_FAULT => {
             let text = String::from_utf8_lossy(&root[..root.len().min(1024)]).into_owned();
-            let f = Fault::from_code(h.fault).ok_or_else(|| bad("unknown fault code"))?;
+            let f = Fault::from_code(fault).ok_or_else(|| bad("unknown fault code"))?;
             if f == Fault::DeadlineExceeded {
                 // The server noticed our deadline before we did.
                 return Err(CallError::Rpc(RpcError::DeadlineExceeded));
@@ -121,13 +135,23 @@ pub(crate) fn decode_reply<R: Pod, E: Pod + std::fmt::Debug>(msg: Msg) -> Result
     }
 }
 
-/// Builds the call message.
+/// Builds the call message: inline when nothing was built in the frame and
+/// the root fits ([`INLINE_ROOT`]), else the frame with its header.
 pub(crate) fn call_message(frame: Frame, method: u32, sig: u32, id: u64, oneway: bool, deadline_ns: u64, root: &[u8]) -> Result<Message, RpcError> {
+    let op = if oneway { OP_ONEWAY } else { OP_CALL };
+    if frame.is_untouched() && root.len() <= INLINE_ROOT {
+        let mut b = [0u8; fido::INLINE_BYTES];
+        b[0..4].copy_from_slice(&method.to_ne_bytes());
+        b[4..8].copy_from_slice(&sig.to_ne_bytes());
+        b[8..16].copy_from_slice(&deadline_ns.to_ne_bytes());
+        b[INLINE_HEADER_LEN..INLINE_HEADER_LEN + root.len()].copy_from_slice(root);
+        return Ok(Message::inline(&b[..INLINE_HEADER_LEN + root.len()])?.tag(id).opcode(op));
+    }
     let bufs = frame.finish(root, |root_addr, root_len| {
         let h = CallHeader { magic: MAGIC, method, sig, _reserved: 0, deadline_ns, root_addr, root_len, _pad: [0; 3] };
         bytemuck::cast(h)
     })?;
-    Ok(Message::gather(bufs).tag(id).opcode(if oneway { OP_ONEWAY } else { OP_CALL }))
+    Ok(Message::gather(bufs).tag(id).opcode(op))
 }
 
 pub(crate) fn cancel_message(domain: &Domain, id: u64) -> Option<Message> {

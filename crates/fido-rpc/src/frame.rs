@@ -21,7 +21,9 @@ const MIN_CHUNK: usize = 4096;
 const MAX_ALIGN: usize = 64;
 
 /// Memory being prepared for the peer: a list of arena buffers, the first one
-/// starting with the header. Dropping an unsent frame frees its buffers.
+/// starting with the header. Nothing is allocated until something is built in
+/// it (a call or reply that builds nothing travels inline, see
+/// [`crate::wire::INLINE_ROOT`]). Dropping an unsent frame frees its buffers.
 pub struct Frame {
     arena: Arc<Arena>,
     chunks: Vec<Buf>,
@@ -41,9 +43,27 @@ impl Frame {
     /// A frame whose first buffer has room for `bytes` beyond the header, so
     /// arguments of known size need one allocation.
     pub fn with_capacity(arena: &Arc<Arena>, bytes: usize) -> Result<Frame, RpcError> {
-        let first = (HEADER_LEN + bytes).max(FIRST_CHUNK);
-        let buf = arena.alloc(first).map_err(|e| RpcError::Memory(e.to_string()))?;
-        Ok(Frame { arena: arena.clone(), chunks: vec![buf], adopted: Vec::new(), used: HEADER_LEN, next_chunk: MIN_CHUNK })
+        let mut f = Frame { arena: arena.clone(), chunks: Vec::new(), adopted: Vec::new(), used: 0, next_chunk: MIN_CHUNK };
+        if bytes > 0 {
+            f.first_chunk(bytes)?;
+        }
+        Ok(f)
+    }
+
+    /// Allocates the first chunk: the header, then room for `bytes`.
+    #[cold]
+    fn first_chunk(&mut self, bytes: usize) -> Result<(), RpcError> {
+        let size = HEADER_LEN.checked_add(bytes).ok_or_else(|| RpcError::Invalid("frame too large".into()))?.max(FIRST_CHUNK);
+        let buf = self.arena.alloc(size).map_err(|e| RpcError::Memory(e.to_string()))?;
+        self.chunks.push(buf);
+        self.used = HEADER_LEN;
+        Ok(())
+    }
+
+    /// True while nothing was built in the frame or adopted by it: a call or
+    /// reply of it may travel inline.
+    pub(crate) fn is_untouched(&self) -> bool {
+        self.chunks.is_empty() && self.adopted.is_empty()
     }
 
     /// Reserves `len` bytes aligned to `align` (a power of two ≤ 64); returns
@@ -56,10 +76,11 @@ impl Frame {
         }
         // `used` ≤ the chunk's length, far below usize::MAX: no overflow.
         let at = (self.used + align - 1) & !(align - 1);
-        let last = self.chunks.len() - 1;
-        if at.checked_add(len).is_some_and(|end| end <= self.chunks[last].len()) {
-            self.used = at + len;
-            return Ok((last, at));
+        if let Some(last) = self.chunks.len().checked_sub(1) {
+            if at.checked_add(len).is_some_and(|end| end <= self.chunks[last].len()) {
+                self.used = at + len;
+                return Ok((last, at));
+            }
         }
         self.new_chunk(len)
     }
@@ -67,6 +88,13 @@ impl Frame {
     /// `reserve`'s slow path: a new chunk for `len` bytes.
     #[cold]
     fn new_chunk(&mut self, len: usize) -> Result<(usize, usize), RpcError> {
+        if self.chunks.is_empty() {
+            // The header takes the first 64 bytes; `len` follows, aligned
+            // for anything (MAX_ALIGN = HEADER_LEN).
+            self.first_chunk(len)?;
+            self.used = HEADER_LEN + len;
+            return Ok((0, HEADER_LEN));
+        }
         let last = self.chunks.len() - 1;
         // A new chunk: the last one keeps only what it used (its tail is not
         // sent).
@@ -189,12 +217,14 @@ impl Frame {
         h
     }
 
-    /// Payload bytes in the frame so far (header included).
+    /// Payload bytes in the frame so far (the header included once anything
+    /// was built; 0 before).
     pub fn len(&self) -> usize {
-        self.chunks[..self.chunks.len() - 1].iter().chain(&self.adopted).map(|b| b.len()).sum::<usize>() + self.used
+        let full = self.chunks.len().saturating_sub(1);
+        self.chunks[..full].iter().chain(&self.adopted).map(|b| b.len()).sum::<usize>() + self.used
     }
     pub fn is_empty(&self) -> bool {
-        false
+        self.len() == 0
     }
 
     /// The arena this frame allocates in.
@@ -212,6 +242,9 @@ impl Frame {
             self.chunks[c][off..off + root.len()].copy_from_slice(root);
             self.gaddr(c, off)
         };
+        if self.chunks.is_empty() {
+            self.first_chunk(0)?;
+        }
         let h = header(root_addr, root.len() as u64);
         self.chunks[0][..HEADER_LEN].copy_from_slice(&h);
         let last = self.chunks.len() - 1;

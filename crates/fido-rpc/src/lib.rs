@@ -31,12 +31,12 @@ pub mod wire;
 #[cfg(feature = "tokio")]
 pub use asynch::AsyncClient;
 pub use bytemuck::{self, Pod, Zeroable};
-pub use client::{CallOpts, CancelToken, Client, Reply};
+pub use client::{reply_parts, CallOpts, CancelToken, Client, Reply};
 pub use error::{CallError, Failure, Fault, RpcError};
 pub use fido;
 pub use fido_rpc_macros::service;
 pub use frame::{Frame, PeerMemory, ShmStrRef, ShmVec, View};
-pub use server::{dispatch_call, parse_call, reply_message, Ctx, Dispatch, Incoming, Outcome, Server, ServerHandle, ServerOptions};
+pub use server::{dispatch_call, parse_call, CallBytes, reply_message, Ctx, Dispatch, Incoming, Outcome, Server, ServerHandle, ServerOptions};
 pub use wire::{monotonic_ns, NoAppError, ShmSlice, ShmStr};
 
 /// Memory of finished calls (argument frames a server released, reply frames

@@ -125,9 +125,48 @@ pub struct Incoming<'a> {
     pub root: &'a [u8],
 }
 
-/// Copies the call header out of the first segment (once), checks it and
-/// resolves the root against the sender's grant.
-pub fn parse_call<'a>(first_segment: &[u8], mem: &'a dyn PeerMemory) -> Result<Incoming<'a>, Fault> {
+/// A call's bytes as they arrived.
+#[derive(Clone, Copy, Debug)]
+pub enum CallBytes<'a> {
+    /// The first segment of a framed call: the header, in the caller's arena.
+    Framed(&'a [u8]),
+    /// An inline call's bytes (copied with its descriptor).
+    Inline(&'a [u8]),
+}
+
+impl<'a> CallBytes<'a> {
+    /// The call bytes of a received message.
+    pub fn of(msg: &'a Msg) -> CallBytes<'a> {
+        match msg.inline_bytes() {
+            Some(b) => CallBytes::Inline(b),
+            None => CallBytes::Framed(msg.segments().next().unwrap_or(&[])),
+        }
+    }
+}
+
+/// Copies the call header out (once), checks it and resolves the root
+/// against the sender's grant. An inline call's header and root are already
+/// a private copy.
+pub fn parse_call<'a>(call: CallBytes<'a>, mem: &'a dyn PeerMemory) -> Result<Incoming<'a>, Fault> {
+    let first_segment = match call {
+        CallBytes::Inline(b) => {
+            let h = b.get(..INLINE_HEADER_LEN).ok_or(Fault::BadHeader)?;
+            let word = |i: usize| u32::from_ne_bytes(h[i..i + 4].try_into().expect("4 bytes"));
+            let root = &b[INLINE_HEADER_LEN..];
+            let header = CallHeader {
+                magic: MAGIC,
+                method: word(0),
+                sig: word(4),
+                _reserved: 0,
+                deadline_ns: u64::from_ne_bytes(h[8..16].try_into().expect("8 bytes")),
+                root_addr: 0,
+                root_len: root.len() as u64,
+                _pad: [0; 3],
+            };
+            return Ok(Incoming { header, root });
+        }
+        CallBytes::Framed(b) => b,
+    };
     let hb = first_segment.get(..HEADER_LEN).ok_or(Fault::BadHeader)?;
     let header: CallHeader = bytemuck::pod_read_unaligned(hb);
     if header.magic != MAGIC {
@@ -155,7 +194,7 @@ pub struct Outcome {
 #[allow(clippy::too_many_arguments)]
 pub fn dispatch_call(
     svc: &dyn Dispatch,
-    first_segment: &[u8],
+    call: CallBytes<'_>,
     mem: &dyn PeerMemory,
     call_id: u64,
     peer: u64,
@@ -164,7 +203,7 @@ pub fn dispatch_call(
     arena: &Arc<Arena>,
 ) -> Outcome {
     let fault = |f: Fault| Outcome { status: STATUS_FAULT, fault: f as u32, root: f.to_string().into_bytes(), frame: None, holds: Vec::new() };
-    let inc = match parse_call(first_segment, mem) {
+    let inc = match parse_call(call, mem) {
         Ok(i) => i,
         Err(f) => return fault(f),
     };
@@ -201,8 +240,20 @@ pub fn dispatch_call(
     }
 }
 
-/// Builds the reply message of `out` in `arena`.
+/// Builds the reply message of `out`: inline when the handler built nothing
+/// in the arena and the root fits ([`INLINE_ROOT`]), else in `arena`.
 pub fn reply_message(arena: &Arc<Arena>, call_id: u64, out: Outcome) -> Result<Message, RpcError> {
+    if out.frame.as_ref().is_none_or(Frame::is_untouched) && out.root.len() <= INLINE_ROOT {
+        let mut b = [0u8; fido::INLINE_BYTES];
+        b[0..4].copy_from_slice(&out.status.to_ne_bytes());
+        b[4..8].copy_from_slice(&out.fault.to_ne_bytes());
+        b[INLINE_HEADER_LEN..INLINE_HEADER_LEN + out.root.len()].copy_from_slice(&out.root);
+        let mut m = Message::inline(&b[..INLINE_HEADER_LEN + out.root.len()])?.tag(call_id).opcode(OP_REPLY);
+        if !out.holds.is_empty() {
+            m = m.hold(out.holds);
+        }
+        return Ok(m);
+    }
     let frame = match out.frame {
         Some(f) => f,
         None => Frame::with_capacity(arena, out.root.len())?,
@@ -403,8 +454,7 @@ fn handle(svc: &dyn Dispatch, cc: &ConnCalls, arena: &Arc<Arena>, open: &dyn Fn(
             // not only once half the window is out (which left a server
             // returning large results holding that many of them).
             let _ = cc.ch.reap_if_holding(crate::REAP_ABOVE);
-            let first: &[u8] = msg.segments().next().unwrap_or(&[]);
-            let out = dispatch_call(svc, first, &msg, id, msg.from_domain(), &flag, open, arena);
+            let out = dispatch_call(svc, CallBytes::of(&msg), &msg, id, msg.from_domain(), &flag, open, arena);
             cc.unregister(id);
             // Release the arguments before replying: once the client has the
             // reply, nothing of ours still reads its memory.

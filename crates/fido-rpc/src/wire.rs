@@ -67,6 +67,22 @@ pub struct ReplyHeader {
     pub _pad: [u64; 4],
 }
 
+/// The inline forms. A call or reply that built nothing in the arena and
+/// whose root is at most [`INLINE_ROOT`] bytes travels inside the ring
+/// descriptor ([`fido::Message::inline`]): nothing is allocated, and the
+/// receiver has the whole call with the descriptor — one cache line from
+/// the peer instead of three (descriptor, header, root). A null call and its
+/// reply take this path. Layout, 16-byte header then the root:
+///
+/// * call:  `method: u32, sig: u32, deadline_ns: u64, root`
+/// * reply: `status: u32, fault: u32, reserved: u64 (0), root`
+///
+/// The kind is known from the descriptor (inline or not), so there is no
+/// magic.
+pub const INLINE_HEADER_LEN: usize = 16;
+/// Largest root of an inline call or reply.
+pub const INLINE_ROOT: usize = fido::INLINE_BYTES - INLINE_HEADER_LEN;
+
 const _: () = assert!(std::mem::size_of::<CallHeader>() == HEADER_LEN);
 const _: () = assert!(std::mem::size_of::<ReplyHeader>() == HEADER_LEN);
 

@@ -35,6 +35,7 @@ fn seeds_are_answered() {
         let expect_fault = match name.as_str() {
             "unknown_method" => Some(fido_rpc::Fault::UnknownMethod),
             "bad_root" => Some(fido_rpc::Fault::BadPointer),
+            "inline_short" => Some(fido_rpc::Fault::BadHeader),
             // The file service has no directory: "name" is not found (an
             // application error, status 1), except after the put seed.
             _ => None,

@@ -437,9 +437,8 @@ fn raw_garbage_from_a_client_fails_alone() {
     let (_b, _sd, cd, _imp, _h) = setup(1);
     let ch = cd.connect("test").unwrap();
     let fault_of = |m: &fido::Msg| -> (u32, u32) {
-        let h: ReplyHeader = bytemuck::pod_read_unaligned(&m.segments().next().unwrap()[..HEADER_LEN]);
-        assert_eq!(h.magic, MAGIC);
-        (h.status, h.fault)
+        let (status, fault, _) = fido_rpc::reply_parts(m).unwrap();
+        (status, fault)
     };
     // Too short for a header.
     ch.send(fido::Message::new(cd.alloc_copy(b"short").unwrap()).tag(1).opcode(OP_CALL)).unwrap();
@@ -465,10 +464,21 @@ fn raw_garbage_from_a_client_fails_alone() {
     ch.send(fido::Message::gather(vec![hb, root]).tag(6).opcode(OP_CALL)).unwrap();
     let m = ch.recv_timeout(Duration::from_secs(10)).unwrap();
     assert_eq!(m.tag(), 6);
-    let rh: ReplyHeader = bytemuck::pod_read_unaligned(&m.segments().next().unwrap()[..HEADER_LEN]);
-    assert_eq!(rh.status, STATUS_OK);
-    let v = m.resolve(fido::GPtr(rh.root_addr), rh.root_len).unwrap();
+    let (status, _, v) = fido_rpc::reply_parts(&m).unwrap();
+    assert_eq!(status, STATUS_OK);
     assert_eq!(u64::from_ne_bytes(v.try_into().unwrap()), 42);
+    // Inline calls: too short for the inline header, then add(40, 2) with
+    // its root in the descriptor (method 0, any signature, no deadline).
+    ch.send(fido::Message::inline(b"short").unwrap().tag(7).opcode(OP_CALL)).unwrap();
+    assert_eq!(fault_of(&ch.recv_timeout(Duration::from_secs(10)).unwrap()), (STATUS_FAULT, Fault::BadHeader as u32));
+    let mut call = vec![0u8; INLINE_HEADER_LEN];
+    call.extend_from_slice(&40u64.to_ne_bytes());
+    call.extend_from_slice(&2u32.to_ne_bytes());
+    ch.send(fido::Message::inline(&call).unwrap().tag(8).opcode(OP_CALL)).unwrap();
+    let m = ch.recv_timeout(Duration::from_secs(10)).unwrap();
+    assert_eq!(m.inline_bytes().map(<[u8]>::len), Some(INLINE_HEADER_LEN + 8), "a small result comes back inline");
+    let (status, _, v) = fido_rpc::reply_parts(&m).unwrap();
+    assert_eq!((m.tag(), status, u64::from_ne_bytes(v.try_into().unwrap())), (8, STATUS_OK, 42));
     // And a normal client is unaffected.
     let c = TestClient::connect(&cd, "test").unwrap();
     assert_eq!(*c.add(c.frame().unwrap(), 1, 2).unwrap().get(), 3);

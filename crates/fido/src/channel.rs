@@ -851,7 +851,7 @@ impl Channel {
                 total = m.total_len;
                 if let Some(bytes) = &m.inline {
                     // Validated on receipt: `total_len` ≤ INLINE_BYTES.
-                    desc.set_inline(&bytes[..total as usize]).expect("validated inline length");
+                    desc.set_inline(&bytes.0[..total as usize]).expect("validated inline length");
                 } else if let Some(list) = m.sg_list {
                     desc.flags = FLAG_SG_LIST;
                     desc.segments[0] = list;
@@ -980,7 +980,7 @@ impl Channel {
             sg_list: v.sg_list.as_ref().map(|(s, _)| *s),
             _sg_keep: v.sg_list.map(|(_, k)| k),
             segs: v.segments.into_iter().map(|s| Seg { ptr: s.ptr, len: s.len, global: s.global, _keep: s.keep }).collect(),
-            inline: v.inline,
+            inline: v.inline.map(InlineArea),
         })
     }
 
@@ -1152,8 +1152,13 @@ pub struct Msg {
     segs: SmallVec<[Seg; 2]>,
     /// An inline message's bytes (the first `total_len`), copied out of the
     /// ring with its descriptor.
-    inline: Option<[u8; INLINE_BYTES]>,
+    inline: Option<InlineArea>,
 }
+
+/// An inline message's bytes, 16-byte aligned so a protocol can lay out
+/// aligned fields in them (fido-rpc puts a root at offset 16).
+#[repr(C, align(16))]
+struct InlineArea([u8; INLINE_BYTES]);
 
 // SAFETY: the segment pointers are into read-only mappings kept alive by the
 // `Arc<Mapping>`s this message holds; nothing writes through them.
@@ -1178,10 +1183,10 @@ impl Msg {
         self.segs.len() + self.inline_bytes().is_some_and(|b| !b.is_empty()) as usize
     }
     /// An inline message's bytes ([`Message::inline`]): a copy taken with the
-    /// descriptor, so the sender cannot change them any more.
+    /// descriptor, so the sender cannot change them any more. 16-byte aligned.
     pub fn inline_bytes(&self) -> Option<&[u8]> {
         // `total_len` ≤ INLINE_BYTES for inline messages (validated).
-        self.inline.as_ref().map(|b| &b[..self.total_len as usize])
+        self.inline.as_ref().map(|b| &b.0[..self.total_len as usize])
     }
     /// The payload segments, in order (an inline message: one, its bytes).
     pub fn segments(&self) -> impl Iterator<Item = &[u8]> {
