@@ -7,7 +7,6 @@ use crate::wire::*;
 use bytemuck::Pod;
 use fido::{Channel, Domain, Message, Msg, WaitStrategy};
 use parking_lot::{Condvar, Mutex};
-use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -163,6 +162,8 @@ struct Conn {
     ch: Channel,
     st: Mutex<ConnState>,
     cv: Condvar,
+    /// `st.failed.is_some()`, readable without the lock.
+    failed: AtomicBool,
 }
 
 #[derive(Default)]
@@ -170,9 +171,9 @@ struct ConnState {
     /// A thread is inside `recv` on behalf of all callers.
     receiving: bool,
     /// Calls whose caller still waits.
-    waiting: HashSet<u64>,
+    waiting: IdMap<()>,
     /// Replies received for a waiting caller.
-    done: HashMap<u64, Msg>,
+    done: IdMap<Msg>,
     /// Set once the connection failed: every waiter gets this.
     failed: Option<String>,
 }
@@ -221,29 +222,29 @@ impl Client {
         &self.service
     }
 
-    /// A frame for a call's arguments, in our arena.
+    /// A frame for a call's arguments, in our arena (nothing is allocated
+    /// until something is built in it).
+    ///
+    /// The argument memory of finished calls is taken back when their reply
+    /// arrives (the server releases a call's arguments before replying), not
+    /// only when half the ring is in flight, which a synchronous caller
+    /// never reaches: without that, up to half a ring of large argument
+    /// frames stayed allocated (found by `fido bench rpc`: 10 MB ByteSeq
+    /// calls exhausted a 256 MiB arena).
     pub fn frame(&self) -> Result<Frame, RpcError> {
-        // Take back the argument memory of calls the server has finished
-        // first: sending reaps only when half the ring is in flight, which a
-        // synchronous caller never reaches, so without this up to half a ring
-        // of large argument frames stays allocated (found by `fido bench rpc`:
-        // 10 MB ByteSeq calls exhausted a 256 MiB arena).
-        if let Some(c) = self.conn.lock().as_ref() {
-            let _ = c.ch.reap_if_holding(crate::REAP_ABOVE);
-        }
         Frame::new(self.domain.arena())
     }
 
     /// Whether the current connection is up (false after the server died,
     /// until the next call reconnects).
     pub fn is_connected(&self) -> bool {
-        self.conn.lock().as_ref().is_some_and(|c| c.ch.is_open() && c.st.lock().failed.is_none())
+        self.conn.lock().as_ref().is_some_and(|c| c.ch.is_open() && !c.failed.load(Ordering::Acquire))
     }
 
     fn conn(&self) -> Result<Arc<Conn>, RpcError> {
         let mut g = self.conn.lock();
         if let Some(c) = &*g {
-            if c.ch.is_open() && c.st.lock().failed.is_none() {
+            if c.ch.is_open() && !c.failed.load(Ordering::Acquire) {
                 return Ok(c.clone());
             }
         }
@@ -251,7 +252,7 @@ impl Client {
         if let Some(w) = *self.wait.lock() {
             ch.set_wait(w);
         }
-        let c = Arc::new(Conn { ch, st: Mutex::new(ConnState::default()), cv: Condvar::new() });
+        let c = Arc::new(Conn { ch, st: Mutex::new(ConnState::default()), cv: Condvar::new(), failed: AtomicBool::new(false) });
         *g = Some(c.clone());
         Ok(c)
     }
@@ -275,7 +276,10 @@ impl Client {
         let conn = self.conn()?;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let m = call_message(frame, method, sig, id, true, 0, root)?;
-        conn.ch.send(m).map_err(|e| gone_or(e.error))
+        conn.ch.send(m).map_err(|e| gone_or(e.error))?;
+        // Take back what earlier one-way calls' arguments held.
+        let _ = conn.ch.reap_if_holding(crate::REAP_ABOVE);
+        Ok(())
     }
 
     /// A call returning the raw reply message (the C ABI decodes it itself).
@@ -285,7 +289,7 @@ impl Client {
         let deadline = opts.timeout.map(|t| Instant::now() + t);
         let deadline_ns = opts.timeout.map(|t| monotonic_ns() + t.as_nanos() as u64).unwrap_or(0);
         let m = call_message(frame, method, sig, id, false, deadline_ns, root)?;
-        conn.st.lock().waiting.insert(id);
+        conn.st.lock().waiting.insert(id, ());
         let sent = match deadline {
             Some(d) => conn.ch.send_timeout(m, d.saturating_duration_since(Instant::now())),
             None => conn.ch.send(m),
@@ -300,13 +304,19 @@ impl Client {
                 }
             });
         }
-        self.wait_reply(&conn, id, deadline, opts.cancel.as_ref())
+        let reply = self.wait_reply(&conn, id, deadline, opts.cancel.as_ref());
+        // The server released this call's arguments before replying: take
+        // the memory back before the caller builds the next call (a cheap
+        // check unless more than REAP_ABOVE is out).
+        let _ = conn.ch.reap_if_holding(crate::REAP_ABOVE);
+        reply
     }
 
     fn fail(&self, conn: &Conn, e: &fido::Error) {
         let mut st = conn.st.lock();
         if st.failed.is_none() {
             st.failed = Some(e.to_string());
+            conn.failed.store(true, Ordering::Release);
         }
         conn.cv.notify_all();
     }
@@ -372,7 +382,7 @@ impl Client {
                         conn.cv.notify_all();
                         return Ok(m);
                     }
-                    if st.waiting.contains(&tag) {
+                    if st.waiting.contains_key(&tag) {
                         st.done.insert(tag, m);
                     }
                     // else: a late reply to a call its caller gave up on;
@@ -382,6 +392,7 @@ impl Client {
                 Err(e) => {
                     if st.failed.is_none() {
                         st.failed = Some(e.to_string());
+                        conn.failed.store(true, Ordering::Release);
                     }
                 }
             }

@@ -39,7 +39,7 @@ pub struct Ctx<'a> {
     arena: &'a Arc<Arena>,
     frame: Option<Frame>,
     holds: Vec<Box<dyn Any + Send + Sync>>,
-    reply: Option<(u32, Vec<u8>)>,
+    reply: Option<(u32, RootBytes)>,
 }
 
 impl<'a> Ctx<'a> {
@@ -105,17 +105,17 @@ impl<'a> Ctx<'a> {
     pub fn reply_ok<T: Pod>(&mut self, v: &T) {
         let mut w = RootWriter::new();
         w.put(v);
-        self.reply = Some((STATUS_OK, w.bytes().to_vec()));
+        self.reply = Some((STATUS_OK, w.into_bytes()));
     }
     /// Records an application error (generated code).
     pub fn reply_err<T: Pod>(&mut self, e: &T) {
         let mut w = RootWriter::new();
         w.put(e);
-        self.reply = Some((STATUS_APP_ERROR, w.bytes().to_vec()));
+        self.reply = Some((STATUS_APP_ERROR, w.into_bytes()));
     }
     /// Records raw result bytes (the C ABI).
     pub fn reply_raw(&mut self, status: u32, root: &[u8]) {
-        self.reply = Some((status, root.to_vec()));
+        self.reply = Some((status, RootBytes::from_slice(root)));
     }
 }
 
@@ -184,7 +184,7 @@ pub fn parse_call<'a>(call: CallBytes<'a>, mem: &'a dyn PeerMemory) -> Result<In
 pub struct Outcome {
     pub status: u32,
     pub fault: u32,
-    pub root: Vec<u8>,
+    pub root: RootBytes,
     pub frame: Option<Frame>,
     pub holds: Vec<Box<dyn Any + Send + Sync>>,
 }
@@ -202,7 +202,7 @@ pub fn dispatch_call(
     conn_open: &dyn Fn() -> bool,
     arena: &Arc<Arena>,
 ) -> Outcome {
-    let fault = |f: Fault| Outcome { status: STATUS_FAULT, fault: f as u32, root: f.to_string().into_bytes(), frame: None, holds: Vec::new() };
+    let fault = |f: Fault| Outcome { status: STATUS_FAULT, fault: f as u32, root: RootBytes::from_slice(f.to_string().as_bytes()), frame: None, holds: Vec::new() };
     let inc = match parse_call(call, mem) {
         Ok(i) => i,
         Err(f) => return fault(f),
@@ -227,7 +227,7 @@ pub fn dispatch_call(
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| svc.dispatch(h.method, h.sig, &mut cx)));
     match r {
         Ok(Ok(())) => {
-            let (status, root) = cx.reply.take().unwrap_or((STATUS_OK, Vec::new()));
+            let (status, root) = cx.reply.take().unwrap_or((STATUS_OK, RootBytes::new()));
             Outcome { status, fault: 0, root, frame: cx.frame.take(), holds: std::mem::take(&mut cx.holds) }
         }
         // A handler that gave up because the deadline passed reports that.
@@ -296,7 +296,7 @@ struct ConnCalls {
 
 #[derive(Default)]
 struct CallTable {
-    running: HashMap<u64, Arc<AtomicBool>>,
+    running: IdMap<Arc<AtomicBool>>,
     /// Cancels that arrived before their call was registered (another worker
     /// received the call and has not got here yet), with their arrival time.
     /// Old ones are for calls that already finished: purged.
@@ -307,12 +307,17 @@ struct CallTable {
 const EARLY_CANCELS: usize = 4096;
 
 impl ConnCalls {
-    fn register(&self, id: u64) -> Arc<AtomicBool> {
+    /// Registers call `id`, with `flag` as its cancel flag: the worker's own,
+    /// reused from call to call (nobody else holds it once its call is
+    /// unregistered), so a call allocates nothing here.
+    fn register(&self, id: u64, flag: &mut Arc<AtomicBool>) {
         let mut t = self.st.lock();
-        let cancelled = t.early.remove(&id).is_some();
-        let f = Arc::new(AtomicBool::new(cancelled));
-        t.running.insert(id, f.clone());
-        f
+        let cancelled = !t.early.is_empty() && t.early.remove(&id).is_some();
+        if Arc::get_mut(flag).is_none() {
+            *flag = Arc::new(AtomicBool::new(false));
+        }
+        flag.store(cancelled, Ordering::Release);
+        t.running.insert(id, flag.clone());
     }
     fn unregister(&self, id: u64) {
         self.st.lock().running.remove(&id);
@@ -418,6 +423,7 @@ impl Server {
 fn worker(domain: &Domain, svc: &dyn Dispatch, cc: &ConnCalls, stop: &AtomicBool) {
     let arena = domain.arena().clone();
     let open = || cc.ch.is_open();
+    let mut flag = Arc::new(AtomicBool::new(false));
     while !stop.load(Ordering::Acquire) {
         let msg = match cc.ch.recv_timeout(Duration::from_millis(100)) {
             Ok(m) => m,
@@ -437,34 +443,41 @@ fn worker(domain: &Domain, svc: &dyn Dispatch, cc: &ConnCalls, stop: &AtomicBool
                 return;
             }
         };
-        handle(svc, cc, &arena, &open, stop, msg);
+        handle(svc, cc, &arena, &open, stop, msg, &mut flag);
     }
 }
 
-fn handle(svc: &dyn Dispatch, cc: &ConnCalls, arena: &Arc<Arena>, open: &dyn Fn() -> bool, stop: &AtomicBool, msg: Msg) {
+fn handle(svc: &dyn Dispatch, cc: &ConnCalls, arena: &Arc<Arena>, open: &dyn Fn() -> bool, stop: &AtomicBool, msg: Msg, flag: &mut Arc<AtomicBool>) {
     let id = msg.tag();
     match msg.opcode() {
         OP_CANCEL => {
             cc.cancel(id);
         }
         op @ (OP_CALL | OP_ONEWAY) => {
-            let flag = cc.register(id);
+            cc.register(id, flag);
             // Collect the client's releases of earlier replies before this
             // call builds its results: their frames return to the arena now,
             // not only once half the window is out (which left a server
             // returning large results holding that many of them).
             let _ = cc.ch.reap_if_holding(crate::REAP_ABOVE);
-            let out = dispatch_call(svc, CallBytes::of(&msg), &msg, id, msg.from_domain(), &flag, open, arena);
+            let out = dispatch_call(svc, CallBytes::of(&msg), &msg, id, msg.from_domain(), flag, open, arena);
             cc.unregister(id);
-            // Release the arguments before replying: once the client has the
-            // reply, nothing of ours still reads its memory.
-            drop(msg);
+            // Release framed arguments before replying: once the client has
+            // the reply, its argument memory is free for its next call. An
+            // inline call holds no memory of the client's, so its release
+            // waits until the reply is out (off the round trip's path).
+            let held = if msg.inline_bytes().is_some() {
+                Some(msg)
+            } else {
+                drop(msg);
+                None
+            };
             if op == OP_ONEWAY {
                 return;
             }
             let cancelled = flag.load(Ordering::Acquire);
             let out = if cancelled && out.status != STATUS_FAULT {
-                Outcome { status: STATUS_FAULT, fault: Fault::Cancelled as u32, root: b"cancelled".to_vec(), frame: None, holds: Vec::new() }
+                Outcome { status: STATUS_FAULT, fault: Fault::Cancelled as u32, root: RootBytes::from_slice(b"cancelled"), frame: None, holds: Vec::new() }
             } else {
                 out
             };
@@ -483,6 +496,7 @@ fn handle(svc: &dyn Dispatch, cc: &ConnCalls, arena: &Arc<Arena>, open: &dyn Fn(
                 },
                 Err(e) => tracing::warn!("reply to call {id}: {e}"),
             }
+            drop(held);
         }
         other => tracing::debug!(conn = cc.ch.id(), "unknown rpc opcode {other}; ignored"),
     }

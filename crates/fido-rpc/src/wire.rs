@@ -187,12 +187,43 @@ pub struct NoAppError(pub u8);
 /// next offset aligned for its type, in declaration order.
 #[derive(Default)]
 pub struct RootWriter {
-    bytes: Vec<u8>,
+    bytes: RootBytes,
 }
+
+/// A root's bytes: inline up to 64 (every root of a few scalars and handles),
+/// so packing one allocates nothing.
+pub type RootBytes = smallvec::SmallVec<[u8; 64]>;
+
+/// Call ids as map keys: they are our own sequential numbers (client side)
+/// or at most a bounded table's worth (server side), so a multiplicative
+/// hash spreads them well and costs one multiply instead of SipHash.
+#[derive(Default, Clone, Copy)]
+pub(crate) struct IdHasher(u64);
+
+impl std::hash::Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ *b as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (self.0 ^ n).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+
+/// A map keyed by call id.
+pub(crate) type IdMap<V> = std::collections::HashMap<u64, V, std::hash::BuildHasherDefault<IdHasher>>;
 
 impl RootWriter {
     pub fn new() -> Self {
-        RootWriter { bytes: Vec::with_capacity(64) }
+        RootWriter { bytes: RootBytes::new() }
+    }
+    /// The packed bytes.
+    pub fn into_bytes(self) -> RootBytes {
+        self.bytes
     }
     pub fn put<T: Pod>(&mut self, v: &T) {
         let at = self.bytes.len().next_multiple_of(std::mem::align_of::<T>());

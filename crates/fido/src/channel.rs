@@ -50,7 +50,8 @@ pub(crate) struct Incoming {
 /// What one message is made of.
 enum Parts {
     Bufs(SmallVec<[Buf; 2]>),
-    Forward(Msg),
+    /// Boxed: a `Msg` is large, and every `Message` is moved a few times.
+    Forward(Box<Msg>),
     /// Bytes carried in the descriptor itself (`FLAG_INLINE`).
     Inline { bytes: [u8; INLINE_BYTES], len: u8 },
 }
@@ -136,7 +137,7 @@ impl From<Buf> for Message {
 
 impl From<Msg> for Message {
     fn from(msg: Msg) -> Message {
-        Message { tag: msg.tag, opcode: msg.opcode, parts: Parts::Forward(msg), hold: None }
+        Message { tag: msg.tag, opcode: msg.opcode, parts: Parts::Forward(Box::new(msg)), hold: None }
     }
 }
 
@@ -198,8 +199,9 @@ struct TxState {
     wait: WaitStrategy,
     undelivered: Vec<Undelivered>,
     /// Payload bytes of the messages in `table`: what the peer's releases
-    /// will give back.
-    unreleased_bytes: u64,
+    /// will give back. Written only under the lock; shared with
+    /// `ConnShared` so it can be read without taking it.
+    unreleased_bytes: Arc<AtomicU64>,
 }
 
 struct RxState {
@@ -260,6 +262,8 @@ pub(crate) struct ConnShared {
     rx: Mutex<RxState>,
     /// Set once this channel carried a forwarded message (see `reap_forwarded`).
     forwarding: std::sync::atomic::AtomicBool,
+    /// `TxState::unreleased_bytes`, readable without the tx lock.
+    unreleased_bytes: Arc<AtomicU64>,
 }
 
 // SAFETY: the raw pointers inside (ring blocks) point into mappings kept alive
@@ -362,7 +366,7 @@ impl TxState {
     fn insert(&mut self, o: Outstanding) -> u64 {
         let index = self.free.pop().expect("window checked before insert");
         self.generation = self.generation.wrapping_add(1);
-        self.unreleased_bytes += o.len;
+        self.unreleased_bytes.store(self.unreleased_bytes.load(Ordering::Relaxed) + o.len, Ordering::Relaxed);
         self.table[index as usize] = Some((self.generation, o));
         ((self.generation as u64) << 32) | index as u64
     }
@@ -380,7 +384,7 @@ impl TxState {
             match self.table.get_mut(index) {
                 Some(slot @ Some(_)) if slot.as_ref().is_some_and(|(g, _)| *g == generation) => {
                     if let Some((_, o)) = slot.take() {
-                        self.unreleased_bytes -= o.len;
+                        self.unreleased_bytes.store(self.unreleased_bytes.load(Ordering::Relaxed) - o.len, Ordering::Relaxed);
                     }
                     self.free.push(index as u32);
                 }
@@ -393,7 +397,7 @@ impl TxState {
     fn fail_outstanding(&mut self) {
         for slot in self.table.iter_mut() {
             if let Some((_, o)) = slot.take() {
-                self.unreleased_bytes -= o.len;
+                self.unreleased_bytes.store(self.unreleased_bytes.load(Ordering::Relaxed) - o.len, Ordering::Relaxed);
                 self.undelivered.push(Undelivered {
                     tag: o.tag,
                     opcode: o.opcode,
@@ -446,7 +450,7 @@ impl Drop for ConnShared {
             .table
             .iter_mut()
             .filter_map(|slot| match slot.take() {
-                Some((_, Outstanding { parts: Parts::Forward(m), .. })) => Some(m),
+                Some((_, Outstanding { parts: Parts::Forward(m), .. })) => Some(*m),
                 _ => None,
             })
             .collect();
@@ -575,6 +579,7 @@ impl Channel {
         let peer_data = Arc::new(peer_fds.pop().expect("checked"));
         let entries = local.entries();
         let wait = domain.opts.wait;
+        let unreleased_bytes = Arc::new(AtomicU64::new(0));
         let shared = Arc::new(ConnShared {
             conn,
             service,
@@ -599,10 +604,11 @@ impl Channel {
                 epoch: 0,
                 wait,
                 undelivered: Vec::new(),
-                unreleased_bytes: 0,
+                unreleased_bytes: unreleased_bytes.clone(),
             }),
             rx: Mutex::new(RxState { ring: RxRing::new(local, peer_block), epoch: 0, wait }),
             forwarding: std::sync::atomic::AtomicBool::new(false),
+            unreleased_bytes,
         });
         domain.conns.lock().insert(conn, Arc::downgrade(&shared));
         Channel { shared }
@@ -695,17 +701,19 @@ impl Channel {
     /// real memory to get back, not for every small message. (Sends collect
     /// anyway once half the window is out.)
     pub fn reap_if_holding(&self, bytes: u64) -> Result<()> {
-        let mut tx = self.shared.tx.lock();
-        if tx.unreleased_bytes <= bytes {
+        // Read without the lock: a stale value only delays the reap to the
+        // next call, or reaps for nothing.
+        if self.shared.unreleased_bytes.load(Ordering::Relaxed) <= bytes {
             return Ok(());
         }
+        let mut tx = self.shared.tx.lock();
         tx.reap().map_err(|why| self.shared.mark_broken(why))
     }
 
     /// Payload bytes sent and not yet known to be released (releases the
     /// peer published but we have not collected still count).
     pub fn unreleased_bytes(&self) -> u64 {
-        self.shared.tx.lock().unreleased_bytes
+        self.shared.unreleased_bytes.load(Ordering::Relaxed)
     }
 
     /// Sends a message, waiting (per the wait strategy) while the window is full.
