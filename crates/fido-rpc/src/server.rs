@@ -484,8 +484,13 @@ fn handle(svc: &dyn Dispatch, cc: &ConnCalls, arena: &Arc<Arena>, open: &dyn Fn(
             match reply_message(arena, id, out) {
                 Ok(mut m) => loop {
                     // A client holding all its replies fills our window: wait
-                    // for it, but stay stoppable.
-                    match cc.ch.send_timeout(m, Duration::from_millis(100)) {
+                    // for it, but stay stoppable. (Tried without a deadline
+                    // first: reading the clock costs as much as the send.)
+                    let sent = match cc.ch.try_send(m) {
+                        Err(fido::SendError { error: fido::Error::WouldBlock, message }) => cc.ch.send_timeout(message, Duration::from_millis(100)),
+                        other => other,
+                    };
+                    match sent {
                         Ok(()) => break,
                         Err(fido::SendError { error: fido::Error::Timeout, message }) if !stop.load(Ordering::Acquire) => m = message,
                         Err(e) => {

@@ -383,9 +383,11 @@ impl TxState {
             let generation = (cookie >> 32) as u32;
             match self.table.get_mut(index) {
                 Some(slot @ Some(_)) if slot.as_ref().is_some_and(|(g, _)| *g == generation) => {
-                    if let Some((_, o)) = slot.take() {
-                        self.unreleased_bytes.store(self.unreleased_bytes.load(Ordering::Relaxed) - o.len, Ordering::Relaxed);
-                    }
+                    let len = slot.as_ref().map_or(0, |(_, o)| o.len);
+                    // Dropped in place: an `Outstanding` is large, and
+                    // `take()` would copy it out first.
+                    *slot = None;
+                    self.unreleased_bytes.store(self.unreleased_bytes.load(Ordering::Relaxed) - len, Ordering::Relaxed);
                     self.free.push(index as u32);
                 }
                 _ => return Err(format!("released unknown message cookie {cookie:#x}")),
