@@ -67,9 +67,11 @@ struct Header {
 }
 
 const HEADER_LEN: usize = std::mem::size_of::<Header>();
+const _: () = assert!(HEADER_LEN == 9 * 64);
 
 /// The publication mark of ring index `index` in a ring of `entries` slots:
-/// the lap number plus one (so a zeroed slot carries no lap's mark). Slot
+/// the lap number plus one (so a zeroed slot does not carry the first lap's
+/// mark). Slot
 /// `index % entries` holds either the descriptor of `index` or that of
 /// `index - entries` (a producer is never a lap ahead of its releases), whose
 /// marks differ by one even where the `u16` wraps.
@@ -77,7 +79,6 @@ const HEADER_LEN: usize = std::mem::size_of::<Header>();
 pub fn lap_mark(index: u64, entries: u32) -> u16 {
     ((index >> entries.trailing_zeros()) as u16).wrapping_add(1)
 }
-const _: () = assert!(HEADER_LEN == 9 * 64);
 
 /// Bytes a block with `entries` ring entries occupies (a multiple of 64).
 pub fn block_len(entries: u32) -> usize {
