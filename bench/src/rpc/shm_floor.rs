@@ -104,7 +104,7 @@ impl Shared {
     }
 
     fn word(&self, at: usize) -> &AtomicU64 {
-        debug_assert!(at % 8 == 0 && at < PAGE);
+        debug_assert!(at.is_multiple_of(8) && at < PAGE);
         // SAFETY: 8-aligned, inside the control page, only ever accessed atomically by
         // both processes.
         unsafe { &*(self.base.add(at) as *const AtomicU64) }
