@@ -16,7 +16,12 @@
 //! * `null-notified`: a call with no arguments and no result; each call is timed
 //!   (round trip, monotonic clock); p50/p99 over all measured calls. The client
 //!   blocks in the kernel between request and reply (the RPC systems' normal
-//!   mode: tokio runtimes park in epoll).
+//!   mode: tokio runtimes park in epoll). Its floors: `futex-floor` (two
+//!   processes, pinned like every point, ping-pong through `FUTEX_WAIT` /
+//!   `FUTEX_WAKE` on two words of a shared memfd page: no spinning, two wake-ups
+//!   per round trip) and `eventfd-floor` (the same through two eventfds, with an
+//!   8-byte payload), both in `bench/src/shm.rs`. No call whose both ends block
+//!   between request and reply can beat the faster of the two.
 //! * `null-polled`: the same with both ends busy-polling (only systems that can:
 //!   fido's `BusyPoll`, uds with `MSG_DONTWAIT` spinning); `spin-floor` is two
 //!   processes ping-ponging a shared cache line — the floor of any polled call.
@@ -25,7 +30,15 @@
 //!   the server folds every element and returns the checksum, which the client
 //!   asserts; recv = the server builds the sequence fresh and returns it with its
 //!   checksum, the client folds every element and asserts. Throughput = Table 2
-//!   payload × calls / measured time.
+//!   payload × calls / measured time. Their floor, `shm-floor` (`shm_floor.rs`),
+//!   is run as a system like the others: build straight into a pre-faulted
+//!   shared memfd region in fido's layout, bump a word, the other side spins on
+//!   it and folds — build + fold + two cache-line hand-offs, the ceiling of any
+//!   synchronous shared-memory RPC under these rules.
+//! * Goals (issue #4, [`goal_lines`]): each goal line carries the bound the run's
+//!   floor implies (how much faster than the baseline the floor itself is); a
+//!   goal not met whose required ratio is beyond that bound is marked
+//!   `[beyond floor]` instead of `[NOT met]`.
 //! * Warm-up (un-timed calls, at least one) then the measured window (at least one
 //!   call). Quick: 80 ms + 0.3 s per point; full: 0.4 s + 2 s.
 //! * **Budget.** A point whose client has not reported within the budget (quick
