@@ -9,14 +9,19 @@
 //!
 //! * `spin-floor`: both sides spin on the cache line (bounded spin, then `sched_yield`).
 //! * `eventfd-floor`: each side blocks in `read` on its own eventfd; the other writes it.
+//! * `futex-floor` (no payload; `fido bench rpc`'s `null-notified`): each side blocks in
+//!   `FUTEX_WAIT` on its own 32-bit word of the control page; the other stores the call
+//!   number there and `FUTEX_WAKE`s it. Nobody spins, so every round trip pays two
+//!   wake-ups: the floor of any call whose both ends block between request and reply.
 
 use std::os::fd::{AsFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 use anyhow::{bail, Context as _};
 use rustix::event::EventfdFlags;
 use rustix::mm::{MapFlags, ProtFlags};
+use rustix::thread::futex;
 
 use crate::harness::*;
 
@@ -66,6 +71,15 @@ impl Region {
         // SAFETY: offset 0 is page-aligned, inside the mapping, and only ever accessed
         // atomically by both processes.
         unsafe { &*(self.base as *const AtomicU64) }
+    }
+
+    /// Futex word `i` (0 or 1) of `futex-floor`, each on its own cache line of the
+    /// control page (after the `flag` line).
+    fn word(&self, i: usize) -> &AtomicU32 {
+        assert!(i < 2);
+        // SAFETY: offsets 64 and 128 are 4-aligned, inside the control page, and only
+        // ever accessed atomically by both processes.
+        unsafe { &*(self.base.add(64 * (i + 1)) as *const AtomicU32) }
     }
 
     fn ab(&self) -> *mut u8 {
@@ -237,9 +251,103 @@ fn eventfd_floor_peer(a: &PeerArgs) -> anyhow::Result<()> {
     }
 }
 
+/// `futex-floor`'s "stop" call number.
+const FSTOP: u32 = u32::MAX;
+
+/// Blocks until `word` holds `want`. The value is checked before every
+/// `FUTEX_WAIT` (which itself only sleeps while the word still holds the value we
+/// saw), so a store + wake that lands between the check and the wait is never
+/// lost. Waits are shared (not `FUTEX_PRIVATE`): the word is in a mapping two
+/// processes share. With `abort`, a wait times out every 100 ms to look at it (a
+/// dead peer never hangs the parent) and fails after `STALL` without progress.
+fn futex_wait_for(word: &AtomicU32, want: u32, abort: Option<&AtomicBool>) -> anyhow::Result<()> {
+    let tick = rustix::time::Timespec {
+        tv_sec: 0,
+        tv_nsec: 100_000_000,
+    };
+    let since = std::time::Instant::now();
+    loop {
+        let v = word.load(Ordering::Acquire);
+        if v == want {
+            return Ok(());
+        }
+        let timeout = abort.map(|_| &tick);
+        match futex::wait(word, futex::Flags::empty(), v, timeout) {
+            Ok(()) | Err(rustix::io::Errno::AGAIN | rustix::io::Errno::INTR) => {}
+            Err(rustix::io::Errno::TIMEDOUT) => {}
+            Err(e) => return Err(e).context("futex wait"),
+        }
+        if let Some(abort) = abort {
+            if abort.load(Ordering::Relaxed) {
+                bail!("bench peer died");
+            }
+            if word.load(Ordering::Acquire) != want && since.elapsed() > STALL {
+                bail!("futex-floor: peer stalled for {STALL:?}");
+            }
+        }
+    }
+}
+
+fn futex_wake(word: &AtomicU32) -> anyhow::Result<()> {
+    futex::wake(word, futex::Flags::empty(), 1).context("futex wake")?;
+    Ok(())
+}
+
+/// Parent side of `futex-floor`: a null round trip through two blocking futex
+/// waits. Returns round-trip samples (ns).
+pub fn futex_floor(opts: &Opts) -> anyhow::Result<Vec<u64>> {
+    let place = Placement::detect();
+    let (fd, region) = Region::create(8)?;
+    let _pin = PinGuard::pin(place.parent)?;
+    let peer = Peer::spawn(
+        &["futex-floor", &format!("cpu={}", place.peer)],
+        &[fd.as_fd()],
+    )?;
+    let dog = Watchdog::new(peer.pid(), || {})?;
+    let abort = dog.flag();
+    let (to_peer, to_parent) = (region.word(0), region.word(1));
+    let rtts = time_round_trips(opts.warmup(), opts.duration(), |k| {
+        // Call numbers start at 1 (0 = nothing yet) and never reach FSTOP in a point.
+        let k = (k % u64::from(FSTOP)) as u32;
+        to_peer.store(k, Ordering::Release);
+        futex_wake(to_peer)?;
+        futex_wait_for(to_parent, k, Some(&abort))
+    })?;
+    to_peer.store(FSTOP, Ordering::Release);
+    futex_wake(to_peer)?;
+    drop(dog);
+    peer.finish(Duration::from_secs(5))?;
+    Ok(rtts)
+}
+
+fn futex_floor_peer() -> anyhow::Result<()> {
+    let fd = peer_fd(0);
+    let region = Region::map(&fd, 8)?;
+    let (wait, ring) = (region.word(0), region.word(1));
+    let mut last = 0u32;
+    loop {
+        // Sleep while the word still holds the last call we answered (no timeout:
+        // the parent may think for a long time; we die with it).
+        let v = wait.load(Ordering::Acquire);
+        if v == last {
+            match futex::wait(wait, futex::Flags::empty(), last, None) {
+                Ok(()) | Err(rustix::io::Errno::AGAIN | rustix::io::Errno::INTR) => continue,
+                Err(e) => return Err(e).context("futex wait"),
+            }
+        }
+        if v == FSTOP {
+            return Ok(());
+        }
+        ring.store(v, Ordering::Release);
+        futex_wake(ring)?;
+        last = v;
+    }
+}
+
 pub(crate) fn peer(kind: &str, a: &PeerArgs) -> Option<anyhow::Result<()>> {
     match kind {
         "spin-floor" => Some(spin_floor_peer(a)),
+        "futex-floor" => Some(futex_floor_peer()),
         "eventfd-floor" => Some(eventfd_floor_peer(a)),
         _ => None,
     }

@@ -16,7 +16,12 @@
 //! * `null-notified`: a call with no arguments and no result; each call is timed
 //!   (round trip, monotonic clock); p50/p99 over all measured calls. The client
 //!   blocks in the kernel between request and reply (the RPC systems' normal
-//!   mode: tokio runtimes park in epoll).
+//!   mode: tokio runtimes park in epoll). Its floors: `futex-floor` (two
+//!   processes, pinned like every point, ping-pong through `FUTEX_WAIT` /
+//!   `FUTEX_WAKE` on two words of a shared memfd page: no spinning, two wake-ups
+//!   per round trip) and `eventfd-floor` (the same through two eventfds, with an
+//!   8-byte payload), both in `bench/src/shm.rs`. No call whose both ends block
+//!   between request and reply can beat the faster of the two.
 //! * `null-polled`: the same with both ends busy-polling (only systems that can:
 //!   fido's `BusyPoll`, uds with `MSG_DONTWAIT` spinning); `spin-floor` is two
 //!   processes ping-ponging a shared cache line — the floor of any polled call.
@@ -25,7 +30,15 @@
 //!   the server folds every element and returns the checksum, which the client
 //!   asserts; recv = the server builds the sequence fresh and returns it with its
 //!   checksum, the client folds every element and asserts. Throughput = Table 2
-//!   payload × calls / measured time.
+//!   payload × calls / measured time. Their floor, `shm-floor` (`shm_floor.rs`),
+//!   is run as a system like the others: build straight into a pre-faulted
+//!   shared memfd region in fido's layout, bump a word, the other side spins on
+//!   it and folds — build + fold + two cache-line hand-offs, the ceiling of any
+//!   synchronous shared-memory RPC under these rules.
+//! * Goals (issue #4, [`goal_lines`]): each goal line carries the bound the run's
+//!   floor implies (how much faster than the baseline the floor itself is); a
+//!   goal not met whose required ratio is beyond that bound is marked
+//!   `[beyond floor]` instead of `[NOT met]`.
 //! * Warm-up (un-timed calls, at least one) then the measured window (at least one
 //!   call). Quick: 80 ms + 0.3 s per point; full: 0.4 s + 2 s.
 //! * **Budget.** A point whose client has not reported within the budget (quick
@@ -40,6 +53,7 @@ mod capnp_sys;
 pub mod data;
 pub mod files;
 pub mod plot;
+mod shm_floor;
 mod tarpc_sys;
 mod tonic_sys;
 mod uds;
@@ -71,6 +85,12 @@ pub mod bench_capnp {
 }
 
 pub const SUITE: &str = "rpc";
+
+/// The floors measured beside the systems (see [`run_suite`]).
+pub const SPIN_FLOOR: &str = "spin-floor";
+pub const FUTEX_FLOOR: &str = "futex-floor";
+pub const EVENTFD_FLOOR: &str = "eventfd-floor";
+pub const SHM_FLOOR: &str = shm_floor::NAME;
 
 /// LEN values of the full run (the paper's 10² … 10⁷).
 pub const LENS: [usize; 6] = [100, 1_000, 10_000, 100_000, 1_000_000, 10_000_000];
@@ -226,6 +246,9 @@ impl RpcSystem for Builtin {
         self.0
     }
     fn supports(&self, case: &Case) -> bool {
+        if self.0 == shm_floor::NAME {
+            return matches!(case, Case::Seq { .. });
+        }
         match case {
             Case::NullPolled => self.0 == "uds",
             Case::FileRead { .. } => self.0 == "tonic",
@@ -402,6 +425,7 @@ pub(crate) fn peer(kind: &str, a: &PeerArgs) -> Option<anyhow::Result<()>> {
             let addr = a.get("addr")?;
             match a.get("system")? {
                 "uds" => uds::serve(addr, Case::parse(a.get("case")?)?),
+                shm_floor::NAME => shm_floor::serve(addr, Case::parse(a.get("case")?)?),
                 "tarpc" => tarpc_sys::serve(addr),
                 "capnp" => capnp_sys::serve(addr),
                 "tonic" => tonic_sys::serve(addr),
@@ -420,6 +444,7 @@ pub(crate) fn peer(kind: &str, a: &PeerArgs) -> Option<anyhow::Result<()>> {
             }
             match a.get("system")? {
                 "uds" => run_client(&mut uds::Client::connect(addr, case)?, a),
+                shm_floor::NAME => run_client(&mut shm_floor::Client::connect(addr)?, a),
                 "tarpc" => run_client(&mut tarpc_sys::Client::connect(addr)?, a),
                 "capnp" => run_client(&mut capnp_sys::Client::connect(addr)?, a),
                 "tonic" => run_client(&mut tonic_sys::Client::connect(addr)?, a),
@@ -577,7 +602,9 @@ pub struct SuiteRun {
 }
 
 /// Runs `systems` (fido first, then the baselines) over every case the filter
-/// wants; `spin-floor` is added to `null-polled`.
+/// wants, with the floors of the run: `futex-floor` and `eventfd-floor` on
+/// `null-notified`, `spin-floor` on `null-polled`, `shm-floor` (a system run
+/// like the others) on the sequence cases.
 pub fn run_suite(
     systems: &[&dyn RpcSystem],
     opts: &Opts,
@@ -593,24 +620,43 @@ pub fn run_suite(
     // (system, seq, dir) pairs that already ran out of budget at a smaller LEN.
     let mut over: HashSet<(String, &'static str, &'static str)> = HashSet::new();
     let mut n = 0usize;
+    let floor = Builtin(shm_floor::NAME);
+    let systems: Vec<&dyn RpcSystem> = std::iter::once(&floor as &dyn RpcSystem)
+        .chain(systems.iter().copied())
+        .collect();
     for case in Case::all(opts.quick) {
         let cname = case.name();
-        if case == Case::NullPolled && wants(filter, "spin-floor", &cname) {
-            match crate::shm::spin_floor(8, opts) {
+        type Floor = fn(&Opts) -> anyhow::Result<Vec<u64>>;
+        let floors: &[(&str, Floor)] = match case {
+            Case::NullNotified => &[
+                (FUTEX_FLOOR, crate::shm::futex_floor),
+                (EVENTFD_FLOOR, |o| crate::shm::eventfd_floor(8, o)),
+            ],
+            Case::NullPolled => &[(SPIN_FLOOR, |o| crate::shm::spin_floor(8, o))],
+            _ => &[],
+        };
+        for (fname, f) in floors {
+            if !wants(filter, fname, &cname) {
+                continue;
+            }
+            match f(opts) {
                 Ok(mut rtts) => {
                     let (p50, p99) = crate::harness::percentiles(&mut rtts);
                     run.records.push(rtt_record(
                         &cname,
-                        "spin-floor",
+                        fname,
                         p50 as f64,
                         p99 as f64,
                         rtts.len() as u64,
                     ));
                 }
-                Err(e) => run.failures.push(format!("spin-floor {cname}: {e:#}")),
+                Err(e) => {
+                    eprintln!("bench: {fname} {cname} failed: {e:#}");
+                    run.failures.push(format!("{fname} {cname}: {e:#}"));
+                }
             }
         }
-        for sys in systems {
+        for sys in &systems {
             let name = sys.name().to_string();
             if !sys.supports(&case) || !wants(filter, &name, &cname) {
                 continue;
@@ -728,13 +774,46 @@ pub fn dnf_record(case: &str, system: &str, opts: &Opts, skipped: bool) -> Recor
     }
 }
 
+/// How a goal of issue #4 stands in one run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    Met,
+    NotMet,
+    /// Not met, and the floor measured in the same run shows that no
+    /// implementation could meet it on this machine.
+    BeyondFloor,
+}
+
+impl Verdict {
+    pub fn label(self) -> &'static str {
+        match self {
+            Verdict::Met => "met",
+            Verdict::NotMet => "NOT met",
+            Verdict::BeyondFloor => "beyond floor",
+        }
+    }
+}
+
 /// One goal of issue #4 read off a run: the ratio (fido's advantage, or for the
-/// polled goal fido / floor) and whether it was met; `met: None` = not measured.
+/// polled goal fido / floor), the verdict (`None` = not measured) and a note
+/// (the bound the run's floor implies, or why the goal counts as met).
 pub struct Goal {
     pub what: String,
     pub ratio: Option<f64>,
-    pub met: Option<bool>,
-    pub note: &'static str,
+    pub verdict: Option<Verdict>,
+    pub note: String,
+}
+
+/// `Met` if the ratio reaches `want`; otherwise `BeyondFloor` when the floor's
+/// own ratio does not reach it either, else `NotMet`.
+fn verdict(ratio: f64, want: f64, floor_ratio: Option<f64>) -> Verdict {
+    if ratio >= want {
+        Verdict::Met
+    } else if floor_ratio.is_some_and(|b| b < want) {
+        Verdict::BeyondFloor
+    } else {
+        Verdict::NotMet
+    }
 }
 
 /// The goals of issue #4 read off one run's records.
@@ -747,21 +826,40 @@ pub fn goals(records: &[Record]) -> Vec<Goal> {
     };
     let mut out = Vec::new();
     let fido_nn = get("null-notified", "fido", "round_trip_ns");
+    // The faster blocking floor of the run: no call whose both ends block can beat it.
+    let blocking_floor = [FUTEX_FLOOR, EVENTFD_FLOOR]
+        .into_iter()
+        .filter_map(|f| {
+            get("null-notified", f, "round_trip_ns")
+                .filter(|&v| v > 0.0)
+                .map(|v| (f, v))
+        })
+        .min_by(|a, b| a.1.total_cmp(&b.1));
     for (sys, want) in [("tonic", 5.0), ("capnp", 5.0), ("uds", 1.5)] {
-        let ratio = match (fido_nn, get("null-notified", sys, "round_trip_ns")) {
+        let b = get("null-notified", sys, "round_trip_ns");
+        let ratio = match (fido_nn, b) {
             (Some(f), Some(b)) if f > 0.0 => Some(b / f),
             _ => None,
+        };
+        let floor = blocking_floor.zip(b).map(|((f, v), b)| (f, b / v));
+        let verdict = ratio.map(|r| verdict(r, want, floor.map(|x| x.1)));
+        let note = match floor {
+            Some((f, fr)) if verdict == Some(Verdict::BeyondFloor) => {
+                format!("{f} is {fr:.2}x faster than {sys}: no blocking RPC can meet this")
+            }
+            Some((f, fr)) => format!("{f} is {fr:.2}x faster than {sys}"),
+            None => String::new(),
         };
         out.push(Goal {
             what: format!("null-notified: fido >= {want}x faster than {sys}"),
             ratio,
-            met: ratio.map(|r| r >= want),
-            note: "",
+            verdict,
+            note,
         });
     }
     let ratio = match (
         get("null-polled", "fido", "round_trip_ns"),
-        get("null-polled", "spin-floor", "round_trip_ns"),
+        get("null-polled", SPIN_FLOOR, "round_trip_ns"),
     ) {
         (Some(f), Some(s)) if s > 0.0 => Some(f / s),
         _ => None,
@@ -769,8 +867,14 @@ pub fn goals(records: &[Record]) -> Vec<Goal> {
     out.push(Goal {
         what: "null-polled: fido <= 2x the spin floor (ratio = fido / floor)".into(),
         ratio,
-        met: ratio.map(|r| r <= 2.0),
-        note: "",
+        verdict: ratio.map(|r| {
+            if r <= 2.0 {
+                Verdict::Met
+            } else {
+                Verdict::NotMet
+            }
+        }),
+        note: String::new(),
     });
     let mut lens: Vec<usize> = records
         .iter()
@@ -786,18 +890,33 @@ pub fn goals(records: &[Record]) -> Vec<Goal> {
             for &len in &lens {
                 let case = Case::Seq { seq, dir, len }.name();
                 let f = get(&case, "fido", "bytes_per_s");
+                let floor = get(&case, SHM_FLOOR, "bytes_per_s");
                 for sys in ["capnp", "tonic"] {
                     let b = get(&case, sys, "bytes_per_s");
                     let dnf = get(&case, sys, "did_not_finish").is_some();
-                    let (ratio, met, note) = match (f, b) {
-                        (Some(f), Some(b)) if b > 0.0 => (Some(f / b), Some(f / b >= 10.0), ""),
-                        (Some(_), None) if dnf => (None, Some(true), "baseline did not finish"),
-                        _ => (None, None, ""),
+                    let floor_ratio = match (floor, b) {
+                        (Some(fl), Some(b)) if b > 0.0 => Some(fl / b),
+                        _ => None,
+                    };
+                    let (ratio, verdict) = match (f, b) {
+                        (Some(f), Some(b)) if b > 0.0 => {
+                            (Some(f / b), Some(verdict(f / b, 10.0, floor_ratio)))
+                        }
+                        (Some(_), None) if dnf => (None, Some(Verdict::Met)),
+                        _ => (None, None),
+                    };
+                    let note = match floor_ratio {
+                        _ if ratio.is_none() && dnf => "baseline did not finish".to_string(),
+                        Some(fr) if verdict == Some(Verdict::BeyondFloor) => format!(
+                            "{SHM_FLOOR} is {fr:.2}x {sys}: no synchronous RPC can meet this"
+                        ),
+                        Some(fr) => format!("{SHM_FLOOR} is {fr:.2}x {sys}"),
+                        None => String::new(),
                     };
                     out.push(Goal {
                         what: format!("{case}: fido >= 10x {sys}"),
                         ratio,
-                        met,
+                        verdict,
                         note,
                     });
                 }
@@ -807,32 +926,37 @@ pub fn goals(records: &[Record]) -> Vec<Goal> {
     out
 }
 
-/// Prints the goals (only those measured in this run).
-pub fn print_goals(records: &[Record]) {
+/// The goal lines of a run as printed (only the goals measured in it; nothing
+/// when none was): a header, then `#   [verdict] goal: ratio (note)`.
+pub fn goal_lines(records: &[Record]) -> Vec<String> {
     let g: Vec<Goal> = goals(records)
         .into_iter()
-        .filter(|g| g.met.is_some())
+        .filter(|g| g.verdict.is_some())
         .collect();
     if g.is_empty() {
-        return;
+        return Vec::new();
     }
-    println!("# goals (issue #4), ratios from this run:");
+    let mut out = vec!["# goals (issue #4), ratios from this run:".to_string()];
     for g in g {
         let r = g.ratio.map(|r| format!("{r:.2}x")).unwrap_or_default();
-        println!(
+        out.push(format!(
             "#   [{}] {}: {r}{}",
-            if g.met == Some(true) {
-                "met"
-            } else {
-                "NOT met"
-            },
+            g.verdict.map(Verdict::label).unwrap_or_default(),
             g.what,
             if g.note.is_empty() {
                 String::new()
             } else {
                 format!(" ({})", g.note)
             }
-        );
+        ));
+    }
+    out
+}
+
+/// Prints the goals (only those measured in this run).
+pub fn print_goals(records: &[Record]) {
+    for l in goal_lines(records) {
+        println!("{l}");
     }
 }
 
@@ -856,6 +980,90 @@ mod tests {
         }
         assert_eq!(Case::all(false).len(), 2 + 3 * 2 * 6 + files::SIZES.len());
         assert!(Case::parse("byteseq-sideways-10").is_err());
+    }
+
+    fn rec(case: &str, system: &str, value: f64) -> Record {
+        if case.starts_with("null") {
+            rtt_record(case, system, value, value * 2.0, 100)
+        } else {
+            Record::throughput(SUITE, case, system, value, 100)
+        }
+    }
+
+    #[test]
+    fn goal_lines_classify_against_the_floors() {
+        let nn = "null-notified";
+        let fs = "fixedseq-send-100000";
+        let vr = "varseq-recv-1000000";
+        let mut records = vec![
+            rec(nn, EVENTFD_FLOOR, 9_000.0),
+            rec(nn, FUTEX_FLOOR, 8_000.0),
+            rec(nn, "fido", 10_000.0),
+            rec(nn, "uds", 10_000.0),
+            rec(nn, "capnp", 30_000.0),
+            rec(nn, "tonic", 45_000.0),
+            rec("null-polled", SPIN_FLOOR, 100.0),
+            rec("null-polled", "fido", 150.0),
+            rec(fs, SHM_FLOOR, 1.5e9),
+            rec(fs, "fido", 1e9),
+            rec(fs, "capnp", 5e8),
+            rec(fs, "tonic", 5e7),
+            rec(vr, SHM_FLOOR, 4e9),
+            rec(vr, "fido", 1e9),
+            rec(vr, "capnp", 2e8),
+            dnf_record(vr, "tonic", &Opts::default(), false),
+        ];
+        let want = [
+            "# goals (issue #4), ratios from this run:",
+            // The faster blocking floor (futex, 8 µs) bounds every null-notified goal.
+            "#   [NOT met] null-notified: fido >= 5x faster than tonic: 4.50x (futex-floor is 5.62x faster than tonic)",
+            "#   [beyond floor] null-notified: fido >= 5x faster than capnp: 3.00x (futex-floor is 3.75x faster than capnp: no blocking RPC can meet this)",
+            "#   [beyond floor] null-notified: fido >= 1.5x faster than uds: 1.00x (futex-floor is 1.25x faster than uds: no blocking RPC can meet this)",
+            "#   [met] null-polled: fido <= 2x the spin floor (ratio = fido / floor): 1.50x",
+            "#   [beyond floor] fixedseq-send-100000: fido >= 10x capnp: 2.00x (shm-floor is 3.00x capnp: no synchronous RPC can meet this)",
+            "#   [met] fixedseq-send-100000: fido >= 10x tonic: 20.00x (shm-floor is 30.00x tonic)",
+            "#   [NOT met] varseq-recv-1000000: fido >= 10x capnp: 5.00x (shm-floor is 20.00x capnp)",
+            "#   [met] varseq-recv-1000000: fido >= 10x tonic:  (baseline did not finish)",
+        ];
+        assert_eq!(goal_lines(&records), want);
+
+        // Met beats a floor that says it cannot be (noise): the goal was reached.
+        records.retain(|r| r.system != "tonic" || r.case != nn);
+        records.push(rec(nn, "tonic", 60_000.0));
+        assert!(goal_lines(&records)[1].starts_with(
+            "#   [met] null-notified: fido >= 5x faster than tonic: 6.00x (futex-floor is 7.50x"
+        ));
+
+        // Without floors in the run nothing is "beyond floor".
+        records.retain(|r| !r.system.ends_with("-floor"));
+        let lines = goal_lines(&records);
+        assert!(
+            lines
+                .iter()
+                .all(|l| !l.contains("beyond") && !l.contains("floor is")),
+            "{lines:#?}"
+        );
+        assert!(lines
+            .iter()
+            .any(|l| l
+                .starts_with("#   [NOT met] null-notified: fido >= 1.5x faster than uds: 1.00x")));
+        // The polled goal is not measured without its floor.
+        assert!(lines.iter().all(|l| !l.contains("null-polled")));
+
+        // Nothing measured: no header either.
+        assert!(goal_lines(&[]).is_empty());
+    }
+
+    #[test]
+    fn floors_take_part_only_in_their_cases() {
+        let f = Builtin(SHM_FLOOR);
+        assert!(!f.supports(&Case::NullNotified) && !f.supports(&Case::NullPolled));
+        assert!(!f.supports(&Case::FileRead { size: 4096 }));
+        for c in Case::all(true) {
+            if let Case::Seq { .. } = c {
+                assert!(f.supports(&c), "{}", c.name());
+            }
+        }
     }
 
     #[test]

@@ -26,7 +26,15 @@ const COLORS: [RGBColor; 8] = [
 
 /// A fixed color per known system, so figures from different runs compare.
 fn color_of(system: &str, i: usize) -> RGBColor {
-    const KNOWN: [&str; 6] = ["fido", "uds", "tarpc", "capnp", "tonic", "xmlrpc"];
+    const KNOWN: [&str; 7] = [
+        "fido",
+        "uds",
+        "tarpc",
+        "capnp",
+        "tonic",
+        "xmlrpc",
+        super::SHM_FLOOR, // grey
+    ];
     match KNOWN.iter().position(|k| *k == system) {
         Some(p) => COLORS[p],
         None => COLORS[(KNOWN.len() + i) % COLORS.len()],

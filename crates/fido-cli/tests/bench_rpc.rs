@@ -1,7 +1,9 @@
 //! `fido bench rpc --quick` end to end, on a filter small enough for CI: the JSON
 //! lines are well formed, every system ran beside fido, every sequence call's
-//! checksum was asserted, the plot is a PNG, nothing is left behind — and a
-//! server returning a wrong checksum fails the run.
+//! checksum was asserted, the plot is a PNG, nothing is left behind, the
+//! floors (`futex-floor`, `eventfd-floor`, `shm-floor`) ran beside them and the
+//! goal lines are printed — and a server returning a wrong checksum fails the
+//! run (`shm-floor` too).
 
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
@@ -10,6 +12,10 @@ use std::time::Duration;
 
 const FIDO: &str = env!("CARGO_BIN_EXE_fido");
 const SYSTEMS: [&str; 6] = ["fido", "uds", "tarpc", "capnp", "tonic", "xmlrpc"];
+/// Measured beside the systems: null-notified's blocking floors.
+const NULL_FLOORS: [&str; 2] = ["futex-floor", "eventfd-floor"];
+/// Measured beside the systems on every sequence case, checksums asserted.
+const SEQ_FLOOR: &str = "shm-floor";
 
 fn run(mut cmd: Command, limit: Duration) -> Output {
     let child = cmd
@@ -134,13 +140,44 @@ fn rpc_quick_json_is_well_formed_and_checked() {
         }
         seen.push((system, case, metric));
     }
+    let has = |sys: &str, case: &str| seen.iter().any(|(s, c, _)| s == sys && c == case);
     for sys in SYSTEMS {
         for case in ["null-notified", "byteseq-send-100", "varseq-recv-100"] {
-            assert!(
-                seen.iter().any(|(s, c, _)| s == sys && c == case),
-                "no {sys} {case} record in\n{body}"
-            );
+            assert!(has(sys, case), "no {sys} {case} record in\n{body}");
         }
+    }
+    for f in NULL_FLOORS {
+        assert!(has(f, "null-notified"), "no {f} record in\n{body}");
+        assert!(
+            !has(f, "byteseq-send-100"),
+            "{f} ran a sequence case:\n{body}"
+        );
+    }
+    for case in ["byteseq-send-100", "varseq-recv-100"] {
+        assert!(
+            has(SEQ_FLOOR, case),
+            "no {SEQ_FLOOR} {case} record in\n{body}"
+        );
+    }
+    assert!(
+        !has(SEQ_FLOOR, "null-notified"),
+        "{SEQ_FLOOR} ran a null case"
+    );
+    // The null-notified goals are printed with the blocking floor's bound (the
+    // classification itself is unit-tested in fido-bench).
+    let goals: Vec<&str> = stdout
+        .lines()
+        .filter(|l| l.contains("null-notified: fido >="))
+        .collect();
+    assert_eq!(goals.len(), 3, "{stdout}");
+    for g in goals {
+        assert!(
+            ["[met]", "[NOT met]", "[beyond floor]"]
+                .iter()
+                .any(|v| g.contains(v))
+                && g.contains("-floor is "),
+            "goal line without a verdict or a floor: {g}"
+        );
     }
     // Every measured sequence call (and every warm-up call) had its checksum asserted.
     let line = stdout
@@ -182,7 +219,7 @@ fn rpc_wrong_checksum_fails_the_run() {
     let stdout = text(&out.stdout);
     let stderr = text(&out.stderr);
     assert!(!out.status.success(), "a corrupted run passed:\n{stdout}");
-    for sys in SYSTEMS {
+    for sys in SYSTEMS.into_iter().chain([SEQ_FLOOR]) {
         for case in ["byteseq-send-100", "fixedseq-recv-100"] {
             assert!(
                 stdout.contains(&format!("# FAILED: {sys} {case}")),
