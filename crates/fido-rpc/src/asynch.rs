@@ -14,7 +14,6 @@ use tokio::sync::oneshot;
 
 struct Inner {
     ch: AsyncChannel,
-    domain: Domain,
     pending: Mutex<Pending>,
 }
 
@@ -43,7 +42,7 @@ impl Conn {
             ch.set_wait(w);
         }
         let ch = AsyncChannel::new(ch)?;
-        let inner = Arc::new(Inner { ch, domain: domain.clone(), pending: Mutex::new(Pending::default()) });
+        let inner = Arc::new(Inner { ch, pending: Mutex::new(Pending::default()) });
         let r = inner.clone();
         let reader = tokio::spawn(async move {
             loop {
@@ -190,9 +189,7 @@ impl Drop for CancelOnDrop<'_> {
     fn drop(&mut self) {
         let was_pending = self.inner.pending.lock().calls.remove(&self.id).is_some();
         if self.armed && was_pending {
-            if let Some(m) = cancel_message(&self.inner.domain, self.id) {
-                let _ = self.inner.ch.channel().try_send(m);
-            }
+            let _ = self.inner.ch.channel().try_send(cancel_message(self.id));
         }
     }
 }

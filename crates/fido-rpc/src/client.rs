@@ -153,8 +153,10 @@ pub(crate) fn call_message(frame: Frame, method: u32, sig: u32, id: u64, oneway:
     Ok(Message::gather(bufs).tag(id).opcode(op))
 }
 
-pub(crate) fn cancel_message(domain: &Domain, id: u64) -> Option<Message> {
-    domain.alloc(1).ok().map(|b| Message::new(b).tag(id).opcode(OP_CANCEL))
+/// A cancel: an empty inline message (nothing to allocate, so it cannot fail
+/// for lack of memory).
+pub(crate) fn cancel_message(id: u64) -> Message {
+    Message::inline(&[]).expect("an empty inline message fits").tag(id).opcode(OP_CANCEL)
 }
 
 /// One connection and the replies that arrived for callers not yet awake.
@@ -171,7 +173,7 @@ struct ConnState {
     /// A thread is inside `recv` on behalf of all callers.
     receiving: bool,
     /// Calls whose caller still waits.
-    waiting: IdMap<()>,
+    waiting: IdSet,
     /// Replies received for a waiting caller.
     done: IdMap<Msg>,
     /// Set once the connection failed: every waiter gets this.
@@ -289,7 +291,7 @@ impl Client {
         let deadline = opts.timeout.map(|t| Instant::now() + t);
         let deadline_ns = opts.timeout.map(|t| monotonic_ns() + t.as_nanos() as u64).unwrap_or(0);
         let m = call_message(frame, method, sig, id, false, deadline_ns, root)?;
-        conn.st.lock().waiting.insert(id, ());
+        conn.st.lock().waiting.insert(id);
         let sent = match deadline {
             Some(d) => conn.ch.send_timeout(m, d.saturating_duration_since(Instant::now())),
             None => conn.ch.send(m),
@@ -324,9 +326,7 @@ impl Client {
     fn give_up(&self, conn: &Conn, id: u64, why: RpcError) -> RpcError {
         conn.st.lock().waiting.remove(&id);
         conn.st.lock().done.remove(&id);
-        if let Some(m) = cancel_message(&self.domain, id) {
-            let _ = conn.ch.try_send(m);
-        }
+        let _ = conn.ch.try_send(cancel_message(id));
         why
     }
 
@@ -382,7 +382,7 @@ impl Client {
                         conn.cv.notify_all();
                         return Ok(m);
                     }
-                    if st.waiting.contains_key(&tag) {
+                    if st.waiting.contains(&tag) {
                         st.done.insert(tag, m);
                     }
                     // else: a late reply to a call its caller gave up on;

@@ -32,7 +32,28 @@ pub struct Frame {
     /// Bytes used in the last chunk.
     used: usize,
     next_chunk: usize,
+    /// The last chunk's local address, length and global address, cached:
+    /// a VarSeq reserves one string per element, and asking the `Buf` each
+    /// time costs a chain of dependent loads (arena, mapping, base).
+    cur: Cursor,
 }
+
+#[derive(Clone, Copy)]
+struct Cursor {
+    local: *mut u8,
+    len: usize,
+    global: u64,
+}
+
+impl Cursor {
+    const NONE: Cursor = Cursor { local: std::ptr::null_mut(), len: 0, global: 0 };
+}
+
+// SAFETY: the cursor points into the last of `chunks`, which the frame owns
+// exclusively (a `Buf` is `Send`); it is only dereferenced through `&mut self`.
+unsafe impl Send for Frame {}
+// SAFETY: `&Frame` never writes through the cursor (only `&mut self` methods do).
+unsafe impl Sync for Frame {}
 
 impl Frame {
     /// A frame in `arena` (a domain's: `Domain::arena()`).
@@ -43,7 +64,7 @@ impl Frame {
     /// A frame whose first buffer has room for `bytes` beyond the header, so
     /// arguments of known size need one allocation.
     pub fn with_capacity(arena: &Arc<Arena>, bytes: usize) -> Result<Frame, RpcError> {
-        let mut f = Frame { arena: arena.clone(), chunks: Vec::new(), adopted: Vec::new(), used: 0, next_chunk: MIN_CHUNK };
+        let mut f = Frame { arena: arena.clone(), chunks: Vec::new(), adopted: Vec::new(), used: 0, next_chunk: MIN_CHUNK, cur: Cursor::NONE };
         if bytes > 0 {
             f.first_chunk(bytes)?;
         }
@@ -57,7 +78,39 @@ impl Frame {
         let buf = self.arena.alloc(size).map_err(|e| RpcError::Memory(e.to_string()))?;
         self.chunks.push(buf);
         self.used = HEADER_LEN;
+        self.refresh_cursor();
         Ok(())
+    }
+
+    /// Points the cursor at the last chunk (after one was added).
+    fn refresh_cursor(&mut self) {
+        self.cur = match self.chunks.last_mut() {
+            Some(b) => Cursor { local: b.as_mut_ptr(), len: b.len(), global: b.gptr().addr() },
+            None => Cursor::NONE,
+        };
+    }
+
+    /// Like `reserve`, but returns where the bytes are: their local address
+    /// (writable: in a chunk this frame owns, handed out once) and global
+    /// address. The hot path of building slices and strings.
+    #[inline(always)]
+    fn reserve_raw(&mut self, len: usize, align: usize) -> Result<(*mut u8, u64), RpcError> {
+        if align > MAX_ALIGN || !align.is_power_of_two() {
+            return Err(RpcError::Invalid(format!("alignment {align} (must be a power of two ≤ {MAX_ALIGN})")));
+        }
+        let at = (self.used + align - 1) & !(align - 1);
+        // `cur.len` is 0 while there is no chunk, so nothing fits then.
+        if at.checked_add(len).is_some_and(|end| end <= self.cur.len) {
+            self.used = at + len;
+            // SAFETY: `at + len` ≤ the last chunk's length: in bounds of the
+            // chunk's memory (`cur.local` is its start).
+            return Ok((unsafe { self.cur.local.add(at) }, self.cur.global + at as u64));
+        }
+        let (c, off) = self.new_chunk(len)?;
+        debug_assert_eq!(c, self.chunks.len() - 1);
+        // SAFETY: `new_chunk` made chunk `c` (the last, now under the cursor)
+        // with `off + len` ≤ its length.
+        Ok((unsafe { self.cur.local.add(off) }, self.cur.global + off as u64))
     }
 
     /// True while nothing was built in the frame or adopted by it: a call or
@@ -105,6 +158,7 @@ impl Frame {
         self.chunks[last].truncate(used);
         self.chunks.push(buf);
         self.used = len;
+        self.refresh_cursor();
         Ok((self.chunks.len() - 1, 0))
     }
 
@@ -155,9 +209,12 @@ impl Frame {
         if bytes.is_empty() {
             return Ok(ShmSlice::from_raw(0, data.len() as u64));
         }
-        let (c, off) = self.reserve(bytes.len(), std::mem::align_of::<T>())?;
-        self.chunks[c][off..off + bytes.len()].copy_from_slice(bytes);
-        Ok(ShmSlice::from_raw(self.gaddr(c, off), data.len() as u64))
+        let (dst, addr) = self.reserve_raw(bytes.len(), std::mem::align_of::<T>())?;
+        // SAFETY: `reserve_raw` handed out `bytes.len()` writable bytes at
+        // `dst`, in our own chunk, to nobody else; `bytes` is our caller's
+        // memory, not the frame's, so they do not overlap.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst, bytes.len()) };
+        Ok(ShmSlice::from_raw(addr, data.len() as u64))
     }
 
     /// `n` elements built one by one by `f`, which may itself allocate in the
@@ -175,22 +232,21 @@ impl Frame {
             }
             return Ok(ShmSlice::from_raw(0, n as u64));
         }
-        let (c, off) = self.reserve(bytes, std::mem::align_of::<T>())?;
+        let (dst, addr) = self.reserve_raw(bytes, std::mem::align_of::<T>())?;
+        let dst = dst as *mut T;
         for i in 0..n {
             let v = f(i, self)?;
-            // The reserved range is never handed out again and chunks never
-            // move (they are arena buffers), so index it afresh each time.
-            let at = off + i * size;
-            let dst = &mut self.chunks[c][at..at + size];
-            // A typed store (the slot is aligned for `T`: arena buffers are
-            // 64-byte aligned and `reserve` aligned `off`), not a `memmove`
-            // call per element.
-            match bytemuck::try_from_bytes_mut::<T>(dst) {
-                Ok(slot) => *slot = v,
-                Err(_) => dst.copy_from_slice(bytemuck::bytes_of(&v)),
-            }
+            // SAFETY: element `i` < n lies in the `n * size` bytes reserved
+            // above, which are never handed out again; chunk memory never
+            // moves (arena buffers), whatever `f` adds to the frame (it may
+            // add chunks, or shorten this one's logical length to what is
+            // used, which includes this range). Aligned for `T`: chunks are
+            // 64-byte aligned, `reserve_raw` aligned the offset, and
+            // `align_of::<T>()` ≤ 64 (checked). A typed store, not a
+            // `memmove` call per element.
+            unsafe { dst.add(i).write(v) };
         }
-        Ok(ShmSlice::from_raw(self.gaddr(c, off), n as u64))
+        Ok(ShmSlice::from_raw(addr, n as u64))
     }
 
     /// A copy of `s`.
@@ -251,6 +307,7 @@ impl Frame {
         let used = self.used;
         self.chunks[last].truncate(used);
         let mut out = std::mem::take(&mut self.chunks);
+        self.cur = Cursor::NONE;
         out.append(&mut self.adopted);
         Ok(out)
     }

@@ -216,6 +216,8 @@ impl std::hash::Hasher for IdHasher {
 
 /// A map keyed by call id.
 pub(crate) type IdMap<V> = std::collections::HashMap<u64, V, std::hash::BuildHasherDefault<IdHasher>>;
+/// A set of call ids.
+pub(crate) type IdSet = std::collections::HashSet<u64, std::hash::BuildHasherDefault<IdHasher>>;
 
 impl RootWriter {
     pub fn new() -> Self {
