@@ -195,17 +195,24 @@ pub struct RxRing {
     local: LocalBlock,
     peer: PeerBlock,
     cons: u64,
+    /// Empty looks since the publish index was last checked (`pending`).
+    idle_looks: std::cell::Cell<u32>,
 }
+
+/// A waiting consumer checks the peer's publish index once per this many
+/// empty looks at the next slot (see [`RxRing::pending`]).
+const INDEX_CHECK_EVERY: u32 = 64;
 
 impl RxRing {
     pub fn new(local: LocalBlock, peer: PeerBlock) -> RxRing {
-        RxRing { local, peer, cons: 0 }
+        RxRing { local, peer, cons: 0, idle_looks: std::cell::Cell::new(0) }
     }
 
     /// Copies out the next published descriptor, if any. The caller validates
     /// its contents.
     pub fn poll(&mut self) -> Result<Option<Descriptor>, RingError> {
-        if !self.pending()? {
+        if !self.peer.slot_published(self.cons) {
+            self.check_index()?;
             return Ok(None);
         }
         // The mark is the ring's, not the message's.
@@ -218,21 +225,34 @@ impl RxRing {
     /// True when a descriptor is waiting.
     ///
     /// Looks at the next slot's publication mark, so a waiting message costs
-    /// one cache-line transfer. Only when there is none does it read the
-    /// publish index, to catch a peer whose index went wild: it may trail
-    /// what we consumed (a producer marks slots before it publishes them as
-    /// a batch), but never by more than a ring, and never lead by more.
+    /// one cache-line transfer. One empty look in [`INDEX_CHECK_EVERY`] also
+    /// checks the publish index ([`RxRing::poll`] checks it on every empty
+    /// poll): reading it on every look of a spinning waiter would keep a
+    /// second line the producer writes shared with us, and the producer's
+    /// publish would wait for it.
     #[inline]
     pub fn pending(&self) -> Result<bool, RingError> {
         if self.peer.slot_published(self.cons) {
             return Ok(true);
         }
+        let looks = self.idle_looks.get().wrapping_add(1);
+        self.idle_looks.set(looks);
+        if looks % INDEX_CHECK_EVERY == 0 {
+            self.check_index()?;
+        }
+        Ok(false)
+    }
+
+    /// Catches a peer whose publish index went wild: it may trail what we
+    /// consumed (a producer marks slots before it publishes them as a batch),
+    /// but never by more than a ring, and never lead by more.
+    fn check_index(&self) -> Result<(), RingError> {
         let published = protocol::observe(self.peer.data_prod());
         let entries = self.local.entries();
         if published.abs_diff(self.cons) > entries as u64 {
             return Err(RingError::IndexJump { what: "publish", from: self.cons, to: published, entries });
         }
-        Ok(false)
+        Ok(())
     }
 
     pub fn local(&self) -> &LocalBlock {
