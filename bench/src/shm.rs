@@ -29,11 +29,55 @@ const STOP: u64 = u64::MAX;
 const PAGE: usize = 4096;
 const STALL: Duration = Duration::from_secs(10);
 
+/// A read-write, pre-faulted `MAP_SHARED` mapping of a memfd, unmapped on drop:
+/// what both processes of a floor map (here and in `rpc::shm_floor`).
+pub(crate) struct MemfdMapping {
+    base: *mut u8,
+    len: usize,
+}
+
+impl MemfdMapping {
+    /// Maps the first `len` bytes of `fd` (which must be at least that long).
+    pub(crate) fn new(fd: impl AsFd, len: usize) -> anyhow::Result<MemfdMapping> {
+        // SAFETY: a fresh shared mapping of a memfd at least `len` bytes long, placed
+        // by the kernel; unmapped only in Drop.
+        let base = unsafe {
+            rustix::mm::mmap(
+                std::ptr::null_mut(),
+                len,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::SHARED | MapFlags::POPULATE,
+                fd,
+                0,
+            )?
+        } as *mut u8;
+        Ok(MemfdMapping { base, len })
+    }
+
+    /// The first byte (valid for `len()` bytes while `self` lives).
+    pub(crate) fn base(&self) -> *mut u8 {
+        self.base
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl Drop for MemfdMapping {
+    fn drop(&mut self) {
+        // SAFETY: exactly the mapping created in `new`.
+        unsafe {
+            let _ = rustix::mm::munmap(self.base as *mut _, self.len);
+        }
+    }
+}
+
 /// A shared mapping of a memfd: control page + A→B buffer + B→A buffer.
 struct Region {
     base: *mut u8,
-    len: usize,
     size: usize,
+    _map: MemfdMapping,
 }
 
 impl Region {
@@ -52,19 +96,8 @@ impl Region {
 
     fn map(fd: impl AsFd, size: usize) -> anyhow::Result<Region> {
         let (_, len) = Self::layout(size);
-        // SAFETY: a fresh shared mapping of a memfd at least `len` bytes long, placed by
-        // the kernel; unmapped only in Drop.
-        let base = unsafe {
-            rustix::mm::mmap(
-                std::ptr::null_mut(),
-                len,
-                ProtFlags::READ | ProtFlags::WRITE,
-                MapFlags::SHARED | MapFlags::POPULATE,
-                fd,
-                0,
-            )?
-        } as *mut u8;
-        Ok(Region { base, len, size })
+        let map = MemfdMapping::new(fd, len)?;
+        Ok(Region { base: map.base(), size, _map: map })
     }
 
     fn flag(&self) -> &AtomicU64 {
@@ -106,14 +139,6 @@ impl Region {
     }
 }
 
-impl Drop for Region {
-    fn drop(&mut self) {
-        // SAFETY: exactly the mapping created in `map`.
-        unsafe {
-            let _ = rustix::mm::munmap(self.base as *mut _, self.len);
-        }
-    }
-}
 
 fn check(got: u64, want: u64) -> anyhow::Result<()> {
     if got != want {

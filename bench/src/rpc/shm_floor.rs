@@ -38,7 +38,6 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use anyhow::{bail, ensure, Context as _};
-use rustix::mm::{MapFlags, ProtFlags};
 
 use super::data::{self, Dir, Fixed, Seq, VAR_STR};
 use super::{Case, RpcClient};
@@ -83,24 +82,14 @@ fn data_bytes(seq: Seq, len: usize) -> Option<usize> {
 struct Shared {
     base: *mut u8,
     len: usize,
+    _map: crate::shm::MemfdMapping,
 }
 
 impl Shared {
     fn map(fd: BorrowedFd<'_>, len: usize) -> anyhow::Result<Shared> {
         ensure!(len > PAGE, "shm-floor region of {len} bytes is too small");
-        // SAFETY: a fresh shared mapping of a memfd at least `len` bytes long, placed
-        // by the kernel; unmapped only in Drop.
-        let base = unsafe {
-            rustix::mm::mmap(
-                std::ptr::null_mut(),
-                len,
-                ProtFlags::READ | ProtFlags::WRITE,
-                MapFlags::SHARED | MapFlags::POPULATE,
-                fd,
-                0,
-            )?
-        } as *mut u8;
-        Ok(Shared { base, len })
+        let map = crate::shm::MemfdMapping::new(fd, len)?;
+        Ok(Shared { base: map.base(), len: map.len(), _map: map })
     }
 
     fn word(&self, at: usize) -> &AtomicU64 {
@@ -131,14 +120,6 @@ impl Shared {
     }
 }
 
-impl Drop for Shared {
-    fn drop(&mut self) {
-        // SAFETY: exactly the mapping created in `map`.
-        unsafe {
-            let _ = rustix::mm::munmap(self.base as *mut _, self.len);
-        }
-    }
-}
 
 /// `&mut [T]` over the first `n` elements of `data` (the data area is
 /// page-aligned).
