@@ -224,12 +224,11 @@ impl RxRing {
 
     /// True when a descriptor is waiting.
     ///
-    /// Looks at the next slot's publication mark, so a waiting message costs
-    /// one cache-line transfer. One empty look in [`INDEX_CHECK_EVERY`] also
+    /// Looks at the next slot's publication mark (the slot is the line the
+    /// message arrives in). One empty look in [`INDEX_CHECK_EVERY`] also
     /// checks the publish index ([`RxRing::poll`] checks it on every empty
-    /// poll): reading it on every look of a spinning waiter would keep a
-    /// second line the producer writes shared with us, and the producer's
-    /// publish would wait for it.
+    /// poll), so a spinning waiter does not keep a second line the producer
+    /// writes in its cache.
     #[inline]
     pub fn pending(&self) -> Result<bool, RingError> {
         if self.peer.slot_published(self.cons) {
