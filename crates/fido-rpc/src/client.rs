@@ -91,9 +91,8 @@ impl<R: Pod> Reply<R> {
 /// grant. The root lives as long as `msg`.
 pub fn reply_parts(msg: &Msg) -> Result<(u32, u32, &[u8]), &'static str> {
     if let Some(b) = msg.inline_bytes() {
-        let h = b.get(..INLINE_HEADER_LEN).ok_or("short inline reply")?;
-        let word = |i: usize| u32::from_ne_bytes(h[i..i + 4].try_into().expect("4 bytes"));
-        return Ok((word(0), word(4), &b[INLINE_HEADER_LEN..]));
+        let (status, fault, _, root) = split_inline(b).ok_or("short inline reply")?;
+        return Ok((status, fault, root));
     }
     let first = msg.segments().next().ok_or("empty reply")?;
     let hb = first.get(..HEADER_LEN).ok_or("short header")?;
@@ -139,12 +138,7 @@ pub(crate) fn decode_reply<R: Pod, E: Pod + std::fmt::Debug>(msg: Msg) -> Result
 pub(crate) fn call_message(frame: Frame, method: u32, sig: u32, id: u64, oneway: bool, deadline_ns: u64, root: &[u8]) -> Result<Message, RpcError> {
     let op = if oneway { OP_ONEWAY } else { OP_CALL };
     if frame.is_untouched() && root.len() <= INLINE_ROOT {
-        let mut b = [0u8; fido::INLINE_BYTES];
-        b[0..4].copy_from_slice(&method.to_ne_bytes());
-        b[4..8].copy_from_slice(&sig.to_ne_bytes());
-        b[8..16].copy_from_slice(&deadline_ns.to_ne_bytes());
-        b[INLINE_HEADER_LEN..INLINE_HEADER_LEN + root.len()].copy_from_slice(root);
-        return Ok(Message::inline(&b[..INLINE_HEADER_LEN + root.len()])?.tag(id).opcode(op));
+        return Ok(inline_message(method, sig, deadline_ns, root)?.tag(id).opcode(op));
     }
     let bufs = frame.finish(root, |root_addr, root_len| {
         let h = CallHeader { magic: MAGIC, method, sig, _reserved: 0, deadline_ns, root_addr, root_len, _pad: [0; 3] };

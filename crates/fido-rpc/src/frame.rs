@@ -95,21 +95,10 @@ impl Frame {
     /// address. The hot path of building slices and strings.
     #[inline(always)]
     fn reserve_raw(&mut self, len: usize, align: usize) -> Result<(*mut u8, u64), RpcError> {
-        if align > MAX_ALIGN || !align.is_power_of_two() {
-            return Err(RpcError::Invalid(format!("alignment {align} (must be a power of two ≤ {MAX_ALIGN})")));
-        }
-        let at = (self.used + align - 1) & !(align - 1);
-        // `cur.len` is 0 while there is no chunk, so nothing fits then.
-        if at.checked_add(len).is_some_and(|end| end <= self.cur.len) {
-            self.used = at + len;
-            // SAFETY: `at + len` ≤ the last chunk's length: in bounds of the
-            // chunk's memory (`cur.local` is its start).
-            return Ok((unsafe { self.cur.local.add(at) }, self.cur.global + at as u64));
-        }
-        let (c, off) = self.new_chunk(len)?;
+        let (c, off) = self.reserve(len, align)?;
         debug_assert_eq!(c, self.chunks.len() - 1);
-        // SAFETY: `new_chunk` made chunk `c` (the last, now under the cursor)
-        // with `off + len` ≤ its length.
+        // SAFETY: `reserve` hands out room in the last chunk, the one under
+        // the cursor, with `off + len` ≤ its length.
         Ok((unsafe { self.cur.local.add(off) }, self.cur.global + off as u64))
     }
 
@@ -122,7 +111,7 @@ impl Frame {
     /// Reserves `len` bytes aligned to `align` (a power of two ≤ 64); returns
     /// the chunk index and offset. Inlined: a VarSeq reserves one string per
     /// element, and with the alignment known the rounding is one mask.
-    #[inline]
+    #[inline(always)]
     fn reserve(&mut self, len: usize, align: usize) -> Result<(usize, usize), RpcError> {
         if align > MAX_ALIGN || !align.is_power_of_two() {
             return Err(RpcError::Invalid(format!("alignment {align} (must be a power of two ≤ {MAX_ALIGN})")));
@@ -130,7 +119,8 @@ impl Frame {
         // `used` ≤ the chunk's length, far below usize::MAX: no overflow.
         let at = (self.used + align - 1) & !(align - 1);
         if let Some(last) = self.chunks.len().checked_sub(1) {
-            if at.checked_add(len).is_some_and(|end| end <= self.chunks[last].len()) {
+            // `cur.len` is the last chunk's length (cached: see `cur`).
+            if at.checked_add(len).is_some_and(|end| end <= self.cur.len) {
                 self.used = at + len;
                 return Ok((last, at));
             }

@@ -150,15 +150,13 @@ impl<'a> CallBytes<'a> {
 pub fn parse_call<'a>(call: CallBytes<'a>, mem: &'a dyn PeerMemory) -> Result<Incoming<'a>, Fault> {
     let first_segment = match call {
         CallBytes::Inline(b) => {
-            let h = b.get(..INLINE_HEADER_LEN).ok_or(Fault::BadHeader)?;
-            let word = |i: usize| u32::from_ne_bytes(h[i..i + 4].try_into().expect("4 bytes"));
-            let root = &b[INLINE_HEADER_LEN..];
+            let (method, sig, deadline_ns, root) = split_inline(b).ok_or(Fault::BadHeader)?;
             let header = CallHeader {
                 magic: MAGIC,
-                method: word(0),
-                sig: word(4),
+                method,
+                sig,
                 _reserved: 0,
-                deadline_ns: u64::from_ne_bytes(h[8..16].try_into().expect("8 bytes")),
+                deadline_ns,
                 root_addr: 0,
                 root_len: root.len() as u64,
                 _pad: [0; 3],
@@ -244,11 +242,7 @@ pub fn dispatch_call(
 /// in the arena and the root fits ([`INLINE_ROOT`]), else in `arena`.
 pub fn reply_message(arena: &Arc<Arena>, call_id: u64, out: Outcome) -> Result<Message, RpcError> {
     if out.frame.as_ref().is_none_or(Frame::is_untouched) && out.root.len() <= INLINE_ROOT {
-        let mut b = [0u8; fido::INLINE_BYTES];
-        b[0..4].copy_from_slice(&out.status.to_ne_bytes());
-        b[4..8].copy_from_slice(&out.fault.to_ne_bytes());
-        b[INLINE_HEADER_LEN..INLINE_HEADER_LEN + out.root.len()].copy_from_slice(&out.root);
-        let mut m = Message::inline(&b[..INLINE_HEADER_LEN + out.root.len()])?.tag(call_id).opcode(OP_REPLY);
+        let mut m = inline_message(out.status, out.fault, 0, &out.root)?.tag(call_id).opcode(OP_REPLY);
         if !out.holds.is_empty() {
             m = m.hold(out.holds);
         }

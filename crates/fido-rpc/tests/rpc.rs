@@ -207,17 +207,24 @@ fn sequences(swizzle: bool) {
     assert_eq!(sd.counters().bytes_copied, 0);
 }
 
+/// The bench service between two domains with 16 MiB arenas: small enough
+/// that 1 MiB frames left unreclaimed exhaust them.
+fn bench_in_16_mib_arenas() -> (TestBroker, fido::Domain, fido::Domain, fido_rpc::ServerHandle, BenchClient) {
+    let b = TestBroker::start();
+    let join = |n: &str| fido::Domain::join(fido::JoinOptions::new(n).broker(&b.socket).arena_len(16 << 20)).unwrap();
+    let sd = join("server");
+    let cd = join("client");
+    let h = Server::spawn(&sd, "bench", BenchServer(BenchImpl), ServerOptions::default()).unwrap();
+    let c = BenchClient::connect(&cd, "bench").unwrap();
+    (b, sd, cd, h, c)
+}
+
 /// A synchronous caller never fills half its ring, where sending reaps: the
 /// client must take back finished calls' argument memory itself, or large
 /// calls exhaust the arena (32 unreaped 1 MiB frames would need 32 MiB here).
 #[test]
 fn large_synchronous_calls_reuse_their_argument_memory() {
-    let b = TestBroker::start();
-    let join = |n: &str| fido::Domain::join(fido::JoinOptions::new(n).broker(&b.socket).arena_len(16 << 20)).unwrap();
-    let sd = join("server");
-    let cd = join("client");
-    let _h = Server::spawn(&sd, "bench", BenchServer(BenchImpl), ServerOptions::default()).unwrap();
-    let c = BenchClient::connect(&cd, "bench").unwrap();
+    let (_b, _sd, _cd, _h, c) = bench_in_16_mib_arenas();
     let len = 1 << 20;
     for i in 0..48 {
         let mut f = c.frame().unwrap_or_else(|e| panic!("call {i}: {e}"));
@@ -232,12 +239,7 @@ fn large_synchronous_calls_reuse_their_argument_memory() {
 /// (32 unreaped 1 MiB reply frames would need 32 MiB here).
 #[test]
 fn large_synchronous_results_reuse_the_servers_memory() {
-    let b = TestBroker::start();
-    let join = |n: &str| fido::Domain::join(fido::JoinOptions::new(n).broker(&b.socket).arena_len(16 << 20)).unwrap();
-    let sd = join("server");
-    let cd = join("client");
-    let _h = Server::spawn(&sd, "bench", BenchServer(BenchImpl), ServerOptions::default()).unwrap();
-    let c = BenchClient::connect(&cd, "bench").unwrap();
+    let (_b, _sd, _cd, _h, c) = bench_in_16_mib_arenas();
     let len = 1 << 20;
     for i in 0..48 {
         let r = c.byteseq_recv(c.frame().unwrap(), len as u64).unwrap_or_else(|e| panic!("call {i}: {e}"));

@@ -712,12 +712,6 @@ impl Channel {
         tx.reap().map_err(|why| self.shared.mark_broken(why))
     }
 
-    /// Payload bytes sent and not yet known to be released (releases the
-    /// peer published but we have not collected still count).
-    pub fn unreleased_bytes(&self) -> u64 {
-        self.shared.unreleased_bytes.load(Ordering::Relaxed)
-    }
-
     /// Sends a message, waiting (per the wait strategy) while the window is full.
     pub fn send(&self, msg: impl Into<Message>) -> std::result::Result<(), SendError> {
         self.send_inner(msg.into(), None, true)
