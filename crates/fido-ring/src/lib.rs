@@ -29,7 +29,7 @@ pub mod wait;
 
 pub use block::{block_len, BlockError, LocalBlock, PeerBlock};
 pub use desc::{Descriptor, Segment, FLAG_INLINE, FLAG_SG_LIST, INLINE_BYTES, INLINE_SEGMENTS, MAX_SEGMENTS};
-pub use wait::{wait_until, SleepSite, WaitOutcome, WaitStrategy};
+pub use wait::{quick_spin, wait_until, SleepSite, WaitOutcome, WaitStrategy};
 
 use protocol::Wake;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};

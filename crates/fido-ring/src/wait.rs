@@ -74,17 +74,43 @@ pub const FUTEX_PHASE: Duration = Duration::from_millis(2);
 /// doorbell instead of spinning through them.
 const FUTEX_ROUNDS: u32 = 64;
 
+/// Looks this many times before a spinning waiter first reads the clock
+/// (a few microseconds at most). A polled round trip's reply usually comes
+/// within them, and reading the clock first cost it: on this project's
+/// virtual machines `clock_gettime` took about 8% of a polled RPC's time
+/// on each side (docs/BENCHMARKS.md), and a reply arriving during the read
+/// waits for it.
+pub const QUICK_LOOKS: u32 = 128;
+
+/// Looks at `ready()` up to [`QUICK_LOOKS`] times without reading the clock,
+/// for a strategy that spins (`Block` does not look again). True once ready.
+#[inline]
+pub fn quick_spin<E>(strategy: WaitStrategy, mut ready: impl FnMut() -> Result<bool, E>) -> Result<bool, E> {
+    if strategy == WaitStrategy::Block {
+        return Ok(false);
+    }
+    for _ in 0..QUICK_LOOKS {
+        if ready()? {
+            return Ok(true);
+        }
+        std::hint::spin_loop();
+    }
+    Ok(false)
+}
+
 /// Waits until `ready()` returns true, following `strategy`.
 ///
 /// `ready` is evaluated after every wake-up and once more after arming the sleep
 /// word, so a publish racing with the decision to sleep is never missed.
+/// A spinning strategy first looks [`QUICK_LOOKS`] times without reading
+/// the clock, so the deadline and the spin time may be overrun by that much.
 pub fn wait_until<E>(
     strategy: WaitStrategy,
     deadline: Option<Instant>,
     site: SleepSite<'_>,
     mut ready: impl FnMut() -> Result<bool, E>,
 ) -> Result<WaitOutcome, E> {
-    if ready()? {
+    if ready()? || quick_spin(strategy, &mut ready)? {
         return Ok(WaitOutcome::Ready);
     }
     let start = Instant::now();

@@ -285,13 +285,25 @@ impl Client {
         let deadline = opts.timeout.map(|t| Instant::now() + t);
         let deadline_ns = opts.timeout.map(|t| monotonic_ns() + t.as_nanos() as u64).unwrap_or(0);
         let m = call_message(frame, method, sig, id, false, deadline_ns, root)?;
-        conn.st.lock().waiting.insert(id);
+        // Register the call and, if nobody is receiving, become the receiver
+        // for everybody: one lock round trip before the send, not two.
+        let receiver = {
+            let mut st = conn.st.lock();
+            st.waiting.insert(id);
+            !std::mem::replace(&mut st.receiving, true)
+        };
         let sent = match deadline {
             Some(d) => conn.ch.send_timeout(m, d.saturating_duration_since(Instant::now())),
             None => conn.ch.send(m),
         };
         if let Err(e) = sent {
-            conn.st.lock().waiting.remove(&id);
+            let mut st = conn.st.lock();
+            st.waiting.remove(&id);
+            if receiver {
+                st.receiving = false;
+                conn.cv.notify_all();
+            }
+            drop(st);
             return Err(match e.error {
                 fido::Error::Timeout => RpcError::DeadlineExceeded,
                 other => {
@@ -300,7 +312,7 @@ impl Client {
                 }
             });
         }
-        let reply = self.wait_reply(&conn, id, deadline, opts.cancel.as_ref());
+        let reply = self.wait_reply(&conn, id, deadline, opts.cancel.as_ref(), receiver);
         // The server released this call's arguments before replying: take
         // the memory back before the caller builds the next call (a cheap
         // check unless more than REAP_ABOVE is out).
@@ -324,73 +336,96 @@ impl Client {
         why
     }
 
-    fn wait_reply(&self, conn: &Conn, id: u64, deadline: Option<Instant>, cancel: Option<&CancelToken>) -> Result<Msg, RpcError> {
+    /// Waits for call `id`'s reply. `receiver`: the caller already claimed
+    /// the receiving turn (`ConnState::receiving`), so the first look at the
+    /// shared state is skipped: nobody else can have received the reply.
+    fn wait_reply(&self, conn: &Conn, id: u64, deadline: Option<Instant>, cancel: Option<&CancelToken>, receiver: bool) -> Result<Msg, RpcError> {
         // With a cancel token, wake up now and then to look at it.
         let slice = if cancel.is_some() { Some(Duration::from_millis(20)) } else { None };
-        let mut st = conn.st.lock();
-        loop {
-            if let Some(m) = st.done.remove(&id) {
-                st.waiting.remove(&id);
-                return Ok(m);
-            }
-            if let Some(why) = st.failed.clone() {
-                st.waiting.remove(&id);
-                return Err(RpcError::ServerGone(why));
-            }
-            if cancel.is_some_and(|c| c.is_cancelled()) {
-                drop(st);
-                return Err(self.give_up(conn, id, RpcError::Cancelled));
-            }
-            let now = Instant::now();
-            if deadline.is_some_and(|d| now >= d) {
-                drop(st);
-                return Err(self.give_up(conn, id, RpcError::DeadlineExceeded));
-            }
-            let mut wait_for = deadline.map(|d| d - now);
+        // How long the next wait may last; the clock is read only when there
+        // is a deadline.
+        let wait_for = || {
+            let mut w = deadline.map(|d| d.saturating_duration_since(Instant::now()));
             if let Some(s) = slice {
-                wait_for = Some(wait_for.map_or(s, |w| w.min(s)));
+                w = Some(w.map_or(s, |w| w.min(s)));
             }
-            if st.receiving {
-                match wait_for {
-                    Some(w) => {
-                        conn.cv.wait_for(&mut st, w);
-                    }
-                    None => conn.cv.wait(&mut st),
+            w
+        };
+        let mut st = if receiver { None } else { Some(conn.st.lock()) };
+        loop {
+            if let Some(g) = st.as_mut() {
+                if let Some(m) = g.done.remove(&id) {
+                    g.waiting.remove(&id);
+                    return Ok(m);
                 }
-                continue;
+                if let Some(why) = g.failed.clone() {
+                    g.waiting.remove(&id);
+                    return Err(RpcError::ServerGone(why));
+                }
             }
-            // Our turn to receive for everybody.
-            st.receiving = true;
-            drop(st);
-            let r = match wait_for {
+            let gave_up = if cancel.is_some_and(|c| c.is_cancelled()) {
+                Some(RpcError::Cancelled)
+            } else if deadline.is_some_and(|d| Instant::now() >= d) {
+                Some(RpcError::DeadlineExceeded)
+            } else {
+                None
+            };
+            if let Some(why) = gave_up {
+                if st.take().is_none() {
+                    // We hold the receiving turn (claimed before the send):
+                    // hand it on.
+                    conn.st.lock().receiving = false;
+                    conn.cv.notify_all();
+                }
+                return Err(self.give_up(conn, id, why));
+            }
+            if let Some(mut g) = st.take() {
+                if g.receiving {
+                    match wait_for() {
+                        Some(w) => {
+                            conn.cv.wait_for(&mut g, w);
+                        }
+                        None => conn.cv.wait(&mut g),
+                    }
+                    st = Some(g);
+                    continue;
+                }
+                // Our turn to receive for everybody.
+                g.receiving = true;
+            }
+            let r = match wait_for() {
                 Some(w) => conn.ch.recv_timeout(w),
                 None => conn.ch.recv(),
             };
-            st = conn.st.lock();
-            st.receiving = false;
+            let mut g = conn.st.lock();
+            g.receiving = false;
             match r {
                 Ok(m) => {
                     let tag = m.tag();
                     if tag == id {
-                        st.waiting.remove(&id);
-                        conn.cv.notify_all();
+                        g.waiting.remove(&id);
+                        // Others wait for their replies (or their turn).
+                        if !g.waiting.is_empty() {
+                            conn.cv.notify_all();
+                        }
                         return Ok(m);
                     }
-                    if st.waiting.contains(&tag) {
-                        st.done.insert(tag, m);
+                    if g.waiting.contains(&tag) {
+                        g.done.insert(tag, m);
                     }
                     // else: a late reply to a call its caller gave up on;
                     // dropping it releases it.
                 }
                 Err(fido::Error::Timeout) => {}
                 Err(e) => {
-                    if st.failed.is_none() {
-                        st.failed = Some(e.to_string());
+                    if g.failed.is_none() {
+                        g.failed = Some(e.to_string());
                         conn.failed.store(true, Ordering::Release);
                     }
                 }
             }
             conn.cv.notify_all();
+            st = Some(g);
         }
     }
 }

@@ -932,15 +932,22 @@ impl Channel {
     }
 
     pub fn recv_timeout(&self, timeout: Duration) -> Result<Msg> {
-        self.recv_inner(Some(Instant::now() + timeout), true)
+        self.recv_inner(Some(timeout), true)
     }
 
     /// Returns the message itself, not an `Option` of it (a `Msg` is large
     /// enough that the extra wrapping cost a copy on every receive):
     /// `WouldBlock` when not blocking and nothing is there.
-    fn recv_inner(&self, deadline: Option<Instant>, block: bool) -> Result<Msg> {
+    ///
+    /// The clock is read only once a spinning receiver has looked
+    /// [`fido_ring::wait::QUICK_LOOKS`] times: a polled reply usually comes
+    /// sooner, and reading the clock first delayed it (see `quick_spin`).
+    fn recv_inner(&self, timeout: Option<Duration>, block: bool) -> Result<Msg> {
         let sh = &*self.shared;
         let mut rx = sh.rx.lock();
+        // Resolved on the first wait, after the quick spin.
+        let mut deadline: Option<Option<Instant>> = None;
+        let mut spun = false;
         loop {
             // Messages already published are delivered even after the peer died.
             if sh.state.load(Ordering::Acquire) != BROKEN {
@@ -957,6 +964,20 @@ impl Channel {
             if !block {
                 return Err(Error::WouldBlock);
             }
+            let deadline = match deadline {
+                Some(d) => d,
+                None => {
+                    if !spun {
+                        spun = true;
+                        let ring = &rx.ring;
+                        let ready = || -> std::result::Result<bool, RingError> { Ok(ring.pending()? || !sh.is_open()) };
+                        if fido_ring::quick_spin(rx.wait, ready).map_err(|e| sh.mark_broken(e.to_string()))? {
+                            continue;
+                        }
+                    }
+                    *deadline.insert(timeout.map(|t| Instant::now() + t))
+                }
+            };
             // A forwarder blocked here must still pass releases upstream, or a
             // pipeline deadlocks: the source waits for releases that sit in our
             // downstream ring. While forwarded messages are in flight, wake up
