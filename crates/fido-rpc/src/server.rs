@@ -286,11 +286,17 @@ impl Default for ServerOptions {
 struct ConnCalls {
     ch: Channel,
     st: Mutex<CallTable>,
+    /// Each worker's cancel flag, by worker index.
+    flags: Box<[AtomicBool]>,
 }
 
 #[derive(Default)]
 struct CallTable {
-    running: IdMap<Arc<AtomicBool>>,
+    /// The call each worker last registered, by id: the worker's index.
+    /// A worker's entry stays after its call finished and goes when it
+    /// registers its next one (one lock per call, not two); a cancel that
+    /// finds a finished call sets a flag the next registration clears.
+    running: IdMap<usize>,
     /// Cancels that arrived before their call was registered (another worker
     /// received the call and has not got here yet), with their arrival time.
     /// Old ones are for calls that already finished: purged.
@@ -301,25 +307,28 @@ struct CallTable {
 const EARLY_CANCELS: usize = 4096;
 
 impl ConnCalls {
-    /// Registers call `id`, with `flag` as its cancel flag: the worker's own,
-    /// reused from call to call (nobody else holds it once its call is
-    /// unregistered), so a call allocates nothing here.
-    fn register(&self, id: u64, flag: &mut Arc<AtomicBool>) {
+    /// Registers call `id` as worker `worker`'s, in place of its previous
+    /// call `previous`, and returns the worker's cancel flag, cleared (or
+    /// set, if the cancel came first).
+    fn register(&self, worker: usize, id: u64, previous: Option<u64>) -> &AtomicBool {
         let mut t = self.st.lock();
-        let cancelled = !t.early.is_empty() && t.early.remove(&id).is_some();
-        if Arc::get_mut(flag).is_none() {
-            *flag = Arc::new(AtomicBool::new(false));
+        if let Some(p) = previous {
+            // Only if it is still ours: another worker may run a call that
+            // reuses the id (a client's choice).
+            if t.running.get(&p) == Some(&worker) {
+                t.running.remove(&p);
+            }
         }
+        let cancelled = !t.early.is_empty() && t.early.remove(&id).is_some();
+        let flag = &self.flags[worker];
         flag.store(cancelled, Ordering::Release);
-        t.running.insert(id, flag.clone());
-    }
-    fn unregister(&self, id: u64) {
-        self.st.lock().running.remove(&id);
+        t.running.insert(id, worker);
+        flag
     }
     fn cancel(&self, id: u64) {
         let mut t = self.st.lock();
-        if let Some(f) = t.running.get(&id) {
-            f.store(true, Ordering::Release);
+        if let Some(&w) = t.running.get(&id) {
+            self.flags[w].store(true, Ordering::Release);
             return;
         }
         if t.early.len() >= EARLY_CANCELS {
@@ -331,7 +340,8 @@ impl ConnCalls {
         }
     }
     fn cancel_all(&self) {
-        for f in self.st.lock().running.values() {
+        let _t = self.st.lock();
+        for f in self.flags.iter() {
             f.store(true, Ordering::Release);
         }
     }
@@ -384,12 +394,14 @@ impl Server {
                             if let Some(w) = opts.wait {
                                 ch.set_wait(w);
                             }
-                            let cc = Arc::new(ConnCalls { ch, st: Mutex::new(CallTable::default()) });
-                            for i in 0..opts.workers.max(1) {
+                            let workers = opts.workers.max(1);
+                            let flags = (0..workers).map(|_| AtomicBool::new(false)).collect();
+                            let cc = Arc::new(ConnCalls { ch, st: Mutex::new(CallTable::default()), flags });
+                            for i in 0..workers {
                                 let (cc, svc, st, d) = (cc.clone(), svc.clone(), st.clone(), domain.clone());
                                 let t = std::thread::Builder::new()
                                     .name(format!("rpc-worker-{i}"))
-                                    .spawn(move || worker(&d, &*svc, &cc, &st))
+                                    .spawn(move || worker(&d, &*svc, &cc, &st, i))
                                     .expect("spawn rpc worker");
                                 conns.push(t);
                             }
@@ -414,10 +426,11 @@ impl Server {
 
 /// One worker of one connection: receive, run, reply, until the connection
 /// ends or the server stops.
-fn worker(domain: &Domain, svc: &dyn Dispatch, cc: &ConnCalls, stop: &AtomicBool) {
+fn worker(domain: &Domain, svc: &dyn Dispatch, cc: &ConnCalls, stop: &AtomicBool, index: usize) {
     let arena = domain.arena().clone();
     let open = || cc.ch.is_open();
-    let mut flag = Arc::new(AtomicBool::new(false));
+    // The id of the call this worker registered last.
+    let mut previous = None;
     while !stop.load(Ordering::Acquire) {
         let msg = match cc.ch.recv_timeout(Duration::from_millis(100)) {
             Ok(m) => m,
@@ -437,25 +450,25 @@ fn worker(domain: &Domain, svc: &dyn Dispatch, cc: &ConnCalls, stop: &AtomicBool
                 return;
             }
         };
-        handle(svc, cc, &arena, &open, stop, msg, &mut flag);
+        handle(svc, cc, &arena, &open, stop, msg, index, &mut previous);
     }
 }
 
-fn handle(svc: &dyn Dispatch, cc: &ConnCalls, arena: &Arc<Arena>, open: &dyn Fn() -> bool, stop: &AtomicBool, msg: Msg, flag: &mut Arc<AtomicBool>) {
+#[allow(clippy::too_many_arguments)]
+fn handle(svc: &dyn Dispatch, cc: &ConnCalls, arena: &Arc<Arena>, open: &dyn Fn() -> bool, stop: &AtomicBool, msg: Msg, worker: usize, previous: &mut Option<u64>) {
     let id = msg.tag();
     match msg.opcode() {
         OP_CANCEL => {
             cc.cancel(id);
         }
         op @ (OP_CALL | OP_ONEWAY) => {
-            cc.register(id, flag);
+            let flag = cc.register(worker, id, previous.replace(id));
             // Collect the client's releases of earlier replies before this
             // call builds its results: their frames return to the arena now,
             // not only once half the window is out (which left a server
             // returning large results holding that many of them).
             let _ = cc.ch.reap_if_holding(crate::REAP_ABOVE);
             let out = dispatch_call(svc, CallBytes::of(&msg), &msg, id, msg.from_domain(), flag, open, arena);
-            cc.unregister(id);
             // Release framed arguments before replying: once the client has
             // the reply, its argument memory is free for its next call. An
             // inline call holds no memory of the client's, so its release
