@@ -331,3 +331,4 @@ impl Releaser {
 
 #[cfg(all(test, not(loom)))]
 mod tests;
+

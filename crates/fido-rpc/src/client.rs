@@ -7,7 +7,7 @@ use crate::wire::*;
 use bytemuck::Pod;
 use fido::{Channel, Domain, Message, Msg, WaitStrategy};
 use parking_lot::{Condvar, Mutex};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -154,19 +154,46 @@ pub(crate) fn cancel_message(id: u64) -> Message {
 }
 
 /// One connection and the replies that arrived for callers not yet awake.
+///
+/// One caller at a time holds the **receiving turn** (`receiving`): it
+/// receives for everybody, keeps its own reply and leaves the others' in
+/// `done`. The turn is taken with a compare-and-swap and handed on with a
+/// store, no lock: a lone caller (the common case) takes no lock at all on
+/// its way through a call. Callers that find the turn taken wait on `cv`;
+/// the holder takes the lock to wake them only when `parked` says some
+/// are. (Both sides write their word, then read the other's, all `SeqCst`:
+/// either the holder sees the parked caller, or the caller sees the turn
+/// free and does not park.)
 struct Conn {
     ch: Channel,
     st: Mutex<ConnState>,
     cv: Condvar,
     /// `st.failed.is_some()`, readable without the lock.
     failed: AtomicBool,
+    receiving: AtomicBool,
+    parked: AtomicUsize,
+}
+
+impl Conn {
+    /// Takes the receiving turn if it is free.
+    fn take_turn(&self) -> bool {
+        self.receiving.compare_exchange(false, true, Ordering::SeqCst, Ordering::Relaxed).is_ok()
+    }
+
+    /// Hands the receiving turn on: frees it and wakes parked callers, one
+    /// of which takes it.
+    fn hand_off(&self) {
+        self.receiving.store(false, Ordering::SeqCst);
+        if self.parked.load(Ordering::SeqCst) > 0 {
+            let _st = self.st.lock();
+            self.cv.notify_all();
+        }
+    }
 }
 
 #[derive(Default)]
 struct ConnState {
-    /// A thread is inside `recv` on behalf of all callers.
-    receiving: bool,
-    /// Calls whose caller still waits.
+    /// Calls whose caller still waits and does not hold the receiving turn.
     waiting: IdSet,
     /// Replies received for a waiting caller.
     done: IdMap<Msg>,
@@ -248,7 +275,14 @@ impl Client {
         if let Some(w) = *self.wait.lock() {
             ch.set_wait(w);
         }
-        let c = Arc::new(Conn { ch, st: Mutex::new(ConnState::default()), cv: Condvar::new(), failed: AtomicBool::new(false) });
+        let c = Arc::new(Conn {
+            ch,
+            st: Mutex::new(ConnState::default()),
+            cv: Condvar::new(),
+            failed: AtomicBool::new(false),
+            receiving: AtomicBool::new(false),
+            parked: AtomicUsize::new(0),
+        });
         *g = Some(c.clone());
         Ok(c)
     }
@@ -285,25 +319,22 @@ impl Client {
         let deadline = opts.timeout.map(|t| Instant::now() + t);
         let deadline_ns = opts.timeout.map(|t| monotonic_ns() + t.as_nanos() as u64).unwrap_or(0);
         let m = call_message(frame, method, sig, id, false, deadline_ns, root)?;
-        // Register the call and, if nobody is receiving, become the receiver
-        // for everybody: one lock round trip before the send, not two.
-        let receiver = {
-            let mut st = conn.st.lock();
-            st.waiting.insert(id);
-            !std::mem::replace(&mut st.receiving, true)
-        };
+        // Become the receiver for everybody if nobody is; else register the
+        // call so that the receiver keeps its reply.
+        let receiver = conn.take_turn();
+        if !receiver {
+            conn.st.lock().waiting.insert(id);
+        }
         let sent = match deadline {
             Some(d) => conn.ch.send_timeout(m, d.saturating_duration_since(Instant::now())),
             None => conn.ch.send(m),
         };
         if let Err(e) = sent {
-            let mut st = conn.st.lock();
-            st.waiting.remove(&id);
             if receiver {
-                st.receiving = false;
-                conn.cv.notify_all();
+                conn.hand_off();
+            } else {
+                conn.st.lock().waiting.remove(&id);
             }
-            drop(st);
             return Err(match e.error {
                 fido::Error::Timeout => RpcError::DeadlineExceeded,
                 other => {
@@ -336,10 +367,9 @@ impl Client {
         why
     }
 
-    /// Waits for call `id`'s reply. `receiver`: the caller already claimed
-    /// the receiving turn (`ConnState::receiving`), so the first look at the
-    /// shared state is skipped: nobody else can have received the reply.
-    fn wait_reply(&self, conn: &Conn, id: u64, deadline: Option<Instant>, cancel: Option<&CancelToken>, receiver: bool) -> Result<Msg, RpcError> {
+    /// Waits for call `id`'s reply. `receiver`: the caller holds the
+    /// receiving turn (and `id` is not in `waiting`).
+    fn wait_reply(&self, conn: &Conn, id: u64, deadline: Option<Instant>, cancel: Option<&CancelToken>, mut receiver: bool) -> Result<Msg, RpcError> {
         // With a cancel token, wake up now and then to look at it.
         let slice = if cancel.is_some() { Some(Duration::from_millis(20)) } else { None };
         // How long the next wait may last; the clock is read only when there
@@ -351,81 +381,90 @@ impl Client {
             }
             w
         };
-        let mut st = if receiver { None } else { Some(conn.st.lock()) };
-        loop {
-            if let Some(g) = st.as_mut() {
-                if let Some(m) = g.done.remove(&id) {
-                    g.waiting.remove(&id);
-                    return Ok(m);
-                }
-                if let Some(why) = g.failed.clone() {
-                    g.waiting.remove(&id);
-                    return Err(RpcError::ServerGone(why));
-                }
-            }
-            let gave_up = if cancel.is_some_and(|c| c.is_cancelled()) {
+        let gave_up = || {
+            if cancel.is_some_and(|c| c.is_cancelled()) {
                 Some(RpcError::Cancelled)
             } else if deadline.is_some_and(|d| Instant::now() >= d) {
                 Some(RpcError::DeadlineExceeded)
             } else {
                 None
-            };
-            if let Some(why) = gave_up {
-                if st.take().is_none() {
-                    // We hold the receiving turn (claimed before the send):
-                    // hand it on.
-                    conn.st.lock().receiving = false;
-                    conn.cv.notify_all();
-                }
-                return Err(self.give_up(conn, id, why));
             }
-            if let Some(mut g) = st.take() {
-                if g.receiving {
-                    match wait_for() {
-                        Some(w) => {
-                            conn.cv.wait_for(&mut g, w);
-                        }
-                        None => conn.cv.wait(&mut g),
+        };
+        loop {
+            if !receiver {
+                let mut st = conn.st.lock();
+                // Waits for the turn (or a reply left by its holder).
+                loop {
+                    if let Some(m) = st.done.remove(&id) {
+                        st.waiting.remove(&id);
+                        return Ok(m);
                     }
-                    st = Some(g);
-                    continue;
+                    if let Some(why) = st.failed.clone() {
+                        st.waiting.remove(&id);
+                        return Err(RpcError::ServerGone(why));
+                    }
+                    if let Some(why) = gave_up() {
+                        drop(st);
+                        return Err(self.give_up(conn, id, why));
+                    }
+                    // Under the lock, so no holder can be leaving our reply
+                    // in `done` meanwhile: none was, none will be.
+                    if conn.take_turn() {
+                        st.waiting.remove(&id);
+                        break;
+                    }
+                    conn.parked.fetch_add(1, Ordering::SeqCst);
+                    if conn.receiving.load(Ordering::SeqCst) {
+                        match wait_for() {
+                            Some(w) => {
+                                conn.cv.wait_for(&mut st, w);
+                            }
+                            None => conn.cv.wait(&mut st),
+                        }
+                    }
+                    conn.parked.fetch_sub(1, Ordering::SeqCst);
                 }
-                // Our turn to receive for everybody.
-                g.receiving = true;
+                receiver = true;
+            }
+            // We hold the turn: receive for everybody until our reply comes.
+            if let Some(why) = gave_up() {
+                conn.hand_off();
+                return Err(self.give_up(conn, id, why));
             }
             let r = match wait_for() {
                 Some(w) => conn.ch.recv_timeout(w),
                 None => conn.ch.recv(),
             };
-            let mut g = conn.st.lock();
-            g.receiving = false;
             match r {
+                Ok(m) if m.tag() == id => {
+                    conn.hand_off();
+                    return Ok(m);
+                }
                 Ok(m) => {
                     let tag = m.tag();
-                    if tag == id {
-                        g.waiting.remove(&id);
-                        // Others wait for their replies (or their turn).
-                        if !g.waiting.is_empty() {
-                            conn.cv.notify_all();
-                        }
-                        return Ok(m);
-                    }
-                    if g.waiting.contains(&tag) {
-                        g.done.insert(tag, m);
+                    let mut st = conn.st.lock();
+                    if st.waiting.contains(&tag) {
+                        st.done.insert(tag, m);
+                        conn.cv.notify_all();
                     }
                     // else: a late reply to a call its caller gave up on;
                     // dropping it releases it.
                 }
                 Err(fido::Error::Timeout) => {}
                 Err(e) => {
-                    if g.failed.is_none() {
-                        g.failed = Some(e.to_string());
-                        conn.failed.store(true, Ordering::Release);
+                    let why = e.to_string();
+                    {
+                        let mut st = conn.st.lock();
+                        if st.failed.is_none() {
+                            st.failed = Some(why.clone());
+                            conn.failed.store(true, Ordering::Release);
+                        }
+                        conn.cv.notify_all();
                     }
+                    conn.hand_off();
+                    return Err(RpcError::ServerGone(why));
                 }
             }
-            conn.cv.notify_all();
-            st = Some(g);
         }
     }
 }

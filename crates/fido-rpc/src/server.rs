@@ -11,7 +11,7 @@ use fido_shm::Arena;
 use parking_lot::Mutex;
 use std::any::Any;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -34,8 +34,11 @@ pub struct Ctx<'a> {
     call_id: u64,
     peer: u64,
     deadline_ns: u64,
-    cancelled: &'a AtomicBool,
+    cancelled: CancelSignal<'a>,
     conn_open: &'a dyn Fn() -> bool,
+    /// Takes cancels waiting in the connection's ring (when no worker is
+    /// free to receive them).
+    look_for_cancels: &'a dyn Fn(),
     arena: &'a Arc<Arena>,
     frame: Option<Frame>,
     holds: Vec<Box<dyn Any + Send + Sync>>,
@@ -79,7 +82,8 @@ impl<'a> Ctx<'a> {
     /// (`Err(Fault::Cancelled)` from a handler that returns `Result<_, Fault>`,
     /// or any result: it will not be delivered).
     pub fn is_cancelled(&self) -> bool {
-        self.cancelled.load(Ordering::Acquire)
+        (self.look_for_cancels)();
+        self.cancelled.is_set()
             || (self.deadline_ns != 0 && monotonic_ns() >= self.deadline_ns)
             || !(self.conn_open)()
     }
@@ -116,6 +120,25 @@ impl<'a> Ctx<'a> {
     /// Records raw result bytes (the C ABI).
     pub fn reply_raw(&mut self, status: u32, root: &[u8]) {
         self.reply = Some((status, RootBytes::from_slice(root)));
+    }
+}
+
+/// Where a running call learns that it was cancelled.
+#[derive(Clone, Copy)]
+enum CancelSignal<'a> {
+    /// A flag whoever cancels sets ([`dispatch_call`]'s callers).
+    Flag(&'a AtomicBool),
+    /// A worker's cancel word: the call is cancelled once the word holds its
+    /// id (see `ConnCalls`).
+    Word { word: &'a AtomicU64, id: u64 },
+}
+
+impl CancelSignal<'_> {
+    fn is_set(&self) -> bool {
+        match self {
+            CancelSignal::Flag(f) => f.load(Ordering::Acquire),
+            CancelSignal::Word { word, id } => word.load(Ordering::Acquire) == *id,
+        }
     }
 }
 
@@ -200,6 +223,21 @@ pub fn dispatch_call(
     conn_open: &dyn Fn() -> bool,
     arena: &Arc<Arena>,
 ) -> Outcome {
+    run_call(svc, call, mem, call_id, peer, CancelSignal::Flag(cancelled), conn_open, &|| {}, arena)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_call(
+    svc: &dyn Dispatch,
+    call: CallBytes<'_>,
+    mem: &dyn PeerMemory,
+    call_id: u64,
+    peer: u64,
+    cancelled: CancelSignal<'_>,
+    conn_open: &dyn Fn() -> bool,
+    look_for_cancels: &dyn Fn(),
+    arena: &Arc<Arena>,
+) -> Outcome {
     let fault = |f: Fault| Outcome { status: STATUS_FAULT, fault: f as u32, root: RootBytes::from_slice(f.to_string().as_bytes()), frame: None, holds: Vec::new() };
     let inc = match parse_call(call, mem) {
         Ok(i) => i,
@@ -217,6 +255,7 @@ pub fn dispatch_call(
         deadline_ns: h.deadline_ns,
         cancelled,
         conn_open,
+        look_for_cancels,
         arena,
         frame: None,
         holds: Vec::new(),
@@ -283,20 +322,44 @@ impl Default for ServerOptions {
 
 /// Calls of one connection that are running, so a cancel (or the client's
 /// death) reaches them.
+///
+/// Each worker publishes the id of the call it runs in its own word, with a
+/// store and no lock; a cancel (rare) scans those words under the lock and
+/// writes the id into the worker's cancel word, which the call compares
+/// with its own id (so a cancel that finds a call just finished cannot hit
+/// the worker's next one). A cancel that finds no worker running its call
+/// keeps the id in `early` until the call arrives: a worker looks there
+/// only while `early_count` says it is not empty. (The worker stores its
+/// id then reads the count; the canceller stores the count then reads the
+/// ids again; all `SeqCst`, so one of them sees the other.)
+///
+/// A cancel must reach a call even when every worker is busy running calls
+/// (one worker is the default): nobody would receive it from the ring. So a
+/// running call that asks whether it was cancelled also looks in the ring
+/// (`look_for_cancels`, if no worker is receiving): it applies the cancels it
+/// finds and leaves the calls in `backlog`, which workers take before the
+/// ring.
 struct ConnCalls {
     ch: Channel,
     st: Mutex<CallTable>,
-    /// Each worker's cancel flag, by worker index.
-    flags: Box<[AtomicBool]>,
+    workers: Box<[WorkerCall]>,
+    /// `st.early.len()`, readable without the lock.
+    early_count: AtomicUsize,
+    backlog: Mutex<std::collections::VecDeque<Msg>>,
+    /// `backlog.len()`, readable without the lock.
+    backlog_len: AtomicUsize,
+}
+
+/// One worker's current call, and the id of the last call cancelled on it.
+/// (Ids are the client's choice: a client that reuses one may see its own
+/// cancel apply to the reuse.)
+struct WorkerCall {
+    running: AtomicU64,
+    cancel: AtomicU64,
 }
 
 #[derive(Default)]
 struct CallTable {
-    /// The call each worker last registered, by id: the worker's index.
-    /// A worker's entry stays after its call finished and goes when it
-    /// registers its next one (one lock per call, not two); a cancel that
-    /// finds a finished call sets a flag the next registration clears.
-    running: IdMap<usize>,
     /// Cancels that arrived before their call was registered (another worker
     /// received the call and has not got here yet), with their arrival time.
     /// Old ones are for calls that already finished: purged.
@@ -307,28 +370,68 @@ struct CallTable {
 const EARLY_CANCELS: usize = 4096;
 
 impl ConnCalls {
-    /// Registers call `id` as worker `worker`'s, in place of its previous
-    /// call `previous`, and returns the worker's cancel flag, cleared (or
-    /// set, if the cancel came first).
-    fn register(&self, worker: usize, id: u64, previous: Option<u64>) -> &AtomicBool {
-        let mut t = self.st.lock();
-        if let Some(p) = previous {
-            // Only if it is still ours: another worker may run a call that
-            // reuses the id (a client's choice).
-            if t.running.get(&p) == Some(&worker) {
-                t.running.remove(&p);
+    fn new(ch: Channel, workers: usize) -> ConnCalls {
+        // Neither word matches an id a call is cancelled by until a cancel
+        // writes it (0 is never a call of our own client's).
+        let workers = (0..workers).map(|_| WorkerCall { running: AtomicU64::new(0), cancel: AtomicU64::new(0) }).collect();
+        ConnCalls {
+            ch,
+            st: Mutex::new(CallTable::default()),
+            workers,
+            early_count: AtomicUsize::new(0),
+            backlog: Mutex::new(Default::default()),
+            backlog_len: AtomicUsize::new(0),
+        }
+    }
+
+    /// Applies the cancels waiting in the ring and sets the calls among them
+    /// aside in the backlog, unless a worker is receiving (it will).
+    fn look_for_cancels(&self) {
+        while let Ok(Some(m)) = self.ch.try_recv_if_idle() {
+            if m.opcode() == OP_CANCEL {
+                self.cancel(m.tag());
+            } else {
+                let mut q = self.backlog.lock();
+                q.push_back(m);
+                self.backlog_len.store(q.len(), Ordering::Release);
             }
         }
-        let cancelled = !t.early.is_empty() && t.early.remove(&id).is_some();
-        let flag = &self.flags[worker];
-        flag.store(cancelled, Ordering::Release);
-        t.running.insert(id, worker);
-        flag
     }
+
+    /// The oldest message set aside by `look_for_cancels`, if any.
+    fn next_from_backlog(&self) -> Option<Msg> {
+        if self.backlog_len.load(Ordering::Acquire) == 0 {
+            return None;
+        }
+        let mut q = self.backlog.lock();
+        let m = q.pop_front();
+        self.backlog_len.store(q.len(), Ordering::Release);
+        m
+    }
+
+    /// Registers call `id` as worker `worker`'s; returns where the call
+    /// learns of its cancel.
+    fn register(&self, worker: usize, id: u64) -> CancelSignal<'_> {
+        let w = &self.workers[worker];
+        w.running.store(id, Ordering::SeqCst);
+        if self.early_count.load(Ordering::SeqCst) > 0 {
+            let mut t = self.st.lock();
+            if t.early.remove(&id).is_some() {
+                self.early_count.store(t.early.len(), Ordering::SeqCst);
+                w.cancel.store(id, Ordering::Release);
+            }
+        }
+        CancelSignal::Word { word: &w.cancel, id }
+    }
+
+    fn find(&self, id: u64) -> Option<&WorkerCall> {
+        self.workers.iter().find(|w| w.running.load(Ordering::SeqCst) == id)
+    }
+
     fn cancel(&self, id: u64) {
         let mut t = self.st.lock();
-        if let Some(&w) = t.running.get(&id) {
-            self.flags[w].store(true, Ordering::Release);
+        if let Some(w) = self.find(id) {
+            w.cancel.store(id, Ordering::Release);
             return;
         }
         if t.early.len() >= EARLY_CANCELS {
@@ -338,11 +441,19 @@ impl ConnCalls {
         if t.early.len() < EARLY_CANCELS {
             t.early.insert(id, std::time::Instant::now());
         }
+        self.early_count.store(t.early.len(), Ordering::SeqCst);
+        // A worker may have registered the call after the first look and
+        // before the count: look again.
+        if let Some(w) = self.find(id) {
+            w.cancel.store(id, Ordering::Release);
+            t.early.remove(&id);
+            self.early_count.store(t.early.len(), Ordering::SeqCst);
+        }
     }
+
     fn cancel_all(&self) {
-        let _t = self.st.lock();
-        for f in self.flags.iter() {
-            f.store(true, Ordering::Release);
+        for w in self.workers.iter() {
+            w.cancel.store(w.running.load(Ordering::SeqCst), Ordering::Release);
         }
     }
 }
@@ -395,8 +506,7 @@ impl Server {
                                 ch.set_wait(w);
                             }
                             let workers = opts.workers.max(1);
-                            let flags = (0..workers).map(|_| AtomicBool::new(false)).collect();
-                            let cc = Arc::new(ConnCalls { ch, st: Mutex::new(CallTable::default()), flags });
+                            let cc = Arc::new(ConnCalls::new(ch, workers));
                             for i in 0..workers {
                                 let (cc, svc, st, d) = (cc.clone(), svc.clone(), st.clone(), domain.clone());
                                 let t = std::thread::Builder::new()
@@ -429,9 +539,11 @@ impl Server {
 fn worker(domain: &Domain, svc: &dyn Dispatch, cc: &ConnCalls, stop: &AtomicBool, index: usize) {
     let arena = domain.arena().clone();
     let open = || cc.ch.is_open();
-    // The id of the call this worker registered last.
-    let mut previous = None;
     while !stop.load(Ordering::Acquire) {
+        if let Some(m) = cc.next_from_backlog() {
+            handle(svc, cc, &arena, &open, stop, m, index);
+            continue;
+        }
         let msg = match cc.ch.recv_timeout(Duration::from_millis(100)) {
             Ok(m) => m,
             Err(fido::Error::Timeout) => {
@@ -450,25 +562,25 @@ fn worker(domain: &Domain, svc: &dyn Dispatch, cc: &ConnCalls, stop: &AtomicBool
                 return;
             }
         };
-        handle(svc, cc, &arena, &open, stop, msg, index, &mut previous);
+        handle(svc, cc, &arena, &open, stop, msg, index);
     }
 }
 
 #[allow(clippy::too_many_arguments)]
-fn handle(svc: &dyn Dispatch, cc: &ConnCalls, arena: &Arc<Arena>, open: &dyn Fn() -> bool, stop: &AtomicBool, msg: Msg, worker: usize, previous: &mut Option<u64>) {
+fn handle(svc: &dyn Dispatch, cc: &ConnCalls, arena: &Arc<Arena>, open: &dyn Fn() -> bool, stop: &AtomicBool, msg: Msg, worker: usize) {
     let id = msg.tag();
     match msg.opcode() {
         OP_CANCEL => {
             cc.cancel(id);
         }
         op @ (OP_CALL | OP_ONEWAY) => {
-            let flag = cc.register(worker, id, previous.replace(id));
+            let cancel = cc.register(worker, id);
             // Collect the client's releases of earlier replies before this
             // call builds its results: their frames return to the arena now,
             // not only once half the window is out (which left a server
             // returning large results holding that many of them).
             let _ = cc.ch.reap_if_holding(crate::REAP_ABOVE);
-            let out = dispatch_call(svc, CallBytes::of(&msg), &msg, id, msg.from_domain(), flag, open, arena);
+            let out = run_call(svc, CallBytes::of(&msg), &msg, id, msg.from_domain(), cancel, open, &|| cc.look_for_cancels(), arena);
             // Release framed arguments before replying: once the client has
             // the reply, its argument memory is free for its next call. An
             // inline call holds no memory of the client's, so its release
@@ -482,7 +594,7 @@ fn handle(svc: &dyn Dispatch, cc: &ConnCalls, arena: &Arc<Arena>, open: &dyn Fn(
             if op == OP_ONEWAY {
                 return;
             }
-            let cancelled = flag.load(Ordering::Acquire);
+            let cancelled = cancel.is_set();
             let out = if cancelled && out.status != STATUS_FAULT {
                 Outcome { status: STATUS_FAULT, fault: Fault::Cancelled as u32, root: RootBytes::from_slice(b"cancelled"), frame: None, holds: Vec::new() }
             } else {

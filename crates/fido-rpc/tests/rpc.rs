@@ -37,6 +37,9 @@ struct TestImpl {
     running: AtomicUsize,
     peak: AtomicUsize,
     cancelled_seen: AtomicU64,
+    /// Sleeps that ran their whole time, and those running now.
+    slept: AtomicU64,
+    sleeping: AtomicUsize,
     saw_deadline: AtomicBool,
     bumps: AtomicU64,
 }
@@ -52,15 +55,21 @@ impl Test for Arc<TestImpl> {
         if cx.deadline_ns().is_some() {
             self.saw_deadline.store(true, Ordering::SeqCst);
         }
+        self.sleeping.fetch_add(1, Ordering::SeqCst);
         let end = Instant::now() + Duration::from_millis(ms);
-        while Instant::now() < end {
+        let r = loop {
+            if Instant::now() >= end {
+                self.slept.fetch_add(1, Ordering::SeqCst);
+                break Ok(ms);
+            }
             if cx.is_cancelled() {
                 self.cancelled_seen.fetch_add(1, Ordering::SeqCst);
-                return Err(Fault::Cancelled);
+                break Err(Fault::Cancelled);
             }
             std::thread::sleep(Duration::from_millis(2));
-        }
-        Ok(ms)
+        };
+        self.sleeping.fetch_sub(1, Ordering::SeqCst);
+        r
     }
     fn gather(&self, _cx: &mut Ctx<'_>, n: u64) -> u64 {
         let now = self.running.fetch_add(1, Ordering::SeqCst) + 1;
@@ -316,6 +325,64 @@ fn deadlines_and_cancellation_reach_the_server() {
     eventually("server sees the cancel", Duration::from_secs(10), || imp.cancelled_seen.load(Ordering::SeqCst) == 2);
     // The connection still works.
     assert_eq!(*c.add(c.frame().unwrap(), 2, 2).unwrap().get(), 4);
+}
+
+/// The receiving turn changes hands under every kind of call at once:
+/// fast calls, slow ones, calls that time out and calls cancelled while
+/// another thread holds the turn. Every reply reaches its own caller, every
+/// given-up call is stopped on the server (or never started: it waited past
+/// its deadline), and the connection stays usable. With more callers than
+/// workers, every worker is often busy: cancels must still reach the calls
+/// (before running calls looked for them, this took 94 s instead of 0.4).
+#[test]
+fn the_receiving_turn_survives_a_crowd_of_callers() {
+    let (_b, _sd, cd, imp, _h) = setup(3);
+    let c = Arc::new(TestClient::connect(&cd, "test").unwrap());
+    let given_up = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let ts: Vec<_> = (0..8u64)
+        .map(|t| {
+            let (c, given_up) = (c.clone(), given_up.clone());
+            std::thread::spawn(move || {
+                for i in 0..120u64 {
+                    match (t + i) % 5 {
+                        0 | 1 => assert_eq!(*c.add(c.frame().unwrap(), t << 32 | i, 3).unwrap().get(), (t << 32 | i) + 3),
+                        2 => assert_eq!(*c.sleep(c.frame().unwrap(), 1).unwrap().get(), 1),
+                        // Given up on after 3 ms, or 2 ms: a 2 s sleep that ran
+                        // to its end would be a cancel that never arrived.
+                        3 => {
+                            let r = c.sleep_with(c.frame().unwrap(), &CallOpts::timeout(Duration::from_millis(3)), 2_000);
+                            assert!(matches!(r, Err(CallError::Rpc(RpcError::DeadlineExceeded))), "{:?}", r.map(|r| *r.get()));
+                            given_up.fetch_add(1, Ordering::SeqCst);
+                        }
+                        _ => {
+                            let tok = CancelToken::new();
+                            let canceller = {
+                                let tok = tok.clone();
+                                std::thread::spawn(move || {
+                                    std::thread::sleep(Duration::from_millis(2));
+                                    tok.cancel();
+                                })
+                            };
+                            let r = c.sleep_with(c.frame().unwrap(), &CallOpts::default().cancel(&tok), 2_000);
+                            canceller.join().unwrap();
+                            assert!(matches!(r, Err(CallError::Rpc(RpcError::Cancelled))), "{:?}", r.map(|r| *r.get()));
+                            given_up.fetch_add(1, Ordering::SeqCst);
+                        }
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in ts {
+        t.join().unwrap();
+    }
+    assert!(given_up.load(Ordering::SeqCst) > 0);
+    // Only the 1 ms sleeps ran to their end.
+    let short = (0..8u64).flat_map(|t| (0..120u64).map(move |i| (t + i) % 5)).filter(|k| *k == 2).count() as u64;
+    eventually("every call ended", Duration::from_secs(20), || imp.sleeping.load(Ordering::SeqCst) == 0);
+    assert_eq!(imp.slept.load(Ordering::SeqCst), short, "a call given up on ran to its end: its cancel never reached it");
+    assert!(imp.cancelled_seen.load(Ordering::SeqCst) > 0);
+    assert_eq!(*c.add(c.frame().unwrap(), 40, 2).unwrap().get(), 42);
 }
 
 #[test]

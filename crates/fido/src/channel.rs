@@ -931,6 +931,26 @@ impl Channel {
         }
     }
 
+    /// Like [`Channel::try_recv`], but returns `None` at once when another
+    /// thread is receiving on this channel (e.g. blocked in `recv`) instead
+    /// of waiting for it to finish. For a thread that looks for messages in
+    /// passing while others wait for them (fido-rpc's running calls look
+    /// for cancels this way). Connection errors are left to the receivers.
+    pub fn try_recv_if_idle(&self) -> Result<Option<Msg>> {
+        let sh = &*self.shared;
+        let Some(mut rx) = sh.rx.try_lock() else {
+            return Ok(None);
+        };
+        if sh.state.load(Ordering::Acquire) == BROKEN {
+            return Ok(None);
+        }
+        match rx.ring.poll() {
+            Ok(Some(desc)) => self.accept_descriptor(&desc).map(Some),
+            Ok(None) => Ok(None),
+            Err(e) => Err(sh.mark_broken(e.to_string())),
+        }
+    }
+
     pub fn recv_timeout(&self, timeout: Duration) -> Result<Msg> {
         self.recv_inner(Some(timeout), true)
     }
@@ -1184,7 +1204,9 @@ impl Channel {
 
     /// True while the connection is usable.
     pub fn is_open(&self) -> bool {
-        self.shared.is_open() && !self.shared.tx.lock().ring.peer_closed()
+        // The peer's block directly, not through the send lock: callers
+        // check this before every RPC.
+        self.shared.is_open() && !self.shared.peer_block.is_closed()
     }
 
     /// The doorbell wait end this channel's receiver sleeps on. The peer rings it only
