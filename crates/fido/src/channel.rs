@@ -180,7 +180,8 @@ impl From<SendError> for Error {
 
 /// One entry of the table of messages in flight. Filled and emptied field
 /// by field, in place: built on the stack and copied in as one value, the
-/// entry was a 160-byte `memcpy` that cost a sixth of a send.
+/// entry was a 160-byte `memcpy`, ~17% of the samples of a one-thread
+/// send-and-receive round trip (`perf record`).
 #[derive(Default)]
 struct Slot {
     /// `None` while the slot is free.
