@@ -27,6 +27,12 @@
 //! * `doorbells-64B`: the parent streams 64-byte messages to a peer that folds
 //!   them; doorbells the sender rang per message sent (notification
 //!   suppression at work), from the sender domain's counters.
+//! * `software-inline-8B`: Fido's own cost of a message and nothing else —
+//!   one thread, two domains of this process, ping-pong of 8-byte inline
+//!   messages (`Message::inline`) on a polled channel: send, receive,
+//!   release and collect the release, both ways, with no other CPU and no
+//!   cache line crossing one. one-way = RTT/2, as above. A regression
+//!   guard for the code path; the cross-CPU cases add the transfers.
 
 use std::time::{Duration, Instant};
 
@@ -139,6 +145,11 @@ pub fn fido_cases(opts: &Opts) -> anyhow::Result<Vec<Record>> {
         case.clone(),
         Box::new(move |ctx: &Ctx| ctx.doorbells(&case, 64)),
     ));
+    let case = "software-inline-8B".to_string();
+    cases.push((
+        case.clone(),
+        Box::new(move |ctx: &Ctx| Ok(vec![latency_record(SYSTEM, &case, ctx.software()?)])),
+    ));
 
     cases.retain(|(c, _)| opts.wants(SYSTEM, c));
     if cases.is_empty() {
@@ -219,6 +230,47 @@ impl Ctx {
         let mut k = Kid::spawn(&peer_args(kind, kv), &self.broker)?;
         k.expect_event("ready", Instant::now() + READY)?;
         Ok(k)
+    }
+
+    /// One-thread ping-pong of inline messages between our domain and a
+    /// second one of this process; returns round-trip samples.
+    fn software(&self) -> anyhow::Result<Vec<u64>> {
+        let other = Domain::join(
+            JoinOptions::new("bench-software")
+                .broker(&self.broker)
+                .arena_len(16 << 20)
+                .ring_entries(ENTRIES)
+                // The PGVAS window is taken by our first domain; say so
+                // rather than have the join try and warn. Inline messages
+                // carry no pointers to translate.
+                .swizzle(true),
+        )
+        .context("joining a second domain")?;
+        let svc = service("software");
+        let listener = other.offer(&svc)?;
+        let a = self.d.connect(&svc)?;
+        let b = listener.accept_timeout(READY)?;
+        a.set_wait(WaitStrategy::BusyPoll);
+        b.set_wait(WaitStrategy::BusyPoll);
+        let place = Placement::detect();
+        let rtts = {
+            let _pin = PinGuard::pin(place.parent)?;
+            fido_bench::time_round_trips(self.opts.warmup(), self.opts.duration(), |k| {
+                a.send(Message::inline(&k.to_ne_bytes())?.tag(k))?;
+                let m = b.recv()?;
+                b.send(Message::inline(m.inline_bytes().unwrap_or_default())?.tag(m.tag()))?;
+                drop(m);
+                let r = a.recv()?;
+                let got = r.inline_bytes().and_then(|b| b.try_into().ok()).map(u64::from_ne_bytes);
+                if r.tag() != k || got != Some(k) {
+                    bail!("reply {} carried {got:?}, expected {k}", r.tag());
+                }
+                Ok(())
+            })?
+        };
+        drop((a, b, listener));
+        drop(other);
+        Ok(rtts)
     }
 
     /// Ping-pong; returns round-trip samples.
