@@ -269,27 +269,22 @@ pub unsafe extern "C" fn fido_rpc_call(
             Ok(m) => m,
             Err(e) => return code_of(&e),
         };
-        // Header copied out once, then checked (either form).
-        let Ok((status, fault, _)) = fido_rpc::reply_parts(&msg) else { return FIDO_EPROTO };
+        // The root may live inside the message itself (an inline reply):
+        // parse it once the message is in its box, where it stays until
+        // `fido_rpc_reply_free`. Header copied out once, then checked
+        // (either form).
+        let mut r = Box::new(fido_rpc_reply { msg, root: (std::ptr::null(), 0) });
+        let Ok((status, fault, root)) = fido_rpc::reply_parts(&r.msg) else { return FIDO_EPROTO };
+        let app_code = root.get(..4).map(|c| i32::from_ne_bytes(c.try_into().expect("4 bytes")).max(1));
+        let root = (root.as_ptr(), root.len());
         match status {
             STATUS_OK => {
-                // The root may live inside the message itself (an inline
-                // reply): take its address once the message is in its box,
-                // where it stays until `fido_rpc_reply_free`.
-                let mut r = Box::new(fido_rpc_reply { msg, root: (std::ptr::null(), 0) });
-                let Ok((_, _, root)) = fido_rpc::reply_parts(&r.msg) else { return FIDO_EPROTO };
-                r.root = (root.as_ptr(), root.len());
+                r.root = root;
                 // SAFETY: `out` checked non-null.
                 unsafe { *out = Box::into_raw(r) };
                 FIDO_OK
             }
-            STATUS_APP_ERROR => {
-                let Ok((_, _, b)) = fido_rpc::reply_parts(&msg) else { return FIDO_EPROTO };
-                match b.get(..4) {
-                    Some(c) => i32::from_ne_bytes(c.try_into().expect("4 bytes")).max(1),
-                    None => FIDO_EPROTO,
-                }
-            }
+            STATUS_APP_ERROR => app_code.unwrap_or(FIDO_EPROTO),
             STATUS_FAULT if fault == Fault::DeadlineExceeded as u32 => FIDO_ETIMEDOUT,
             STATUS_FAULT if fault == Fault::Cancelled as u32 => FIDO_ECANCELED,
             _ => FIDO_EPROTO,

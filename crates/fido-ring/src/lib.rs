@@ -331,4 +331,3 @@ impl Releaser {
 
 #[cfg(all(test, not(loom)))]
 mod tests;
-

@@ -361,8 +361,11 @@ impl Client {
     }
 
     fn give_up(&self, conn: &Conn, id: u64, why: RpcError) -> RpcError {
-        conn.st.lock().waiting.remove(&id);
-        conn.st.lock().done.remove(&id);
+        {
+            let mut st = conn.st.lock();
+            st.waiting.remove(&id);
+            st.done.remove(&id);
+        }
         let _ = conn.ch.try_send(cancel_message(id));
         why
     }
@@ -452,17 +455,9 @@ impl Client {
                 }
                 Err(fido::Error::Timeout) => {}
                 Err(e) => {
-                    let why = e.to_string();
-                    {
-                        let mut st = conn.st.lock();
-                        if st.failed.is_none() {
-                            st.failed = Some(why.clone());
-                            conn.failed.store(true, Ordering::Release);
-                        }
-                        conn.cv.notify_all();
-                    }
+                    self.fail(conn, &e);
                     conn.hand_off();
-                    return Err(RpcError::ServerGone(why));
+                    return Err(RpcError::ServerGone(e.to_string()));
                 }
             }
         }

@@ -280,27 +280,22 @@ fn run_call(
 /// Builds the reply message of `out`: inline when the handler built nothing
 /// in the arena and the root fits ([`INLINE_ROOT`]), else in `arena`.
 pub fn reply_message(arena: &Arc<Arena>, call_id: u64, out: Outcome) -> Result<Message, RpcError> {
-    if out.frame.as_ref().is_none_or(Frame::is_untouched) && out.root.len() <= INLINE_ROOT {
-        let mut m = inline_message(out.status, out.fault, 0, &out.root)?.tag(call_id).opcode(OP_REPLY);
-        if !out.holds.is_empty() {
-            m = m.hold(out.holds);
-        }
-        return Ok(m);
-    }
-    let frame = match out.frame {
-        Some(f) => f,
-        None => Frame::with_capacity(arena, out.root.len())?,
+    let m = if out.frame.as_ref().is_none_or(Frame::is_untouched) && out.root.len() <= INLINE_ROOT {
+        inline_message(out.status, out.fault, 0, &out.root)?
+    } else {
+        let frame = match out.frame {
+            Some(f) => f,
+            None => Frame::with_capacity(arena, out.root.len())?,
+        };
+        let (status, fault) = (out.status, out.fault);
+        let bufs = frame.finish(&out.root, |root_addr, root_len| {
+            let h = ReplyHeader { magic: MAGIC, status, fault, _reserved: 0, root_addr, root_len, _pad: [0; 4] };
+            bytemuck::cast(h)
+        })?;
+        Message::gather(bufs)
     };
-    let (status, fault) = (out.status, out.fault);
-    let bufs = frame.finish(&out.root, |root_addr, root_len| {
-        let h = ReplyHeader { magic: MAGIC, status, fault, _reserved: 0, root_addr, root_len, _pad: [0; 4] };
-        bytemuck::cast(h)
-    })?;
-    let mut m = Message::gather(bufs).tag(call_id).opcode(OP_REPLY);
-    if !out.holds.is_empty() {
-        m = m.hold(out.holds);
-    }
-    Ok(m)
+    let m = m.tag(call_id).opcode(OP_REPLY);
+    Ok(if out.holds.is_empty() { m } else { m.hold(out.holds) })
 }
 
 /// Options of a [`Server`].
@@ -566,7 +561,6 @@ fn worker(domain: &Domain, svc: &dyn Dispatch, cc: &ConnCalls, stop: &AtomicBool
     }
 }
 
-#[allow(clippy::too_many_arguments)]
 fn handle(svc: &dyn Dispatch, cc: &ConnCalls, arena: &Arc<Arena>, open: &dyn Fn() -> bool, stop: &AtomicBool, msg: Msg, worker: usize) {
     let id = msg.tag();
     match msg.opcode() {

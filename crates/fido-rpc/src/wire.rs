@@ -215,9 +215,9 @@ pub struct RootWriter {
 /// so packing one allocates nothing.
 pub type RootBytes = smallvec::SmallVec<[u8; 64]>;
 
-/// Call ids as map keys: they are our own sequential numbers (client side)
-/// or at most a bounded table's worth (server side), so a multiplicative
-/// hash spreads them well and costs one multiply instead of SipHash.
+/// Call ids as map keys (the client's tables of waiting calls and their
+/// replies): our own sequential numbers, so a multiplicative hash spreads
+/// them well and costs one multiply instead of SipHash.
 #[derive(Default, Clone, Copy)]
 pub(crate) struct IdHasher(u64);
 

@@ -14,7 +14,7 @@
 
 use crate::domain::DomainInner;
 use crate::error::{Error, Result};
-use crate::validate::{validate, Resolver};
+use crate::validate::{check_inline, validate, Resolver};
 use fido_proto::{ConnId, Counters, GoneReason, PeerInfo, Reply, Request, RingBlock};
 use fido_ring::{
     block_len, doorbell, wait_until, Descriptor, LocalBlock, Notify, PeerBlock, Releaser, RingError, RxRing, Segment,
@@ -1046,10 +1046,10 @@ impl Channel {
     #[inline]
     fn accept_descriptor(&self, desc: &Descriptor) -> Result<Msg> {
         let sh = &self.shared;
-        // The common small message, checked here without the general
-        // validator's segment machinery (same checks as `validate`'s inline
-        // branch: known flags, no segments, a length that fits).
-        if desc.flags == FLAG_INLINE && desc.nseg == 0 && desc.total_len <= INLINE_BYTES as u64 {
+        // The common small message, without the general validator's
+        // segment machinery (the same inline check; one that fails goes on
+        // to `validate`, which reports it).
+        if desc.flags == FLAG_INLINE && check_inline(desc).is_ok() {
             sh.stats.received.add(1);
             sh.stats.bytes_received.add(desc.total_len);
             return Ok(Msg {

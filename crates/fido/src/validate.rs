@@ -62,18 +62,26 @@ pub enum Invalid {
     InlineLength(u64),
 }
 
+/// The whole check of an inline descriptor beyond its flags (it carries no
+/// pointer): no segments, and a length that fits.
+#[inline]
+pub fn check_inline(desc: &Descriptor) -> Result<(), Invalid> {
+    if desc.nseg != 0 {
+        return Err(Invalid::SegmentCount(desc.nseg));
+    }
+    if desc.total_len > INLINE_BYTES as u64 {
+        return Err(Invalid::InlineLength(desc.total_len));
+    }
+    Ok(())
+}
+
 /// Checks a descriptor copied out of peer memory.
 pub fn validate<R: Resolver>(desc: &Descriptor, resolver: &R) -> Result<Validated<R::Keep>, Invalid> {
     if desc.flags & !(FLAG_SG_LIST | FLAG_INLINE) != 0 || desc.flags == FLAG_SG_LIST | FLAG_INLINE {
         return Err(Invalid::Flags(desc.flags));
     }
     if desc.is_inline() {
-        if desc.nseg != 0 {
-            return Err(Invalid::SegmentCount(desc.nseg));
-        }
-        if desc.total_len > INLINE_BYTES as u64 {
-            return Err(Invalid::InlineLength(desc.total_len));
-        }
+        check_inline(desc)?;
         return Ok(Validated { segments: SmallVec::new(), total_len: desc.total_len, sg_list: None, inline: Some(desc.inline_area()) });
     }
     let nseg = desc.nseg as usize;
