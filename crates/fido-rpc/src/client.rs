@@ -133,18 +133,54 @@ pub(crate) fn decode_reply<R: Pod, E: Pod + std::fmt::Debug>(msg: Msg) -> Result
     }
 }
 
-/// Builds the call message: inline when nothing was built in the frame and
-/// the root fits ([`INLINE_ROOT`]), else the frame with its header.
-pub(crate) fn call_message(frame: Frame, method: u32, sig: u32, id: u64, oneway: bool, deadline_ns: u64, root: &[u8]) -> Result<Message, RpcError> {
+/// A call on its way out: inline (its bytes, sent with
+/// [`Channel::send_inline`]: no `Message` is built and moved through the
+/// send) or framed.
+pub(crate) enum Outgoing {
+    Inline { id: u64, op: u16, bytes: InlineBytes },
+    Framed(Message),
+}
+
+impl Outgoing {
+    /// As a `Message` (the async client sends those).
+    pub(crate) fn into_message(self) -> Message {
+        match self {
+            Outgoing::Inline { id, op, bytes } => Message::inline(bytes.as_bytes()).expect("InlineBytes fit").tag(id).opcode(op),
+            Outgoing::Framed(m) => m,
+        }
+    }
+
+    /// Sends on `ch`, waiting while the window is full until `deadline`
+    /// (forever without one). The message is dropped on error.
+    fn send(self, ch: &Channel, deadline: Option<Instant>) -> Result<(), fido::Error> {
+        let left = |d: Instant| d.saturating_duration_since(Instant::now());
+        let sent = match (self, deadline) {
+            (Outgoing::Inline { id, op, bytes }, None) => ch.send_inline(id, op, bytes.as_bytes()),
+            (Outgoing::Inline { id, op, bytes }, Some(d)) => match ch.try_send_inline(id, op, bytes.as_bytes()) {
+                Err(fido::SendError { error: fido::Error::WouldBlock, message }) => ch.send_timeout(message, left(d)),
+                other => other,
+            },
+            (Outgoing::Framed(m), None) => ch.send(m),
+            (Outgoing::Framed(m), Some(d)) => ch.send_timeout(m, left(d)),
+        };
+        sent.map_err(|e| e.error)
+    }
+}
+
+/// Builds a call: inline when nothing was built in the frame and the root
+/// fits ([`INLINE_ROOT`]), else the frame with its header.
+pub(crate) fn call_message(frame: Frame, method: u32, sig: u32, id: u64, oneway: bool, deadline_ns: u64, root: &[u8]) -> Result<Outgoing, RpcError> {
     let op = if oneway { OP_ONEWAY } else { OP_CALL };
-    if frame.is_untouched() && root.len() <= INLINE_ROOT {
-        return Ok(inline_message(method, sig, deadline_ns, root)?.tag(id).opcode(op));
+    if frame.is_untouched() {
+        if let Some(bytes) = InlineBytes::new(method, sig, deadline_ns, root) {
+            return Ok(Outgoing::Inline { id, op, bytes });
+        }
     }
     let bufs = frame.finish(root, |root_addr, root_len| {
         let h = CallHeader { magic: MAGIC, method, sig, _reserved: 0, deadline_ns, root_addr, root_len, _pad: [0; 3] };
         bytemuck::cast(h)
     })?;
-    Ok(Message::gather(bufs).tag(id).opcode(op))
+    Ok(Outgoing::Framed(Message::gather(bufs).tag(id).opcode(op)))
 }
 
 /// A cancel: an empty inline message (nothing to allocate, so it cannot fail
@@ -305,8 +341,7 @@ impl Client {
     pub fn call_oneway(&self, method: u32, sig: u32, frame: Frame, root: &[u8]) -> Result<(), RpcError> {
         let conn = self.conn()?;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let m = call_message(frame, method, sig, id, true, 0, root)?;
-        conn.ch.send(m).map_err(|e| gone_or(e.error))?;
+        call_message(frame, method, sig, id, true, 0, root)?.send(&conn.ch, None).map_err(gone_or)?;
         // Take back what earlier one-way calls' arguments held.
         let _ = conn.ch.reap_if_holding(crate::REAP_ABOVE);
         Ok(())
@@ -325,17 +360,13 @@ impl Client {
         if !receiver {
             conn.st.lock().waiting.insert(id);
         }
-        let sent = match deadline {
-            Some(d) => conn.ch.send_timeout(m, d.saturating_duration_since(Instant::now())),
-            None => conn.ch.send(m),
-        };
-        if let Err(e) = sent {
+        if let Err(e) = m.send(&conn.ch, deadline) {
             if receiver {
                 conn.hand_off();
             } else {
                 conn.st.lock().waiting.remove(&id);
             }
-            return Err(match e.error {
+            return Err(match e {
                 fido::Error::Timeout => RpcError::DeadlineExceeded,
                 other => {
                     self.fail(&conn, &other);

@@ -574,47 +574,56 @@ fn handle(svc: &dyn Dispatch, cc: &ConnCalls, arena: &Arc<Arena>, open: &dyn Fn(
             // not only once half the window is out (which left a server
             // returning large results holding that many of them).
             let _ = cc.ch.reap_if_holding(crate::REAP_ABOVE);
-            let out = run_call(svc, CallBytes::of(&msg), &msg, id, msg.from_domain(), cancel, open, &|| cc.look_for_cancels(), arena);
+            let mut out = run_call(svc, CallBytes::of(&msg), &msg, id, msg.from_domain(), cancel, open, &|| cc.look_for_cancels(), arena);
             // Release framed arguments before replying: once the client has
             // the reply, its argument memory is free for its next call. An
             // inline call holds no memory of the client's, so its release
-            // waits until the reply is out (off the round trip's path).
-            let held = if msg.inline_bytes().is_some() {
-                Some(msg)
-            } else {
+            // waits until the reply is out (off the round trip's path): `msg`
+            // is dropped when this function returns. (Not moved into an
+            // `Option` to say so: that copied the message on every call.)
+            if msg.inline_bytes().is_none() {
                 drop(msg);
-                None
-            };
+            }
             if op == OP_ONEWAY {
                 return;
             }
-            let cancelled = cancel.is_set();
-            let out = if cancelled && out.status != STATUS_FAULT {
-                Outcome { status: STATUS_FAULT, fault: Fault::Cancelled as u32, root: RootBytes::from_slice(b"cancelled"), frame: None, holds: Vec::new() }
+            if cancel.is_set() && out.status != STATUS_FAULT {
+                // Replaced in place: the common path moves no `Outcome`.
+                out = Outcome { status: STATUS_FAULT, fault: Fault::Cancelled as u32, root: RootBytes::from_slice(b"cancelled"), frame: None, holds: Vec::new() };
+            }
+            // An inline reply with nothing to hold is sent straight from its
+            // bytes (no `Message` built and moved through the send).
+            let inline = if out.holds.is_empty() && out.frame.as_ref().is_none_or(Frame::is_untouched) {
+                InlineBytes::new(out.status, out.fault, 0, &out.root)
             } else {
-                out
+                None
             };
-            match reply_message(arena, id, out) {
-                Ok(mut m) => loop {
-                    // A client holding all its replies fills our window: wait
-                    // for it, but stay stoppable. (Tried without a deadline
-                    // first: reading the clock costs as much as the send.)
-                    let sent = match cc.ch.try_send(m) {
-                        Err(fido::SendError { error: fido::Error::WouldBlock, message }) => cc.ch.send_timeout(message, Duration::from_millis(100)),
-                        other => other,
-                    };
-                    match sent {
-                        Ok(()) => break,
-                        Err(fido::SendError { error: fido::Error::Timeout, message }) if !stop.load(Ordering::Acquire) => m = message,
-                        Err(e) => {
-                            tracing::debug!(conn = cc.ch.id(), "reply to call {id} not sent: {}", e.error);
-                            break;
-                        }
+            let mut sent = match inline {
+                Some(bytes) => cc.ch.try_send_inline(id, OP_REPLY, bytes.as_bytes()),
+                None => match reply_message(arena, id, out) {
+                    Ok(m) => cc.ch.try_send(m),
+                    Err(e) => {
+                        tracing::warn!("reply to call {id}: {e}");
+                        return;
                     }
                 },
-                Err(e) => tracing::warn!("reply to call {id}: {e}"),
+            };
+            // A client holding all its replies fills our window: wait for
+            // it, but stay stoppable. (Tried without a deadline first:
+            // reading the clock costs as much as the send.)
+            loop {
+                match sent {
+                    Ok(()) => break,
+                    Err(fido::SendError { error: fido::Error::WouldBlock, message }) => sent = cc.ch.send_timeout(message, Duration::from_millis(100)),
+                    Err(fido::SendError { error: fido::Error::Timeout, message }) if !stop.load(Ordering::Acquire) => {
+                        sent = cc.ch.send_timeout(message, Duration::from_millis(100))
+                    }
+                    Err(e) => {
+                        tracing::debug!(conn = cc.ch.id(), "reply to call {id} not sent: {}", e.error);
+                        break;
+                    }
+                }
             }
-            drop(held);
         }
         other => tracing::debug!(conn = cc.ch.id(), "unknown rpc opcode {other}; ignored"),
     }

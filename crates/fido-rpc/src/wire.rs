@@ -83,21 +83,42 @@ pub const INLINE_HEADER_LEN: usize = 16;
 /// Largest root of an inline call or reply.
 pub const INLINE_ROOT: usize = fido::INLINE_BYTES - INLINE_HEADER_LEN;
 
-/// An inline call or reply: its header words (call: method, sig,
-/// deadline_ns; reply: status, fault, 0), then `root` (at most
-/// [`INLINE_ROOT`] bytes; the caller checked).
+/// An inline call's or reply's bytes: its header words (call: method, sig,
+/// deadline_ns; reply: status, fault, 0), then the root. Built on the stack
+/// and sent with [`fido::Channel::send_inline`] (no `Message` is built).
+#[derive(Clone, Copy)]
+pub(crate) struct InlineBytes {
+    bytes: [u8; fido::INLINE_BYTES],
+    len: usize,
+}
+
+impl InlineBytes {
+    /// `None` if `root` is longer than [`INLINE_ROOT`].
+    #[inline]
+    pub(crate) fn new(a: u32, b: u32, c: u64, root: &[u8]) -> Option<InlineBytes> {
+        let mut bytes = [0u8; fido::INLINE_BYTES];
+        bytes[0..4].copy_from_slice(&a.to_ne_bytes());
+        bytes[4..8].copy_from_slice(&b.to_ne_bytes());
+        bytes[8..16].copy_from_slice(&c.to_ne_bytes());
+        let len = INLINE_HEADER_LEN + root.len();
+        bytes.get_mut(INLINE_HEADER_LEN..len)?.copy_from_slice(root);
+        Some(InlineBytes { bytes, len })
+    }
+
+    pub(crate) fn as_bytes(&self) -> &[u8] {
+        &self.bytes[..self.len]
+    }
+}
+
+/// An inline call or reply as a `Message` (where one is needed: the async
+/// client, the C ABI); `Invalid` if `root` is longer than [`INLINE_ROOT`].
 pub(crate) fn inline_message(a: u32, b: u32, c: u64, root: &[u8]) -> Result<fido::Message, crate::RpcError> {
-    let mut bytes = [0u8; fido::INLINE_BYTES];
-    bytes[0..4].copy_from_slice(&a.to_ne_bytes());
-    bytes[4..8].copy_from_slice(&b.to_ne_bytes());
-    bytes[8..16].copy_from_slice(&c.to_ne_bytes());
-    let end = INLINE_HEADER_LEN + root.len();
-    bytes.get_mut(INLINE_HEADER_LEN..end).ok_or_else(|| crate::RpcError::Invalid(format!("inline root of {} bytes", root.len())))?.copy_from_slice(root);
-    Ok(fido::Message::inline(&bytes[..end])?)
+    let inline = InlineBytes::new(a, b, c, root).ok_or_else(|| crate::RpcError::Invalid(format!("inline root of {} bytes", root.len())))?;
+    Ok(fido::Message::inline(inline.as_bytes())?)
 }
 
 /// The header words and root of an inline call or reply (the inverse of
-/// [`inline_message`]); `None` if the bytes are shorter than the header.
+/// [`InlineBytes::new`]); `None` if the bytes are shorter than the header.
 pub(crate) fn split_inline(bytes: &[u8]) -> Option<(u32, u32, u64, &[u8])> {
     let (h, root) = bytes.split_first_chunk::<INLINE_HEADER_LEN>()?;
     let word = |i: usize| u32::from_ne_bytes(h[i..i + 4].try_into().expect("4 bytes"));

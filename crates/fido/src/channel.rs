@@ -402,6 +402,25 @@ impl TxState {
         ((self.generation as u64) << 32) | index as u64
     }
 
+    /// [`TxState::insert`] for an inline message of `bytes` (checked to
+    /// fit), written into the slot directly.
+    #[inline(always)]
+    fn insert_inline(&mut self, tag: u64, opcode: u16, bytes: &[u8]) -> u64 {
+        let index = self.free.pop().expect("window checked before insert");
+        self.generation = self.generation.wrapping_add(1);
+        let len = bytes.len() as u64;
+        self.unreleased_bytes.store(self.unreleased_bytes.load(Ordering::Relaxed) + len, Ordering::Relaxed);
+        let slot = &mut self.table[index as usize];
+        slot.generation = self.generation;
+        slot.tag = tag;
+        slot.opcode = opcode;
+        slot.len = len;
+        let mut area = [0u8; INLINE_BYTES];
+        area[..bytes.len()].copy_from_slice(bytes);
+        slot.parts = Some(Parts::Inline { bytes: area, len: bytes.len() as u8 });
+        ((self.generation as u64) << 32) | index as u64
+    }
+
     /// Reaps every release the peer published; an unknown cookie is a lie.
     fn reap(&mut self) -> std::result::Result<(), String> {
         loop {
@@ -766,10 +785,14 @@ impl Channel {
         self.send(msg)
     }
 
-    fn send_inner(&self, msg: Message, deadline: Option<Instant>, block: bool) -> std::result::Result<(), SendError> {
+    /// Readies the window for one more message, under the send lock:
+    /// collects releases when half the window is out, waits (per `block`
+    /// and `deadline`) while it is full, and checks the connection. An error
+    /// that ends the connection hands every unreleased message back as
+    /// undelivered first.
+    fn make_room(&self, tx: &mut TxState, deadline: Option<Instant>, block: bool) -> Result<()> {
         let sh = &*self.shared;
-        let mut tx = sh.tx.lock();
-        let fail = |tx: &mut TxState, error: Error, message: Message| {
+        let fail = |tx: &mut TxState, error: Error| {
             // A peer that closed gracefully may still be reading messages it
             // received: those stay outstanding until it releases them (or
             // dies). A dead or lying peer gets everything unreleased reported.
@@ -782,26 +805,26 @@ impl Channel {
                 }
                 tx.fail_outstanding();
             }
-            Err(SendError { error, message })
+            Err(error)
         };
         if let Err(e) = sh.check() {
-            return fail(&mut tx, e, msg);
+            return fail(tx, e);
         }
         // Collect releases only once half the window is out: reading the
         // peer's release index costs a cache-line transfer, so batch it.
         if tx.ring.in_flight() * 2 >= tx.table.len() as u64 {
             if let Err(why) = tx.reap() {
                 let e = sh.mark_broken(why);
-                return fail(&mut tx, e, msg);
+                return fail(tx, e);
             }
         }
         if tx.ring.peer_closed() {
-            return fail(&mut tx, Error::Closed, msg);
+            return fail(tx, Error::Closed);
         }
         let free = tx.ring.free_slots();
         if free == 0 {
             if !block {
-                return Err(SendError { error: Error::WouldBlock, message: msg });
+                return Err(Error::WouldBlock);
             }
             let local = *tx.ring.local();
             let wait = tx.wait;
@@ -827,24 +850,81 @@ impl Channel {
             tx.epoch = epoch;
             match outcome {
                 Ok(WaitOutcome::Ready) => {}
-                Ok(WaitOutcome::TimedOut) => return Err(SendError { error: Error::Timeout, message: msg }),
+                Ok(WaitOutcome::TimedOut) => return Err(Error::Timeout),
                 Ok(WaitOutcome::PeerGone) => {
                     // The liveness socket hung up: the peer process is gone.
                     sh.mark_gone(GoneReason::Exited);
                     let e = sh.check().err().unwrap_or(Error::Closed);
-                    return fail(&mut tx, e, msg);
+                    return fail(tx, e);
                 }
                 Err(why) => {
                     let e = sh.mark_broken(why);
-                    return fail(&mut tx, e, msg);
+                    return fail(tx, e);
                 }
             }
             if let Err(e) = sh.check() {
-                return fail(&mut tx, e, msg);
+                return fail(tx, e);
             }
             if tx.ring.peer_closed() {
-                return fail(&mut tx, Error::Closed, msg);
+                return fail(tx, Error::Closed);
             }
+        }
+        Ok(())
+    }
+
+    /// Writes one descriptor (its cookie already set) into the ring and
+    /// publishes it, waking the peer only if it sleeps.
+    #[inline]
+    fn push_descriptor(&self, tx: &mut TxState, desc: &Descriptor) {
+        let sh = &*self.shared;
+        tx.ring.push(desc).expect("window checked by make_room");
+        match tx.ring.publish() {
+            Ok(Notify::Rung) => sh.stats.rung.add(1),
+            Ok(Notify::Suppressed) => sh.stats.suppressed.add(1),
+            Err(e) => tracing::debug!("doorbell: {e}"),
+        }
+        sh.stats.sent.add(1);
+        sh.stats.bytes_sent.add(desc.total_len);
+    }
+
+    /// Sends `bytes` (at most [`INLINE_BYTES`]) inline, as
+    /// `send(Message::inline(bytes)?.tag(tag).opcode(opcode))` does, but
+    /// without building a `Message` and moving it through the call: the
+    /// descriptor is filled straight from `bytes`. For small control
+    /// messages on a hot path (fido-rpc's inline calls and replies). On an
+    /// error the message comes back in the `SendError` as usual.
+    pub fn send_inline(&self, tag: u64, opcode: u16, bytes: &[u8]) -> std::result::Result<(), SendError> {
+        self.send_inline_inner(tag, opcode, bytes, true)
+    }
+
+    /// [`Channel::send_inline`], or `WouldBlock` when the window is full.
+    pub fn try_send_inline(&self, tag: u64, opcode: u16, bytes: &[u8]) -> std::result::Result<(), SendError> {
+        self.send_inline_inner(tag, opcode, bytes, false)
+    }
+
+    fn send_inline_inner(&self, tag: u64, opcode: u16, bytes: &[u8], block: bool) -> std::result::Result<(), SendError> {
+        let give_back = |error: Error| match Message::inline(bytes) {
+            Ok(m) => SendError { error, message: m.tag(tag).opcode(opcode) },
+            Err(too_long) => SendError { error: too_long, message: Message::inline(&[]).expect("empty fits").tag(tag).opcode(opcode) },
+        };
+        let mut desc = Descriptor { tag, opcode, ..Default::default() };
+        if desc.set_inline(bytes).is_none() {
+            return Err(give_back(Error::Invalid(format!("inline message of {} bytes (at most {INLINE_BYTES})", bytes.len()))));
+        }
+        let mut tx = self.shared.tx.lock();
+        if let Err(e) = self.make_room(&mut tx, None, block) {
+            return Err(give_back(e));
+        }
+        desc.cookie = tx.insert_inline(tag, opcode, bytes);
+        self.push_descriptor(&mut tx, &desc);
+        Ok(())
+    }
+
+    fn send_inner(&self, msg: Message, deadline: Option<Instant>, block: bool) -> std::result::Result<(), SendError> {
+        let sh = &*self.shared;
+        let mut tx = sh.tx.lock();
+        if let Err(error) = self.make_room(&mut tx, deadline, block) {
+            return Err(SendError { error, message: msg });
         }
         // Build the descriptor.
         let mut desc = Descriptor { tag: msg.tag, opcode: msg.opcode, ..Default::default() };
@@ -907,14 +987,7 @@ impl Channel {
         }
         desc.total_len = total;
         desc.cookie = tx.insert(msg, total, sg_buf);
-        tx.ring.push(&desc).expect("window checked above");
-        match tx.ring.publish() {
-            Ok(Notify::Rung) => sh.stats.rung.add(1),
-            Ok(Notify::Suppressed) => sh.stats.suppressed.add(1),
-            Err(e) => tracing::debug!("doorbell: {e}"),
-        }
-        sh.stats.sent.add(1);
-        sh.stats.bytes_sent.add(total);
+        self.push_descriptor(&mut tx, &desc);
         Ok(())
     }
 

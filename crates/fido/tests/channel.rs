@@ -56,6 +56,16 @@ fn scatter_gather_and_inline_messages_arrive_intact() {
         assert_eq!((back.tag(), back.inline_bytes()), (len as u64, Some(&bytes[..])));
     }
     assert!(matches!(Message::inline(&[0; fido::INLINE_BYTES + 1]), Err(Error::Invalid(_))));
+    // `send_inline` sends the same message without building a `Message`.
+    for len in [0usize, 5, fido::INLINE_BYTES] {
+        let bytes: Vec<u8> = (0..len as u8).map(|i| i.wrapping_mul(7)).collect();
+        c.send_inline(100 + len as u64, 4, &bytes).unwrap();
+        let m = s.recv_timeout(Duration::from_secs(5)).unwrap();
+        assert_eq!((m.tag(), m.opcode(), m.inline_bytes()), (100 + len as u64, 4, Some(&bytes[..])));
+    }
+    let e = c.send_inline(7, 1, &[0; fido::INLINE_BYTES + 1]).unwrap_err();
+    assert!(matches!(e.error, Error::Invalid(_)));
+    assert_eq!(e.message.get_tag(), 7);
     // Every buffer (and SG list) is released back to the client.
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
     while c.in_flight() > 0 {
@@ -86,10 +96,21 @@ fn full_window_gives_back_pressure_not_memory_growth() {
     assert_eq!(e.message.into_bufs().len(), 1, "the message comes back");
     let e = c.send_timeout(client.alloc(8).unwrap(), Duration::from_millis(50)).unwrap_err();
     assert!(matches!(e.error, Error::Timeout));
+    // An inline send comes back whole too, as a message that can be resent.
+    let e = c.try_send_inline(77, 5, b"inline").unwrap_err();
+    assert!(matches!(e.error, Error::WouldBlock));
+    let back = e.message;
+    assert_eq!(back.get_tag(), 77);
     // Out-of-order release frees one slot.
     held.remove(5);
+    c.send_timeout(back, Duration::from_secs(5)).unwrap();
+    assert_eq!(c.in_flight(), 8);
+    held.remove(0);
     c.send_timeout(client.alloc(8).unwrap(), Duration::from_secs(5)).unwrap();
     assert_eq!(c.in_flight(), 8);
+    // The resent inline message arrives as it was first given.
+    let m = s.recv_timeout(Duration::from_secs(5)).unwrap();
+    assert_eq!((m.tag(), m.opcode(), m.inline_bytes()), (77, 5, Some(&b"inline"[..])));
 }
 
 #[test]
