@@ -166,17 +166,21 @@ impl LocalBlock {
     /// Writes descriptor slot `index % entries` and marks it published for
     /// `index` (its `seq`, stored last with `Release`: a consumer that sees
     /// the mark sees the whole descriptor). Only the producer calls this.
+    #[inline]
     pub fn write_descriptor(&self, index: u64, desc: &Descriptor) {
         let slot = (index & (self.entries as u64 - 1)) as usize;
         let mark = lap_mark(index, self.entries);
         // The slot keeps its old mark until the descriptor is complete.
-        let d = Descriptor { seq: mark.wrapping_sub(1), ..*desc };
+        let words = Descriptor { seq: mark.wrapping_sub(1), ..*desc }.to_words();
         // SAFETY: slot < entries, and the descriptor array starts at HEADER_LEN,
         // 64-aligned, inside the block (`block_len`). The peer only reads it.
         let p = unsafe { self.base.as_ptr().add(HEADER_LEN + slot * 64) };
-        // SAFETY: as above; the slot is ours to write (the consumer released
-        // what it held, or never saw it).
-        unsafe { std::ptr::write_volatile(p as *mut Descriptor, d) };
+        for (i, w) in words.into_iter().enumerate() {
+            // SAFETY: as above, word `i` < 8 of the slot, 8-aligned; the slot
+            // is ours to write (the consumer released what it held, or never
+            // saw it).
+            unsafe { std::ptr::write_volatile((p as *mut u64).add(i), w) };
+        }
         // SAFETY: `seq` is a naturally aligned u16 inside the slot (SEQ_OFFSET
         // is 30 of a 64-aligned slot); only this producer writes it.
         let seq = unsafe { &*(p.add(crate::desc::SEQ_OFFSET) as *const AtomicU16) };
@@ -184,6 +188,7 @@ impl LocalBlock {
     }
 
     /// Writes release slot `index % entries`.
+    #[inline]
     pub fn write_release(&self, index: u64, cookie: u64) {
         let slot = (index & (self.entries as u64 - 1)) as usize;
         let off = HEADER_LEN + self.entries as usize * 64 + slot * 8;
@@ -256,12 +261,15 @@ impl PeerBlock {
 
     /// Copies descriptor slot `index % entries` out of peer memory. The copy is
     /// what gets validated and used: the peer may change the slot afterwards.
+    #[inline]
     pub fn read_descriptor(&self, index: u64) -> Descriptor {
         let slot = (index & (self.entries as u64 - 1)) as usize;
-        // SAFETY: in bounds (see LocalBlock::write_descriptor); volatile because
-        // another process may write it concurrently; any bit pattern is a valid
-        // Descriptor (integers only).
-        unsafe { std::ptr::read_volatile(self.base.as_ptr().add(HEADER_LEN + slot * 64) as *const Descriptor) }
+        // SAFETY: in bounds and 64-aligned (see LocalBlock::write_descriptor).
+        let p = unsafe { self.base.as_ptr().add(HEADER_LEN + slot * 64) } as *const u64;
+        // SAFETY: word `i` < 8 of that slot; volatile because another process
+        // may write it concurrently; any bit pattern is a valid word.
+        let words = std::array::from_fn(|i| unsafe { std::ptr::read_volatile(p.add(i)) });
+        Descriptor::from_words(words)
     }
 
     /// Whether slot `index % entries` holds the descriptor of `index` (its
@@ -276,6 +284,7 @@ impl PeerBlock {
         seq.load(Ordering::Acquire) == lap_mark(index, self.entries)
     }
 
+    #[inline]
     pub fn read_release(&self, index: u64) -> u64 {
         let slot = (index & (self.entries as u64 - 1)) as usize;
         let off = HEADER_LEN + self.entries as usize * 64 + slot * 8;
@@ -309,6 +318,7 @@ impl PeerBlock {
     pub fn space_sleep(&self) -> &AtomicU64 {
         &self.header().space_sleep.0
     }
+    #[inline]
     pub fn is_closed(&self) -> bool {
         self.header().state.0.load(Ordering::Acquire) == STATE_CLOSED
     }

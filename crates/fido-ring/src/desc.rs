@@ -51,6 +51,22 @@ const _: () = assert!(std::mem::size_of::<Segment>() == 16);
 pub(crate) const SEQ_OFFSET: usize = std::mem::offset_of!(Descriptor, seq);
 const _: () = assert!(SEQ_OFFSET == 30);
 
+/// Four `u16`s as the word they make in memory, in order.
+#[inline]
+fn pack_u16s(v: [u16; 4]) -> u64 {
+    let mut b = [0u8; 8];
+    for (i, x) in v.iter().enumerate() {
+        b[i * 2..i * 2 + 2].copy_from_slice(&x.to_ne_bytes());
+    }
+    u64::from_ne_bytes(b)
+}
+
+#[inline]
+fn unpack_u16s(w: u64) -> [u16; 4] {
+    let b = w.to_ne_bytes();
+    std::array::from_fn(|i| u16::from_ne_bytes([b[i * 2], b[i * 2 + 1]]))
+}
+
 impl Descriptor {
     /// True when the segments live in an SG list rather than inline.
     pub fn has_sg_list(&self) -> bool {
@@ -78,6 +94,33 @@ impl Descriptor {
         Some(())
     }
 
+    /// The descriptor as the eight words of its slot, in memory order (the
+    /// four `u16`s share word 3). The ring copies descriptors in and out
+    /// word by word: a copy of the struct as a whole went through the stack
+    /// in pieces of other sizes, and reading it back stalled on them
+    /// (store-to-load forwarding fails when a load spans two stores).
+    #[inline]
+    pub fn to_words(&self) -> [u64; 8] {
+        let s = self.segments;
+        [self.cookie, self.tag, self.total_len, pack_u16s([self.opcode, self.flags, self.nseg, self.seq]), s[0].addr, s[0].len, s[1].addr, s[1].len]
+    }
+
+    /// The inverse of [`Descriptor::to_words`].
+    #[inline]
+    pub fn from_words(w: [u64; 8]) -> Descriptor {
+        let [opcode, flags, nseg, seq] = unpack_u16s(w[3]);
+        Descriptor {
+            cookie: w[0],
+            tag: w[1],
+            total_len: w[2],
+            opcode,
+            flags,
+            nseg,
+            seq,
+            segments: [Segment { addr: w[4], len: w[5] }, Segment { addr: w[6], len: w[7] }],
+        }
+    }
+
     /// The inline area as bytes, in memory order (the payload is its first
     /// `total_len`, when that is valid — the receiver checks).
     pub fn inline_area(&self) -> [u8; INLINE_BYTES] {
@@ -87,5 +130,29 @@ impl Descriptor {
             area[i * 16 + 8..i * 16 + 16].copy_from_slice(&s.len.to_ne_bytes());
         }
         area
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn words_are_the_memory_layout() {
+        let d = Descriptor {
+            cookie: 0x0102_0304_0506_0708,
+            tag: 9,
+            total_len: 10,
+            opcode: 0x1112,
+            flags: 0x1314,
+            nseg: 0x1516,
+            seq: 0x1718,
+            segments: [Segment { addr: 19, len: 20 }, Segment { addr: 21, len: 22 }],
+        };
+        // SAFETY: `Descriptor` is `repr(C)`, 64 bytes of integers with no
+        // padding (asserted above); any 64 bytes are eight valid `u64`s.
+        let in_memory: [u64; 8] = unsafe { std::mem::transmute(d) };
+        assert_eq!(d.to_words(), in_memory);
+        assert_eq!(Descriptor::from_words(in_memory), d);
     }
 }

@@ -37,7 +37,17 @@ use std::sync::Arc;
 
 /// Wakes a peer the way its sleep word asked: `bell` is our own bell word
 /// beside the index we just published, `socket` the ring end of its doorbell.
+/// The common case (nobody sleeps) is decided inline; the rest is not.
+#[inline]
 fn wake(how: Wake, bell: &sync::AtomicU32, socket: BorrowedFd<'_>) -> std::io::Result<Notify> {
+    match how {
+        Wake::None => Ok(Notify::Suppressed),
+        _ => wake_sleeper(how, bell, socket),
+    }
+}
+
+#[cold]
+fn wake_sleeper(how: Wake, bell: &sync::AtomicU32, socket: BorrowedFd<'_>) -> std::io::Result<Notify> {
     match how {
         Wake::None => Ok(Notify::Suppressed),
         Wake::Futex => {
@@ -76,6 +86,7 @@ pub enum Notify {
     Suppressed,
 }
 
+#[inline]
 fn check_advance(what: &'static str, from: u64, to: u64, entries: u32) -> Result<u64, RingError> {
     match to.checked_sub(from) {
         Some(n) if n <= entries as u64 => Ok(n),
@@ -107,6 +118,7 @@ impl TxRing {
     /// been consumed. A peer that releases what it never consumed only makes us
     /// overwrite its own unread descriptors. So the hot path never reads the
     /// peer's consume index (a cache line the peer writes on every receive).
+    #[inline]
     pub fn free_slots(&self) -> u64 {
         let entries = self.local.entries() as u64;
         // `rel_cons <= prod` always: `poll_release` rejects more releases than
@@ -115,6 +127,7 @@ impl TxRing {
     }
 
     /// Messages sent and not yet released.
+    #[inline]
     pub fn in_flight(&self) -> u64 {
         self.prod - self.rel_cons
     }
@@ -122,6 +135,7 @@ impl TxRing {
     /// Writes a descriptor into the next slot. A polling consumer may take it
     /// at once (the slot carries its publication mark); a sleeping one is
     /// woken only by [`TxRing::publish`], so push a batch, then publish once.
+    #[inline]
     pub fn push(&mut self, desc: &Descriptor) -> Result<(), RingError> {
         if self.free_slots() == 0 {
             return Err(RingError::Full);
@@ -132,12 +146,14 @@ impl TxRing {
     }
 
     /// Makes pushed descriptors visible and wakes the peer only if it sleeps.
+    #[inline]
     pub fn publish(&mut self) -> std::io::Result<Notify> {
         let how = protocol::publish(self.local.data_prod(), self.prod, self.peer.data_sleep(), &mut self.last_rung);
         wake(how, self.local.data_bell(), self.peer_data_bell.as_fd())
     }
 
     /// Takes the next cookie the peer released, if any.
+    #[inline]
     pub fn poll_release(&mut self) -> Result<Option<u64>, RingError> {
         let published = protocol::observe(self.peer.rel_prod());
         let available = check_advance("release", self.rel_cons, published, self.local.entries())?;
@@ -181,6 +197,7 @@ impl TxRing {
         self.prod
     }
 
+    #[inline]
     pub fn peer_closed(&self) -> bool {
         self.peer.is_closed()
     }
@@ -210,6 +227,7 @@ impl RxRing {
 
     /// Copies out the next published descriptor, if any. The caller validates
     /// its contents.
+    #[inline]
     pub fn poll(&mut self) -> Result<Option<Descriptor>, RingError> {
         if !self.peer.slot_published(self.cons) {
             self.check_index()?;
@@ -258,6 +276,7 @@ impl RxRing {
         &self.local
     }
 
+    #[inline]
     pub fn peer_closed(&self) -> bool {
         self.peer.is_closed()
     }
@@ -304,6 +323,7 @@ impl Releaser {
     /// Publishes one release. `Full` means the peer stopped reaping releases
     /// while holding more messages in flight than the ring has slots: a
     /// misbehaving peer.
+    #[inline]
     pub fn release(&mut self, cookie: u64) -> Result<Notify, RingError> {
         // Read the peer's reap index only when our last reading says the
         // ring is full: it is a line the peer writes whenever it reaps, so

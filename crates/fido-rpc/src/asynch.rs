@@ -139,7 +139,7 @@ impl AsyncClient {
     pub async fn call_oneway(&self, method: u32, sig: u32, frame: Frame, root: &[u8]) -> Result<(), RpcError> {
         let conn = self.current()?;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let m = call_message(frame, method, sig, id, true, 0, root)?.into_message();
+        let m = call_message(frame, method, sig, id, true, 0, root)?;
         conn.inner.ch.send(m).await.map_err(|e| RpcError::ServerGone(e.error.to_string()))
     }
 
@@ -148,7 +148,7 @@ impl AsyncClient {
         let inner = &conn.inner;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let deadline_ns = opts.timeout.map(|t| crate::wire::monotonic_ns() + t.as_nanos() as u64).unwrap_or(0);
-        let m = call_message(frame, method, sig, id, false, deadline_ns, root)?.into_message();
+        let m = call_message(frame, method, sig, id, false, deadline_ns, root)?;
         let (tx, rx) = oneshot::channel();
         {
             let mut p = inner.pending.lock();

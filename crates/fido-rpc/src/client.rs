@@ -133,54 +133,59 @@ pub(crate) fn decode_reply<R: Pod, E: Pod + std::fmt::Debug>(msg: Msg) -> Result
     }
 }
 
-/// A call on its way out: inline (its bytes, sent with
-/// [`Channel::send_inline`]: no `Message` is built and moved through the
-/// send) or framed.
-pub(crate) enum Outgoing {
-    Inline { id: u64, op: u16, bytes: InlineBytes },
-    Framed(Message),
-}
-
-impl Outgoing {
-    /// As a `Message` (the async client sends those).
-    pub(crate) fn into_message(self) -> Message {
-        match self {
-            Outgoing::Inline { id, op, bytes } => Message::inline(bytes.as_bytes()).expect("InlineBytes fit").tag(id).opcode(op),
-            Outgoing::Framed(m) => m,
-        }
-    }
-
-    /// Sends on `ch`, waiting while the window is full until `deadline`
-    /// (forever without one). The message is dropped on error.
-    fn send(self, ch: &Channel, deadline: Option<Instant>) -> Result<(), fido::Error> {
-        let left = |d: Instant| d.saturating_duration_since(Instant::now());
-        let sent = match (self, deadline) {
-            (Outgoing::Inline { id, op, bytes }, None) => ch.send_inline(id, op, bytes.as_bytes()),
-            (Outgoing::Inline { id, op, bytes }, Some(d)) => match ch.try_send_inline(id, op, bytes.as_bytes()) {
-                Err(fido::SendError { error: fido::Error::WouldBlock, message }) => ch.send_timeout(message, left(d)),
-                other => other,
-            },
-            (Outgoing::Framed(m), None) => ch.send(m),
-            (Outgoing::Framed(m), Some(d)) => ch.send_timeout(m, left(d)),
-        };
-        sent.map_err(|e| e.error)
-    }
-}
-
-/// Builds a call: inline when nothing was built in the frame and the root
-/// fits ([`INLINE_ROOT`]), else the frame with its header.
-pub(crate) fn call_message(frame: Frame, method: u32, sig: u32, id: u64, oneway: bool, deadline_ns: u64, root: &[u8]) -> Result<Outgoing, RpcError> {
+/// Builds a call message: inline when nothing was built in the frame and
+/// the root fits ([`INLINE_ROOT`]), else the frame with its header. (The
+/// async client sends `Message`s; [`send_call`] is the synchronous path.)
+pub(crate) fn call_message(frame: Frame, method: u32, sig: u32, id: u64, oneway: bool, deadline_ns: u64, root: &[u8]) -> Result<Message, RpcError> {
     let op = if oneway { OP_ONEWAY } else { OP_CALL };
-    if frame.is_untouched() {
-        if let Some(bytes) = InlineBytes::new(method, sig, deadline_ns, root) {
-            return Ok(Outgoing::Inline { id, op, bytes });
-        }
+    if frame.is_untouched() && root.len() <= INLINE_ROOT {
+        return Ok(inline_message(method, sig, deadline_ns, root)?.tag(id).opcode(op));
     }
+    framed_call(frame, method, sig, id, op, deadline_ns, root)
+}
+
+fn framed_call(frame: Frame, method: u32, sig: u32, id: u64, op: u16, deadline_ns: u64, root: &[u8]) -> Result<Message, RpcError> {
     let bufs = frame.finish(root, |root_addr, root_len| {
         let h = CallHeader { magic: MAGIC, method, sig, _reserved: 0, deadline_ns, root_addr, root_len, _pad: [0; 3] };
         bytemuck::cast(h)
     })?;
-    Ok(Outgoing::Framed(Message::gather(bufs).tag(id).opcode(op)))
+    Ok(Message::gather(bufs).tag(id).opcode(op))
+}
+
+/// Why a call did not go out.
+enum NotSent {
+    /// Its frame could not be finished (e.g. the arena is full).
+    Build(RpcError),
+    /// The channel refused it (`Timeout`: the window stayed full until the
+    /// deadline).
+    Send(fido::Error),
+}
+
+/// Builds call `id` and sends it on `ch`, waiting while the window is full
+/// until `deadline` (forever without one). An inline call goes out straight
+/// from its bytes ([`Channel::send_inline`]): building a `Message` or any
+/// other value holding them and returning it cost a copy of it through the
+/// stack on every call.
+#[allow(clippy::too_many_arguments)]
+fn send_call(ch: &Channel, frame: Frame, method: u32, sig: u32, id: u64, oneway: bool, deadline_ns: u64, root: &[u8], deadline: Option<Instant>) -> Result<(), NotSent> {
+    let op = if oneway { OP_ONEWAY } else { OP_CALL };
+    let left = |d: Instant| d.saturating_duration_since(Instant::now());
+    let inline = if frame.is_untouched() { InlineBytes::new(method, sig, deadline_ns, root) } else { None };
+    let sent = match (inline, deadline) {
+        (Some(bytes), None) => ch.send_inline(id, op, bytes.as_bytes()),
+        (Some(bytes), Some(d)) => match ch.try_send_inline(id, op, bytes.as_bytes()) {
+            Err(fido::SendError { error: fido::Error::WouldBlock, message }) => ch.send_timeout(message, left(d)),
+            other => other,
+        },
+        (None, _) => {
+            let m = framed_call(frame, method, sig, id, op, deadline_ns, root).map_err(NotSent::Build)?;
+            match deadline {
+                None => ch.send(m),
+                Some(d) => ch.send_timeout(m, left(d)),
+            }
+        }
+    };
+    sent.map_err(|e| NotSent::Send(e.error))
 }
 
 /// A cancel: an empty inline message (nothing to allocate, so it cannot fail
@@ -341,7 +346,11 @@ impl Client {
     pub fn call_oneway(&self, method: u32, sig: u32, frame: Frame, root: &[u8]) -> Result<(), RpcError> {
         let conn = self.conn()?;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        call_message(frame, method, sig, id, true, 0, root)?.send(&conn.ch, None).map_err(gone_or)?;
+        match send_call(&conn.ch, frame, method, sig, id, true, 0, root, None) {
+            Ok(()) => {}
+            Err(NotSent::Build(e)) => return Err(e),
+            Err(NotSent::Send(e)) => return Err(gone_or(e)),
+        }
         // Take back what earlier one-way calls' arguments held.
         let _ = conn.ch.reap_if_holding(crate::REAP_ABOVE);
         Ok(())
@@ -353,22 +362,22 @@ impl Client {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let deadline = opts.timeout.map(|t| Instant::now() + t);
         let deadline_ns = opts.timeout.map(|t| monotonic_ns() + t.as_nanos() as u64).unwrap_or(0);
-        let m = call_message(frame, method, sig, id, false, deadline_ns, root)?;
         // Become the receiver for everybody if nobody is; else register the
         // call so that the receiver keeps its reply.
         let receiver = conn.take_turn();
         if !receiver {
             conn.st.lock().waiting.insert(id);
         }
-        if let Err(e) = m.send(&conn.ch, deadline) {
+        if let Err(e) = send_call(&conn.ch, frame, method, sig, id, false, deadline_ns, root, deadline) {
             if receiver {
                 conn.hand_off();
             } else {
                 conn.st.lock().waiting.remove(&id);
             }
             return Err(match e {
-                fido::Error::Timeout => RpcError::DeadlineExceeded,
-                other => {
+                NotSent::Build(e) => e,
+                NotSent::Send(fido::Error::Timeout) => RpcError::DeadlineExceeded,
+                NotSent::Send(other) => {
                     self.fail(&conn, &other);
                     gone_or(other)
                 }

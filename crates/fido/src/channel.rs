@@ -967,7 +967,7 @@ impl Channel {
                 total = m.total_len;
                 match &m.body {
                     // Validated on receipt: `total_len` ≤ INLINE_BYTES.
-                    Body::Inline(bytes) => desc.set_inline(&bytes.0[..total as usize]).expect("validated inline length"),
+                    Body::Inline(area) => desc.set_inline(&area.bytes()[..total as usize]).expect("validated inline length"),
                     Body::Segs(list) if list.sg.is_some() => {
                         desc.flags = FLAG_SG_LIST;
                         desc.segments[0] = list.sg.as_ref().expect("just matched").0;
@@ -1132,7 +1132,7 @@ impl Channel {
                 total_len: desc.total_len,
                 opcode: desc.opcode,
                 nseg: 0,
-                body: Body::Inline(InlineArea(desc.inline_area())),
+                body: Body::Inline(InlineArea::of(desc)),
             });
         }
         let v = match validate(desc, &ConnResolver(sh)) {
@@ -1154,7 +1154,7 @@ impl Channel {
             nseg: desc.nseg,
             total_len: v.total_len,
             body: match v.inline {
-                Some(bytes) => Body::Inline(InlineArea(bytes)),
+                Some(bytes) => Body::Inline(InlineArea::from_bytes(bytes)),
                 None => {
                     let mut segs = v.segments.into_iter().map(|s| Seg { ptr: s.ptr, len: s.len, global_addr: s.global.addr, _keep: s.keep });
                     match (segs.len(), &v.sg_list) {
@@ -1365,7 +1365,24 @@ struct SegList {
 /// An inline message's bytes, 16-byte aligned so a protocol can lay out
 /// aligned fields in them (fido-rpc puts a root at offset 16).
 #[repr(C, align(16))]
-struct InlineArea([u8; INLINE_BYTES]);
+struct InlineArea([u64; INLINE_BYTES / 8]);
+
+impl InlineArea {
+    /// The inline area of `desc`, copied as the words it arrived in (not
+    /// through a byte array: reading those bytes back in wider pieces
+    /// stalled on store-to-load forwarding, ~8% of a small receive).
+    #[inline]
+    fn of(desc: &Descriptor) -> InlineArea {
+        let [a, b] = desc.segments;
+        InlineArea([a.addr, a.len, b.addr, b.len])
+    }
+    fn from_bytes(bytes: [u8; INLINE_BYTES]) -> InlineArea {
+        InlineArea(bytemuck::cast(bytes))
+    }
+    fn bytes(&self) -> &[u8; INLINE_BYTES] {
+        bytemuck::cast_ref(&self.0)
+    }
+}
 
 // SAFETY: the segment pointers are into read-only mappings kept alive by the
 // `Arc<Mapping>`s this message holds; nothing writes through them.
@@ -1398,7 +1415,7 @@ impl Msg {
     pub fn inline_bytes(&self) -> Option<&[u8]> {
         // `total_len` ≤ INLINE_BYTES for inline messages (validated).
         match &self.body {
-            Body::Inline(b) => Some(&b.0[..self.total_len as usize]),
+            Body::Inline(b) => Some(&b.bytes()[..self.total_len as usize]),
             _ => None,
         }
     }
