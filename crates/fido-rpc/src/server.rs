@@ -40,9 +40,9 @@ pub struct Ctx<'a> {
     /// free to receive them).
     look_for_cancels: &'a dyn Fn(),
     arena: &'a Arc<Arena>,
-    frame: Option<Frame>,
-    holds: Vec<Box<dyn Any + Send + Sync>>,
-    reply: Option<(u32, RootBytes)>,
+    /// Where the result goes, written in place (the worker's own: no
+    /// result is moved between the handler and the send).
+    out: &'a mut Outcome,
 }
 
 impl<'a> Ctx<'a> {
@@ -90,10 +90,10 @@ impl<'a> Ctx<'a> {
     /// The frame results are built in (our arena; sent with the reply and
     /// freed when the client releases it).
     pub fn frame(&mut self) -> Result<&mut Frame, RpcError> {
-        if self.frame.is_none() {
-            self.frame = Some(Frame::new(self.arena)?);
+        if self.out.frame.is_none() {
+            self.out.frame = Some(Frame::new(self.arena)?);
         }
-        Ok(self.frame.as_mut().expect("just set"))
+        Ok(self.out.frame.as_mut().expect("just set"))
     }
     /// Our arena (for [`crate::ShmVec`]).
     pub fn arena(&self) -> &Arc<Arena> {
@@ -103,23 +103,25 @@ impl<'a> Ctx<'a> {
     /// of data the server keeps (a cache entry held by an `Arc`) without
     /// copying; the entry cannot be freed while the client reads it.
     pub fn hold(&mut self, value: impl Any + Send + Sync) {
-        self.holds.push(Box::new(value));
+        self.out.holds.push(Box::new(value));
     }
     /// Records a successful result (generated code).
     pub fn reply_ok<T: Pod>(&mut self, v: &T) {
-        let mut w = RootWriter::new();
-        w.put(v);
-        self.reply = Some((STATUS_OK, w.into_bytes()));
+        self.out.status = STATUS_OK;
+        self.out.root.clear();
+        pack_into(&mut self.out.root, v);
     }
     /// Records an application error (generated code).
     pub fn reply_err<T: Pod>(&mut self, e: &T) {
-        let mut w = RootWriter::new();
-        w.put(e);
-        self.reply = Some((STATUS_APP_ERROR, w.into_bytes()));
+        self.out.status = STATUS_APP_ERROR;
+        self.out.root.clear();
+        pack_into(&mut self.out.root, e);
     }
     /// Records raw result bytes (the C ABI).
     pub fn reply_raw(&mut self, status: u32, root: &[u8]) {
-        self.reply = Some((status, RootBytes::from_slice(root)));
+        self.out.status = status;
+        self.out.root.clear();
+        self.out.root.extend_from_slice(root);
     }
 }
 
@@ -201,13 +203,27 @@ pub fn parse_call<'a>(call: CallBytes<'a>, mem: &'a dyn PeerMemory) -> Result<In
     Ok(Incoming { header, root })
 }
 
-/// What to send back for one call.
+/// What to send back for one call. (`Default`: an empty success, what a
+/// handler that records nothing returns.)
+#[derive(Default)]
 pub struct Outcome {
     pub status: u32,
     pub fault: u32,
     pub root: RootBytes,
     pub frame: Option<Frame>,
     pub holds: Vec<Box<dyn Any + Send + Sync>>,
+}
+
+impl Outcome {
+    /// Makes this outcome fault `f` (whatever was recorded is dropped).
+    fn set_fault(&mut self, f: Fault) {
+        self.status = STATUS_FAULT;
+        self.fault = f as u32;
+        self.root.clear();
+        self.root.extend_from_slice(f.to_string().as_bytes());
+        self.frame = None;
+        self.holds.clear();
+    }
 }
 
 /// Runs one call: the whole server-side path except the transport, so the
@@ -223,9 +239,13 @@ pub fn dispatch_call(
     conn_open: &dyn Fn() -> bool,
     arena: &Arc<Arena>,
 ) -> Outcome {
-    run_call(svc, call, mem, call_id, peer, CancelSignal::Flag(cancelled), conn_open, &|| {}, arena)
+    let mut out = Outcome::default();
+    run_call(svc, call, mem, call_id, peer, CancelSignal::Flag(cancelled), conn_open, &|| {}, arena, &mut out);
+    out
 }
 
+/// [`dispatch_call`] writing into `out` (which starts as
+/// `Outcome::default()`): the handler records its result there, in place.
 #[allow(clippy::too_many_arguments)]
 fn run_call(
     svc: &dyn Dispatch,
@@ -237,15 +257,15 @@ fn run_call(
     conn_open: &dyn Fn() -> bool,
     look_for_cancels: &dyn Fn(),
     arena: &Arc<Arena>,
-) -> Outcome {
-    let fault = |f: Fault| Outcome { status: STATUS_FAULT, fault: f as u32, root: RootBytes::from_slice(f.to_string().as_bytes()), frame: None, holds: Vec::new() };
+    out: &mut Outcome,
+) {
     let inc = match parse_call(call, mem) {
         Ok(i) => i,
-        Err(f) => return fault(f),
+        Err(f) => return out.set_fault(f),
     };
     let h = inc.header;
     if h.deadline_ns != 0 && monotonic_ns() >= h.deadline_ns {
-        return fault(Fault::DeadlineExceeded);
+        return out.set_fault(Fault::DeadlineExceeded);
     }
     let mut cx = Ctx {
         view: View::new(mem),
@@ -257,22 +277,17 @@ fn run_call(
         conn_open,
         look_for_cancels,
         arena,
-        frame: None,
-        holds: Vec::new(),
-        reply: None,
+        out: &mut *out,
     };
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| svc.dispatch(h.method, h.sig, &mut cx)));
     match r {
-        Ok(Ok(())) => {
-            let (status, root) = cx.reply.take().unwrap_or((STATUS_OK, RootBytes::new()));
-            Outcome { status, fault: 0, root, frame: cx.frame.take(), holds: std::mem::take(&mut cx.holds) }
-        }
+        Ok(Ok(())) => {}
         // A handler that gave up because the deadline passed reports that.
-        Ok(Err(_)) if h.deadline_ns != 0 && monotonic_ns() >= h.deadline_ns => fault(Fault::DeadlineExceeded),
-        Ok(Err(f)) => fault(f),
+        Ok(Err(_)) if h.deadline_ns != 0 && monotonic_ns() >= h.deadline_ns => out.set_fault(Fault::DeadlineExceeded),
+        Ok(Err(f)) => out.set_fault(f),
         Err(_) => {
             tracing::warn!(method = h.method, "rpc handler panicked");
-            fault(Fault::Panicked)
+            out.set_fault(Fault::Panicked)
         }
     }
 }
@@ -574,7 +589,8 @@ fn handle(svc: &dyn Dispatch, cc: &ConnCalls, arena: &Arc<Arena>, open: &dyn Fn(
             // not only once half the window is out (which left a server
             // returning large results holding that many of them).
             let _ = cc.ch.reap_if_holding(crate::REAP_ABOVE);
-            let mut out = run_call(svc, CallBytes::of(&msg), &msg, id, msg.from_domain(), cancel, open, &|| cc.look_for_cancels(), arena);
+            let mut out = Outcome::default();
+            run_call(svc, CallBytes::of(&msg), &msg, id, msg.from_domain(), cancel, open, &|| cc.look_for_cancels(), arena, &mut out);
             // Release framed arguments before replying: once the client has
             // the reply, its argument memory is free for its next call. An
             // inline call holds no memory of the client's, so its release
@@ -588,8 +604,7 @@ fn handle(svc: &dyn Dispatch, cc: &ConnCalls, arena: &Arc<Arena>, open: &dyn Fn(
                 return;
             }
             if cancel.is_set() && out.status != STATUS_FAULT {
-                // Replaced in place: the common path moves no `Outcome`.
-                out = Outcome { status: STATUS_FAULT, fault: Fault::Cancelled as u32, root: RootBytes::from_slice(b"cancelled"), frame: None, holds: Vec::new() };
+                out.set_fault(Fault::Cancelled);
             }
             // An inline reply with nothing to hold is sent straight from its
             // bytes (no `Message` built and moved through the send).

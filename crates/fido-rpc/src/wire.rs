@@ -270,13 +270,19 @@ impl RootWriter {
         self.bytes
     }
     pub fn put<T: Pod>(&mut self, v: &T) {
-        let at = self.bytes.len().next_multiple_of(std::mem::align_of::<T>());
-        self.bytes.resize(at, 0);
-        self.bytes.extend_from_slice(bytemuck::bytes_of(v));
+        pack_into(&mut self.bytes, v);
     }
     pub fn bytes(&self) -> &[u8] {
         &self.bytes
     }
+}
+
+/// Appends `v` to a root, aligned to its type ([`RootWriter::put`]).
+#[inline]
+pub(crate) fn pack_into<T: Pod>(bytes: &mut RootBytes, v: &T) {
+    let at = bytes.len().next_multiple_of(std::mem::align_of::<T>());
+    bytes.resize(at, 0);
+    bytes.extend_from_slice(bytemuck::bytes_of(v));
 }
 
 /// Reads values packed by [`RootWriter`], copying each out once (so a sender
