@@ -121,7 +121,7 @@ impl TxRing {
     #[inline]
     pub fn free_slots(&self) -> u64 {
         let entries = self.local.entries() as u64;
-        // `rel_cons <= prod` always: `poll_release` rejects more releases than
+        // `rel_cons <= prod` always: `releases_ready` rejects more releases than
         // messages out.
         entries - (self.prod - self.rel_cons).min(entries)
     }
@@ -155,19 +155,43 @@ impl TxRing {
     /// Takes the next cookie the peer released, if any.
     #[inline]
     pub fn poll_release(&mut self) -> Result<Option<u64>, RingError> {
-        let published = protocol::observe(self.peer.rel_prod());
-        let available = check_advance("release", self.rel_cons, published, self.local.entries())?;
-        if available == 0 {
+        if self.releases_ready()? == 0 {
             return Ok(None);
         }
+        let cookie = self.pending_release(0);
+        self.consume_releases(1);
+        Ok(Some(cookie))
+    }
+
+    /// How many releases the peer published that we have not reaped
+    /// (checked: never more than the messages out). Read them with
+    /// [`TxRing::pending_release`], then mark them reaped with
+    /// [`TxRing::consume_releases`]: one look at the peer's index and one
+    /// store of ours per batch, not per release.
+    #[inline]
+    pub fn releases_ready(&self) -> Result<u64, RingError> {
+        let published = protocol::observe(self.peer.rel_prod());
+        let available = check_advance("release", self.rel_cons, published, self.local.entries())?;
         // More releases than messages out: the peer is lying.
         if self.rel_cons + available > self.prod {
             return Err(RingError::IndexJump { what: "release", from: self.rel_cons, to: published, entries: self.local.entries() });
         }
-        let cookie = self.peer.read_release(self.rel_cons);
-        self.rel_cons += 1;
+        Ok(available)
+    }
+
+    /// The cookie of pending release `k` (`k` below what
+    /// [`TxRing::releases_ready`] returned).
+    #[inline]
+    pub fn pending_release(&self, k: u64) -> u64 {
+        self.peer.read_release(self.rel_cons + k)
+    }
+
+    /// Marks the first `n` pending releases reaped (`n` at most what
+    /// [`TxRing::releases_ready`] returned).
+    #[inline]
+    pub fn consume_releases(&mut self, n: u64) {
+        self.rel_cons += n;
         self.local.rel_cons().store(self.rel_cons, std::sync::atomic::Ordering::Release);
-        Ok(Some(cookie))
     }
 
     /// True when the peer has published releases we have not reaped.

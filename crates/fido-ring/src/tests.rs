@@ -102,6 +102,21 @@ fn send_receive_release() {
     }
     a.tx.publish().unwrap();
     assert_eq!(b.rx.poll().unwrap().unwrap().cookie, 8);
+    // Releases taken as a batch: counted, read in order, consumed at once.
+    for i in 9..12 {
+        assert_eq!(b.rx.poll().unwrap().unwrap().cookie, i);
+    }
+    for c in [8, 10, 9] {
+        b.rel.release(c).unwrap();
+    }
+    assert_eq!(a.tx.releases_ready().unwrap(), 3);
+    assert_eq!((0..3).map(|k| a.tx.pending_release(k)).collect::<Vec<_>>(), [8, 10, 9]);
+    a.tx.consume_releases(2);
+    assert_eq!(a.tx.releases_ready().unwrap(), 1);
+    assert_eq!(a.tx.pending_release(0), 9);
+    a.tx.consume_releases(1);
+    assert_eq!(a.tx.releases_ready().unwrap(), 0);
+    assert_eq!(a.tx.in_flight(), 5);
 }
 
 #[test]
@@ -120,6 +135,7 @@ fn forged_indices_are_errors() {
     // Releases of messages never sent.
     forged.rel_prod().store(3, Ordering::Release);
     assert!(matches!(b.tx.poll_release(), Err(RingError::IndexJump { .. })));
+    assert!(matches!(b.tx.releases_ready(), Err(RingError::IndexJump { .. })));
 }
 
 #[test]

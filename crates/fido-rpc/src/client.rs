@@ -357,6 +357,7 @@ impl Client {
     }
 
     /// A call returning the raw reply message (the C ABI decodes it itself).
+    #[inline]
     pub fn call_raw(&self, method: u32, sig: u32, frame: Frame, root: &[u8], opts: &CallOpts) -> Result<Msg, RpcError> {
         let conn = self.conn()?;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
@@ -383,6 +384,9 @@ impl Client {
                 }
             });
         }
+        // The server is running the call now: collect the releases of
+        // earlier calls while it does, not in the next call's send.
+        let _ = conn.ch.reap_ahead();
         let reply = self.wait_reply(&conn, id, deadline, opts.cancel.as_ref(), receiver);
         // The server released this call's arguments before replying: take
         // the memory back before the caller builds the next call (a cheap

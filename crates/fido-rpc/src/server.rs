@@ -573,6 +573,9 @@ fn worker(domain: &Domain, svc: &dyn Dispatch, cc: &ConnCalls, stop: &AtomicBool
             }
         };
         handle(svc, cc, &arena, &open, stop, msg, index);
+        // The client is reading our reply now: collect the releases of
+        // earlier replies while it does, not in the next reply's send.
+        let _ = cc.ch.reap_ahead();
     }
 }
 

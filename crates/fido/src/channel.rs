@@ -190,7 +190,7 @@ struct Slot {
     generation: u32,
     tag: u64,
     opcode: u16,
-    /// Payload bytes, for [`TxState::unreleased_bytes`].
+    /// Payload bytes, for [`TxState::outstanding`].
     len: u64,
     hold: Option<Hold>,
     /// The SG list we wrote for this message, if any.
@@ -215,10 +215,30 @@ struct TxState {
     epoch: u64,
     wait: WaitStrategy,
     undelivered: Vec<Undelivered>,
-    /// Payload bytes of the messages in `table`: what the peer's releases
-    /// will give back. Written only under the lock; shared with
-    /// `ConnShared` so it can be read without taking it.
-    unreleased_bytes: Arc<AtomicU64>,
+    /// What the messages in `table` add up to. Written only under the
+    /// lock; shared with `ConnShared` so it can be read without taking it.
+    outstanding: Arc<Outstanding>,
+}
+
+/// Messages in flight and their payload bytes (what the peer's releases
+/// will give back), written under the send lock, read by anyone.
+#[derive(Default)]
+struct Outstanding {
+    messages: Counter,
+    bytes: Counter,
+}
+
+impl Outstanding {
+    #[inline]
+    fn add(&self, len: u64) {
+        self.messages.add(1);
+        self.bytes.add(len);
+    }
+    #[inline]
+    fn remove(&self, len: u64) {
+        self.messages.sub(1);
+        self.bytes.sub(len);
+    }
 }
 
 struct RxState {
@@ -236,6 +256,10 @@ impl Counter {
     fn add(&self, n: u64) {
         // One writer (the lock holder): a plain load + store, no locked RMW.
         self.0.store(self.0.load(Ordering::Relaxed) + n, Ordering::Relaxed);
+    }
+    #[inline]
+    fn sub(&self, n: u64) {
+        self.0.store(self.0.load(Ordering::Relaxed) - n, Ordering::Relaxed);
     }
     fn get(&self) -> u64 {
         self.0.load(Ordering::Relaxed)
@@ -279,8 +303,8 @@ pub(crate) struct ConnShared {
     rx: Mutex<RxState>,
     /// Set once this channel carried a forwarded message (see `reap_forwarded`).
     forwarding: std::sync::atomic::AtomicBool,
-    /// `TxState::unreleased_bytes`, readable without the tx lock.
-    unreleased_bytes: Arc<AtomicU64>,
+    /// `TxState::outstanding`, readable without the tx lock.
+    outstanding: Arc<Outstanding>,
 }
 
 // SAFETY: the raw pointers inside (ring blocks) point into mappings kept alive
@@ -386,7 +410,7 @@ impl TxState {
     fn insert(&mut self, msg: Message, len: u64, sg_list: Option<Buf>) -> u64 {
         let index = self.free.pop().expect("window checked before insert");
         self.generation = self.generation.wrapping_add(1);
-        self.unreleased_bytes.store(self.unreleased_bytes.load(Ordering::Relaxed) + len, Ordering::Relaxed);
+        self.outstanding.add(len);
         let slot = &mut self.table[index as usize];
         slot.generation = self.generation;
         slot.tag = msg.tag;
@@ -409,7 +433,7 @@ impl TxState {
         let index = self.free.pop().expect("window checked before insert");
         self.generation = self.generation.wrapping_add(1);
         let len = bytes.len() as u64;
-        self.unreleased_bytes.store(self.unreleased_bytes.load(Ordering::Relaxed) + len, Ordering::Relaxed);
+        self.outstanding.add(len);
         let slot = &mut self.table[index as usize];
         slot.generation = self.generation;
         slot.tag = tag;
@@ -421,14 +445,12 @@ impl TxState {
         ((self.generation as u64) << 32) | index as u64
     }
 
-    /// Reaps every release the peer published; an unknown cookie is a lie.
+    /// Reaps every release the peer published (one batch: the peer's index
+    /// is read once); an unknown cookie is a lie.
     fn reap(&mut self) -> std::result::Result<(), String> {
-        loop {
-            let cookie = match self.ring.poll_release() {
-                Ok(Some(c)) => c,
-                Ok(None) => return Ok(()),
-                Err(e) => return Err(e.to_string()),
-            };
+        let ready = self.ring.releases_ready().map_err(|e| e.to_string())?;
+        for k in 0..ready {
+            let cookie = self.ring.pending_release(k);
             let index = (cookie & 0xffff_ffff) as usize;
             let generation = (cookie >> 32) as u32;
             match self.table.get_mut(index) {
@@ -441,12 +463,17 @@ impl TxState {
                     if slot.sg_list.is_some() {
                         slot.sg_list = None;
                     }
-                    self.unreleased_bytes.store(self.unreleased_bytes.load(Ordering::Relaxed) - slot.len, Ordering::Relaxed);
+                    self.outstanding.remove(slot.len);
                     self.free.push(index as u32);
                 }
-                _ => return Err(format!("released unknown message cookie {cookie:#x}")),
+                _ => {
+                    self.ring.consume_releases(k);
+                    return Err(format!("released unknown message cookie {cookie:#x}"));
+                }
             }
         }
+        self.ring.consume_releases(ready);
+        Ok(())
     }
 
     /// Hands every unreleased message back as undelivered.
@@ -454,7 +481,7 @@ impl TxState {
         for slot in self.table.iter_mut() {
             let len = slot.len;
             if let Some(message) = slot.take() {
-                self.unreleased_bytes.store(self.unreleased_bytes.load(Ordering::Relaxed) - len, Ordering::Relaxed);
+                self.outstanding.remove(len);
                 self.undelivered.push(Undelivered { tag: message.tag, opcode: message.opcode, message });
             }
         }
@@ -632,7 +659,7 @@ impl Channel {
         let peer_data = Arc::new(peer_fds.pop().expect("checked"));
         let entries = local.entries();
         let wait = domain.opts.wait;
-        let unreleased_bytes = Arc::new(AtomicU64::new(0));
+        let outstanding = Arc::new(Outstanding::default());
         let shared = Arc::new(ConnShared {
             conn,
             service,
@@ -657,11 +684,11 @@ impl Channel {
                 epoch: 0,
                 wait,
                 undelivered: Vec::new(),
-                unreleased_bytes: unreleased_bytes.clone(),
+                outstanding: outstanding.clone(),
             }),
             rx: Mutex::new(RxState { ring: RxRing::new(local, peer_block), epoch: 0, wait }),
             forwarding: std::sync::atomic::AtomicBool::new(false),
-            unreleased_bytes,
+            outstanding,
         });
         domain.conns.lock().insert(conn, Arc::downgrade(&shared));
         Channel { shared }
@@ -756,11 +783,28 @@ impl Channel {
     pub fn reap_if_holding(&self, bytes: u64) -> Result<()> {
         // Read without the lock: a stale value only delays the reap to the
         // next call, or reaps for nothing.
-        if self.shared.unreleased_bytes.load(Ordering::Relaxed) <= bytes {
+        if self.shared.outstanding.bytes.get() <= bytes {
             return Ok(());
         }
         let mut tx = self.shared.tx.lock();
         tx.reap().map_err(|why| self.shared.mark_broken(why))
+    }
+
+    /// Collects the peer's releases now if the next send would (half the
+    /// window is out, see [`Channel::send`]), unless another thread is
+    /// sending (it collects them itself). For a sender with time to spare —
+    /// one that just sent a request and waits for the reply — so that its
+    /// next send, on the round trip's critical path, does not pay for a
+    /// whole batch of releases.
+    pub fn reap_ahead(&self) -> Result<()> {
+        let sh = &*self.shared;
+        if sh.outstanding.messages.get() * 2 < sh.local.entries() as u64 {
+            return Ok(());
+        }
+        let Some(mut tx) = sh.tx.try_lock() else {
+            return Ok(());
+        };
+        tx.reap().map_err(|why| sh.mark_broken(why))
     }
 
     /// Sends a message, waiting (per the wait strategy) while the window is full.

@@ -225,3 +225,24 @@ fn a_peer_that_closes_keeps_what_it_holds_valid() {
         std::thread::sleep(Duration::from_millis(5));
     }
 }
+
+#[test]
+fn reap_ahead_collects_releases_once_half_the_window_is_out() {
+    let b = TestBroker::start();
+    let (_server, client, s, c) = pair(&b, "reap-ahead", 16);
+    let in_use = || client.arena().stats().allocations;
+    let before = in_use();
+    // Below half the window: nothing to do yet, even with releases waiting.
+    for i in 0..7u64 {
+        c.send(client.alloc_copy(&[i as u8; 4096]).unwrap()).unwrap();
+        drop(s.recv_timeout(Duration::from_secs(5)).unwrap());
+    }
+    c.reap_ahead().unwrap();
+    assert_eq!(in_use(), before + 7, "collected before half the window was out");
+    // Half out: every release the peer published is collected, and the
+    // buffers go back to the arena.
+    c.send(client.alloc_copy(&[7; 4096]).unwrap()).unwrap();
+    drop(s.recv_timeout(Duration::from_secs(5)).unwrap());
+    c.reap_ahead().unwrap();
+    assert_eq!(in_use(), before);
+}
