@@ -295,6 +295,7 @@ impl Client {
     /// never reaches: without that, up to half a ring of large argument
     /// frames stayed allocated (found by `fido bench rpc`: 10 MB ByteSeq
     /// calls exhausted a 256 MiB arena).
+    #[inline]
     pub fn frame(&self) -> Result<Frame, RpcError> {
         Frame::new(self.domain.arena())
     }

@@ -57,12 +57,14 @@ unsafe impl Sync for Frame {}
 
 impl Frame {
     /// A frame in `arena` (a domain's: `Domain::arena()`).
+    #[inline]
     pub fn new(arena: &Arc<Arena>) -> Result<Frame, RpcError> {
         Self::with_capacity(arena, 0)
     }
 
     /// A frame whose first buffer has room for `bytes` beyond the header, so
     /// arguments of known size need one allocation.
+    #[inline]
     pub fn with_capacity(arena: &Arc<Arena>, bytes: usize) -> Result<Frame, RpcError> {
         let mut f = Frame { arena: arena.clone(), chunks: Vec::new(), adopted: Vec::new(), used: 0, next_chunk: MIN_CHUNK, cur: Cursor::NONE };
         if bytes > 0 {
