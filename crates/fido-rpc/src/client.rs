@@ -6,6 +6,7 @@ use crate::frame::{Frame, View};
 use crate::wire::*;
 use bytemuck::Pod;
 use fido::{Channel, Domain, Message, Msg, WaitStrategy};
+use arc_swap::ArcSwapOption;
 use parking_lot::{Condvar, Mutex};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -251,9 +252,31 @@ struct ConnState {
 pub struct Client {
     domain: Domain,
     service: String,
-    conn: Mutex<Option<Arc<Conn>>>,
+    /// The current connection. Read on every call without a lock or a
+    /// reference count (an `arc_swap` guard): a mutex and an `Arc` clone
+    /// per call were two locked instructions on the round trip's path.
+    conn: ArcSwapOption<Conn>,
+    /// Held while connecting again (and while changing `wait`), so that
+    /// callers who find the connection dead connect once.
+    reconnecting: Mutex<()>,
     next_id: AtomicU64,
     wait: Mutex<Option<WaitStrategy>>,
+}
+
+/// The connection a call uses, kept alive for the call.
+struct ConnGuard(arc_swap::Guard<Option<Arc<Conn>>>);
+
+impl std::ops::Deref for ConnGuard {
+    type Target = Conn;
+    fn deref(&self) -> &Conn {
+        self.0.as_deref().expect("a ConnGuard holds a connection")
+    }
+}
+
+impl Conn {
+    fn is_up(&self) -> bool {
+        self.ch.is_open() && !self.failed.load(Ordering::Acquire)
+    }
 }
 
 impl Client {
@@ -262,7 +285,8 @@ impl Client {
         let c = Client {
             domain: domain.clone(),
             service: service.into(),
-            conn: Mutex::new(None),
+            conn: ArcSwapOption::empty(),
+            reconnecting: Mutex::new(()),
             next_id: AtomicU64::new(1),
             wait: Mutex::new(None),
         };
@@ -273,8 +297,9 @@ impl Client {
     /// How callers wait for replies: `WaitStrategy::Block` (notified: sleep on
     /// the doorbell), `BusyPoll` (polled), `Adaptive` (spin, then sleep).
     pub fn set_wait(&self, w: WaitStrategy) {
+        let _no_reconnect = self.reconnecting.lock();
         *self.wait.lock() = Some(w);
-        if let Some(c) = &*self.conn.lock() {
+        if let Some(c) = &*self.conn.load() {
             c.ch.set_wait(w);
         }
     }
@@ -303,16 +328,29 @@ impl Client {
     /// Whether the current connection is up (false after the server died,
     /// until the next call reconnects).
     pub fn is_connected(&self) -> bool {
-        self.conn.lock().as_ref().is_some_and(|c| c.ch.is_open() && !c.failed.load(Ordering::Acquire))
+        self.conn.load().as_ref().is_some_and(|c| c.is_up())
     }
 
-    fn conn(&self) -> Result<Arc<Conn>, RpcError> {
-        let mut g = self.conn.lock();
-        if let Some(c) = &*g {
-            if c.ch.is_open() && !c.failed.load(Ordering::Acquire) {
-                return Ok(c.clone());
-            }
+    /// The current connection, or a new one if it failed.
+    #[inline]
+    fn conn(&self) -> Result<ConnGuard, RpcError> {
+        let g = self.conn.load();
+        if g.as_ref().is_some_and(|c| c.is_up()) {
+            return Ok(ConnGuard(g));
         }
+        drop(g);
+        self.reconnect()
+    }
+
+    #[cold]
+    fn reconnect(&self) -> Result<ConnGuard, RpcError> {
+        let _one = self.reconnecting.lock();
+        // Another caller may have connected while we waited.
+        let g = self.conn.load();
+        if g.as_ref().is_some_and(|c| c.is_up()) {
+            return Ok(ConnGuard(g));
+        }
+        drop(g);
         let ch = self.domain.connect(&self.service)?;
         if let Some(w) = *self.wait.lock() {
             ch.set_wait(w);
@@ -325,8 +363,8 @@ impl Client {
             receiving: AtomicBool::new(false),
             parked: AtomicUsize::new(0),
         });
-        *g = Some(c.clone());
-        Ok(c)
+        self.conn.store(Some(c));
+        Ok(ConnGuard(self.conn.load()))
     }
 
     /// A call (generated stubs use this): `root` holds the packed arguments,

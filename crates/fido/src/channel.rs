@@ -404,18 +404,27 @@ impl ConnShared {
 }
 
 impl TxState {
-    /// Records `msg` (of `len` payload bytes, with the SG list written for
-    /// it) as in flight; returns its cookie.
+    /// Takes a free slot for a message of `len` payload bytes and fills in
+    /// its header; returns the message's cookie and the slot, whose parts
+    /// the caller sets.
     #[inline(always)]
-    fn insert(&mut self, msg: Message, len: u64, sg_list: Option<Buf>) -> u64 {
+    fn claim(&mut self, tag: u64, opcode: u16, len: u64) -> (u64, &mut Slot) {
         let index = self.free.pop().expect("window checked before insert");
         self.generation = self.generation.wrapping_add(1);
         self.outstanding.add(len);
         let slot = &mut self.table[index as usize];
         slot.generation = self.generation;
-        slot.tag = msg.tag;
-        slot.opcode = msg.opcode;
+        slot.tag = tag;
+        slot.opcode = opcode;
         slot.len = len;
+        (((self.generation as u64) << 32) | index as u64, slot)
+    }
+
+    /// Records `msg` (of `len` payload bytes, with the SG list written for
+    /// it) as in flight; returns its cookie.
+    #[inline(always)]
+    fn insert(&mut self, msg: Message, len: u64, sg_list: Option<Buf>) -> u64 {
+        let (cookie, slot) = self.claim(msg.tag, msg.opcode, len);
         slot.parts = Some(msg.parts);
         if msg.hold.is_some() {
             slot.hold = msg.hold;
@@ -423,26 +432,18 @@ impl TxState {
         if sg_list.is_some() {
             slot.sg_list = sg_list;
         }
-        ((self.generation as u64) << 32) | index as u64
+        cookie
     }
 
     /// [`TxState::insert`] for an inline message of `bytes` (checked to
     /// fit), written into the slot directly.
     #[inline(always)]
     fn insert_inline(&mut self, tag: u64, opcode: u16, bytes: &[u8]) -> u64 {
-        let index = self.free.pop().expect("window checked before insert");
-        self.generation = self.generation.wrapping_add(1);
-        let len = bytes.len() as u64;
-        self.outstanding.add(len);
-        let slot = &mut self.table[index as usize];
-        slot.generation = self.generation;
-        slot.tag = tag;
-        slot.opcode = opcode;
-        slot.len = len;
+        let (cookie, slot) = self.claim(tag, opcode, bytes.len() as u64);
         let mut area = [0u8; INLINE_BYTES];
         area[..bytes.len()].copy_from_slice(bytes);
         slot.parts = Some(Parts::Inline { bytes: area, len: bytes.len() as u8 });
-        ((self.generation as u64) << 32) | index as u64
+        cookie
     }
 
     /// Reaps every release the peer published (one batch: the peer's index
@@ -936,7 +937,8 @@ impl Channel {
     /// without building a `Message` and moving it through the call: the
     /// descriptor is filled straight from `bytes`. For small control
     /// messages on a hot path (fido-rpc's inline calls and replies). On an
-    /// error the message comes back in the `SendError` as usual.
+    /// error the message comes back in the `SendError` as usual (`Invalid`,
+    /// for more than [`INLINE_BYTES`], gives back an empty one).
     pub fn send_inline(&self, tag: u64, opcode: u16, bytes: &[u8]) -> std::result::Result<(), SendError> {
         self.send_inline_inner(tag, opcode, bytes, true)
     }
@@ -947,14 +949,14 @@ impl Channel {
     }
 
     fn send_inline_inner(&self, tag: u64, opcode: u16, bytes: &[u8], block: bool) -> std::result::Result<(), SendError> {
-        let give_back = |error: Error| match Message::inline(bytes) {
-            Ok(m) => SendError { error, message: m.tag(tag).opcode(opcode) },
-            Err(too_long) => SendError { error: too_long, message: Message::inline(&[]).expect("empty fits").tag(tag).opcode(opcode) },
-        };
         let mut desc = Descriptor { tag, opcode, ..Default::default() };
         if desc.set_inline(bytes).is_none() {
-            return Err(give_back(Error::Invalid(format!("inline message of {} bytes (at most {INLINE_BYTES})", bytes.len()))));
+            // Such a message cannot be built: an empty one with its tag and
+            // opcode comes back.
+            let message = Message::inline(&[]).expect("empty fits").tag(tag).opcode(opcode);
+            return Err(SendError { error: Error::Invalid(format!("inline message of {} bytes (at most {INLINE_BYTES})", bytes.len())), message });
         }
+        let give_back = |error: Error| SendError { error, message: Message::inline(bytes).expect("checked to fit").tag(tag).opcode(opcode) };
         let mut tx = self.shared.tx.lock();
         if let Err(e) = self.make_room(&mut tx, None, block) {
             return Err(give_back(e));
