@@ -267,7 +267,7 @@ impl RxRing {
     /// True when a descriptor is waiting.
     ///
     /// Looks at the next slot's publication mark (the slot is the line the
-    /// message arrives in). One empty look in [`INDEX_CHECK_EVERY`] also
+    /// message arrives in). One empty look in `INDEX_CHECK_EVERY` (64) also
     /// checks the publish index ([`RxRing::poll`] checks it on every empty
     /// poll), so a spinning waiter does not keep a second line the producer
     /// writes in its cache.
