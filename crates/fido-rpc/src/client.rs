@@ -139,10 +139,21 @@ pub(crate) fn decode_reply<R: Pod, E: Pod + std::fmt::Debug>(msg: Msg) -> Result
 /// async client sends `Message`s; [`send_call`] is the synchronous path.)
 pub(crate) fn call_message(frame: Frame, method: u32, sig: u32, id: u64, oneway: bool, deadline_ns: u64, root: &[u8]) -> Result<Message, RpcError> {
     let op = if oneway { OP_ONEWAY } else { OP_CALL };
-    if frame.is_untouched() && root.len() <= INLINE_ROOT {
-        return Ok(inline_message(method, sig, deadline_ns, root)?.tag(id).opcode(op));
+    if let Some(bytes) = inline_call(&frame, method, sig, deadline_ns, root) {
+        return Ok(Message::inline(bytes.as_bytes())?.tag(id).opcode(op));
     }
     framed_call(frame, method, sig, id, op, deadline_ns, root)
+}
+
+/// A call's inline bytes, if it travels inline: nothing was built in its
+/// frame and its root fits ([`INLINE_ROOT`]). The one decision both the
+/// synchronous and the async client make.
+#[inline]
+fn inline_call(frame: &Frame, method: u32, sig: u32, deadline_ns: u64, root: &[u8]) -> Option<InlineBytes> {
+    if !frame.is_untouched() {
+        return None;
+    }
+    InlineBytes::new(method, sig, deadline_ns, root)
 }
 
 fn framed_call(frame: Frame, method: u32, sig: u32, id: u64, op: u16, deadline_ns: u64, root: &[u8]) -> Result<Message, RpcError> {
@@ -171,8 +182,7 @@ enum NotSent {
 fn send_call(ch: &Channel, frame: Frame, method: u32, sig: u32, id: u64, oneway: bool, deadline_ns: u64, root: &[u8], deadline: Option<Instant>) -> Result<(), NotSent> {
     let op = if oneway { OP_ONEWAY } else { OP_CALL };
     let left = |d: Instant| d.saturating_duration_since(Instant::now());
-    let inline = if frame.is_untouched() { InlineBytes::new(method, sig, deadline_ns, root) } else { None };
-    let sent = match (inline, deadline) {
+    let sent = match (inline_call(&frame, method, sig, deadline_ns, root), deadline) {
         (Some(bytes), None) => ch.send_inline(id, op, bytes.as_bytes()),
         (Some(bytes), Some(d)) => match ch.try_send_inline(id, op, bytes.as_bytes()) {
             Err(fido::SendError { error: fido::Error::WouldBlock, message }) => ch.send_timeout(message, left(d)),

@@ -215,6 +215,17 @@ pub struct Outcome {
 }
 
 impl Outcome {
+    /// The reply's inline bytes, if it travels inline: the handler built
+    /// nothing in the arena and the root fits ([`INLINE_ROOT`]). (Its holds
+    /// travel with it either way.)
+    #[inline]
+    fn inline_reply(&self) -> Option<InlineBytes> {
+        if !self.frame.as_ref().is_none_or(Frame::is_untouched) {
+            return None;
+        }
+        InlineBytes::new(self.status, self.fault, 0, &self.root)
+    }
+
     /// Makes this outcome fault `f` (whatever was recorded is dropped).
     fn set_fault(&mut self, f: Fault) {
         self.status = STATUS_FAULT;
@@ -295,8 +306,8 @@ fn run_call(
 /// Builds the reply message of `out`: inline when the handler built nothing
 /// in the arena and the root fits ([`INLINE_ROOT`]), else in `arena`.
 pub fn reply_message(arena: &Arc<Arena>, call_id: u64, out: Outcome) -> Result<Message, RpcError> {
-    let m = if out.frame.as_ref().is_none_or(Frame::is_untouched) && out.root.len() <= INLINE_ROOT {
-        inline_message(out.status, out.fault, 0, &out.root)?
+    let m = if let Some(bytes) = out.inline_reply() {
+        Message::inline(bytes.as_bytes())?
     } else {
         let frame = match out.frame {
             Some(f) => f,
@@ -550,11 +561,11 @@ fn worker(domain: &Domain, svc: &dyn Dispatch, cc: &ConnCalls, stop: &AtomicBool
     let arena = domain.arena().clone();
     let open = || cc.ch.is_open();
     while !stop.load(Ordering::Acquire) {
-        if let Some(m) = cc.next_from_backlog() {
-            handle(svc, cc, &arena, &open, stop, m, index);
-            continue;
-        }
-        let msg = match cc.ch.recv_timeout(Duration::from_millis(100)) {
+        let received = match cc.next_from_backlog() {
+            Some(m) => Ok(m),
+            None => cc.ch.recv_timeout(Duration::from_millis(100)),
+        };
+        let msg = match received {
             Ok(m) => m,
             Err(fido::Error::Timeout) => {
                 // Idle: collect the client's releases of our replies, so
@@ -611,11 +622,7 @@ fn handle(svc: &dyn Dispatch, cc: &ConnCalls, arena: &Arc<Arena>, open: &dyn Fn(
             }
             // An inline reply with nothing to hold is sent straight from its
             // bytes (no `Message` built and moved through the send).
-            let inline = if out.holds.is_empty() && out.frame.as_ref().is_none_or(Frame::is_untouched) {
-                InlineBytes::new(out.status, out.fault, 0, &out.root)
-            } else {
-                None
-            };
+            let inline = if out.holds.is_empty() { out.inline_reply() } else { None };
             let mut sent = match inline {
                 Some(bytes) => cc.ch.try_send_inline(id, OP_REPLY, bytes.as_bytes()),
                 None => match reply_message(arena, id, out) {

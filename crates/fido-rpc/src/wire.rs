@@ -110,13 +110,6 @@ impl InlineBytes {
     }
 }
 
-/// An inline call or reply as a `Message` (where one is needed: the async
-/// client, the C ABI); `Invalid` if `root` is longer than [`INLINE_ROOT`].
-pub(crate) fn inline_message(a: u32, b: u32, c: u64, root: &[u8]) -> Result<fido::Message, crate::RpcError> {
-    let inline = InlineBytes::new(a, b, c, root).ok_or_else(|| crate::RpcError::Invalid(format!("inline root of {} bytes", root.len())))?;
-    Ok(fido::Message::inline(inline.as_bytes())?)
-}
-
 /// The header words and root of an inline call or reply (the inverse of
 /// [`InlineBytes::new`]); `None` if the bytes are shorter than the header.
 pub(crate) fn split_inline(bytes: &[u8]) -> Option<(u32, u32, u64, &[u8])> {
@@ -264,10 +257,6 @@ pub(crate) type IdSet = std::collections::HashSet<u64, std::hash::BuildHasherDef
 impl RootWriter {
     pub fn new() -> Self {
         RootWriter { bytes: RootBytes::new() }
-    }
-    /// The packed bytes.
-    pub fn into_bytes(self) -> RootBytes {
-        self.bytes
     }
     pub fn put<T: Pod>(&mut self, v: &T) {
         pack_into(&mut self.bytes, v);

@@ -56,6 +56,11 @@ enum Parts {
     Inline { bytes: [u8; INLINE_BYTES], len: u8 },
 }
 
+/// Why `len` bytes cannot be sent inline.
+fn inline_too_long(len: usize) -> Error {
+    Error::Invalid(format!("inline message of {len} bytes (at most {INLINE_BYTES})"))
+}
+
 /// An outgoing message: buffers from our arena (one, or several gathered), or a
 /// received message being forwarded.
 pub struct Message {
@@ -87,7 +92,7 @@ impl Message {
     /// the ring) and no global pointers: forwarding it copies those bytes.
     pub fn inline(bytes: &[u8]) -> Result<Message> {
         if bytes.len() > INLINE_BYTES {
-            return Err(Error::Invalid(format!("inline message of {} bytes (at most {INLINE_BYTES})", bytes.len())));
+            return Err(inline_too_long(bytes.len()));
         }
         let mut area = [0u8; INLINE_BYTES];
         area[..bytes.len()].copy_from_slice(bytes);
@@ -954,7 +959,7 @@ impl Channel {
             // Such a message cannot be built: an empty one with its tag and
             // opcode comes back.
             let message = Message::inline(&[]).expect("empty fits").tag(tag).opcode(opcode);
-            return Err(SendError { error: Error::Invalid(format!("inline message of {} bytes (at most {INLINE_BYTES})", bytes.len())), message });
+            return Err(SendError { error: inline_too_long(bytes.len()), message });
         }
         let give_back = |error: Error| SendError { error, message: Message::inline(bytes).expect("checked to fit").tag(tag).opcode(opcode) };
         let mut tx = self.shared.tx.lock();
