@@ -1,14 +1,13 @@
 //! The async (tokio) client: one reader task per connection completes the
 //! calls in flight, in whatever order the server answers them.
 
-use crate::client::{call_message, cancel_message, decode_reply, CallOpts, Reply};
+use crate::client::{call_message, cancel_message, decode_reply, next_call_id, CallOpts, Reply};
 use crate::error::{CallError, RpcError};
 use crate::frame::Frame;
 use bytemuck::Pod;
 use fido::{AsyncChannel, Domain, Msg};
 use parking_lot::Mutex;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use tokio::sync::oneshot;
 
@@ -81,7 +80,6 @@ pub struct AsyncClient {
     service: String,
     conn: Mutex<Arc<Conn>>,
     wait: Mutex<Option<fido::WaitStrategy>>,
-    next_id: AtomicU64,
 }
 
 impl AsyncClient {
@@ -93,7 +91,6 @@ impl AsyncClient {
             service: service.into(),
             conn: Mutex::new(Arc::new(conn)),
             wait: Mutex::new(None),
-            next_id: AtomicU64::new(1),
         })
     }
 
@@ -138,7 +135,7 @@ impl AsyncClient {
 
     pub async fn call_oneway(&self, method: u32, sig: u32, frame: Frame, root: &[u8]) -> Result<(), RpcError> {
         let conn = self.current()?;
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let id = next_call_id();
         let m = call_message(frame, method, sig, id, true, 0, root)?;
         conn.inner.ch.send(m).await.map_err(|e| RpcError::ServerGone(e.error.to_string()))
     }
@@ -146,7 +143,7 @@ impl AsyncClient {
     pub async fn call_raw(&self, method: u32, sig: u32, frame: Frame, root: &[u8], opts: &CallOpts) -> Result<Msg, RpcError> {
         let conn = self.current()?;
         let inner = &conn.inner;
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let id = next_call_id();
         let deadline_ns = opts.timeout.map(|t| crate::wire::monotonic_ns() + t.as_nanos() as u64).unwrap_or(0);
         let m = call_message(frame, method, sig, id, false, deadline_ns, root)?;
         let (tx, rx) = oneshot::channel();

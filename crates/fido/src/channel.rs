@@ -252,6 +252,15 @@ struct RxState {
     wait: WaitStrategy,
 }
 
+/// Where one receive is in its wait: the caller's timeout, the deadline
+/// (resolved on the first real wait, after the quick spin), and whether it
+/// has spun yet.
+struct RecvWait {
+    timeout: Option<Duration>,
+    deadline: Option<Option<Instant>>,
+    spun: bool,
+}
+
 /// Single-writer counter: written only under its half's lock, read by anyone.
 #[derive(Default)]
 struct Counter(AtomicU64);
@@ -1084,15 +1093,16 @@ impl Channel {
     /// enough that the extra wrapping cost a copy on every receive):
     /// `WouldBlock` when not blocking and nothing is there.
     ///
-    /// The clock is read only once a spinning receiver has looked
-    /// [`fido_ring::wait::QUICK_LOOKS`] times: a polled reply usually comes
-    /// sooner, and reading the clock first delayed it (see `quick_spin`).
+    /// Inlined into each receive, with the waiting out of line
+    /// ([`Channel::wait_for_descriptor`]): the message is built where the
+    /// caller keeps it, not returned through memory from a call (reading
+    /// back what was just stored in narrower pieces stalled a polled round
+    /// trip).
+    #[inline(always)]
     fn recv_inner(&self, timeout: Option<Duration>, block: bool) -> Result<Msg> {
         let sh = &*self.shared;
         let mut rx = sh.rx.lock();
-        // Resolved on the first wait, after the quick spin.
-        let mut deadline: Option<Option<Instant>> = None;
-        let mut spun = false;
+        let mut waited = RecvWait { timeout, deadline: None, spun: false };
         loop {
             // Messages already published are delivered even after the peer died.
             if sh.state.load(Ordering::Acquire) != BROKEN {
@@ -1102,72 +1112,86 @@ impl Channel {
                     Err(e) => return Err(sh.mark_broken(e.to_string())),
                 }
             }
-            sh.check()?;
-            if rx.ring.peer_closed() {
-                return Err(Error::Closed);
-            }
-            if !block {
-                return Err(Error::WouldBlock);
-            }
-            let deadline = match deadline {
-                Some(d) => d,
-                None => {
-                    if !spun {
-                        spun = true;
-                        let ring = &rx.ring;
-                        let ready = || -> std::result::Result<bool, RingError> { Ok(ring.pending()? || !sh.is_open()) };
-                        if fido_ring::quick_spin(rx.wait, ready).map_err(|e| sh.mark_broken(e.to_string()))? {
-                            continue;
-                        }
-                    }
-                    *deadline.insert(timeout.map(|t| Instant::now() + t))
-                }
-            };
-            // A forwarder blocked here must still pass releases upstream, or a
-            // pipeline deadlocks: the source waits for releases that sit in our
-            // downstream ring. While forwarded messages are in flight, wake up
-            // every REAP_INTERVAL to collect them.
-            let forwarded_in_flight = sh.domain.reap_forwarded();
-            let step_deadline = if forwarded_in_flight {
-                let step = Instant::now() + REAP_INTERVAL;
-                Some(deadline.map_or(step, |d| d.min(step)))
-            } else {
-                deadline
-            };
-            let local = *rx.ring.local();
-            let wait = rx.wait;
-            let mut epoch = rx.epoch;
-            let ring = &rx.ring;
-            let outcome = wait_until(
-                wait,
-                step_deadline,
-                SleepSite {
-                    sleep: local.data_sleep(),
-                    epoch: &mut epoch,
-                    bell: sh.data_bell.wait.as_fd(),
-                    liveness: Some(sh.liveness.as_fd()),
-                    futex: Some(sh.peer_block.data_bell()),
-                },
-                || -> std::result::Result<bool, RingError> { Ok(ring.pending()? || !sh.is_open() || ring.peer_closed()) },
-            );
-            rx.epoch = epoch;
-            match outcome {
-                Ok(WaitOutcome::Ready) => continue,
-                Ok(WaitOutcome::TimedOut) if deadline.is_none_or(|d| Instant::now() < d) => continue,
-                Ok(WaitOutcome::TimedOut) => return Err(Error::Timeout),
-                Ok(WaitOutcome::PeerGone) => {
-                    if rx.ring.peer_closed() {
-                        return Err(Error::Closed);
-                    }
-                    // The liveness socket hung up: the peer process is gone.
-                    sh.mark_gone(GoneReason::Exited);
-                }
-                Err(e) => return Err(sh.mark_broken(e.to_string())),
-            }
+            self.wait_for_descriptor(&mut rx, &mut waited, block)?;
         }
     }
 
-    #[inline]
+    /// Waits, holding the receive lock, until a descriptor may be there;
+    /// an error when the connection ended, the wait timed out or `block` is
+    /// false.
+    ///
+    /// The clock is read only once a spinning receiver has looked
+    /// [`fido_ring::wait::QUICK_LOOKS`] times: a polled reply usually comes
+    /// sooner, and reading the clock first delayed it (see `quick_spin`).
+    #[inline(never)]
+    fn wait_for_descriptor(&self, rx: &mut RxState, waited: &mut RecvWait, block: bool) -> Result<()> {
+        let sh = &*self.shared;
+        sh.check()?;
+        if rx.ring.peer_closed() {
+            return Err(Error::Closed);
+        }
+        if !block {
+            return Err(Error::WouldBlock);
+        }
+        let deadline = match waited.deadline {
+            Some(d) => d,
+            None => {
+                if !waited.spun {
+                    waited.spun = true;
+                    let ring = &rx.ring;
+                    let ready = || -> std::result::Result<bool, RingError> { Ok(ring.pending()? || !sh.is_open()) };
+                    if fido_ring::quick_spin(rx.wait, ready).map_err(|e| sh.mark_broken(e.to_string()))? {
+                        return Ok(());
+                    }
+                }
+                *waited.deadline.insert(waited.timeout.map(|t| Instant::now() + t))
+            }
+        };
+        // A forwarder blocked here must still pass releases upstream, or a
+        // pipeline deadlocks: the source waits for releases that sit in our
+        // downstream ring. While forwarded messages are in flight, wake up
+        // every REAP_INTERVAL to collect them.
+        let forwarded_in_flight = sh.domain.reap_forwarded();
+        let step_deadline = if forwarded_in_flight {
+            let step = Instant::now() + REAP_INTERVAL;
+            Some(deadline.map_or(step, |d| d.min(step)))
+        } else {
+            deadline
+        };
+        let local = *rx.ring.local();
+        let wait = rx.wait;
+        let mut epoch = rx.epoch;
+        let ring = &rx.ring;
+        let outcome = wait_until(
+            wait,
+            step_deadline,
+            SleepSite {
+                sleep: local.data_sleep(),
+                epoch: &mut epoch,
+                bell: sh.data_bell.wait.as_fd(),
+                liveness: Some(sh.liveness.as_fd()),
+                futex: Some(sh.peer_block.data_bell()),
+            },
+            || -> std::result::Result<bool, RingError> { Ok(ring.pending()? || !sh.is_open() || ring.peer_closed()) },
+        );
+        rx.epoch = epoch;
+        match outcome {
+            Ok(WaitOutcome::Ready) => Ok(()),
+            Ok(WaitOutcome::TimedOut) if deadline.is_none_or(|d| Instant::now() < d) => Ok(()),
+            Ok(WaitOutcome::TimedOut) => Err(Error::Timeout),
+            Ok(WaitOutcome::PeerGone) => {
+                if rx.ring.peer_closed() {
+                    return Err(Error::Closed);
+                }
+                // The liveness socket hung up: the peer process is gone.
+                sh.mark_gone(GoneReason::Exited);
+                Ok(())
+            }
+            Err(e) => Err(sh.mark_broken(e.to_string())),
+        }
+    }
+
+    #[inline(always)]
     fn accept_descriptor(&self, desc: &Descriptor) -> Result<Msg> {
         let sh = &self.shared;
         // The common small message, without the general validator's
@@ -1186,6 +1210,13 @@ impl Channel {
                 body: Body::Inline(InlineArea::of(desc)),
             });
         }
+        self.accept_validated(desc)
+    }
+
+    /// Every other descriptor: checked by the general validator.
+    #[inline(never)]
+    fn accept_validated(&self, desc: &Descriptor) -> Result<Msg> {
+        let sh = &self.shared;
         let v = match validate(desc, &ConnResolver(sh)) {
             Ok(v) => v,
             Err(e) => {
