@@ -67,6 +67,15 @@ fn unpack_u16s(w: u64) -> [u16; 4] {
     std::array::from_fn(|i| u16::from_ne_bytes([b[i * 2], b[i * 2 + 1]]))
 }
 
+/// `bytes` zero-padded to a whole inline area; `None` if they do not fit
+/// in [`INLINE_BYTES`].
+#[inline]
+pub fn inline_area(bytes: &[u8]) -> Option<[u8; INLINE_BYTES]> {
+    let mut area = [0u8; INLINE_BYTES];
+    area.get_mut(..bytes.len())?.copy_from_slice(bytes);
+    Some(area)
+}
+
 impl Descriptor {
     /// True when the segments live in an SG list rather than inline.
     pub fn has_sg_list(&self) -> bool {
@@ -81,17 +90,22 @@ impl Descriptor {
     /// Makes this an inline message of `bytes`; `None` if they do not fit in
     /// [`INLINE_BYTES`].
     pub fn set_inline(&mut self, bytes: &[u8]) -> Option<()> {
-        if bytes.len() > INLINE_BYTES {
-            return None;
-        }
-        let mut area = [0u8; INLINE_BYTES];
-        area[..bytes.len()].copy_from_slice(bytes);
+        let area = inline_area(bytes)?;
+        self.set_inline_area(&area, bytes.len());
+        Some(())
+    }
+
+    /// Makes this an inline message of the first `len` bytes of `area`
+    /// (the rest must be zero: it travels too). For a sender that already
+    /// has the bytes padded ([`inline_area`]), so they are not copied again.
+    #[inline]
+    pub fn set_inline_area(&mut self, area: &[u8; INLINE_BYTES], len: usize) {
+        debug_assert!(len <= INLINE_BYTES && area[len..].iter().all(|&b| b == 0));
         let word = |i: usize| u64::from_ne_bytes(area[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
         self.segments = [Segment { addr: word(0), len: word(1) }, Segment { addr: word(2), len: word(3) }];
         self.flags = FLAG_INLINE;
         self.nseg = 0;
-        self.total_len = bytes.len() as u64;
-        Some(())
+        self.total_len = len as u64;
     }
 
     /// The descriptor as the eight words of its slot, in memory order (the

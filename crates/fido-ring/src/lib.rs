@@ -28,7 +28,7 @@ mod sync;
 pub mod wait;
 
 pub use block::{block_len, BlockError, LocalBlock, PeerBlock};
-pub use desc::{Descriptor, Segment, FLAG_INLINE, FLAG_SG_LIST, INLINE_BYTES, INLINE_SEGMENTS, MAX_SEGMENTS};
+pub use desc::{inline_area, Descriptor, Segment, FLAG_INLINE, FLAG_SG_LIST, INLINE_BYTES, INLINE_SEGMENTS, MAX_SEGMENTS};
 pub use wait::{quick_spin, wait_until, SleepSite, WaitOutcome, WaitStrategy};
 
 use protocol::Wake;

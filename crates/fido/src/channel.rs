@@ -452,11 +452,10 @@ impl TxState {
     /// [`TxState::insert`] for an inline message of `bytes` (checked to
     /// fit), written into the slot directly.
     #[inline(always)]
-    fn insert_inline(&mut self, tag: u64, opcode: u16, bytes: &[u8]) -> u64 {
-        let (cookie, slot) = self.claim(tag, opcode, bytes.len() as u64);
-        let mut area = [0u8; INLINE_BYTES];
-        area[..bytes.len()].copy_from_slice(bytes);
-        slot.parts = Some(Parts::Inline { bytes: area, len: bytes.len() as u8 });
+    /// `area`: the message's bytes, padded; `len` of them are its own.
+    fn insert_inline(&mut self, tag: u64, opcode: u16, area: [u8; INLINE_BYTES], len: usize) -> u64 {
+        let (cookie, slot) = self.claim(tag, opcode, len as u64);
+        slot.parts = Some(Parts::Inline { bytes: area, len: len as u8 });
         cookie
     }
 
@@ -795,6 +794,7 @@ impl Channel {
     /// each request (an RPC client) pays that transfer only when there is
     /// real memory to get back, not for every small message. (Sends collect
     /// anyway once half the window is out.)
+    #[inline]
     pub fn reap_if_holding(&self, bytes: u64) -> Result<()> {
         // Read without the lock: a stale value only delays the reap to the
         // next call, or reaps for nothing.
@@ -963,19 +963,22 @@ impl Channel {
     }
 
     fn send_inline_inner(&self, tag: u64, opcode: u16, bytes: &[u8], block: bool) -> std::result::Result<(), SendError> {
-        let mut desc = Descriptor { tag, opcode, ..Default::default() };
-        if desc.set_inline(bytes).is_none() {
+        // Padded once; the descriptor and the in-flight table take copies of
+        // the whole area (fixed-size moves, not three variable-length copies).
+        let Some(area) = fido_ring::inline_area(bytes) else {
             // Such a message cannot be built: an empty one with its tag and
             // opcode comes back.
             let message = Message::inline(&[]).expect("empty fits").tag(tag).opcode(opcode);
             return Err(SendError { error: inline_too_long(bytes.len()), message });
-        }
+        };
+        let mut desc = Descriptor { tag, opcode, ..Default::default() };
+        desc.set_inline_area(&area, bytes.len());
         let give_back = |error: Error| SendError { error, message: Message::inline(bytes).expect("checked to fit").tag(tag).opcode(opcode) };
         let mut tx = self.shared.tx.lock();
         if let Err(e) = self.make_room(&mut tx, None, block) {
             return Err(give_back(e));
         }
-        desc.cookie = tx.insert_inline(tag, opcode, bytes);
+        desc.cookie = tx.insert_inline(tag, opcode, area, bytes.len());
         self.push_descriptor(&mut tx, &desc);
         Ok(())
     }
