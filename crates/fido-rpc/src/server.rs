@@ -565,8 +565,8 @@ fn worker(domain: &Domain, svc: &dyn Dispatch, cc: &ConnCalls, stop: &AtomicBool
             Some(m) => Ok(m),
             None => cc.ch.recv_timeout(Duration::from_millis(100)),
         };
-        let msg = match received {
-            Ok(m) => m,
+        match &received {
+            Ok(_) => {}
             Err(fido::Error::Timeout) => {
                 // Idle: collect the client's releases of our replies, so
                 // reply frames and held cache entries are freed promptly
@@ -582,15 +582,21 @@ fn worker(domain: &Domain, svc: &dyn Dispatch, cc: &ConnCalls, stop: &AtomicBool
                 cc.cancel_all();
                 return;
             }
-        };
-        handle(svc, cc, &arena, &open, stop, msg, index);
+        }
+        handle(svc, cc, &arena, &open, stop, received, index);
         // The client is reading our reply now: collect the releases of
         // earlier replies while it does, not in the next reply's send.
         let _ = cc.ch.reap_ahead();
     }
 }
 
-fn handle(svc: &dyn Dispatch, cc: &ConnCalls, arena: &Arc<Arena>, open: &dyn Fn() -> bool, stop: &AtomicBool, msg: Msg, worker: usize) {
+/// Handles one received message. It comes in the receive's own result (an
+/// `Ok`) and is used in place: moving it out copied it, and reading the
+/// copy back stalled on the stores that had just built it.
+fn handle(svc: &dyn Dispatch, cc: &ConnCalls, arena: &Arc<Arena>, open: &dyn Fn() -> bool, stop: &AtomicBool, received: fido::Result<Msg>, worker: usize) {
+    let Ok(msg) = &received else {
+        return;
+    };
     let id = msg.tag();
     match msg.opcode() {
         OP_CANCEL => {
@@ -604,15 +610,14 @@ fn handle(svc: &dyn Dispatch, cc: &ConnCalls, arena: &Arc<Arena>, open: &dyn Fn(
             // returning large results holding that many of them).
             let _ = cc.ch.reap_if_holding(crate::REAP_ABOVE);
             let mut out = Outcome::default();
-            run_call(svc, CallBytes::of(&msg), &msg, id, msg.from_domain(), cancel, open, &|| cc.look_for_cancels(), arena, &mut out);
+            run_call(svc, CallBytes::of(msg), msg, id, msg.from_domain(), cancel, open, &|| cc.look_for_cancels(), arena, &mut out);
             // Release framed arguments before replying: once the client has
             // the reply, its argument memory is free for its next call. An
             // inline call holds no memory of the client's, so its release
-            // waits until the reply is out (off the round trip's path): `msg`
-            // is dropped when this function returns. (Not moved into an
-            // `Option` to say so: that copied the message on every call.)
+            // waits until the reply is out (off the round trip's path): it is
+            // dropped when this function returns.
             if msg.inline_bytes().is_none() {
-                drop(msg);
+                drop(received);
             }
             if op == OP_ONEWAY {
                 return;

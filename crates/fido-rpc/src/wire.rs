@@ -100,9 +100,15 @@ impl InlineBytes {
         bytes[0..4].copy_from_slice(&a.to_ne_bytes());
         bytes[4..8].copy_from_slice(&b.to_ne_bytes());
         bytes[8..16].copy_from_slice(&c.to_ne_bytes());
-        let len = INLINE_HEADER_LEN + root.len();
-        bytes.get_mut(INLINE_HEADER_LEN..len)?.copy_from_slice(root);
-        Some(InlineBytes { bytes, len })
+        if root.len() > INLINE_ROOT {
+            return None;
+        }
+        // At most 16 bytes (none for a null call): a byte loop, not a
+        // `memcpy` call.
+        for (to, from) in bytes[INLINE_HEADER_LEN..].iter_mut().zip(root) {
+            *to = *from;
+        }
+        Some(InlineBytes { bytes, len: INLINE_HEADER_LEN + root.len() })
     }
 
     pub(crate) fn as_bytes(&self) -> &[u8] {
