@@ -557,6 +557,10 @@ impl Server {
 
 /// One worker of one connection: receive, run, reply, until the connection
 /// ends or the server stops.
+///
+/// A received message is used where the receive left it (in its result)
+/// and never moved: a move copied it, and reading the copy back stalled on
+/// the stores that had just built it (a few ns of every polled call).
 fn worker(domain: &Domain, svc: &dyn Dispatch, cc: &ConnCalls, stop: &AtomicBool, index: usize) {
     let arena = domain.arena().clone();
     let open = || cc.ch.is_open();
@@ -565,8 +569,8 @@ fn worker(domain: &Domain, svc: &dyn Dispatch, cc: &ConnCalls, stop: &AtomicBool
             Some(m) => Ok(m),
             None => cc.ch.recv_timeout(Duration::from_millis(100)),
         };
-        match &received {
-            Ok(_) => {}
+        let msg = match &received {
+            Ok(m) => m,
             Err(fido::Error::Timeout) => {
                 // Idle: collect the client's releases of our replies, so
                 // reply frames and held cache entries are freed promptly
@@ -582,79 +586,91 @@ fn worker(domain: &Domain, svc: &dyn Dispatch, cc: &ConnCalls, stop: &AtomicBool
                 cc.cancel_all();
                 return;
             }
+        };
+        let id = msg.tag();
+        match msg.opcode() {
+            OP_CANCEL => cc.cancel(id),
+            op @ (OP_CALL | OP_ONEWAY) => {
+                let mut out = Outcome::default();
+                let cancel = run_received(svc, cc, &arena, &open, msg, id, index, &mut out);
+                // Release framed arguments before replying: once the client
+                // has the reply, its argument memory is free for its next
+                // call. An inline call holds no memory of the client's, so
+                // its release waits until the reply is out (off the round
+                // trip's path), at the end of this iteration.
+                if msg.inline_bytes().is_none() {
+                    drop(received);
+                }
+                if op == OP_CALL {
+                    send_reply(cc, &arena, stop, id, cancel, out);
+                }
+            }
+            other => tracing::debug!(conn = cc.ch.id(), "unknown rpc opcode {other}; ignored"),
         }
-        handle(svc, cc, &arena, &open, stop, received, index);
         // The client is reading our reply now: collect the releases of
         // earlier replies while it does, not in the next reply's send.
         let _ = cc.ch.reap_ahead();
     }
 }
 
-/// Handles one received message. It comes in the receive's own result (an
-/// `Ok`) and is used in place: moving it out copied it, and reading the
-/// copy back stalled on the stores that had just built it.
-fn handle(svc: &dyn Dispatch, cc: &ConnCalls, arena: &Arc<Arena>, open: &dyn Fn() -> bool, stop: &AtomicBool, received: fido::Result<Msg>, worker: usize) {
-    let Ok(msg) = &received else {
-        return;
-    };
-    let id = msg.tag();
-    match msg.opcode() {
-        OP_CANCEL => {
-            cc.cancel(id);
-        }
-        op @ (OP_CALL | OP_ONEWAY) => {
-            let cancel = cc.register(worker, id);
-            // Collect the client's releases of earlier replies before this
-            // call builds its results: their frames return to the arena now,
-            // not only once half the window is out (which left a server
-            // returning large results holding that many of them).
-            let _ = cc.ch.reap_if_holding(crate::REAP_ABOVE);
-            let mut out = Outcome::default();
-            run_call(svc, CallBytes::of(msg), msg, id, msg.from_domain(), cancel, open, &|| cc.look_for_cancels(), arena, &mut out);
-            // Release framed arguments before replying: once the client has
-            // the reply, its argument memory is free for its next call. An
-            // inline call holds no memory of the client's, so its release
-            // waits until the reply is out (off the round trip's path): it is
-            // dropped when this function returns.
-            if msg.inline_bytes().is_none() {
-                drop(received);
-            }
-            if op == OP_ONEWAY {
+/// Runs received call `id` (in `msg`), its result going to `out`; returns
+/// where the call learns of its cancel.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn run_received<'c>(
+    svc: &dyn Dispatch,
+    cc: &'c ConnCalls,
+    arena: &Arc<Arena>,
+    open: &dyn Fn() -> bool,
+    msg: &Msg,
+    id: u64,
+    worker: usize,
+    out: &mut Outcome,
+) -> CancelSignal<'c> {
+    let cancel = cc.register(worker, id);
+    // Collect the client's releases of earlier replies before this call
+    // builds its results: their frames return to the arena now, not only
+    // once half the window is out (which left a server returning large
+    // results holding that many of them).
+    let _ = cc.ch.reap_if_holding(crate::REAP_ABOVE);
+    run_call(svc, CallBytes::of(msg), msg, id, msg.from_domain(), cancel, open, &|| cc.look_for_cancels(), arena, out);
+    cancel
+}
+
+/// Sends the reply of call `id`, waiting while the client holds a full
+/// window of replies (but staying stoppable).
+#[inline(always)]
+fn send_reply(cc: &ConnCalls, arena: &Arc<Arena>, stop: &AtomicBool, id: u64, cancel: CancelSignal<'_>, mut out: Outcome) {
+    if cancel.is_set() && out.status != STATUS_FAULT {
+        out.set_fault(Fault::Cancelled);
+    }
+    // An inline reply with nothing to hold is sent straight from its
+    // bytes (no `Message` built and moved through the send).
+    let inline = if out.holds.is_empty() { out.inline_reply() } else { None };
+    let mut sent = match inline {
+        Some(bytes) => cc.ch.try_send_inline(id, OP_REPLY, bytes.as_bytes()),
+        None => match reply_message(arena, id, out) {
+            Ok(m) => cc.ch.try_send(m),
+            Err(e) => {
+                tracing::warn!("reply to call {id}: {e}");
                 return;
             }
-            if cancel.is_set() && out.status != STATUS_FAULT {
-                out.set_fault(Fault::Cancelled);
+        },
+    };
+    // A client holding all its replies fills our window: wait for it, but
+    // stay stoppable. (Tried without a deadline first: reading the clock
+    // costs as much as the send.)
+    loop {
+        match sent {
+            Ok(()) => break,
+            Err(fido::SendError { error: fido::Error::WouldBlock, message }) => sent = cc.ch.send_timeout(message, Duration::from_millis(100)),
+            Err(fido::SendError { error: fido::Error::Timeout, message }) if !stop.load(Ordering::Acquire) => {
+                sent = cc.ch.send_timeout(message, Duration::from_millis(100))
             }
-            // An inline reply with nothing to hold is sent straight from its
-            // bytes (no `Message` built and moved through the send).
-            let inline = if out.holds.is_empty() { out.inline_reply() } else { None };
-            let mut sent = match inline {
-                Some(bytes) => cc.ch.try_send_inline(id, OP_REPLY, bytes.as_bytes()),
-                None => match reply_message(arena, id, out) {
-                    Ok(m) => cc.ch.try_send(m),
-                    Err(e) => {
-                        tracing::warn!("reply to call {id}: {e}");
-                        return;
-                    }
-                },
-            };
-            // A client holding all its replies fills our window: wait for
-            // it, but stay stoppable. (Tried without a deadline first:
-            // reading the clock costs as much as the send.)
-            loop {
-                match sent {
-                    Ok(()) => break,
-                    Err(fido::SendError { error: fido::Error::WouldBlock, message }) => sent = cc.ch.send_timeout(message, Duration::from_millis(100)),
-                    Err(fido::SendError { error: fido::Error::Timeout, message }) if !stop.load(Ordering::Acquire) => {
-                        sent = cc.ch.send_timeout(message, Duration::from_millis(100))
-                    }
-                    Err(e) => {
-                        tracing::debug!(conn = cc.ch.id(), "reply to call {id} not sent: {}", e.error);
-                        break;
-                    }
-                }
+            Err(e) => {
+                tracing::debug!(conn = cc.ch.id(), "reply to call {id} not sent: {}", e.error);
+                break;
             }
         }
-        other => tracing::debug!(conn = cc.ch.id(), "unknown rpc opcode {other}; ignored"),
     }
 }
