@@ -254,7 +254,7 @@ impl RxRing {
     #[inline]
     pub fn poll(&mut self) -> Result<Option<Descriptor>, RingError> {
         if !self.peer.slot_published(self.cons) {
-            self.check_index()?;
+            self.idle_look()?;
             return Ok(None);
         }
         // The mark is the ring's, not the message's.
@@ -276,12 +276,19 @@ impl RxRing {
         if self.peer.slot_published(self.cons) {
             return Ok(true);
         }
+        self.idle_look()?;
+        Ok(false)
+    }
+
+    /// Counts an empty look; one in `INDEX_CHECK_EVERY` checks the index.
+    #[inline]
+    fn idle_look(&self) -> Result<(), RingError> {
         let looks = self.idle_looks.get().wrapping_add(1);
         self.idle_looks.set(looks);
         if looks % INDEX_CHECK_EVERY == 0 {
             self.check_index()?;
         }
-        Ok(false)
+        Ok(())
     }
 
     /// Catches a peer whose publish index went wild: it may trail what we

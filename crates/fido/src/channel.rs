@@ -1105,7 +1105,12 @@ impl Channel {
     fn recv_inner(&self, timeout: Option<Duration>, block: bool) -> Result<Msg> {
         let sh = &*self.shared;
         let mut rx = sh.rx.lock();
-        let mut waited = RecvWait { timeout, deadline: None, spun: false };
+        // A spinning receiver first looks here, taking a message the moment
+        // it is published (a polled reply usually comes within a few looks),
+        // before the general wait and its calls; the connection's state is
+        // checked when that wait starts.
+        let mut quick_looks = if block && rx.wait != WaitStrategy::Block { fido_ring::wait::QUICK_LOOKS } else { 0 };
+        let mut waited = RecvWait { timeout, deadline: None, spun: quick_looks > 0 };
         loop {
             // Messages already published are delivered even after the peer died.
             if sh.state.load(Ordering::Acquire) != BROKEN {
@@ -1114,6 +1119,11 @@ impl Channel {
                     Ok(None) => {}
                     Err(e) => return Err(sh.mark_broken(e.to_string())),
                 }
+            }
+            if quick_looks > 0 {
+                quick_looks -= 1;
+                std::hint::spin_loop();
+                continue;
             }
             self.wait_for_descriptor(&mut rx, &mut waited, block)?;
         }
