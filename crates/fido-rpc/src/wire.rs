@@ -236,8 +236,9 @@ pub struct RootWriter {
 pub type RootBytes = smallvec::SmallVec<[u8; 64]>;
 
 /// Call ids as map keys (the client's tables of waiting calls and their
-/// replies): our own sequential numbers, so a multiplicative hash spreads
-/// them well and costs one multiply instead of SipHash.
+/// replies): our own numbers, sequential within each thread's block, so a
+/// multiplicative hash spreads them well and costs one multiply instead of
+/// SipHash.
 #[derive(Default, Clone, Copy)]
 pub(crate) struct IdHasher(u64);
 

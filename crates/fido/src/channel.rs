@@ -250,6 +250,29 @@ struct RxState {
     ring: RxRing,
     epoch: u64,
     wait: WaitStrategy,
+    /// Messages handed out (each a `Msg`), for `ReleaseState`.
+    delivered: u64,
+}
+
+/// The release side, under one lock: the ring releases are published in,
+/// and what keeps the connection alive for the messages received on it.
+///
+/// Received messages hold one reference to the connection between them,
+/// not one each (an `Arc` clone and drop per message were two locked
+/// instructions on every round trip's path): it is taken when the channel
+/// is made, and given up once the channel is gone and every message it
+/// delivered has been dropped. Counting needs no atomics: deliveries are
+/// counted under the receive lock (`RxState::delivered`), drops under this
+/// one; the channel's drop copies the final delivery count here, and
+/// whoever then sees `dropped` equal to it — the channel's drop, or the
+/// last message's — gives the reference up. Each side of that check holds
+/// this lock, so exactly one of them does.
+struct ReleaseState {
+    ring: Releaser,
+    /// Received messages dropped.
+    dropped: u64,
+    /// Set by the channel's drop: every message it ever delivered.
+    delivered_in_all: Option<u64>,
 }
 
 /// Where one receive is in its wait: the caller's timeout, the deadline
@@ -309,7 +332,7 @@ pub(crate) struct ConnShared {
     /// The peer's block (read-only): its bell words are where our waiters
     /// sleep on a futex.
     peer_block: PeerBlock,
-    releaser: Mutex<Releaser>,
+    releaser: Mutex<ReleaseState>,
     state: AtomicU8,
     broken: Mutex<Option<String>>,
     stats: Stats,
@@ -387,23 +410,27 @@ impl ConnShared {
         }
     }
 
-    fn release(&self, cookie: u64) {
+    /// Releases a dropped message; true when it was the last one the
+    /// messages' reference to this connection was kept for (the caller then
+    /// gives it up, see `ReleaseState`).
+    fn release(&self, cookie: u64) -> bool {
+        let mut r = self.releaser.lock();
         // Releases keep flowing after either side closed: the peer frees its
         // buffers only once we are done with them (or gone).
-        if self.state.load(Ordering::Acquire) == BROKEN {
-            return;
-        }
-        let mut r = self.releaser.lock();
-        match r.release(cookie) {
+        let published = if self.state.load(Ordering::Acquire) == BROKEN { Ok(Notify::Suppressed) } else { r.ring.release(cookie) };
+        r.dropped += 1;
+        let last = r.delivered_in_all == Some(r.dropped);
+        drop(r);
+        match published {
             Ok(Notify::Rung) => self.stats.release_rung.add(1),
             Ok(Notify::Suppressed) => self.stats.release_suppressed.add(1),
             Err(e) => {
-                drop(r);
                 if self.is_open() {
                     self.mark_broken(format!("cannot publish release: {e}"));
                 }
             }
         }
+        last
     }
 
     pub(crate) fn add_counters(&self, c: &mut Counters) {
@@ -686,7 +713,7 @@ impl Channel {
             space_bell,
             liveness,
             peer_block,
-            releaser: Mutex::new(Releaser::new(local, peer_block, peer_space)),
+            releaser: Mutex::new(ReleaseState { ring: Releaser::new(local, peer_block, peer_space), dropped: 0, delivered_in_all: None }),
             state: AtomicU8::new(OPEN),
             broken: Mutex::new(None),
             stats: Stats::default(),
@@ -700,11 +727,14 @@ impl Channel {
                 undelivered: Vec::new(),
                 outstanding: outstanding.clone(),
             }),
-            rx: Mutex::new(RxState { ring: RxRing::new(local, peer_block), epoch: 0, wait }),
+            rx: Mutex::new(RxState { ring: RxRing::new(local, peer_block), epoch: 0, wait, delivered: 0 }),
             forwarding: std::sync::atomic::AtomicBool::new(false),
             outstanding,
         });
         domain.conns.lock().insert(conn, Arc::downgrade(&shared));
+        // The received messages' reference (see `ReleaseState`): given up
+        // by whoever sees the last of them gone after the channel.
+        std::mem::forget(shared.clone());
         Channel { shared }
     }
 
@@ -1082,7 +1112,7 @@ impl Channel {
             return Ok(None);
         }
         match rx.ring.poll() {
-            Ok(Some(desc)) => self.accept_descriptor(&desc).map(Some),
+            Ok(Some(desc)) => self.accept_descriptor(&mut rx, &desc).map(Some),
             Ok(None) => Ok(None),
             Err(e) => Err(sh.mark_broken(e.to_string())),
         }
@@ -1115,7 +1145,7 @@ impl Channel {
             // Messages already published are delivered even after the peer died.
             if sh.state.load(Ordering::Acquire) != BROKEN {
                 match rx.ring.poll() {
-                    Ok(Some(desc)) => return self.accept_descriptor(&desc),
+                    Ok(Some(desc)) => return self.accept_descriptor(&mut rx, &desc),
                     Ok(None) => {}
                     Err(e) => return Err(sh.mark_broken(e.to_string())),
                 }
@@ -1205,7 +1235,7 @@ impl Channel {
     }
 
     #[inline(always)]
-    fn accept_descriptor(&self, desc: &Descriptor) -> Result<Msg> {
+    fn accept_descriptor(&self, rx: &mut RxState, desc: &Descriptor) -> Result<Msg> {
         let sh = &self.shared;
         // The common small message, without the general validator's
         // segment machinery (the same inline check; one that fails goes on
@@ -1213,8 +1243,9 @@ impl Channel {
         if desc.flags == FLAG_INLINE && check_inline(desc).is_ok() {
             sh.stats.received.add(1);
             sh.stats.bytes_received.add(desc.total_len);
+            rx.delivered += 1;
             return Ok(Msg {
-                shared: sh.clone(),
+                shared: NonNull::from(&**sh),
                 cookie: desc.cookie,
                 tag: desc.tag,
                 total_len: desc.total_len,
@@ -1223,12 +1254,12 @@ impl Channel {
                 body: Body::Inline(InlineArea::of(desc)),
             });
         }
-        self.accept_validated(desc)
+        self.accept_validated(rx, desc)
     }
 
     /// Every other descriptor: checked by the general validator.
     #[inline(never)]
-    fn accept_validated(&self, desc: &Descriptor) -> Result<Msg> {
+    fn accept_validated(&self, rx: &mut RxState, desc: &Descriptor) -> Result<Msg> {
         let sh = &self.shared;
         let v = match validate(desc, &ConnResolver(sh)) {
             Ok(v) => v,
@@ -1241,8 +1272,9 @@ impl Channel {
         };
         sh.stats.received.add(1);
         sh.stats.bytes_received.add(v.total_len);
+        rx.delivered += 1;
         Ok(Msg {
-            shared: sh.clone(),
+            shared: NonNull::from(&**sh),
             cookie: desc.cookie,
             tag: desc.tag,
             opcode: desc.opcode,
@@ -1299,7 +1331,7 @@ impl Channel {
             local.rel_prod().store(v, Ordering::Release);
         }
         self.shared.tx.lock().ring.wake_peer();
-        self.shared.releaser.lock().wake_peer();
+        self.shared.releaser.lock().ring.wake_peer();
     }
 
     /// Test hook: a duplicate of the ring end of the peer's data doorbell —
@@ -1392,13 +1424,27 @@ impl Drop for Channel {
         sh.local.set_closed();
         let _ = sh.state.compare_exchange(OPEN, CLOSED_BY_US, Ordering::AcqRel, Ordering::Acquire);
         sh.tx.lock().ring.wake_peer();
-        sh.releaser.lock().wake_peer();
+        sh.releaser.lock().ring.wake_peer();
         sh.domain.control.notify(Request::Close { conn: sh.conn });
         sh.domain.conns.lock().remove(&sh.conn);
         sh.add_counters(&mut sh.domain.retired.lock());
         let in_flight = sh.tx.lock().ring.in_flight();
         if in_flight > 0 && !doorbell::peer_hung_up(sh.liveness.as_fd()) {
             sh.domain.lingering.lock().push(Lingering { shared: sh.clone() });
+        }
+        // No message is delivered after this (receiving takes `&self`).
+        let delivered = sh.rx.lock().delivered;
+        let last = {
+            let mut r = sh.releaser.lock();
+            r.delivered_in_all = Some(delivered);
+            r.dropped == delivered
+        };
+        if last {
+            // SAFETY: the received messages' reference, taken in `assemble`
+            // and given up once (`ReleaseState`): all of them are gone, and
+            // none will come. `self.shared` still holds the channel's own, so
+            // this does not free the connection under it.
+            unsafe { Arc::decrement_strong_count(Arc::as_ptr(&self.shared)) };
         }
     }
 }
@@ -1428,7 +1474,9 @@ impl Seg {
 /// them while you read (Fido's relaxed trust model). Copy out anything you
 /// must validate and then rely on.
 pub struct Msg {
-    shared: Arc<ConnShared>,
+    /// The connection, kept alive by the messages' shared reference
+    /// (`ReleaseState`), not one of its own.
+    shared: NonNull<ConnShared>,
     cookie: u64,
     tag: u64,
     total_len: u64,
@@ -1480,11 +1528,21 @@ impl InlineArea {
 }
 
 // SAFETY: the segment pointers are into read-only mappings kept alive by the
-// `Arc<Mapping>`s this message holds; nothing writes through them.
+// `Arc<Mapping>`s this message holds; nothing writes through them. The
+// connection pointer is to a `ConnShared` (itself `Send + Sync`) kept alive
+// by the messages' reference (`ReleaseState`) wherever the message goes.
 unsafe impl Send for Msg {}
 unsafe impl Sync for Msg {}
 
 impl Msg {
+    /// The connection this message came in on.
+    #[inline]
+    fn conn(&self) -> &ConnShared {
+        // SAFETY: the received messages' reference keeps the connection
+        // alive until the last of them is dropped (`ReleaseState`); this one
+        // is not yet.
+        unsafe { self.shared.as_ref() }
+    }
     pub fn tag(&self) -> u64 {
         self.tag
     }
@@ -1549,12 +1607,12 @@ impl Msg {
         for s in self.segments() {
             v.extend_from_slice(s);
         }
-        self.shared.domain.bytes_copied.fetch_add(v.len() as u64, Ordering::Relaxed);
+        self.conn().domain.bytes_copied.fetch_add(v.len() as u64, Ordering::Relaxed);
         v
     }
     /// The domain that sent this message over this connection.
     pub fn from_domain(&self) -> u64 {
-        self.shared.peer.domain
+        self.conn().peer.domain
     }
     /// A read-only view of `len` bytes at `g` in the sending peer's arena
     /// (anywhere in it, not only in this message's segments), or `None` if the
@@ -1563,9 +1621,9 @@ impl Msg {
     /// For protocols whose payload carries pointers (fido-rpc). The sender can
     /// still write those bytes: copy out what you validate.
     pub fn resolve(&self, g: GPtr, len: u64) -> Option<&[u8]> {
-        let p = within(&self.shared.peer_map, g, len)?;
+        let p = within(&self.conn().peer_map, g, len)?;
         // SAFETY: `within` checked the range lies inside the peer's mapping,
-        // which `self.shared` keeps alive for at least the borrow of `self`.
+        // which the connection keeps alive for at least the borrow of `self`.
         Some(unsafe { std::slice::from_raw_parts(p.as_ptr() as *const u8, len as usize) })
     }
     /// The sending peer's whole arena, read-only, and its global address:
@@ -1573,8 +1631,8 @@ impl Msg {
     /// small ranges (fido-rpc's `View`, one string of a VarSeq at a time)
     /// and does the bounds check itself. Lives as long as this message.
     pub fn peer_arena(&self) -> (GPtr, &[u8]) {
-        let m = &self.shared.peer_map;
-        // SAFETY: the whole mapping, which `self.shared` keeps alive for at
+        let m = &self.conn().peer_map;
+        // SAFETY: the whole mapping, which the connection keeps alive for at
         // least the borrow of `self`; mapped read-only, never unmapped before.
         let bytes = unsafe { std::slice::from_raw_parts(m.local_base(), m.len() as usize) };
         (m.global_base(), bytes)
@@ -1583,7 +1641,13 @@ impl Msg {
 
 impl Drop for Msg {
     fn drop(&mut self) {
-        self.shared.release(self.cookie);
+        if self.conn().release(self.cookie) {
+            // SAFETY: the received messages' reference, taken in `assemble`:
+            // the channel is gone and this was the last message it delivered
+            // (`ReleaseState`), so it is given up once, here, after the last
+            // use of the connection above.
+            unsafe { Arc::decrement_strong_count(self.shared.as_ptr()) };
+        }
     }
 }
 
@@ -1595,3 +1659,51 @@ impl std::fmt::Debug for Msg {
 // A `Msg` is returned through a few `Result`s between the ring and its
 // reader: kept small enough that the compiler moves it inline (no `memcpy`).
 const _: () = assert!(std::mem::size_of::<Msg>() <= 128);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Domain, JoinOptions};
+    use std::time::Duration;
+
+    fn pair(socket: &std::path::Path) -> (Domain, Domain, Channel, Channel) {
+        let a = Domain::join(JoinOptions::new("a").broker(socket).arena_len(16 << 20).ring_entries(8)).unwrap();
+        let b = Domain::join(JoinOptions::new("b").broker(socket).arena_len(16 << 20).ring_entries(8).swizzle(true)).unwrap();
+        let l = a.offer("refs").unwrap();
+        let cb = b.connect("refs").unwrap();
+        let ca = l.accept_timeout(Duration::from_secs(5)).unwrap();
+        (a, b, ca, cb)
+    }
+
+    /// The received messages' one reference (`ReleaseState`) keeps the
+    /// connection alive for exactly as long as the channel or any message
+    /// it delivered, whichever order they go in and on whatever thread.
+    #[test]
+    fn received_messages_keep_their_connection_alive_and_no_longer() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("broker.sock");
+        let _broker = fido_broker::Embedded::start(fido_broker::Config::new(&socket, &dir.path().join("state"))).unwrap();
+        for channel_first in [true, false] {
+            let (_a, _b, rx, tx) = pair(&socket);
+            for i in 0..3u64 {
+                tx.send_inline(i, 0, b"x").unwrap();
+            }
+            let msgs: Vec<Msg> = (0..3).map(|_| rx.recv_timeout(Duration::from_secs(5)).unwrap()).collect();
+            let conn = Arc::downgrade(&rx.shared);
+            if channel_first {
+                drop(rx);
+                assert!(conn.upgrade().is_some(), "the messages keep the connection");
+                assert_eq!(msgs[2].tag(), 2);
+                std::thread::spawn(move || drop(msgs)).join().unwrap();
+            } else {
+                drop(msgs);
+                assert!(conn.upgrade().is_some(), "the channel keeps the connection");
+                drop(rx);
+            }
+            assert!(conn.upgrade().is_none(), "the connection outlived its channel and messages (channel first: {channel_first})");
+            // The releases reached the sender either way.
+            tx.reap().unwrap();
+            assert_eq!(tx.in_flight(), 0);
+        }
+    }
+}
