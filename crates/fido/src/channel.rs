@@ -211,6 +211,21 @@ impl Slot {
     }
 }
 
+/// A message's cookie: its slot in the in-flight table (low 32 bits) and
+/// the slot's generation when it was taken (high 32 bits), so a release of
+/// an earlier occupant is told apart.
+#[derive(Clone, Copy)]
+struct Cookie(u64);
+
+impl Cookie {
+    fn index(self) -> usize {
+        (self.0 & 0xffff_ffff) as usize
+    }
+    fn generation(self) -> u32 {
+        (self.0 >> 32) as u32
+    }
+}
+
 /// Sender state: the ring and the table of messages in flight, by cookie.
 struct TxState {
     ring: TxRing,
@@ -445,27 +460,37 @@ impl ConnShared {
 }
 
 impl TxState {
-    /// Takes a free slot for a message of `len` payload bytes and fills in
-    /// its header; returns the message's cookie and the slot, whose parts
-    /// the caller sets.
+    /// Takes a free slot of the in-flight table for the next message:
+    /// returns its cookie. The caller pushes the descriptor and only then
+    /// records the message in the slot ([`TxState::insert`],
+    /// [`TxState::insert_inline`]): the table is read only under the send
+    /// lock, which the caller holds throughout, so the descriptor can go
+    /// out first and reach the peer that much sooner.
     #[inline(always)]
-    fn claim(&mut self, tag: u64, opcode: u16, len: u64) -> (u64, &mut Slot) {
+    fn claim(&mut self) -> Cookie {
         let index = self.free.pop().expect("window checked before insert");
         self.generation = self.generation.wrapping_add(1);
+        Cookie((self.generation as u64) << 32 | index as u64)
+    }
+
+    /// Fills the header of `cookie`'s slot (a message of `len` payload
+    /// bytes) and returns it for its parts.
+    #[inline(always)]
+    fn fill(&mut self, cookie: Cookie, tag: u64, opcode: u16, len: u64) -> &mut Slot {
         self.outstanding.add(len);
-        let slot = &mut self.table[index as usize];
-        slot.generation = self.generation;
+        let slot = &mut self.table[cookie.index()];
+        slot.generation = cookie.generation();
         slot.tag = tag;
         slot.opcode = opcode;
         slot.len = len;
-        (((self.generation as u64) << 32) | index as u64, slot)
+        slot
     }
 
     /// Records `msg` (of `len` payload bytes, with the SG list written for
-    /// it) as in flight; returns its cookie.
+    /// it) as in flight under the `cookie` it was pushed with.
     #[inline(always)]
-    fn insert(&mut self, msg: Message, len: u64, sg_list: Option<Buf>) -> u64 {
-        let (cookie, slot) = self.claim(msg.tag, msg.opcode, len);
+    fn insert(&mut self, cookie: Cookie, msg: Message, len: u64, sg_list: Option<Buf>) {
+        let slot = self.fill(cookie, msg.tag, msg.opcode, len);
         slot.parts = Some(msg.parts);
         if msg.hold.is_some() {
             slot.hold = msg.hold;
@@ -473,17 +498,14 @@ impl TxState {
         if sg_list.is_some() {
             slot.sg_list = sg_list;
         }
-        cookie
     }
 
-    /// [`TxState::insert`] for an inline message of `bytes` (checked to
-    /// fit), written into the slot directly.
+    /// [`TxState::insert`] for an inline message: `area` holds its bytes,
+    /// padded (`len` of them are its own).
     #[inline(always)]
-    /// `area`: the message's bytes, padded; `len` of them are its own.
-    fn insert_inline(&mut self, tag: u64, opcode: u16, area: [u8; INLINE_BYTES], len: usize) -> u64 {
-        let (cookie, slot) = self.claim(tag, opcode, len as u64);
+    fn insert_inline(&mut self, cookie: Cookie, tag: u64, opcode: u16, area: [u8; INLINE_BYTES], len: usize) {
+        let slot = self.fill(cookie, tag, opcode, len as u64);
         slot.parts = Some(Parts::Inline { bytes: area, len: len as u8 });
-        cookie
     }
 
     /// Reaps every release the peer published (one batch: the peer's index
@@ -491,11 +513,10 @@ impl TxState {
     fn reap(&mut self) -> std::result::Result<(), String> {
         let ready = self.ring.releases_ready().map_err(|e| e.to_string())?;
         for k in 0..ready {
-            let cookie = self.ring.pending_release(k);
-            let index = (cookie & 0xffff_ffff) as usize;
-            let generation = (cookie >> 32) as u32;
+            let cookie = Cookie(self.ring.pending_release(k));
+            let index = cookie.index();
             match self.table.get_mut(index) {
-                Some(slot) if slot.parts.is_some() && slot.generation == generation => {
+                Some(slot) if slot.parts.is_some() && slot.generation == cookie.generation() => {
                     // Dropped in place, field by field (see `Slot`).
                     slot.parts = None;
                     if slot.hold.is_some() {
@@ -509,7 +530,7 @@ impl TxState {
                 }
                 _ => {
                     self.ring.consume_releases(k);
-                    return Err(format!("released unknown message cookie {cookie:#x}"));
+                    return Err(format!("released unknown message cookie {:#x}", cookie.0));
                 }
             }
         }
@@ -1008,8 +1029,10 @@ impl Channel {
         if let Err(e) = self.make_room(&mut tx, None, block) {
             return Err(give_back(e));
         }
-        desc.cookie = tx.insert_inline(tag, opcode, area, bytes.len());
+        let cookie = tx.claim();
+        desc.cookie = cookie.0;
         self.push_descriptor(&mut tx, &desc);
+        tx.insert_inline(cookie, tag, opcode, area, bytes.len());
         Ok(())
     }
 
@@ -1079,8 +1102,10 @@ impl Channel {
             }
         }
         desc.total_len = total;
-        desc.cookie = tx.insert(msg, total, sg_buf);
+        let cookie = tx.claim();
+        desc.cookie = cookie.0;
         self.push_descriptor(&mut tx, &desc);
+        tx.insert(cookie, msg, total, sg_buf);
         Ok(())
     }
 
