@@ -223,7 +223,8 @@ impl Outcome {
         if !self.frame.as_ref().is_none_or(Frame::is_untouched) {
             return None;
         }
-        InlineBytes::new(self.status, self.fault, 0, &self.root)
+        let flags = if self.holds.is_empty() { 0 } else { REPLY_HELD };
+        InlineBytes::new(self.status, self.fault, flags, &self.root)
     }
 
     /// Makes this outcome fault `f` (whatever was recorded is dropped).

@@ -75,11 +75,17 @@ pub struct ReplyHeader {
 /// reply take this path. Layout, 16-byte header then the root:
 ///
 /// * call:  `method: u32, sig: u32, deadline_ns: u64, root`
-/// * reply: `status: u32, fault: u32, reserved: u64 (0), root`
+/// * reply: `status: u32, fault: u32, flags: u64, root` ([`REPLY_HELD`])
 ///
 /// The kind is known from the descriptor (inline or not), so there is no
 /// magic.
 pub const INLINE_HEADER_LEN: usize = 16;
+/// Inline reply flag: the server holds something for this reply (a cache
+/// entry its root points into) until the client releases it, so the client
+/// releases it as soon as it is dropped. Without it an inline reply holds
+/// nothing of the server's but its ring slot, and the synchronous client
+/// lets its release wait for the next call ([`fido::Msg::defer_release`]).
+pub const REPLY_HELD: u64 = 1;
 /// Largest root of an inline call or reply.
 pub const INLINE_ROOT: usize = fido::INLINE_BYTES - INLINE_HEADER_LEN;
 

@@ -261,6 +261,10 @@ impl Outstanding {
     }
 }
 
+/// `ConnShared::deferred` when no release is parked. (A peer's cookie of
+/// this value is released at once instead.)
+const NO_DEFERRED: u64 = u64::MAX;
+
 struct RxState {
     ring: RxRing,
     epoch: u64,
@@ -348,6 +352,13 @@ pub(crate) struct ConnShared {
     /// sleep on a futex.
     peer_block: PeerBlock,
     releaser: Mutex<ReleaseState>,
+    /// The cookie of a dropped message whose release waits for the next
+    /// send or receive on this channel ([`Msg::defer_release`]), or
+    /// [`NO_DEFERRED`].
+    deferred: AtomicU64,
+    /// Set when the `Channel` is dropped: there is no next send or receive,
+    /// so no release waits any more.
+    channel_dropped: std::sync::atomic::AtomicBool,
     state: AtomicU8,
     broken: Mutex<Option<String>>,
     stats: Stats,
@@ -446,6 +457,39 @@ impl ConnShared {
             }
         }
         last
+    }
+
+    /// Parks `cookie`'s release until the next send or receive on this
+    /// channel ([`ConnShared::publish_deferred`]), publishing the one parked
+    /// before, if any: a swap instead of the release lock, a fence and the
+    /// unlock. True as for [`ConnShared::release`].
+    ///
+    /// Why a parked release is never left behind: the `Channel`'s drop sets
+    /// `channel_dropped`, then publishes what is parked; a dropper parks,
+    /// then reads `channel_dropped`. All four are `SeqCst`, so either the
+    /// channel's swap comes after the park (and publishes it) or the dropper
+    /// sees the flag (and publishes it itself).
+    fn defer_release(&self, cookie: u64) -> bool {
+        if cookie == NO_DEFERRED {
+            return self.release(cookie);
+        }
+        let before = self.deferred.swap(cookie, Ordering::SeqCst);
+        let mut last = before != NO_DEFERRED && self.release(before);
+        if self.channel_dropped.load(Ordering::SeqCst) {
+            last |= self.publish_deferred();
+        }
+        last
+    }
+
+    /// Publishes the parked release, if any (one load when there is none).
+    /// True as for [`ConnShared::release`] (never while the channel lives).
+    #[inline]
+    fn publish_deferred(&self) -> bool {
+        if self.deferred.load(Ordering::Relaxed) == NO_DEFERRED {
+            return false;
+        }
+        let cookie = self.deferred.swap(NO_DEFERRED, Ordering::SeqCst);
+        cookie != NO_DEFERRED && self.release(cookie)
     }
 
     pub(crate) fn add_counters(&self, c: &mut Counters) {
@@ -735,6 +779,8 @@ impl Channel {
             liveness,
             peer_block,
             releaser: Mutex::new(ReleaseState { ring: Releaser::new(local, peer_block, peer_space), dropped: 0, delivered_in_all: None }),
+            deferred: AtomicU64::new(NO_DEFERRED),
+            channel_dropped: std::sync::atomic::AtomicBool::new(false),
             state: AtomicU8::new(OPEN),
             broken: Mutex::new(None),
             stats: Stats::default(),
@@ -1033,6 +1079,10 @@ impl Channel {
         desc.cookie = cookie.0;
         self.push_descriptor(&mut tx, &desc);
         tx.insert_inline(cookie, tag, opcode, area, bytes.len());
+        drop(tx);
+        // The peer is reading our message now: a good time for the parked
+        // release (`Msg::defer_release`).
+        self.shared.publish_deferred();
         Ok(())
     }
 
@@ -1106,6 +1156,8 @@ impl Channel {
         desc.cookie = cookie.0;
         self.push_descriptor(&mut tx, &desc);
         tx.insert(cookie, msg, total, sg_buf);
+        drop(tx);
+        sh.publish_deferred();
         Ok(())
     }
 
@@ -1194,6 +1246,8 @@ impl Channel {
     #[inline(never)]
     fn wait_for_descriptor(&self, rx: &mut RxState, waited: &mut RecvWait, block: bool) -> Result<()> {
         let sh = &*self.shared;
+        // The peer may need that release before it can answer.
+        sh.publish_deferred();
         sh.check()?;
         if rx.ring.peer_closed() {
             return Err(Error::Closed);
@@ -1276,6 +1330,7 @@ impl Channel {
                 total_len: desc.total_len,
                 opcode: desc.opcode,
                 nseg: 0,
+                defer: false,
                 body: Body::Inline(InlineArea::of(desc)),
             });
         }
@@ -1304,6 +1359,7 @@ impl Channel {
             tag: desc.tag,
             opcode: desc.opcode,
             nseg: desc.nseg,
+            defer: false,
             total_len: v.total_len,
             body: match v.inline {
                 Some(bytes) => Body::Inline(InlineArea::from_bytes(bytes)),
@@ -1446,6 +1502,10 @@ impl Channel {
 impl Drop for Channel {
     fn drop(&mut self) {
         let sh = &self.shared;
+        // No next send or receive: publish what is parked, and park nothing
+        // more (`ConnShared::defer_release`).
+        sh.channel_dropped.store(true, Ordering::SeqCst);
+        sh.publish_deferred();
         sh.local.set_closed();
         let _ = sh.state.compare_exchange(OPEN, CLOSED_BY_US, Ordering::AcqRel, Ordering::Acquire);
         sh.tx.lock().ring.wake_peer();
@@ -1507,6 +1567,8 @@ pub struct Msg {
     total_len: u64,
     opcode: u16,
     nseg: u16,
+    /// Dropping parks the release ([`Msg::defer_release`]).
+    defer: bool,
     body: Body,
 }
 
@@ -1588,6 +1650,23 @@ impl Msg {
             Body::Segs(list) => list.segs.len(),
         }
     }
+    /// Lets this message's release wait, once it is dropped, until the next
+    /// send or receive on its channel (or the channel's drop) instead of
+    /// being published by the drop itself.
+    ///
+    /// For request/response protocols: a client that drops a reply and then
+    /// sends its next request gets the release published after that send,
+    /// while the peer works on the request, not on the round trip's path. A
+    /// channel parks one release at a time (parking another publishes the
+    /// one before), and a receive that has to wait publishes it first, so a
+    /// peer that needs it before it can answer gets it. A side that stops
+    /// using the channel without dropping it keeps that one release back
+    /// until it sends, waits or drops the channel: use this only for
+    /// messages whose release the sender does not need promptly (not one
+    /// whose buffers or holds it wants back).
+    pub fn defer_release(&mut self) {
+        self.defer = true;
+    }
     /// An inline message's bytes ([`Message::inline`]): a copy taken with the
     /// descriptor, so the sender cannot change them any more. 16-byte aligned.
     pub fn inline_bytes(&self) -> Option<&[u8]> {
@@ -1666,7 +1745,9 @@ impl Msg {
 
 impl Drop for Msg {
     fn drop(&mut self) {
-        if self.conn().release(self.cookie) {
+        let conn = self.conn();
+        let last = if self.defer { conn.defer_release(self.cookie) } else { conn.release(self.cookie) };
+        if last {
             // SAFETY: the received messages' reference, taken in `assemble`:
             // the channel is gone and this was the last message it delivered
             // (`ReleaseState`), so it is given up once, here, after the last

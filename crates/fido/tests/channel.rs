@@ -246,3 +246,45 @@ fn reap_ahead_collects_releases_once_half_the_window_is_out() {
     c.reap_ahead().unwrap();
     assert_eq!(in_use(), before);
 }
+
+/// A message whose release is deferred is released by the receiver's next
+/// send, by its next wait for a message, by a second deferred message, or
+/// by the channel's drop — and not before.
+#[test]
+fn a_deferred_release_waits_for_the_next_send_or_wait() {
+    let b = TestBroker::start();
+    let (_server, _client, s, c) = pair(&b, "deferred", 8);
+    // The receiver `s` defers; the sender `c` counts what is released.
+    let out = |c: &fido::Channel| {
+        c.reap().unwrap();
+        c.in_flight()
+    };
+    let receive_deferred = |s: &fido::Channel| {
+        let mut m = s.recv_timeout(Duration::from_secs(5)).unwrap();
+        m.defer_release();
+        drop(m);
+    };
+    c.send_inline(1, 0, b"one").unwrap();
+    receive_deferred(&s);
+    assert_eq!(out(&c), 1, "published by the drop itself");
+    // The receiver's next send publishes it.
+    s.send_inline(9, 0, b"answer").unwrap();
+    assert_eq!(out(&c), 0);
+    drop(c.recv_timeout(Duration::from_secs(5)).unwrap());
+    // A receive that has to wait publishes it first.
+    c.send_inline(2, 0, b"two").unwrap();
+    receive_deferred(&s);
+    assert_eq!(out(&c), 1);
+    assert!(matches!(s.recv_timeout(Duration::from_millis(20)), Err(Error::Timeout)));
+    assert_eq!(out(&c), 0);
+    // A second deferred message publishes the first; the channel's drop
+    // publishes the last.
+    c.send_inline(3, 0, b"three").unwrap();
+    c.send_inline(4, 0, b"four").unwrap();
+    receive_deferred(&s);
+    assert_eq!(out(&c), 2);
+    receive_deferred(&s);
+    assert_eq!(out(&c), 1);
+    drop(s);
+    assert_eq!(out(&c), 0);
+}
