@@ -603,7 +603,7 @@ fn worker(domain: &Domain, svc: &dyn Dispatch, cc: &ConnCalls, stop: &AtomicBool
                     drop(received);
                 }
                 if op == OP_CALL {
-                    send_reply(cc, &arena, stop, id, cancel, out);
+                    send_reply(cc, &arena, stop, id, cancel, &mut out);
                 }
             }
             other => tracing::debug!(conn = cc.ch.id(), "unknown rpc opcode {other}; ignored"),
@@ -641,7 +641,7 @@ fn run_received<'c>(
 /// Sends the reply of call `id`, waiting while the client holds a full
 /// window of replies (but staying stoppable).
 #[inline(always)]
-fn send_reply(cc: &ConnCalls, arena: &Arc<Arena>, stop: &AtomicBool, id: u64, cancel: CancelSignal<'_>, mut out: Outcome) {
+fn send_reply(cc: &ConnCalls, arena: &Arc<Arena>, stop: &AtomicBool, id: u64, cancel: CancelSignal<'_>, out: &mut Outcome) {
     if cancel.is_set() && out.status != STATUS_FAULT {
         out.set_fault(Fault::Cancelled);
     }
@@ -650,7 +650,9 @@ fn send_reply(cc: &ConnCalls, arena: &Arc<Arena>, stop: &AtomicBool, id: u64, ca
     let inline = if out.holds.is_empty() { out.inline_reply() } else { None };
     let mut sent = match inline {
         Some(bytes) => cc.ch.try_send_inline(id, OP_REPLY, bytes.as_bytes()),
-        None => match reply_message(arena, id, out) {
+        // (Taken out of the worker's outcome only here: moving all of it on
+        // every call cost a copy.)
+        None => match reply_message(arena, id, std::mem::take(out)) {
             Ok(m) => cc.ch.try_send(m),
             Err(e) => {
                 tracing::warn!("reply to call {id}: {e}");
