@@ -29,7 +29,11 @@ pub trait Dispatch: Send + Sync + 'static {
 /// What a handler sees of its call: the arguments' memory (read-only, in
 /// place), cancellation and deadline, and where to build its result.
 pub struct Ctx<'a> {
-    view: View<'a>,
+    /// The caller's memory, and the view of it, made on first use: a call
+    /// whose arguments are all plain values never needs one (making it
+    /// cost a null call a few ns).
+    mem: &'a dyn PeerMemory,
+    view: std::cell::OnceCell<View<'a>>,
     root: &'a [u8],
     call_id: u64,
     peer: u64,
@@ -48,15 +52,15 @@ pub struct Ctx<'a> {
 impl<'a> Ctx<'a> {
     /// The call's arguments (and everything they point to), checked on use.
     pub fn view(&self) -> View<'a> {
-        self.view
+        *self.view.get_or_init(|| View::new(self.mem))
     }
     /// Shorthand for `view().slice(h)`.
     pub fn slice<T: Pod>(&self, h: ShmSlice<T>) -> Result<&'a [T], Fault> {
-        self.view.slice(h)
+        self.view().slice(h)
     }
     /// Shorthand for `view().str(s)`.
     pub fn str(&self, s: ShmStr) -> Result<crate::frame::ShmStrRef<'a>, Fault> {
-        self.view.str(s)
+        self.view().str(s)
     }
     /// The packed arguments as sent (the C ABI hands them to C handlers).
     pub fn root_bytes(&self) -> &'a [u8] {
@@ -280,7 +284,8 @@ fn run_call(
         return out.set_fault(Fault::DeadlineExceeded);
     }
     let mut cx = Ctx {
-        view: View::new(mem),
+        mem,
+        view: std::cell::OnceCell::new(),
         root: inc.root,
         call_id,
         peer,
