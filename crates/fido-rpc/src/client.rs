@@ -460,15 +460,7 @@ impl Client {
         // The server is running the call now: collect the releases of
         // earlier calls while it does, not in the next call's send.
         let _ = conn.ch.reap_ahead();
-        let mut reply = self.wait_reply(&conn, id, deadline, opts.cancel.as_ref(), receiver);
-        // A reply that holds nothing of the server's but its ring slot is
-        // released after our next call is out (or when we next wait), not
-        // when the caller drops it, on the way to that call.
-        if let Ok(m) = &mut reply {
-            if m.inline_bytes().and_then(split_inline).is_some_and(|(_, _, flags, _)| flags & REPLY_HELD == 0) {
-                m.defer_release();
-            }
-        }
+        let reply = self.wait_reply(&conn, id, deadline, opts.cancel.as_ref(), receiver);
         // The server released this call's arguments before replying: take
         // the memory back before the caller builds the next call (a cheap
         // check unless more than REAP_ABOVE is out).
@@ -565,8 +557,15 @@ impl Client {
                 None => conn.ch.recv(),
             };
             match r {
-                Ok(m) if m.tag() == id => {
+                Ok(mut m) if m.tag() == id => {
                     conn.hand_off();
+                    // A reply that holds nothing of the server's but its
+                    // ring slot is released after our next call is out (or
+                    // when we next wait), not when the caller drops it, on
+                    // the way to that call.
+                    if m.inline_bytes().and_then(split_inline).is_some_and(|(_, _, flags, _)| flags & REPLY_HELD == 0) {
+                        m.defer_release();
+                    }
                     return Ok(m);
                 }
                 Ok(m) => {
