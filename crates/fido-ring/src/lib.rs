@@ -194,12 +194,6 @@ impl TxRing {
         self.local.rel_cons().store(self.rel_cons, std::sync::atomic::Ordering::Release);
     }
 
-    /// True when the peer has published releases we have not reaped.
-    pub fn releases_pending(&self) -> Result<bool, RingError> {
-        let published = protocol::observe(self.peer.rel_prod());
-        Ok(check_advance("release", self.rel_cons, published, self.local.entries())? > 0)
-    }
-
     /// The ring end of the peer's data doorbell.
     pub fn peer_data_bell(&self) -> BorrowedFd<'_> {
         self.peer_data_bell.as_fd()
@@ -267,10 +261,10 @@ impl RxRing {
     /// True when a descriptor is waiting.
     ///
     /// Looks at the next slot's publication mark (the slot is the line the
-    /// message arrives in). One empty look in `INDEX_CHECK_EVERY` (64) also
-    /// checks the publish index ([`RxRing::poll`] checks it on every empty
-    /// poll), so a spinning waiter does not keep a second line the producer
-    /// writes in its cache.
+    /// message arrives in). One empty look in `INDEX_CHECK_EVERY` (64), this
+    /// one's or [`RxRing::poll`]'s, also checks the publish index, so a
+    /// spinning waiter does not keep a second line the producer writes in
+    /// its cache.
     #[inline]
     pub fn pending(&self) -> Result<bool, RingError> {
         if self.peer.slot_published(self.cons) {

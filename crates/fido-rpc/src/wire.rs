@@ -90,7 +90,7 @@ pub const REPLY_HELD: u64 = 1;
 pub const INLINE_ROOT: usize = fido::INLINE_BYTES - INLINE_HEADER_LEN;
 
 /// An inline call's or reply's bytes: its header words (call: method, sig,
-/// deadline_ns; reply: status, fault, 0), then the root. Built on the stack
+/// deadline_ns; reply: status, fault, flags), then the root. Built on the stack
 /// and sent with [`fido::Channel::send_inline`] (no `Message` is built).
 #[derive(Clone, Copy)]
 pub(crate) struct InlineBytes {

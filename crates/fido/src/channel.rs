@@ -91,11 +91,7 @@ impl Message {
     /// A received inline message has one segment (its bytes, copied out of
     /// the ring) and no global pointers: forwarding it copies those bytes.
     pub fn inline(bytes: &[u8]) -> Result<Message> {
-        if bytes.len() > INLINE_BYTES {
-            return Err(inline_too_long(bytes.len()));
-        }
-        let mut area = [0u8; INLINE_BYTES];
-        area[..bytes.len()].copy_from_slice(bytes);
+        let area = fido_ring::inline_area(bytes).ok_or_else(|| inline_too_long(bytes.len()))?;
         Ok(Message { tag: 0, opcode: 0, parts: Parts::Inline { bytes: area, len: bytes.len() as u8 }, hold: None })
     }
     /// An application-defined 64-bit tag (e.g. a sequence number).
@@ -1148,7 +1144,8 @@ impl Channel {
             }
             Parts::Inline { bytes, len } => {
                 total = *len as u64;
-                desc.set_inline(&bytes[..*len as usize]).expect("checked by Message::inline");
+                // Padded with zeros by `Message::inline`.
+                desc.set_inline_area(bytes, *len as usize);
             }
         }
         desc.total_len = total;
