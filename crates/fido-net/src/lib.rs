@@ -655,9 +655,10 @@ execl_like!(execlp, false, inherit::execvpe);
 /// Elsewhere the interposer is not built: programs' `syscall` calls go to
 /// libc directly, and an io_uring created through it is not noticed.
 ///
-/// This library never calls `syscall` itself (its own system calls are raw:
-/// `sys`). std and parking_lot, compiled into the same object, enter futex
-/// waits through libc's `syscall`; they arrive here and pass straight on.
+/// Nothing inside this object calls it: the library's own system calls are
+/// raw (`sys`), and the linker sends the `syscall` calls of std and
+/// parking_lot to `sys::__wrap_syscall` (build.rs; `tests/syscall.rs`
+/// checks that no relocation names `syscall`).
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 #[no_mangle]
 pub unsafe extern "C" fn syscall(
