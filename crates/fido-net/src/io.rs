@@ -454,9 +454,9 @@ pub unsafe fn splice(
                 set_errno(e);
                 return -1;
             }
-            // SAFETY: forwarding.
             Out::Kernel => {
-                return unsafe { real::splice(fd_in, off_in, fd_out, off_out, len, flags) }
+                // SAFETY: forwarding.
+                return unsafe { real::splice(fd_in, off_in, fd_out, off_out, len, flags) };
             }
         };
         if n == 0 {
