@@ -18,13 +18,17 @@
 //!    `/proc/<pid>/fd/<memfd>`, checks magic and nonce, claims the request by
 //!    deleting it (the step the broker's `net` policy may refuse) and marks
 //!    the segment attached. No request: plain TCP.
+//!
+//! This module only speaks to the broker; connections, their state and the
+//! statistics live above it (`conn`, `table`, `stats`).
+//!
+//! Must never: block or fail a program because the broker is missing or
+//! slow — every failure here means "plain TCP".
 
-use crate::conn::Conn;
-use crate::table;
+use crate::sys::debug;
 use fido::{Domain, JoinOptions};
 use parking_lot::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 struct Net {
     pid: u32,
@@ -36,18 +40,6 @@ static BROKER_PATH: Mutex<Option<std::path::PathBuf>> = Mutex::new(None);
 
 pub fn set_broker_path(p: std::path::PathBuf) {
     *BROKER_PATH.lock() = Some(p);
-}
-
-/// Acceleration switched off for this process (`FIDO_NET=off`, or after an
-/// io_uring instance was created).
-static OFF: AtomicBool = AtomicBool::new(false);
-
-pub fn set_off() {
-    OFF.store(true, Ordering::SeqCst);
-}
-
-pub fn enabled() -> bool {
-    !OFF.load(Ordering::Relaxed)
 }
 
 /// This process's domain, joining on first use. `None` when there is no
@@ -76,7 +68,7 @@ pub fn domain() -> Option<Domain> {
     let dom = match Domain::join(opts) {
         Ok(d) => Some(d),
         Err(e) => {
-            crate::debug!("no broker ({e}): plain TCP");
+            debug!("no broker ({e}): plain TCP");
             None
         }
     };
@@ -97,10 +89,10 @@ pub fn fork_parent() {
 pub fn fork_child() {
     // SAFETY: as above; the child has one thread.
     unsafe { NET.force_unlock() };
-    STATS_PID.store(0, Ordering::SeqCst);
 }
 
-fn exe_name() -> String {
+/// This program's name as the registry shows it (from `/proc/self/comm`).
+pub fn exe_name() -> String {
     static NAME: Mutex<Option<(u32, String)>> = Mutex::new(None);
     let pid = std::process::id();
     let mut g = NAME.lock();
@@ -187,8 +179,8 @@ pub fn publish_listener(ip: &str, port: u16) -> Option<String> {
         Ok(()) => Some(key),
         Err(e) => {
             match policy_refusal(&e) {
-                Some(why) => crate::debug!("listen on {ip}:{port}: not published: {why}"),
-                None => crate::debug!("listen on {ip}:{port}: not published: {e}"),
+                Some(why) => debug!("listen on {ip}:{port}: not published: {why}"),
+                None => debug!("listen on {ip}:{port}: not published: {e}"),
             }
             None
         }
@@ -247,7 +239,7 @@ pub fn find_listener(ip: &str, v4: bool, port: u16, local: bool) -> Option<Targe
         let Some(dst) = dst else { continue };
         match crate::netns::leads_to(dst, pid, ns) {
             Ok(()) => return Some(Target::Other),
-            Err(why) => crate::debug!("listener {n} not reachable for sure: {why}"),
+            Err(why) => debug!("listener {n} not reachable for sure: {why}"),
         }
     }
     None
@@ -305,7 +297,7 @@ fn parse_request(v: &[u8]) -> Option<Request> {
         nonce: it.next()?.parse().ok()?,
         ring_len: it.next()?.parse().ok()?,
     };
-    (r.pid > 0 && r.memfd >= 0 && crate::valid_ring_len(r.ring_len)).then_some(r)
+    (r.pid > 0 && r.memfd >= 0 && crate::config::valid_ring_len(r.ring_len)).then_some(r)
 }
 
 /// The client's request for the connection accepted with local `sip:sport`
@@ -330,7 +322,7 @@ pub fn read_request(
         let key = request_key(sip, sport, cport, me);
         let r = parse_request(&d.read(&key).ok()??)?;
         if crate::netns::ns_of(r.pid) != Some(me) {
-            crate::debug!("request {key}: pid {} is not in our namespace", r.pid);
+            debug!("request {key}: pid {} is not in our namespace", r.pid);
             return None;
         }
         return Some((key, r));
@@ -354,158 +346,13 @@ pub fn read_request(
         match crate::netns::leads_to(peer_ip, r.pid, ns) {
             Ok(()) => {
                 if found.is_some() {
-                    crate::debug!("{dir}: several proven requests: ambiguous, plain TCP");
+                    debug!("{dir}: several proven requests: ambiguous, plain TCP");
                     return None;
                 }
                 found = Some((k, r));
             }
-            Err(why) => crate::debug!("request {k} is not our peer's: {why}"),
+            Err(why) => debug!("request {k} is not our peer's: {why}"),
         }
     }
     found
-}
-
-// ---- statistics -------------------------------------------------------
-
-static ACCELERATED: AtomicU64 = AtomicU64::new(0);
-static PLAIN_LOCAL: AtomicU64 = AtomicU64::new(0);
-/// Accelerated connections adopted from an earlier image across exec.
-static INHERITED: AtomicU64 = AtomicU64::new(0);
-static CLOSED_SENT: AtomicU64 = AtomicU64::new(0);
-static CLOSED_RECV: AtomicU64 = AtomicU64::new(0);
-/// Doorbell bytes our sides of closed connections sent (wake-ups that cost
-/// a TCP send: lazy arming exists to make them rare).
-static CLOSED_DOORBELLS: AtomicU64 = AtomicU64::new(0);
-static STATS_PID: AtomicU64 = AtomicU64::new(0);
-static LAST: Mutex<String> = Mutex::new(String::new());
-
-pub fn count_plain() {
-    PLAIN_LOCAL.fetch_add(1, Ordering::Relaxed);
-}
-
-pub fn count_closed(c: &Conn) {
-    CLOSED_SENT.fetch_add(c.bytes_sent(), Ordering::Relaxed);
-    CLOSED_RECV.fetch_add(c.bytes_received(), Ordering::Relaxed);
-    CLOSED_DOORBELLS.fetch_add(c.doorbells_sent(), Ordering::Relaxed);
-}
-
-/// A connection was accelerated: count it and make sure this process
-/// publishes its statistics.
-pub fn count_accelerated() {
-    ACCELERATED.fetch_add(1, Ordering::Relaxed);
-    publish_from_now_on();
-}
-
-/// An accelerated connection was adopted across exec (see `inherit`).
-pub fn count_inherited() {
-    INHERITED.fetch_add(1, Ordering::Relaxed);
-    publish_from_now_on();
-}
-
-fn publish_from_now_on() {
-    let pid = std::process::id() as u64;
-    if STATS_PID.swap(pid, Ordering::SeqCst) != pid {
-        let _ = std::thread::Builder::new()
-            .name("fido-net-stats".into())
-            .spawn(|| loop {
-                std::thread::sleep(std::time::Duration::from_millis(200));
-                publish_stats();
-                if STATS_PID.load(Ordering::SeqCst) != std::process::id() as u64 {
-                    return;
-                }
-            });
-        // SAFETY: registering a plain extern "C" function.
-        unsafe { libc::atexit(at_exit) };
-    }
-}
-
-extern "C" fn at_exit() {
-    publish_stats();
-}
-
-fn stats_json() -> String {
-    let mut sent = CLOSED_SENT.load(Ordering::Relaxed);
-    let mut recv = CLOSED_RECV.load(Ordering::Relaxed);
-    let mut doorbells = CLOSED_DOORBELLS.load(Ordering::Relaxed);
-    let open: Vec<serde_json::Value> = table::all()
-        .iter()
-        .map(|c| {
-            sent += c.bytes_sent();
-            recv += c.bytes_received();
-            doorbells += c.doorbells_sent();
-            serde_json::json!({
-                "local": c.local, "peer": c.peer,
-                "side": if c.me == crate::seg::CLIENT { "client" } else { "server" },
-                "bytes_sent": c.bytes_sent(), "bytes_received": c.bytes_received(),
-                "doorbells": c.doorbells_sent(),
-                "arming": if c.is_lazy() { "lazy" } else { "eager" },
-            })
-        })
-        .collect();
-    serde_json::json!({
-        "pid": std::process::id(),
-        "name": exe_name(),
-        "accelerated": ACCELERATED.load(Ordering::Relaxed),
-        "plain_local": PLAIN_LOCAL.load(Ordering::Relaxed),
-        "inherited": INHERITED.load(Ordering::Relaxed),
-        "bytes_sent": sent,
-        "bytes_received": recv,
-        "doorbells": doorbells,
-        "open": open,
-    })
-    .to_string()
-}
-
-pub fn publish_stats() {
-    if ACCELERATED.load(Ordering::Relaxed) == 0
-        && PLAIN_LOCAL.load(Ordering::Relaxed) == 0
-        && INHERITED.load(Ordering::Relaxed) == 0
-    {
-        return;
-    }
-    let s = stats_json();
-    {
-        let mut last = LAST.lock();
-        if *last == s {
-            return;
-        }
-        *last = s.clone();
-    }
-    if let Some(d) = domain() {
-        let _ = d.write(&format!("/net/stats/{}", d.id()), s.as_bytes());
-    }
-}
-
-/// Makes a connection record (used by both sides).
-#[allow(clippy::too_many_arguments)]
-pub fn new_conn(
-    seg: crate::seg::Segment,
-    me: usize,
-    nonblock: bool,
-    memfd: i32,
-    request_key: Option<String>,
-    connected: bool,
-    local: String,
-    peer: String,
-) -> Arc<Conn> {
-    if !crate::wait::lazy_allowed() {
-        seg.side(me).eager.store(1, Ordering::SeqCst);
-    }
-    Arc::new(Conn {
-        seg,
-        me,
-        nonblock: AtomicBool::new(nonblock),
-        local_refs: std::sync::atomic::AtomicU32::new(0),
-        memfd: std::sync::atomic::AtomicI32::new(memfd),
-        request_key,
-        broken: AtomicBool::new(false),
-        stuck_at: AtomicU64::new(u64::MAX),
-        connected: AtomicBool::new(connected),
-        local,
-        peer,
-        app_nodelay: std::sync::atomic::AtomicI32::new(0),
-        app_cork: std::sync::atomic::AtomicI32::new(0),
-        tcp_opts_taken: AtomicBool::new(false),
-        kernel_err: std::sync::atomic::AtomicI32::new(0),
-    })
 }

@@ -36,26 +36,12 @@
 //! (unread doorbells would turn the FIN into a RST) or, if application data is
 //! unread, closes with a RST exactly as TCP does.
 
-use crate::real;
 use crate::seg::{Segment, ShmLock};
+use crate::sockopt::{self, TcpOpts};
+use crate::{config, real};
 use libc::c_int;
 use std::sync::atomic::{fence, AtomicBool, AtomicI32, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
-
-/// How long a blocking call spins on the ring before sleeping on the socket.
-pub(crate) fn spin_budget() -> Duration {
-    static NS: AtomicU64 = AtomicU64::new(u64::MAX);
-    let mut v = NS.load(Ordering::Relaxed);
-    if v == u64::MAX {
-        v = std::env::var("FIDO_NET_SPIN_US")
-            .ok()
-            .and_then(|s| s.parse::<u64>().ok())
-            .unwrap_or(20)
-            * 1000;
-        NS.store(v, Ordering::Relaxed);
-    }
-    Duration::from_nanos(v)
-}
 
 /// Spins until `ready()` or the spin budget is spent; returns `ready()`.
 ///
@@ -78,31 +64,6 @@ pub(crate) fn spin_until(budget: Duration, ready: impl Fn() -> bool) -> bool {
         }
     }
     ready()
-}
-
-/// Reads the environment once (at load).
-pub fn read_config() {
-    spin_budget();
-    attach_wait();
-    doorbell_delay();
-}
-
-/// Test hook (`FIDO_NET_TEST_DOORBELL_DELAY_US`, default 0): a writer sleeps
-/// this long between taking the reader's arm and sending its doorbell, which
-/// makes the "doorbell lands after its data was read" race deterministic for
-/// tests/c/readiness.c. Unset, it costs one relaxed load on the doorbell path
-/// (which makes a system call anyway).
-fn doorbell_delay() -> Duration {
-    static US: AtomicU64 = AtomicU64::new(u64::MAX);
-    let mut v = US.load(Ordering::Relaxed);
-    if v == u64::MAX {
-        v = std::env::var("FIDO_NET_TEST_DOORBELL_DELAY_US")
-            .ok()
-            .and_then(|s| s.parse::<u64>().ok())
-            .unwrap_or(0);
-        US.store(v, Ordering::Relaxed);
-    }
-    Duration::from_micros(v)
 }
 
 /// Result of a data operation.
@@ -182,12 +143,8 @@ pub struct Conn {
     pub connected: AtomicBool,
     pub local: String,
     pub peer: String,
-    /// The program's `TCP_NODELAY`/`TCP_CORK`, answered back while the real
-    /// socket runs with Nagle and the cork off (see `sockopt`).
-    pub app_nodelay: AtomicI32,
-    pub app_cork: AtomicI32,
-    /// `sockopt::take_over` ran.
-    pub tcp_opts_taken: AtomicBool,
+    /// The program's view of the TCP options the ring changes (`sockopt`).
+    pub tcp_opts: TcpOpts,
     /// A socket error (e.g. `ECONNRESET`) one of our own peeks took from the
     /// kernel, which reports an error once: kept for the program's next
     /// receive (or `SO_ERROR`), which would otherwise see a plain EOF.
@@ -274,6 +231,40 @@ fn timeout_opt(fd: c_int, opt: c_int) -> Option<Duration> {
 }
 
 impl Conn {
+    /// A connection record for our side `me` of segment `seg` (both ends
+    /// make one: the client before its SYN, the server at accept, an image
+    /// after exec). A process that gave up lazy arming makes it eager.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        seg: Segment,
+        me: usize,
+        nonblock: bool,
+        memfd: i32,
+        request_key: Option<String>,
+        connected: bool,
+        local: String,
+        peer: String,
+    ) -> Conn {
+        if !config::lazy_allowed() {
+            seg.side(me).eager.store(1, Ordering::SeqCst);
+        }
+        Conn {
+            seg,
+            me,
+            nonblock: AtomicBool::new(nonblock),
+            local_refs: AtomicU32::new(0),
+            memfd: AtomicI32::new(memfd),
+            request_key,
+            broken: AtomicBool::new(false),
+            stuck_at: AtomicU64::new(u64::MAX),
+            connected: AtomicBool::new(connected),
+            local,
+            peer,
+            tcp_opts: TcpOpts::default(),
+            kernel_err: AtomicI32::new(0),
+        }
+    }
+
     fn tx(&self) -> usize {
         self.me
     }
@@ -362,7 +353,7 @@ impl Conn {
             }
             let tail = ring.tail.0.load(Ordering::SeqCst);
             if (tail.wrapping_sub(head) as i64) < 0 {
-                let d = doorbell_delay();
+                let d = config::doorbell_delay();
                 if !d.is_zero() {
                     std::thread::sleep(d);
                 }
@@ -691,7 +682,7 @@ impl Conn {
                 return; // FIN/RST queued: bytes sent before it have landed
             }
             if t0.elapsed() > Duration::from_secs(1) {
-                crate::debug!("fd {fd}: doorbell not landed after 1 s (peer stopped?)");
+                crate::sys::debug!("fd {fd}: doorbell not landed after 1 s (peer stopped?)");
                 self.stuck_at.store(sent, Ordering::Relaxed);
                 return;
             }
@@ -806,7 +797,7 @@ impl Conn {
         let mut got = 0usize;
         let mut spun = false;
         let mut deadline: Option<Option<Instant>> = None;
-        let entry = if crate::debug_on() {
+        let entry = if crate::config::debug_on() {
             match self.kernel_state(fd) {
                 KState::Bytes => "bytes",
                 KState::Empty => "empty",
@@ -871,7 +862,7 @@ impl Conn {
                     if self.used_rx().unwrap_or(0) > 0 {
                         continue;
                     }
-                    crate::debug!("recv fd {fd}: EOF after {got}");
+                    crate::sys::debug!("recv fd {fd}: EOF after {got}");
                     return Out::Done(got);
                 }
                 KState::Err(e) => {
@@ -887,11 +878,11 @@ impl Conn {
                 KState::Empty | KState::Bytes => {}
             }
             if nonblock {
-                if got == 0 && crate::debug_on() {
+                if got == 0 && crate::config::debug_on() {
                     let k = self.kernel_state(fd);
                     let me = self.seg.side(self.me);
                     let peer = self.seg.side(self.peer_side());
-                    crate::debug!(
+                    crate::sys::debug!(
                         "recv fd {fd}: EAGAIN (at entry {entry}, now {}, gen {}, arm {}, sent {} drained {})",
                         match k { KState::Bytes => "bytes", KState::Empty => "empty", KState::Eof => "eof", KState::Err(_) => "err" },
                         me.data_gen.load(Ordering::SeqCst),
@@ -908,7 +899,7 @@ impl Conn {
             // ring would leave the socket unreadable (a lost wake-up).
             if !spun {
                 spun = true;
-                spin_until(spin_budget(), || self.used_rx().unwrap_or(1) > 0);
+                spin_until(config::spin_budget(), || self.used_rx().unwrap_or(1) > 0);
                 continue; // re-arms above if still empty
             }
             let slice = match sleep_slice(fd, libc::SO_RCVTIMEO, &mut deadline) {
@@ -1095,7 +1086,7 @@ impl Conn {
             }
             if !spun {
                 spun = true;
-                if spin_until(spin_budget(), || self.free_tx().unwrap_or(1) > 0) {
+                if spin_until(config::spin_budget(), || self.free_tx().unwrap_or(1) > 0) {
                     continue;
                 }
             }
@@ -1164,7 +1155,7 @@ impl Conn {
             fence(Ordering::SeqCst);
             if !self.broken.load(Ordering::Relaxed) && self.used_rx().unwrap_or(0) > 0 {
                 // TCP resets a connection closed with unread data.
-                crate::sockopt::linger(fd, true);
+                sockopt::linger(fd, true);
             } else {
                 let mut buf = [0u8; 512];
                 for _ in 0..1024 {
@@ -1194,75 +1185,4 @@ impl Conn {
     pub fn state(&self) -> u32 {
         self.seg.hdr().state.load(Ordering::Acquire)
     }
-
-    /// Client, before its first byte: wait (bounded) for the server to
-    /// attach; if it does not, abandon so both ends stay plain TCP.
-    /// Returns true when the ring is to be used.
-    pub fn decide(&self) -> bool {
-        let h = self.seg.hdr();
-        let mut st = h.state.load(Ordering::Acquire);
-        if st == crate::seg::PENDING {
-            let t0 = Instant::now();
-            let limit = attach_wait();
-            let mut i = 0u32;
-            while st == crate::seg::PENDING && t0.elapsed() < limit {
-                if i < 1000 {
-                    std::hint::spin_loop();
-                } else {
-                    std::thread::sleep(Duration::from_micros(200));
-                }
-                i += 1;
-                st = h.state.load(Ordering::Acquire);
-            }
-            if st == crate::seg::PENDING {
-                st = match h.state.compare_exchange(
-                    crate::seg::PENDING,
-                    crate::seg::ABANDONED,
-                    Ordering::AcqRel,
-                    Ordering::Acquire,
-                ) {
-                    Ok(_) => {
-                        crate::debug!(
-                            "client {} -> {}: server did not attach in {:?}; plain TCP",
-                            self.local,
-                            self.peer,
-                            limit
-                        );
-                        crate::broker::count_plain();
-                        if let Some(k) = &self.request_key {
-                            crate::broker::delete_key(k);
-                        }
-                        crate::seg::ABANDONED
-                    }
-                    Err(now) => now,
-                };
-            }
-        }
-        if st != crate::seg::PENDING {
-            let m = self.memfd.swap(-1, Ordering::SeqCst);
-            if m >= 0 {
-                if st == crate::seg::ATTACHED {
-                    crate::broker::count_accelerated();
-                }
-                // SAFETY: our own memfd.
-                unsafe { real::close(m) };
-            }
-        }
-        st == crate::seg::ATTACHED
-    }
-}
-
-/// How long a client's first I/O waits for the server to attach
-/// (`FIDO_NET_ATTACH_MS`, default 500).
-fn attach_wait() -> Duration {
-    static MS: AtomicU64 = AtomicU64::new(u64::MAX);
-    let mut v = MS.load(Ordering::Relaxed);
-    if v == u64::MAX {
-        v = std::env::var("FIDO_NET_ATTACH_MS")
-            .ok()
-            .and_then(|s| s.parse::<u64>().ok())
-            .unwrap_or(500);
-        MS.store(v, Ordering::Relaxed);
-    }
-    Duration::from_millis(v)
 }

@@ -41,8 +41,10 @@
 //! of what the child inherits, like `fork`; the child lowers it again for
 //! what it does not adopt.
 
-use crate::conn::Conn;
-use crate::{broker, debug, real, seg, table};
+use crate::addr::{fd_nonblock, is_tcp_stream, sock_name};
+use crate::conn::{send_reset, Conn};
+use crate::sys::{debug, errno, guard, set_errno};
+use crate::{broker, config, real, seg, sockopt, stats, table};
 use libc::{c_char, c_int};
 use std::ffi::{CStr, CString, OsStr};
 use std::os::unix::ffi::OsStrExt;
@@ -132,7 +134,7 @@ fn prepare(mut kind: Kind, loads: bool) -> (Option<String>, Undo) {
                     "exec: undecided connection on fd {} abandoned: plain TCP",
                     surv[0]
                 );
-                broker::count_plain();
+                stats::count_plain();
                 if let Some(k) = &c.request_key {
                     broker::delete_key(k);
                 }
@@ -154,7 +156,7 @@ fn prepare(mut kind: Kind, loads: bool) -> (Option<String>, Undo) {
                 let last = me.holders.fetch_sub(1, Ordering::SeqCst) == 1;
                 let rst = last && c.readable_bytes() > 0;
                 if rst {
-                    crate::sockopt::linger(fd, true);
+                    sockopt::linger(fd, true);
                 }
                 undo.released.push((c.clone(), fd, rst));
             }
@@ -215,7 +217,7 @@ fn prepare(mut kind: Kind, loads: bool) -> (Option<String>, Undo) {
             let Some(ino) = inode(fd) else { continue };
             // The program's TCP_NODELAY/TCP_CORK as it set them (the real
             // socket runs with Nagle and the cork off: see `sockopt`).
-            let taken = c.tcp_opts_taken.load(Ordering::Acquire);
+            let taken = c.tcp_opts.taken.load(Ordering::Acquire);
             out.push_str(&format!(
                 ";S{fd},{ino},{d},{},{},{},{},{},{},{}",
                 c.me,
@@ -223,8 +225,8 @@ fn prepare(mut kind: Kind, loads: bool) -> (Option<String>, Undo) {
                 h.nonce,
                 held as u8,
                 taken as u8,
-                c.app_nodelay.load(Ordering::Relaxed),
-                c.app_cork.load(Ordering::Relaxed)
+                c.tcp_opts.app_nodelay.load(Ordering::Relaxed),
+                c.tcp_opts.app_cork.load(Ordering::Relaxed)
             ));
         }
     }
@@ -254,7 +256,7 @@ fn finish(undo: Undo, spawned: bool) {
     for (c, fd, rst) in undo.released {
         c.seg.side(c.me).holders.fetch_add(1, Ordering::SeqCst);
         if rst {
-            crate::sockopt::linger(fd, false);
+            sockopt::linger(fd, false);
         }
     }
     for fd in undo.cloexec {
@@ -500,18 +502,18 @@ fn around(
     }
     // SAFETY: the caller's environment list.
     let env = unsafe { env_list(envp) };
-    let l = crate::guard(true, || loads(&env, image()));
-    let (val, undo) = crate::guard((None, Undo::default()), || prepare(kind, l));
+    let l = guard(true, || loads(&env, image()));
+    let (val, undo) = guard((None, Undo::default()), || prepare(kind, l));
     let entry = val.and_then(|v| CString::new(format!("{VAR}={v}")).ok());
     let list = with_var(&env, entry.as_ref());
     let r = call(list.as_ptr());
-    let e = crate::errno();
+    let e = errno();
     match kind {
         Kind::Exec => finish(undo, false),
         // posix_spawn returns 0 or an error number (not -1/errno).
         Kind::Spawn => finish(undo, r == 0),
     }
-    crate::set_errno(e);
+    set_errno(e);
     r
 }
 
@@ -520,10 +522,9 @@ fn cstr<'a>(p: *const c_char) -> Option<&'a CStr> {
     (!p.is_null()).then(|| unsafe { CStr::from_ptr(p) })
 }
 
-// ---- the interposed entry points ------------------------------------------
+// ---- the exec family (the shims in lib.rs call these) ----------------------
 
-#[no_mangle]
-pub unsafe extern "C" fn execve(
+pub unsafe fn execve(
     path: *const c_char,
     argv: *const *const c_char,
     envp: *const *const c_char,
@@ -537,14 +538,12 @@ pub unsafe extern "C" fn execve(
     )
 }
 
-#[no_mangle]
-pub unsafe extern "C" fn execv(path: *const c_char, argv: *const *const c_char) -> c_int {
+pub unsafe fn execv(path: *const c_char, argv: *const *const c_char) -> c_int {
     // SAFETY: same contract, with the process's environment.
     unsafe { execve(path, argv, environ()) }
 }
 
-#[no_mangle]
-pub unsafe extern "C" fn execvpe(
+pub unsafe fn execvpe(
     file: *const c_char,
     argv: *const *const c_char,
     envp: *const *const c_char,
@@ -558,18 +557,12 @@ pub unsafe extern "C" fn execvpe(
     )
 }
 
-#[no_mangle]
-pub unsafe extern "C" fn execvp(file: *const c_char, argv: *const *const c_char) -> c_int {
+pub unsafe fn execvp(file: *const c_char, argv: *const *const c_char) -> c_int {
     // SAFETY: same contract, with the process's environment.
     unsafe { execvpe(file, argv, environ()) }
 }
 
-#[no_mangle]
-pub unsafe extern "C" fn fexecve(
-    fd: c_int,
-    argv: *const *const c_char,
-    envp: *const *const c_char,
-) -> c_int {
+pub unsafe fn fexecve(fd: c_int, argv: *const *const c_char, envp: *const *const c_char) -> c_int {
     around(
         Kind::Exec,
         envp,
@@ -579,8 +572,7 @@ pub unsafe extern "C" fn fexecve(
     )
 }
 
-#[no_mangle]
-pub unsafe extern "C" fn execveat(
+pub unsafe fn execveat(
     dirfd: c_int,
     path: *const c_char,
     argv: *const *const c_char,
@@ -596,8 +588,7 @@ pub unsafe extern "C" fn execveat(
     )
 }
 
-#[no_mangle]
-pub unsafe extern "C" fn posix_spawn(
+pub unsafe fn posix_spawn(
     pid: *mut libc::pid_t,
     path: *const c_char,
     fa: *const libc::posix_spawn_file_actions_t,
@@ -614,8 +605,7 @@ pub unsafe extern "C" fn posix_spawn(
     )
 }
 
-#[no_mangle]
-pub unsafe extern "C" fn posix_spawnp(
+pub unsafe fn posix_spawnp(
     pid: *mut libc::pid_t,
     file: *const c_char,
     fa: *const libc::posix_spawn_file_actions_t,
@@ -633,7 +623,7 @@ pub unsafe extern "C" fn posix_spawnp(
 }
 
 /// How many argument slots the `execl*` wrappers read (see below).
-const MAX_L: usize = 30;
+pub const MAX_L: usize = 30;
 
 /// The argument list of an `execl*` call, up to its NULL; for `execle` also
 /// the environment pointer after it.
@@ -660,62 +650,28 @@ fn collect(
     Some((v, env))
 }
 
-macro_rules! execl_like {
-    ($name:ident, $with_env:expr, $target:ident) => {
-        /// `execl`-family wrapper (see `collect`).
-        #[no_mangle]
-        #[allow(clippy::too_many_arguments)]
-        pub unsafe extern "C" fn $name(
-            path: *const c_char,
-            a0: *const c_char,
-            a1: *const c_char,
-            a2: *const c_char,
-            a3: *const c_char,
-            a4: *const c_char,
-            a5: *const c_char,
-            a6: *const c_char,
-            a7: *const c_char,
-            a8: *const c_char,
-            a9: *const c_char,
-            a10: *const c_char,
-            a11: *const c_char,
-            a12: *const c_char,
-            a13: *const c_char,
-            a14: *const c_char,
-            a15: *const c_char,
-            a16: *const c_char,
-            a17: *const c_char,
-            a18: *const c_char,
-            a19: *const c_char,
-            a20: *const c_char,
-            a21: *const c_char,
-            a22: *const c_char,
-            a23: *const c_char,
-            a24: *const c_char,
-            a25: *const c_char,
-            a26: *const c_char,
-            a27: *const c_char,
-            a28: *const c_char,
-            a29: *const c_char,
-        ) -> c_int {
-            let args: [*const c_char; MAX_L] = [
-                a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17,
-                a18, a19, a20, a21, a22, a23, a24, a25, a26, a27, a28, a29,
-            ];
-            let Some((argv, env)) = collect(&args, $with_env) else {
-                debug!("{}: more than {} arguments", stringify!($name), MAX_L - 2);
-                crate::set_errno(libc::E2BIG);
-                return -1;
-            };
-            // SAFETY: a NULL-terminated argument list built from the caller's.
-            unsafe { $target(path, argv.as_ptr(), env) }
-        }
+/// An `execl`-family call: `args` are the `MAX_L` argument slots its
+/// wrapper received (see `collect`), `with_env` for `execle`; the argument
+/// list goes to `exec` (`execve`, or `execvpe` for `execlp`).
+///
+/// # Safety
+/// `args` holds the caller's argument list up to its NULL (and, with
+/// `with_env`, the environment pointer after it), as `execl(3)` takes them.
+pub unsafe fn execl(
+    name: &str,
+    path: *const c_char,
+    args: &[*const c_char; MAX_L],
+    with_env: bool,
+    exec: unsafe fn(*const c_char, *const *const c_char, *const *const c_char) -> c_int,
+) -> c_int {
+    let Some((argv, env)) = collect(args, with_env) else {
+        debug!("{name}: more than {} arguments", MAX_L - 2);
+        set_errno(libc::E2BIG);
+        return -1;
     };
+    // SAFETY: a NULL-terminated argument list built from the caller's.
+    unsafe { exec(path, argv.as_ptr(), env) }
 }
-
-execl_like!(execl, false, execve);
-execl_like!(execle, true, execve);
-execl_like!(execlp, false, execvpe);
 
 // ---- the new image ------------------------------------------------------------
 
@@ -748,7 +704,7 @@ fn parse_s(f: &str) -> Option<SEntry> {
             taken.then_some((nodelay, cork))
         },
     };
-    (e.sock >= 0 && e.segfd >= 0 && e.side <= 1 && crate::valid_ring_len(e.ring)).then_some(e)
+    (e.sock >= 0 && e.segfd >= 0 && e.side <= 1 && config::valid_ring_len(e.ring)).then_some(e)
 }
 
 /// (descriptor, inode) of this image's sockets: from /proc/self/fd, or —
@@ -784,9 +740,7 @@ fn same_socket(fd: c_int, ino: u64) -> bool {
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: valid out-pointer.
     let ok = unsafe { libc::fstat(fd, &mut st) } == 0;
-    ok && st.st_mode & libc::S_IFMT == libc::S_IFSOCK
-        && st.st_ino == ino
-        && crate::is_tcp_stream(fd)
+    ok && st.st_mode & libc::S_IFMT == libc::S_IFSOCK && st.st_ino == ino && is_tcp_stream(fd)
 }
 
 /// Maps and checks an inherited segment descriptor.
@@ -888,26 +842,26 @@ pub fn adopt() {
                 unsafe { real::fcntl(segfd, libc::F_SETFD, libc::FD_CLOEXEC as libc::c_ulong) };
                 s.adopt(segfd);
                 let fd = mine[0];
-                let local = crate::sock_name(fd, false)
+                let local = sock_name(fd, false)
                     .map(|a| format!("{}:{}", a.ip, a.port))
                     .unwrap_or_default();
-                let peer = crate::sock_name(fd, true)
+                let peer = sock_name(fd, true)
                     .map(|a| format!("{}:{}", a.ip, a.port))
                     .unwrap_or_default();
-                let c = broker::new_conn(
+                let c = Arc::new(Conn::new(
                     s,
                     first.side,
-                    crate::fd_nonblock(fd),
+                    fd_nonblock(fd),
                     -1,
                     None,
                     true,
                     local,
                     peer,
-                );
+                ));
                 if let Some((nodelay, cork)) = first.opts {
-                    c.app_nodelay.store(nodelay, Ordering::Relaxed);
-                    c.app_cork.store(cork, Ordering::Relaxed);
-                    c.tcp_opts_taken.store(true, Ordering::Release);
+                    c.tcp_opts.app_nodelay.store(nodelay, Ordering::Relaxed);
+                    c.tcp_opts.app_cork.store(cork, Ordering::Relaxed);
+                    c.tcp_opts.taken.store(true, Ordering::Release);
                 }
                 // The new image may wait on the socket through an epoll
                 // instance it inherited, which this image's wrappers never
@@ -918,7 +872,7 @@ pub fn adopt() {
                     table::insert(fd, c.clone());
                 }
                 debug!("exec: adopted the accelerated connection on fd(s) {mine:?}");
-                broker::count_inherited();
+                stats::count_inherited();
             }
             Ok(s) => {
                 // None of its sockets reached us (a spawn's file actions
@@ -949,8 +903,8 @@ pub fn adopt() {
         }
     }
     for (fd, ino) in listeners {
-        if same_socket(fd, ino) && broker::enabled() {
-            if let Some(a) = crate::sock_name(fd, false) {
+        if same_socket(fd, ino) && config::enabled() {
+            if let Some(a) = sock_name(fd, false) {
                 if let Some(key) = broker::publish_listener(&a.ip, a.port) {
                     table::add_listener(fd, key);
                 }
@@ -962,5 +916,5 @@ pub fn adopt() {
 /// Resets a TCP connection (RST to the peer) that must not be read as
 /// plain TCP.
 fn reset(fd: c_int) {
-    crate::conn::send_reset(fd);
+    send_reset(fd);
 }

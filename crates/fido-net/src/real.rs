@@ -17,12 +17,9 @@ fn resolve(name: &'static str) -> usize {
     // this object's in the lookup order, i.e. libc's.
     let p = unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr() as *const c_char) };
     if p.is_null() {
-        let msg = b"fido-net: libc lacks an interposed symbol; aborting\n";
-        // SAFETY: writing a static buffer to stderr.
-        unsafe {
-            libc::syscall(libc::SYS_write, 2, msg.as_ptr(), msg.len());
-            libc::abort();
-        }
+        crate::sys::write_stderr(b"fido-net: libc lacks an interposed symbol; aborting\n");
+        // SAFETY: abort has no preconditions.
+        unsafe { libc::abort() };
     }
     p as usize
 }
@@ -136,10 +133,13 @@ pub unsafe fn ioctl(fd: c_int, req: libc::c_ulong, arg: *mut c_void) -> c_int {
     unsafe { f(fd, req, arg) }
 }
 
-/// libc's `syscall` (variadic).
+/// libc's `syscall`, called as what it is: a C-variadic function, given the
+/// six argument words the interposer received (see the `syscall` shim in lib.rs; the
+/// kernel ignores the words a system call does not take).
 ///
 /// # Safety
 /// Same contract as `syscall(2)` for system call `n`.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 pub unsafe fn syscall(n: libc::c_long, a: [libc::c_long; 6]) -> libc::c_long {
     static SLOT: AtomicUsize = AtomicUsize::new(0);
     let mut f = SLOT.load(Ordering::Relaxed);

@@ -205,12 +205,14 @@ impl Segment {
         if KEPT_COUNT.load(Ordering::Relaxed) >= kept_budget() {
             return;
         }
-        let floor = (kept_budget() * 2) as i32; // the upper half of the soft limit
-                                                // SAFETY: duplicating our own descriptor.
-        let mut d = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, floor) };
+        // The upper half of the soft limit.
+        let floor = (kept_budget() * 2) as libc::c_ulong;
+        // SAFETY: duplicating our own descriptor (libc's fcntl, not ours: this
+        // is no descriptor of the program's).
+        let mut d = unsafe { crate::real::fcntl(fd, libc::F_DUPFD_CLOEXEC, floor) };
         if d < 0 {
             // SAFETY: as above, lowest free number.
-            d = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+            d = unsafe { crate::real::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
         }
         if d >= 0 {
             self.adopt(d);
@@ -495,20 +497,7 @@ impl<'a> ShmLock<'a> {
             // A holder that died inside a copy would leave the word set: wait
             // in bounded slices so a stuck lock costs latency, not a hang of
             // the futex call itself.
-            let ts = libc::timespec {
-                tv_sec: 0,
-                tv_nsec: 10_000_000,
-            };
-            // SAFETY: futex wait on a word in a shared mapping (not PRIVATE).
-            unsafe {
-                libc::syscall(
-                    libc::SYS_futex,
-                    word.as_ptr(),
-                    libc::FUTEX_WAIT,
-                    2,
-                    &ts as *const libc::timespec,
-                );
-            }
+            crate::sys::futex_wait(word, 2, std::time::Duration::from_millis(10));
         }
     }
 }
@@ -516,8 +505,7 @@ impl<'a> ShmLock<'a> {
 impl Drop for ShmLock<'_> {
     fn drop(&mut self) {
         if self.0.swap(0, Ordering::Release) == 2 {
-            // SAFETY: futex wake on the shared word.
-            unsafe { libc::syscall(libc::SYS_futex, self.0.as_ptr(), libc::FUTEX_WAKE, 1) };
+            crate::sys::futex_wake(self.0, 1);
         }
     }
 }

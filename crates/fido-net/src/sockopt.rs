@@ -18,10 +18,20 @@
 //! Must never: change the options of a socket that is not (yet) accelerated —
 //! a connection that falls back to TCP keeps exactly what the program set.
 
-use crate::conn::Conn;
 use crate::real;
 use libc::{c_int, c_void, socklen_t};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+
+/// One accelerated connection's owned options: the program's view of them.
+#[derive(Default)]
+pub struct TcpOpts {
+    /// The program's `TCP_NODELAY`/`TCP_CORK`, answered back while the real
+    /// socket runs with Nagle and the cork off.
+    pub app_nodelay: AtomicI32,
+    pub app_cork: AtomicI32,
+    /// `take_over` ran: the real socket's options are ours.
+    pub taken: AtomicBool,
+}
 
 /// Whether `(level, name)` is one of the options we own on an accelerated
 /// socket.
@@ -62,8 +72,8 @@ fn set_int(fd: c_int, name: c_int, v: c_int) {
 /// doorbell: remembers the program's settings and turns Nagle and the cork off
 /// on the real socket. Idempotent (another descriptor of the same connection,
 /// or the other thread that raced us, finds it done).
-pub fn take_over(fd: c_int, c: &Conn) {
-    if c.tcp_opts_taken.load(Ordering::Acquire) {
+pub fn take_over(fd: c_int, c: &TcpOpts) {
+    if c.taken.load(Ordering::Acquire) {
         return;
     }
     if let Some(v) = get_int(fd, libc::TCP_NODELAY) {
@@ -74,10 +84,10 @@ pub fn take_over(fd: c_int, c: &Conn) {
     }
     set_int(fd, libc::TCP_NODELAY, 1);
     set_int(fd, libc::TCP_CORK, 0);
-    c.tcp_opts_taken.store(true, Ordering::Release);
+    c.taken.store(true, Ordering::Release);
 }
 
-fn slot(c: &Conn, name: c_int) -> &std::sync::atomic::AtomicI32 {
+fn slot(c: &TcpOpts, name: c_int) -> &std::sync::atomic::AtomicI32 {
     if name == libc::TCP_NODELAY {
         &c.app_nodelay
     } else {
@@ -91,7 +101,7 @@ fn slot(c: &Conn, name: c_int) -> &std::sync::atomic::AtomicI32 {
 ///
 /// # Safety
 /// `val` is null or valid for reads of `len` bytes (the program's contract).
-pub unsafe fn set(c: &Conn, name: c_int, val: *const c_void, len: socklen_t) -> c_int {
+pub unsafe fn set(c: &TcpOpts, name: c_int, val: *const c_void, len: socklen_t) -> c_int {
     if (len as usize) < std::mem::size_of::<c_int>() {
         return libc::EINVAL;
     }
@@ -111,7 +121,7 @@ pub unsafe fn set(c: &Conn, name: c_int, val: *const c_void, len: socklen_t) -> 
 ///
 /// # Safety
 /// `val`/`len` are what the program passed to `getsockopt(2)`.
-pub unsafe fn get(c: &Conn, name: c_int, val: *mut c_void, len: *mut socklen_t) -> c_int {
+pub unsafe fn get(c: &TcpOpts, name: c_int, val: *mut c_void, len: *mut socklen_t) -> c_int {
     if len.is_null() {
         return libc::EFAULT;
     }

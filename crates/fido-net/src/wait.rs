@@ -29,37 +29,23 @@
 //! Must never: report an accelerated socket not readable while its ring holds
 //! data or the kernel holds EOF, or sleep without every watched ring armed.
 
+use crate::config::{self, lazy_allowed};
 use crate::conn::Conn;
-use crate::real;
-use crate::table;
+use crate::handshake::attached;
+use crate::sys::{debug, errno, set_errno};
+use crate::{real, table};
 use libc::{c_int, epoll_event, nfds_t, pollfd, sigset_t, timespec};
 use parking_lot::Mutex;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// Lazy arming allowed in this process (`FIDO_NET_LAZY`, default on) and not
-/// yet given up (`all_eager`).
-static LAZY: AtomicBool = AtomicBool::new(true);
-
-/// Reads the configuration once (at load).
-pub fn read_config() {
-    if std::env::var("FIDO_NET_LAZY").is_ok_and(|v| v == "0" || v == "off") {
-        LAZY.store(false, Ordering::SeqCst);
-    }
-}
-
-/// Whether a new connection of this process may arm lazily.
-pub fn lazy_allowed() -> bool {
-    LAZY.load(Ordering::Relaxed)
-}
 
 /// The program waits in a way we cannot attribute: every connection of this
 /// process, now and later, arms eagerly.
 pub fn all_eager(why: &str) {
-    if LAZY.swap(false, Ordering::SeqCst) {
-        crate::debug!("lazy arming off for this process: {why}");
+    if config::give_up_lazy() {
+        debug!("lazy arming off for this process: {why}");
     }
     for c in table::all() {
         c.make_eager();
@@ -102,7 +88,7 @@ fn is_epoll(fd: c_int) -> bool {
 
 /// The connection behind `fd` if it is accelerated and arms lazily.
 fn lazy_conn(fd: c_int) -> Option<Arc<Conn>> {
-    let c = crate::attached(fd)?;
+    let c = attached(fd)?;
     c.is_lazy().then_some(c)
 }
 
@@ -205,13 +191,24 @@ fn forked() {
 }
 
 /// `syscall(2)` with number `n`: a wait we cannot see.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 pub fn raw_syscall(n: libc::c_long) {
+    #[cfg(target_arch = "x86_64")]
     let waits = [
         libc::SYS_poll,
         libc::SYS_ppoll,
         libc::SYS_select,
         libc::SYS_pselect6,
         libc::SYS_epoll_wait,
+        libc::SYS_epoll_pwait,
+        libc::SYS_epoll_pwait2,
+        libc::SYS_epoll_ctl,
+    ];
+    // AArch64 has no poll, select or epoll_wait system calls.
+    #[cfg(not(target_arch = "x86_64"))]
+    let waits = [
+        libc::SYS_ppoll,
+        libc::SYS_pselect6,
         libc::SYS_epoll_pwait,
         libc::SYS_epoll_pwait2,
         libc::SYS_epoll_ctl,
@@ -314,7 +311,7 @@ fn to_ts(r: Duration) -> timespec {
 /// Spins until a watched ring holds data, `kernel()` reports something, or the
 /// budget (capped by the deadline) is spent.
 fn spin(dl: Option<Instant>, any_data: impl Fn() -> bool, kernel: impl FnMut() -> bool) {
-    let mut budget = crate::conn::spin_budget();
+    let mut budget = config::spin_budget();
     if let Some(r) = remaining(dl) {
         budget = budget.min(r);
     }
@@ -439,11 +436,11 @@ pub unsafe fn poll_common(
             .map_or(std::ptr::null(), |t| t as *const timespec);
         // SAFETY: the program's array; a valid timespec and sigmask.
         let r = unsafe { real::ppoll(arr.as_mut_ptr(), n, tsp, mask) };
-        let e = crate::errno();
+        let e = errno();
         drop(sleep);
         drop(b);
         if r < 0 {
-            crate::set_errno(e);
+            set_errno(e);
             return r;
         }
         let k = poll_fixup(arr, &watches);
@@ -520,7 +517,7 @@ pub unsafe fn select_common(
         return Some(r);
     }
     if pfds.iter().any(|p| p.revents & libc::POLLNVAL != 0) {
-        crate::set_errno(libc::EBADF);
+        set_errno(libc::EBADF);
         return Some(-1);
     }
     let mut count = 0;
@@ -751,11 +748,11 @@ pub unsafe fn epoll_common(
             };
             // SAFETY: the program's array; a valid sigmask.
             let r = unsafe { real::epoll_pwait(epfd, arr.as_mut_ptr(), max, to_ms(rem), mask) };
-            let e = crate::errno();
+            let e = errno();
             drop(sleep);
             drop(b);
             if r < 0 {
-                crate::set_errno(e);
+                set_errno(e);
                 break 'done r;
             }
             let k = ep_fixup(arr, r as usize, &mut watches, start) as c_int;

@@ -99,6 +99,7 @@ fn setuid_programs_use_plain_tcp() {
     // The loader ignores LD_PRELOAD for a set-user-ID program run by another
     // user (AT_SECURE). Needs root (to make a root-owned setuid binary and to
     // run it as nobody).
+    // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 || !have("setpriv") {
         eprintln!("skipped: needs root and setpriv");
         return;

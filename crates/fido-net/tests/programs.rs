@@ -95,6 +95,7 @@ fn redis_server_with_redis_cli_and_redis_benchmark() {
 }
 
 fn nginx_conf(dir: &std::path::Path, port: u16) -> std::path::PathBuf {
+    // SAFETY: geteuid has no preconditions.
     let user = if unsafe { libc::geteuid() } == 0 {
         "user root;"
     } else {

@@ -1,0 +1,340 @@
+//! Setting up acceleration of one TCP connection, and learning its fate.
+//!
+//! The client, before its SYN leaves, binds, makes the segment and writes
+//! its request in the registry (`prepare_connect`); the server, at accept,
+//! maps the segment, claims the request and marks the segment attached
+//! (`attach`); the client, before its first byte, waits (bounded) for that
+//! mark or abandons the segment (`decide`) — one CAS on the segment's state
+//! decides for both ends. The protocol's registry keys are `broker`'s.
+//! `active`/`attached` give the connection behind a descriptor to the data
+//! path and the waits once its fate allows the ring.
+//!
+//! Must never: accelerate a connection both ends have not confirmed, or make
+//! a program wait longer than `FIDO_NET_ATTACH_MS` for a server that never
+//! attaches: any failure leaves the connection plain TCP.
+
+use crate::addr::{fd_nonblock, in_our_netns, sock_name, Addr};
+use crate::conn::Conn;
+use crate::sys::{debug, errno, guard, set_errno};
+use crate::{broker, config, real, seg, sockopt, stats, table};
+use libc::{c_int, c_void, sockaddr, socklen_t};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Prepares acceleration of a connect to a co-located listener: binds, makes
+/// the segment and writes the request. `None`: stay plain TCP.
+pub fn prepare_connect(fd: c_int, dst: &Addr, same: bool) -> Option<Arc<Conn>> {
+    if broker::find_listener(&dst.ip, dst.v4, dst.port, same).is_none() {
+        debug!(
+            "connect fd {fd} to {}:{}: no listener under fido{}",
+            dst.ip,
+            dst.port,
+            if same {
+                ""
+            } else {
+                " that the route provably leads to"
+            }
+        );
+        stats::count_plain();
+        return None;
+    }
+    let mut local = sock_name(fd, false)?;
+    if local.port == 0 {
+        // Bind now so the request can name our port before the SYN leaves.
+        // SAFETY: zeroed storage, filled as the socket's own family.
+        let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+        let mut len = std::mem::size_of::<libc::sockaddr_storage>() as socklen_t;
+        // SAFETY: getsockname into storage.
+        if unsafe { libc::getsockname(fd, &mut ss as *mut _ as *mut sockaddr, &mut len) } != 0 {
+            return None;
+        }
+        // Keep the family (and, for an explicit bind to an address, the
+        // address); port 0 asks the kernel to choose.
+        match ss.ss_family as c_int {
+            libc::AF_INET => {
+                // SAFETY: family checked.
+                let a = unsafe { &mut *(&mut ss as *mut _ as *mut libc::sockaddr_in) };
+                a.sin_port = 0;
+            }
+            libc::AF_INET6 => {
+                // SAFETY: family checked.
+                let a = unsafe { &mut *(&mut ss as *mut _ as *mut libc::sockaddr_in6) };
+                a.sin6_port = 0;
+            }
+            _ => return None,
+        }
+        // SAFETY: binding the caller's socket to its own family's any-address.
+        if unsafe { libc::bind(fd, &ss as *const _ as *const sockaddr, len) } != 0 {
+            return None;
+        }
+        local = sock_name(fd, false)?;
+    }
+    let rl = config::ring_len();
+    // SAFETY: creating an anonymous memfd.
+    let memfd = unsafe { libc::memfd_create(c"fido-net".as_ptr(), libc::MFD_CLOEXEC) };
+    if memfd < 0 {
+        return None;
+    }
+    let cleanup = |m: c_int| {
+        // SAFETY: our own descriptor.
+        unsafe { real::close(m) };
+    };
+    // SAFETY: sizing our own memfd.
+    if unsafe { libc::ftruncate(memfd, seg::seg_len(rl) as libc::off_t) } != 0 {
+        cleanup(memfd);
+        return None;
+    }
+    let Ok(segm) = seg::Segment::map(memfd, rl) else {
+        cleanup(memfd);
+        return None;
+    };
+    segm.retain(memfd);
+    let mut nb = [0u8; 8];
+    // SAFETY: getrandom into a local buffer.
+    unsafe { libc::getrandom(nb.as_mut_ptr() as *mut c_void, 8, 0) };
+    let nonce = u64::from_ne_bytes(nb);
+    segm.init(nonce);
+    segm.side(seg::CLIENT)
+        .pid
+        .store(std::process::id(), Ordering::Relaxed);
+    let key = broker::request_key(&dst.ip, dst.port, local.port, broker::netns());
+    debug!(
+        "connect fd {fd} {}:{} -> {}:{}: requesting {key}",
+        local.ip, local.port, dst.ip, dst.port
+    );
+    if let Err(why) = broker::write_request(&key, memfd, nonce, rl) {
+        debug!("connect fd {fd}: request refused ({why}): plain TCP");
+        stats::count_plain();
+        cleanup(memfd);
+        return None;
+    }
+    Some(Arc::new(Conn::new(
+        segm,
+        seg::CLIENT,
+        fd_nonblock(fd),
+        memfd,
+        Some(key),
+        false,
+        format!("{}:{}", local.ip, local.port),
+        format!("{}:{}", dst.ip, dst.port),
+    )))
+}
+
+/// Server side: attach to the client's segment if it asked for acceleration.
+/// Any failure leaves the connection plain TCP: the client, not seeing the
+/// attach, abandons the segment before its first byte.
+pub fn attach(nfd: c_int, flags: c_int) {
+    let Some(peer) = sock_name(nfd, true) else {
+        return;
+    };
+    let same = if peer.loopback {
+        true
+    } else {
+        match in_our_netns(&peer.ip) {
+            Some(s) => s,
+            None => return,
+        }
+    };
+    let Some(local) = sock_name(nfd, false) else {
+        return;
+    };
+    let Some((key, req)) = broker::read_request(&local.ip, local.port, &peer.ip, peer.port, same)
+    else {
+        debug!(
+            "accept fd {nfd}: no request for {}:{} <- {}:{}",
+            local.ip, local.port, peer.ip, peer.port
+        );
+        stats::count_plain();
+        return;
+    };
+    let path = format!("/proc/{}/fd/{}\0", req.pid, req.memfd);
+    // SAFETY: opening a NUL-terminated path.
+    let mfd = unsafe {
+        libc::open(
+            path.as_ptr() as *const libc::c_char,
+            libc::O_RDWR | libc::O_CLOEXEC,
+        )
+    };
+    if mfd < 0 {
+        debug!(
+            "accept fd {nfd}: cannot open {}: {}",
+            path.trim_end_matches('\0'),
+            std::io::Error::last_os_error()
+        );
+        return;
+    }
+    // SAFETY: fstat into a zeroed stat.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: valid out-pointer.
+    let ok = unsafe { libc::fstat(mfd, &mut st) } == 0
+        && st.st_size as usize == seg::seg_len(req.ring_len);
+    let segm = if ok {
+        seg::Segment::map(mfd, req.ring_len).ok()
+    } else {
+        None
+    };
+    if let Some(s) = &segm {
+        s.retain(mfd);
+    }
+    // SAFETY: our own descriptor (the mapping stays).
+    unsafe { real::close(mfd) };
+    let Some(segm) = segm.filter(|s| s.validate(req.nonce)) else {
+        debug!("accept fd {nfd}: segment rejected");
+        return;
+    };
+    // Claim the request through the broker: the step the `net` policy
+    // can refuse. Refused: abandon at once (one CAS decides for both ends),
+    // so the client does not wait for an attach that never comes.
+    if let Err(why) = broker::claim(&key) {
+        debug!("accept fd {nfd}: {why}: plain TCP");
+        let _ = segm.hdr().state.compare_exchange(
+            seg::PENDING,
+            seg::ABANDONED,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+        stats::count_plain();
+        return;
+    }
+    segm.side(seg::SERVER).holders.store(1, Ordering::SeqCst);
+    segm.side(seg::SERVER)
+        .pid
+        .store(std::process::id(), Ordering::Relaxed);
+    if segm
+        .hdr()
+        .state
+        .compare_exchange(
+            seg::PENDING,
+            seg::ATTACHED,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        )
+        .is_err()
+    {
+        // The client gave up waiting: plain TCP on both ends.
+        debug!("accept fd {nfd}: client already abandoned");
+        stats::count_plain();
+        return;
+    }
+    let nonblock = flags & libc::SOCK_NONBLOCK != 0;
+    let c = Arc::new(Conn::new(
+        segm,
+        seg::SERVER,
+        nonblock,
+        -1,
+        None,
+        true,
+        format!("{}:{}", local.ip, local.port),
+        format!("{}:{}", peer.ip, peer.port),
+    ));
+    sockopt::take_over(nfd, &c.tcp_opts);
+    table::insert(nfd, c);
+    debug!("accept fd {nfd}: attached {key}");
+    stats::count_accelerated();
+}
+
+/// The connection behind `fd`, if its data travels on a ring now.
+pub fn active(fd: c_int) -> Option<Arc<Conn>> {
+    let c = table::lookup(fd)?;
+    match c.state() {
+        seg::ATTACHED => {
+            on_ring(fd, &c);
+            Some(c)
+        }
+        seg::ABANDONED => {
+            // Plain TCP for good: the segment descriptor is not needed.
+            c.seg.drop_kept();
+            None
+        }
+        _ => {
+            if !c.connected.load(Ordering::Relaxed) {
+                // A non-blocking connect in progress: the kernel answers.
+                sock_name(fd, true)?;
+                c.connected.store(true, Ordering::SeqCst);
+            }
+            let e = errno();
+            let ring = guard(false, || decide(&c));
+            if ring {
+                sockopt::take_over(fd, &c.tcp_opts);
+            }
+            set_errno(e);
+            ring.then_some(c)
+        }
+    }
+}
+
+/// The connection behind `fd` if its data already travels on a ring (no
+/// waiting for a pending decision: a wait wrapper leaves those to the kernel).
+pub fn attached(fd: c_int) -> Option<Arc<Conn>> {
+    let c = table::lookup(fd)?;
+    if c.state() != seg::ATTACHED || c.broken.load(Ordering::Relaxed) {
+        return None;
+    }
+    on_ring(fd, &c);
+    Some(c)
+}
+
+/// Bookkeeping owed once an attached connection is used through `fd`: a
+/// client that has not yet seen the decision closes its kept request state,
+/// and the real socket's Nagle and cork are taken over (`sockopt`).
+fn on_ring(fd: c_int, c: &Conn) {
+    if c.me == seg::CLIENT && c.memfd.load(Ordering::Relaxed) >= 0 {
+        decide(c);
+    }
+    sockopt::take_over(fd, &c.tcp_opts);
+}
+
+/// Client, before its first byte: wait (bounded) for the server to
+/// attach; if it does not, abandon so both ends stay plain TCP.
+/// Returns true when the ring is to be used.
+pub fn decide(c: &Conn) -> bool {
+    let h = c.seg.hdr();
+    let mut st = h.state.load(Ordering::Acquire);
+    if st == seg::PENDING {
+        let t0 = Instant::now();
+        let limit = config::attach_wait();
+        let mut i = 0u32;
+        while st == seg::PENDING && t0.elapsed() < limit {
+            if i < 1000 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            i += 1;
+            st = h.state.load(Ordering::Acquire);
+        }
+        if st == seg::PENDING {
+            st = match h.state.compare_exchange(
+                seg::PENDING,
+                seg::ABANDONED,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => {
+                    debug!(
+                        "client {} -> {}: server did not attach in {:?}; plain TCP",
+                        c.local, c.peer, limit
+                    );
+                    stats::count_plain();
+                    if let Some(k) = &c.request_key {
+                        broker::delete_key(k);
+                    }
+                    seg::ABANDONED
+                }
+                Err(now) => now,
+            };
+        }
+    }
+    if st != seg::PENDING {
+        let m = c.memfd.swap(-1, Ordering::SeqCst);
+        if m >= 0 {
+            if st == seg::ATTACHED {
+                stats::count_accelerated();
+            }
+            // SAFETY: our own memfd.
+            unsafe { real::close(m) };
+        }
+    }
+    st == seg::ATTACHED
+}

@@ -1,0 +1,75 @@
+//! Events of the whole process rather than of one descriptor: the library's
+//! load (settings, connections inherited across exec, fork handlers), `fork`
+//! itself, and the system calls a program makes through `syscall(2)` that
+//! change what this library may do.
+//!
+//! Must never: fail a program's fork or its system call; everything here is
+//! bookkeeping around the kernel's answer.
+
+use crate::sys::guard;
+use crate::{broker, config, inherit, real, stats, table, wait};
+use std::sync::atomic::Ordering;
+
+/// The library's constructor.
+pub fn load() {
+    // Read the configuration now: some programs (nginx) replace the
+    // environment of the children they fork.
+    config::read_at_load();
+    broker::set_broker_path(fido::default_broker_path());
+    inherit::set_owner();
+    // Connections an earlier image passed across exec (FIDO_NET_INHERIT).
+    guard((), inherit::adopt);
+    // SAFETY: registering plain extern "C" handlers.
+    unsafe { libc::pthread_atfork(Some(fork_prepare), Some(fork_parent), Some(fork_child)) };
+}
+
+extern "C" fn fork_prepare() {
+    broker::fork_prepare();
+    table::fork_prepare();
+    wait::fork_prepare();
+}
+
+extern "C" fn fork_parent() {
+    table::fork_parent();
+    broker::fork_parent();
+    guard((), wait::fork_after);
+}
+
+extern "C" fn fork_child() {
+    table::fork_child();
+    broker::fork_child();
+    stats::fork_child();
+    inherit::set_owner();
+    guard((), wait::fork_after);
+}
+
+/// `fork`: the child holds every connection the parent holds. The holder
+/// counts are raised *before* the fork so a parent closing its copy right
+/// after cannot believe it was the last holder.
+pub fn fork() -> libc::pid_t {
+    let conns = table::all();
+    for c in &conns {
+        c.seg.side(c.me).holders.fetch_add(1, Ordering::SeqCst);
+    }
+    // SAFETY: fork has no arguments; the atfork handlers keep our locks sane.
+    let pid = unsafe { real::fork() };
+    if pid < 0 {
+        for c in &conns {
+            c.seg.side(c.me).holders.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+    pid
+}
+
+/// The program is about to make system call `n` through `syscall(2)`.
+/// Programs that create an io_uring may move socket I/O out of our sight:
+/// new connections of this process stay plain TCP from then on (liburing
+/// enters the kernel through libc's `syscall`). A wait made this way is one
+/// `wait` cannot see.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+pub fn syscall_observed(n: libc::c_long) {
+    if n == libc::SYS_io_uring_setup {
+        config::set_off();
+    }
+    guard((), || wait::raw_syscall(n));
+}
