@@ -24,6 +24,8 @@
 //!
 //! [`fido`]: https://docs.rs/fido
 
+#![forbid(unsafe_code)]
+
 mod error;
 mod pending;
 mod session;

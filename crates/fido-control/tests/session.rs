@@ -18,9 +18,12 @@ use std::time::{Duration, Instant};
 
 // ---- an in-memory transport -------------------------------------------------
 
+/// Frames on their way, and whether the queue is closed.
+type Frames = (VecDeque<(Vec<u8>, Vec<OwnedFd>)>, bool);
+
 #[derive(Default)]
 struct Queue {
-    state: Mutex<(VecDeque<(Vec<u8>, Vec<OwnedFd>)>, bool)>,
+    state: Mutex<Frames>,
     cv: Condvar,
 }
 
