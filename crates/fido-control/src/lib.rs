@@ -1,5 +1,5 @@
 //! The client side of Fido's broker control protocol, written once for every
-//! kind of domain (a [`fido`] domain, a `fido-pipe` client, later a VM guest).
+//! kind of domain (a `fido` domain, a `fido-pipe` client, later a VM guest).
 //!
 //! Three layers, kept apart as rust-vmm's `vhost` keeps protocol, transport and
 //! handler apart:
@@ -21,8 +21,6 @@
 //! but the request with its id; keep the caller's state alive (the reader
 //! thread holds its [`Handler`] weakly and ends when it is gone); or touch the
 //! data path — no message payload ever passes through here.
-//!
-//! [`fido`]: https://docs.rs/fido
 
 #![forbid(unsafe_code)]
 
@@ -34,6 +32,6 @@ mod unix;
 
 pub use error::{ControlError, ProtocolError, Result};
 pub use pending::{Answer, Pending};
-pub use session::{Backoff, Handler, Joined, Options, Session, Stats};
+pub use session::{Backoff, Handler, Joined, Options, Session, Stats, REQUEST_TIMEOUT};
 pub use transport::{Connect, Received, Transport};
 pub use unix::{UnixConnector, UnixSeqpacket};
