@@ -4,8 +4,9 @@
 //! its capacity among domains by weight.
 //!
 //! A [`Client`] is a domain of its own: it joins the broker (a tiny arena, so
-//! the broker's policy and quotas apply to it as to any domain), keeps a
-//! heartbeat going on a background thread and matches replies to requests.
+//! the broker's policy and quotas apply to it as to any domain) with a
+//! `fido-control` session, which keeps the heartbeat going and matches replies
+//! to requests on its reader thread.
 //! [`Client::create`] registers a [`Pipe`] (the descriptors are passed once,
 //! with `SCM_RIGHTS`); its operations are blocking ([`Pipe::file_to_socket`] …)
 //! or asynchronous ([`Pipe::start`] → [`Pending`], a `Future` that also offers a
@@ -19,19 +20,16 @@
 //! destroyed), or block a caller forever on a dead broker (its death fails every
 //! pending operation).
 
-use std::collections::HashMap;
 use std::future::Future;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
-use std::path::{Path, PathBuf};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd, RawFd};
+use std::path::PathBuf;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
-use std::task::{Context, Poll, Waker};
-use std::time::{Duration, Instant};
+use std::task::{Context, Poll};
+use std::time::Duration;
 
-use fido_proto::{wire, BrokerMsg, ClientMsg, Reply, Request};
-use parking_lot::{Condvar, Mutex};
-use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+use fido_control::{ControlError, Handler, Options, Session, UnixConnector};
+use fido_proto::{wire, Reply, Request};
 
 pub use fido_proto::{
     DomainId, ErrorCode, PipeDomainStatus, PipeEnd, PipeEngineStatus, PipeFdKind, PipeId, PipeOp,
@@ -191,100 +189,47 @@ impl ClientOptions {
     }
 }
 
-type Answer = Result<(Reply, Vec<OwnedFd>)>;
-
-#[derive(Default)]
-struct SlotState {
-    answer: Option<Answer>,
-    taken: bool,
-    waker: Option<Waker>,
-    bell: Option<Arc<OwnedFd>>,
-}
-
-/// Where the reader thread puts the answer to one request.
-#[derive(Default)]
-struct Slot {
-    state: Mutex<SlotState>,
-    cv: Condvar,
-}
-
-impl Slot {
-    fn fill(&self, a: Answer) {
-        let mut st = self.state.lock();
-        if st.answer.is_some() || st.taken {
-            return;
-        }
-        st.answer = Some(a);
-        if let Some(b) = &st.bell {
-            let _ = rustix::io::write(&**b, &1u64.to_ne_bytes());
-        }
-        if let Some(w) = st.waker.take() {
-            w.wake();
-        }
-        self.cv.notify_all();
-    }
-}
-
+/// The domain behind a [`Client`]: its session with the broker. The session's
+/// reader thread holds it weakly, so it goes when the last clone and pipe do.
 struct Inner {
-    sock: OwnedFd,
-    path: PathBuf,
+    session: Session,
     domain: DomainId,
-    pending: Mutex<HashMap<u64, Arc<Slot>>>,
-    next_id: AtomicU64,
-    dead: Mutex<Option<String>>,
-    stop: AtomicBool,
+}
+
+impl Handler for Inner {
+    // A pipe-only domain offers nothing and watches nothing: events (e.g. a
+    // PeerGone for a slot it never mapped) are of no interest.
+    fn event(&self, _event: fido_proto::Event, _fds: Vec<OwnedFd>) {}
 }
 
 impl Inner {
-    fn send(&self, id: u64, body: Request, fds: &[BorrowedFd<'_>]) -> Result<Arc<Slot>> {
-        if let Some(why) = self.dead.lock().clone() {
-            return Err(Error::BrokerUnavailable(why));
-        }
-        let dups = fds
-            .iter()
-            .map(|f| wire::dup(*f))
-            .collect::<Result<Vec<_>, _>>()?;
-        let bytes = fido_proto::encode(&ClientMsg::Request { id, body })
-            .map_err(|e| Error::Protocol(e.to_string()))?;
-        let slot = Arc::new(Slot::default());
-        self.pending.lock().insert(id, slot.clone());
-        if let Err(e) = wire::send_blocking(self.sock.as_fd(), &bytes, &dups) {
-            self.pending.lock().remove(&id);
-            return Err(Error::BrokerUnavailable(format!(
-                "sending to the broker: {e}"
-            )));
-        }
-        // A reader that died between our check and the insert would have missed this slot.
-        if let Some(why) = self.dead.lock().clone() {
-            slot.fill(Err(Error::BrokerUnavailable(why)));
-        }
-        Ok(slot)
+    /// Sends a request with duplicates of `fds` (the caller keeps its own).
+    fn start(&self, body: Request, fds: &[BorrowedFd<'_>]) -> Result<fido_control::Pending> {
+        let dups = fds.iter().map(|f| wire::dup(*f)).collect::<Result<Vec<_>, _>>()?;
+        Ok(self.session.start_request(body, &dups)?)
     }
 
-    fn request(&self, body: Request, fds: &[BorrowedFd<'_>]) -> Answer {
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let slot = self.send(id, body, fds)?;
-        let deadline = Instant::now() + REQUEST_TIMEOUT;
-        let mut st = slot.state.lock();
-        while st.answer.is_none() {
-            if slot.cv.wait_until(&mut st, deadline).timed_out() {
-                drop(st);
-                self.pending.lock().remove(&id);
-                return Err(Error::BrokerUnavailable(format!(
-                    "no reply from the broker at {} within {REQUEST_TIMEOUT:?}",
-                    self.path.display()
-                )));
+    fn request(&self, body: Request, fds: &[BorrowedFd<'_>]) -> Result<(Reply, Vec<OwnedFd>)> {
+        let dups = fds.iter().map(|f| wire::dup(*f)).collect::<Result<Vec<_>, _>>()?;
+        Ok(self.session.request(body, &dups)?)
+    }
+}
+
+impl From<ControlError> for Error {
+    fn from(e: ControlError) -> Error {
+        match e {
+            // Without reconnection, a lost broker ends the client: requests in
+            // flight and every later one fail alike.
+            ControlError::Unavailable(why) | ControlError::Lost(why) => Error::BrokerUnavailable(why),
+            e @ (ControlError::NoReply(_) | ControlError::BadAddress(_)) => {
+                Error::BrokerUnavailable(e.to_string())
             }
-        }
-        st.taken = true;
-        st.answer.take().expect("checked")
-    }
-
-    fn fail_all(&self, why: &str) {
-        *self.dead.lock() = Some(why.to_string());
-        let slots: Vec<Arc<Slot>> = self.pending.lock().drain().map(|(_, s)| s).collect();
-        for s in slots {
-            s.fill(Err(Error::BrokerUnavailable(why.to_string())));
+            ControlError::Refused(remote) => Error::Refused(remote),
+            ControlError::AlreadyTaken => Error::Protocol("the result was already taken".into()),
+            ControlError::Io(io) => Error::Sys(rustix::io::Errno::from_io_error(&io).unwrap_or(rustix::io::Errno::IO)),
+            e @ (ControlError::Protocol(_) | ControlError::Encode(_) | ControlError::FdsNotSupported { .. }) => {
+                Error::Protocol(e.to_string())
+            }
         }
     }
 }
@@ -304,95 +249,6 @@ impl std::fmt::Debug for Client {
     }
 }
 
-fn connect_socket(path: &Path) -> Result<OwnedFd> {
-    let sock = rustix::net::socket_with(
-        AddressFamily::UNIX,
-        SocketType::SEQPACKET,
-        SocketFlags::CLOEXEC,
-        None,
-    )?;
-    let addr = SocketAddrUnix::new(path).map_err(|e| {
-        Error::BrokerUnavailable(format!("broker socket path {}: {e}", path.display()))
-    })?;
-    rustix::net::connect(&sock, &addr).map_err(|e| {
-        Error::BrokerUnavailable(format!("{}: {}", path.display(), std::io::Error::from(e)))
-    })?;
-    Ok(sock)
-}
-
-fn recv_one(
-    sock: &OwnedFd,
-    buf: &mut [u8],
-    timeout: Duration,
-) -> Result<Option<(BrokerMsg, Vec<OwnedFd>)>> {
-    use rustix::event::{poll, PollFd, PollFlags, Timespec};
-    let ts = Timespec {
-        tv_sec: timeout.as_secs() as i64,
-        tv_nsec: timeout.subsec_nanos() as i64,
-    };
-    let mut fds = [PollFd::new(sock, PollFlags::IN)];
-    match poll(&mut fds, Some(&ts)) {
-        Ok(0) | Err(rustix::io::Errno::INTR) => return Ok(None),
-        Ok(_) => {}
-        Err(e) => return Err(e.into()),
-    }
-    match wire::recv(sock.as_fd(), buf)? {
-        wire::Recv::Eof => Err(Error::BrokerUnavailable(
-            "broker closed the connection".into(),
-        )),
-        wire::Recv::WouldBlock => Ok(None),
-        wire::Recv::Msg {
-            len,
-            fds,
-            truncated,
-        } => {
-            if truncated {
-                return Err(Error::Protocol(
-                    "truncated control message from the broker".into(),
-                ));
-            }
-            let msg = fido_proto::decode::<BrokerMsg>(&buf[..len])
-                .map_err(|e| Error::Protocol(e.to_string()))?;
-            Ok(Some((msg, fds)))
-        }
-    }
-}
-
-fn reader(weak: Weak<Inner>, heartbeat: Duration) {
-    let mut buf = vec![0u8; fido_proto::MAX_MESSAGE];
-    let mut last_beat = Instant::now();
-    loop {
-        let Some(inner) = weak.upgrade() else { return };
-        if inner.stop.load(Ordering::Relaxed) {
-            return;
-        }
-        if last_beat.elapsed() >= heartbeat {
-            if let Ok(b) = fido_proto::encode(&ClientMsg::Heartbeat) {
-                let _ = wire::send(inner.sock.as_fd(), &b, &[]);
-            }
-            last_beat = Instant::now();
-        }
-        match recv_one(&inner.sock, &mut buf, heartbeat / 2) {
-            Ok(None) => {}
-            Ok(Some((BrokerMsg::Reply { id, body }, fds))) => {
-                if let Some(slot) = inner.pending.lock().remove(&id) {
-                    slot.fill(body.map(|r| (r, fds)).map_err(Error::Refused));
-                }
-            }
-            // A pipe-only domain offers nothing and watches nothing: events
-            // (e.g. a PeerGone for a slot it never mapped) are of no interest.
-            Ok(Some((BrokerMsg::Event(_), _))) => {}
-            Err(e) => {
-                if !inner.stop.load(Ordering::Relaxed) {
-                    tracing::warn!("pipe client lost the broker: {e}");
-                }
-                inner.fail_all(&e.to_string());
-                return;
-            }
-        }
-    }
-}
-
 impl Client {
     /// Joins the broker as a domain named `name` at the default socket.
     pub fn connect(name: &str) -> Result<Client> {
@@ -405,7 +261,6 @@ impl Client {
             .broker
             .clone()
             .unwrap_or_else(fido_proto::default_broker_path);
-        let sock = connect_socket(&path)?;
         // The broker admits domains with an arena; ours is the smallest
         // (64 KiB, sparse) since pipe traffic never goes through it.
         let arena = fido_shm::UnplacedArena::create(64 << 10, false)?;
@@ -416,48 +271,20 @@ impl Client {
             arena_len: arena.len(),
             resume: None,
         };
-        let bytes = fido_proto::encode(&ClientMsg::Request { id: 1, body: join })
-            .map_err(|e| Error::Protocol(e.to_string()))?;
-        wire::send_blocking(sock.as_fd(), &bytes, &[ro])
-            .map_err(|e| Error::BrokerUnavailable(format!("{}: {e}", path.display())))?;
-        let mut buf = vec![0u8; fido_proto::MAX_MESSAGE];
-        let deadline = Instant::now() + REQUEST_TIMEOUT;
-        let (domain, heartbeat_ms) = loop {
-            if Instant::now() > deadline {
-                return Err(Error::BrokerUnavailable("no answer to Join".into()));
-            }
-            match recv_one(&sock, &mut buf, Duration::from_millis(200))? {
-                Some((BrokerMsg::Reply { id: 1, body }, _)) => match body {
-                    Ok(Reply::Joined {
-                        domain,
-                        heartbeat_ms,
-                        ..
-                    }) => break (domain, heartbeat_ms),
-                    Ok(other) => {
-                        return Err(Error::Protocol(format!(
-                            "unexpected answer to Join: {other:?}"
-                        )))
-                    }
-                    Err(e) => return Err(Error::Refused(e)),
-                },
-                _ => continue,
-            }
+        // No reconnection: losing the broker fails every pending operation and
+        // ends the client (its pipes died with the broker's engine).
+        let options = Options {
+            request_timeout: REQUEST_TIMEOUT,
+            reconnect: None,
         };
-        let heartbeat = Duration::from_millis(heartbeat_ms.clamp(10, 60_000));
+        let (session, joined) =
+            Session::join(Arc::new(UnixConnector::new(path)), join, vec![ro], options)?;
         let inner = Arc::new(Inner {
-            sock,
-            path,
-            domain,
-            pending: Mutex::new(HashMap::new()),
-            next_id: AtomicU64::new(2),
-            dead: Mutex::new(None),
-            stop: AtomicBool::new(false),
+            session,
+            domain: joined.domain,
         });
-        let weak = Arc::downgrade(&inner);
-        std::thread::Builder::new()
-            .name("fido-pipe-client".into())
-            .spawn(move || reader(weak, heartbeat))
-            .map_err(|e| Error::BrokerUnavailable(format!("spawning the reader thread: {e}")))?;
+        let weak: Weak<dyn Handler> = Arc::downgrade(&inner) as Weak<dyn Handler>;
+        inner.session.start(weak, "fido-pipe-client")?;
         Ok(Client { inner })
     }
 
@@ -491,16 +318,12 @@ impl Client {
 
     /// Starts a one-shot operation on two descriptors, without a pipe handle.
     pub fn start_once(&self, source: impl AsFd, sink: impl AsFd, op: PipeOp) -> Result<Pending> {
-        let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
-        let slot = self.inner.send(
-            id,
-            Request::PipeOnce { op },
-            &[source.as_fd(), sink.as_fd()],
-        )?;
+        let pending = self
+            .inner
+            .start(Request::PipeOnce { op }, &[source.as_fd(), sink.as_fd()])?;
         Ok(Pending {
             client: self.clone(),
-            id,
-            slot,
+            pending,
         })
     }
 
@@ -580,23 +403,13 @@ impl Client {
     }
 
     fn notify(&self, body: Request) {
-        let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
-        if let Ok(bytes) = fido_proto::encode(&ClientMsg::Request { id, body }) {
-            let _ = wire::send_blocking(self.inner.sock.as_fd(), &bytes, &[]);
-        }
+        self.inner.session.notify(body);
     }
 }
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Ok(b) = fido_proto::encode(&ClientMsg::Request {
-            id: 0,
-            body: Request::Leave,
-        }) {
-            let _ = wire::send(self.sock.as_fd(), &b, &[]);
-        }
-        let _ = rustix::net::shutdown(&self.sock, rustix::net::Shutdown::Both);
+        self.session.leave_now();
     }
 }
 
@@ -631,15 +444,13 @@ impl Pipe {
 
     /// Starts an operation; the result comes through the returned [`Pending`].
     pub fn start(&self, op: PipeOp) -> Result<Pending> {
-        let id = self.client.inner.next_id.fetch_add(1, Ordering::Relaxed);
-        let slot = self
+        let pending = self
             .client
             .inner
-            .send(id, Request::PipeRun { pipe: self.id, op }, &[])?;
+            .start(Request::PipeRun { pipe: self.id, op }, &[])?;
         Ok(Pending {
             client: self.client.clone(),
-            id,
-            slot,
+            pending,
         })
     }
 
@@ -702,19 +513,18 @@ impl Drop for Pipe {
 /// Dropping it does not cancel the transfer (use [`Pipe::cancel`]).
 pub struct Pending {
     client: Client,
-    id: u64,
-    slot: Arc<Slot>,
+    pending: fido_control::Pending,
 }
 
 impl std::fmt::Debug for Pending {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Pending")
-            .field("request", &self.id)
+            .field("request", &self.pending.id())
             .finish()
     }
 }
 
-fn to_transfer(a: Answer) -> Result<Transfer> {
+fn to_transfer(a: fido_control::Answer) -> Result<Transfer> {
     match a? {
         (Reply::PipeDone(r), _) => Transfer::from_result(r),
         (other, _) => Err(Error::Protocol(format!(
@@ -727,52 +537,23 @@ impl Pending {
     /// Blocks until the operation ends (however long that is; the broker
     /// going away ends it with `BrokerUnavailable`).
     pub fn wait(self) -> Result<Transfer> {
-        let mut st = self.slot.state.lock();
-        while st.answer.is_none() && !st.taken {
-            self.slot.cv.wait(&mut st);
-        }
-        take(&mut st)
+        to_transfer(self.pending.wait())
     }
 
     /// Waits up to `timeout`; `None` if it has not ended yet.
     pub fn wait_timeout(&mut self, timeout: Duration) -> Option<Result<Transfer>> {
-        let deadline = Instant::now() + timeout;
-        let mut st = self.slot.state.lock();
-        while st.answer.is_none() && !st.taken {
-            if self.slot.cv.wait_until(&mut st, deadline).timed_out() {
-                break;
-            }
-        }
-        if st.answer.is_none() && !st.taken {
-            return None;
-        }
-        Some(take(&mut st))
+        self.pending.wait_timeout(timeout).map(to_transfer)
     }
 
     /// The result if the operation ended (only once; later calls say `Protocol`).
     pub fn try_result(&mut self) -> Option<Result<Transfer>> {
-        let mut st = self.slot.state.lock();
-        if st.answer.is_none() && !st.taken {
-            return None;
-        }
-        Some(take(&mut st))
+        self.pending.try_take().map(to_transfer)
     }
 
     /// An eventfd that becomes readable when the operation ends (for poll/epoll).
     /// It stays readable; it is closed with the `Pending`.
     pub fn bell_fd(&self) -> Result<RawFd> {
-        let mut st = self.slot.state.lock();
-        if st.bell.is_none() {
-            let fd = rustix::event::eventfd(
-                0,
-                rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
-            )?;
-            if st.answer.is_some() || st.taken {
-                let _ = rustix::io::write(&fd, &1u64.to_ne_bytes());
-            }
-            st.bell = Some(Arc::new(fd));
-        }
-        Ok(st.bell.as_ref().expect("set").as_raw_fd())
+        Ok(self.pending.ready_fd()?)
     }
 
     /// The domain the operation belongs to.
@@ -781,29 +562,9 @@ impl Pending {
     }
 }
 
-fn take(st: &mut SlotState) -> Result<Transfer> {
-    if st.taken && st.answer.is_none() {
-        return Err(Error::Protocol("the result was already taken".into()));
-    }
-    st.taken = true;
-    to_transfer(st.answer.take().expect("present"))
-}
-
 impl Future for Pending {
     type Output = Result<Transfer>;
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let mut st = self.slot.state.lock();
-        if st.answer.is_some() || st.taken {
-            return Poll::Ready(take(&mut st));
-        }
-        st.waker = Some(cx.waker().clone());
-        Poll::Pending
-    }
-}
-
-impl Drop for Pending {
-    fn drop(&mut self) {
-        // Nobody will read the answer: stop the reader from keeping the slot.
-        self.client.inner.pending.lock().remove(&self.id);
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        Pin::new(&mut self.pending).poll(cx).map(to_transfer)
     }
 }

@@ -1086,3 +1086,29 @@ fn a_policy_reload_changes_pipe_weights() {
     stop.shutdown();
     thread.join().unwrap().unwrap();
 }
+
+// ----- the broker going away --------------------------------------------------
+
+#[test]
+fn a_dead_broker_fails_the_pending_operation_and_every_later_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("broker.sock");
+    let mut config = fido_broker::Config::new(&socket, dir.path().join("state"));
+    config.pipe.capacity = fido_broker::Capacity::Unlimited;
+    let broker = fido_broker::Embedded::start(config).unwrap();
+    let c = fido_pipe::Client::connect_with(fido_pipe::ClientOptions::new("orphan").broker(&socket)).unwrap();
+    // A transfer that cannot finish: its source never sends.
+    let (_quiet, from) = stream_pair();
+    let (to, _sink) = stream_pair();
+    let mut pending = c.start_once(&from, &to, PipeOp::SocketToSocket { len: 1 << 20 }).unwrap();
+    assert!(pending.wait_timeout(Duration::from_millis(100)).is_none());
+    broker.stop().unwrap();
+    match pending.wait_timeout(LONG) {
+        Some(Err(Error::BrokerUnavailable(_))) => {}
+        other => panic!("the pending operation should fail with BrokerUnavailable: {other:?}"),
+    }
+    // No reconnection: the client is done, and says so at once.
+    let t = Instant::now();
+    assert!(matches!(c.status(), Err(Error::BrokerUnavailable(_))));
+    assert!(t.elapsed() < Duration::from_secs(5), "a request on a dead client waited {:?}", t.elapsed());
+}

@@ -3,11 +3,10 @@
 
 use crate::channel::{Channel, ConnShared, Incoming};
 use std::sync::OnceLock;
-use crate::control::{connect_socket, recv_msg, send_msg, Control, EventSink, REQUEST_TIMEOUT};
+use crate::control::Control;
 use crate::error::{Error, Result};
-use fido_proto::{
-    BrokerMsg, ClientMsg, ConnId, Counters, DomainId, Event, GoneReason, Reply, Request, Resume, Status, TxnOp,
-};
+use fido_control::Handler;
+use fido_proto::{ConnId, Counters, DomainId, Event, GoneReason, Reply, Request, Resume, Status, TxnOp};
 use fido_ring::WaitStrategy;
 use fido_shm::{AddressMode, AddressSpace, Arena, Buf, Mapping, ModeRequest, UnplacedArena};
 use parking_lot::{Condvar, Mutex};
@@ -195,7 +194,7 @@ pub(crate) struct DomainInner {
     pub(crate) slot: u32,
     pub(crate) space: Arc<AddressSpace>,
     pub(crate) arena: Arc<Arena>,
-    pub(crate) control: Arc<Control>,
+    pub(crate) control: Control,
     pub(crate) opts: JoinOptions,
     services: Mutex<HashMap<String, Arc<Backlog>>>,
     pub(crate) conns: Mutex<HashMap<ConnId, Weak<ConnShared>>>,
@@ -232,38 +231,22 @@ impl Domain {
         fido_proto::check_name(&opts.name).map_err(|e| Error::Invalid(format!("domain name: {e}")))?;
         let path = opts.broker.clone().unwrap_or_else(fido_proto::default_broker_path);
         let unplaced = UnplacedArena::create(opts.arena_len, opts.prefault)?;
-        let sock = connect_socket(&path)?;
         let join = Request::Join {
             name: opts.name.clone(),
             label: opts.label.clone(),
             arena_len: unplaced.len(),
             resume: None,
         };
-        send_msg(&sock, &ClientMsg::Request { id: 1, body: join }, &[unplaced.ro_fd()?])?;
-        let deadline = Instant::now() + REQUEST_TIMEOUT;
-        let mut buf = Vec::new();
-        let (domain, slot, geometry, heartbeat_ms) = loop {
-            if Instant::now() > deadline {
-                return Err(Error::BrokerUnavailable("no answer to join".into()));
-            }
-            match recv_msg(&sock, &mut buf, Some(Duration::from_millis(200)))? {
-                Some((BrokerMsg::Reply { id: 1, body }, _)) => match body? {
-                    Reply::Joined { domain, slot, geometry, heartbeat_ms } => break (domain, slot, geometry, heartbeat_ms),
-                    other => return Err(Error::protocol(format!("unexpected join reply {other:?}"))),
-                },
-                _ => continue,
-            }
-        };
-        let space = Arc::new(AddressSpace::new(geometry, opts.address_mode)?);
+        let (control, joined) = Control::join(path, join, unplaced.ro_fd()?)?;
+        let (domain, slot) = (joined.domain, joined.slot);
+        let space = Arc::new(AddressSpace::new(joined.geometry, opts.address_mode)?);
         let arena = unplaced.place(&space, slot, domain)?;
-        let heartbeat = Duration::from_millis(heartbeat_ms.clamp(10, 60_000));
-        let control = Control::new(path, sock, heartbeat);
         let inner = Arc::new(DomainInner {
             id: domain,
             slot,
             space,
             arena,
-            control: control.clone(),
+            control,
             opts,
             services: Mutex::new(HashMap::new()),
             conns: Mutex::new(HashMap::new()),
@@ -280,10 +263,8 @@ impl Domain {
             orphaned: Mutex::new(Vec::new()),
         });
         let _ = inner.this.set(Arc::downgrade(&inner));
-        let weak: Weak<dyn EventSink> = Arc::downgrade(&inner) as Weak<dyn EventSink>;
-        std::thread::Builder::new()
-            .name(format!("fido-control-{domain}"))
-            .spawn(move || control.run(weak))?;
+        let weak: Weak<dyn Handler> = Arc::downgrade(&inner) as Weak<dyn Handler>;
+        inner.control.start(weak, format!("fido-control-{domain}"))?;
         tracing::debug!(domain, slot, mode = ?inner.space.mode(), "joined");
         Ok(Domain { inner })
     }
@@ -404,10 +385,7 @@ impl Domain {
 
     /// Leaves the broker now. Open channels report `PeerGone` to their peers.
     pub fn leave(self) -> Result<()> {
-        self.inner.control.set_leaving();
-        let r = self.inner.control.request_timeout(Request::Leave, &[], Duration::from_secs(2));
-        self.inner.control.stop();
-        r.map(|_| ())
+        self.inner.control.leave(Duration::from_secs(2))
     }
 }
 
@@ -485,7 +463,7 @@ impl DomainInner {
     }
 }
 
-impl EventSink for DomainInner {
+impl Handler for DomainInner {
     fn event(&self, event: Event, fds: Vec<OwnedFd>) {
         match event {
             Event::Incoming { conn, service, peer, block } => {
@@ -516,7 +494,7 @@ impl EventSink for DomainInner {
         }
     }
 
-    fn resume_request(&self) -> Result<(Request, OwnedFd)> {
+    fn rejoin(&self) -> fido_control::Result<(Request, Vec<OwnedFd>)> {
         let conns: Vec<Arc<ConnShared>> = self.conns.lock().values().filter_map(Weak::upgrade).collect();
         let resume = Resume {
             domain: self.id,
@@ -534,7 +512,8 @@ impl EventSink for DomainInner {
             arena_len: self.arena.len(),
             resume: Some(resume),
         };
-        Ok((join, self.arena.ro_fd()?))
+        let arena = self.arena.ro_fd().map_err(|e| fido_control::ControlError::Io(std::io::Error::other(e)))?;
+        Ok((join, vec![arena]))
     }
 
     fn tick(&self) {
