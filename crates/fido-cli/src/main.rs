@@ -304,7 +304,6 @@ fn main() -> ExitCode {
             seconds,
             size,
             hops,
-            uds_pipeline: fido_bench::uds_pipeline,
         }),
         Cmd::Bench {
             suite:

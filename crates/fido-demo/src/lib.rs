@@ -25,3 +25,4 @@ pub mod measure;
 pub mod pipeline;
 pub mod proc;
 pub mod text;
+pub mod uds;
