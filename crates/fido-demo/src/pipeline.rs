@@ -894,3 +894,70 @@ pub fn launch_with_pings(
     )?;
     Ok(Outcome { roles })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn message(seq: u64, gptr: u64, op: u16) -> Vec<u8> {
+        let mut b = vec![0u8; 4096 + 5];
+        fill_message(&mut b, seq, gptr, op);
+        b
+    }
+
+    #[test]
+    fn a_filled_message_checks_and_carries_its_phase() {
+        let b = message(7, 0x1000, OP_PING);
+        let c = check_message(&b);
+        assert!(c.header_ok && c.checksum_ok);
+        assert_eq!((c.seq, c.gptr), (7, 0x1000));
+        assert_eq!(message_op(&b), OP_PING);
+        let mut bad = b.clone();
+        bad[HEADER + 100] ^= 1;
+        assert!(!check_message(&bad).checksum_ok);
+        assert!(!check_message(&b[..HEADER - 1]).header_ok);
+    }
+
+    #[test]
+    fn the_ledger_counts_errors_and_keeps_the_phases_apart() {
+        let mut l = SinkLedger::default();
+        for (seq, op) in [(1, OP_WARMUP), (2, OP_MEASURED), (3, OP_DRAIN), (4, OP_PING)] {
+            let c = check_message(&message(seq, 0x40, op));
+            l.saw(seq, op, &c, Some(0x40), c.stamp + 1000 * seq, 4101);
+        }
+        // A gap (6 after 4), a wrong pointer, a corrupt body.
+        let mut b = message(6, 0x40, OP_PING);
+        b[HEADER] ^= 0xff;
+        let c = check_message(&b);
+        l.saw(6, OP_PING, &c, Some(0x80), c.stamp + 6000, 4101);
+        let v = l.json();
+        assert_eq!(v["received"], 5);
+        assert_eq!(v["last_seq"], 6);
+        assert_eq!(v["seq_errors"], 1);
+        assert_eq!(v["pointer_errors"], 1);
+        assert_eq!(v["checksum_errors"], 1);
+        assert_eq!(v["header_errors"], 0);
+        // Only the measured message is a full-load sample, only pings are pings.
+        assert_eq!((v["latency_samples"].clone(), v["p50_ns"].clone()), (1.into(), 2000.into()));
+        assert_eq!(v["ping_samples"], 2);
+        assert_eq!((v["ping_p50_ns"].clone(), v["ping_p99_ns"].clone()), (4000.into(), 6000.into()));
+        assert!(v["first_error"].as_str().unwrap().contains("expected sequence 5"));
+    }
+
+    #[test]
+    fn pings_run_for_their_time_within_their_bounds() {
+        let p = PingPhase {
+            duration: Duration::from_millis(10),
+            min_pings: 3,
+            max_pings: 5,
+        };
+        assert!(p.wants_more(2, Duration::from_secs(1)), "at least min_pings");
+        assert!(!p.wants_more(3, Duration::from_secs(1)), "time is up");
+        assert!(p.wants_more(4, Duration::ZERO), "time left");
+        assert!(!p.wants_more(5, Duration::ZERO), "at most max_pings");
+        let args: Vec<String> = p.args();
+        let back = PingPhase::from_args(&Args::parse(&args)).unwrap().unwrap();
+        assert_eq!((back.duration, back.min_pings, back.max_pings), (p.duration, 3, 5));
+        assert!(PingPhase::from_args(&Args::parse(&[])).unwrap().is_none());
+    }
+}
