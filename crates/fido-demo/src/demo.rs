@@ -43,9 +43,9 @@ fn dur_ns(ns: f64) -> String {
 }
 
 fn size_str(n: usize) -> String {
-    if n >= 1 << 20 && n.is_multiple_of(1 << 20) {
+    if n >= 1 << 20 && n % (1 << 20) == 0 {
         format!("{} MiB", n >> 20)
-    } else if n >= 1 << 10 && n.is_multiple_of(1 << 10) {
+    } else if n >= 1 << 10 && n % (1 << 10) == 0 {
         format!("{} KiB", n >> 10)
     } else {
         format!("{n}B")
