@@ -26,17 +26,10 @@
 mod bench;
 mod broker;
 mod chaos;
-mod demo;
 mod pipe_bench;
 mod pipe_cli;
-mod pipe_fido;
-mod pipe_move;
-mod pipe_proxy;
-mod pipe_serve;
 mod pipe_cmd;
 mod netbench;
-mod pipeline;
-mod proc;
 mod rpc_bench;
 mod run;
 mod status;
@@ -45,6 +38,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use fido_demo::{demo, pipeline, proc};
 
 #[derive(Parser)]
 #[command(

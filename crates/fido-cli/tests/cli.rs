@@ -103,6 +103,10 @@ fn demo_passes_and_leaves_nothing_behind() {
         "fido / uds",
         "[ ok ] pointer unchanged",
         "[ ok ] checksum",
+        // Latency is compared at equal queue depth, and the screen says so.
+        "sink latency (source→sink), one message in flight",
+        "one message in flight, end to end through 3 hops",
+        "[ ok ] uds checksum",
         "result: PASS",
     ] {
         assert!(stdout.contains(want), "missing `{want}` in:\n{stdout}");

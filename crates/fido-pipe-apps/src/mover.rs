@@ -6,7 +6,7 @@
 //! * [`Sendfile`]: the kernel's in-process shortcuts, still on the application's
 //!   CPU time — `sendfile` (file→socket), `splice` through a private pipe
 //!   (socket→socket, socket→file), `copy_file_range` (file→file).
-//! * `FidoPipe` (in `pipe_fido.rs`): the broker's pipe engine moves the bytes;
+//! * [`FidoPipe`](crate::engine::FidoPipe): the broker's pipe engine moves the bytes;
 //!   the application only hands it the descriptors and waits.
 //!
 //! Servers and benchmarks are written once against the trait, so every figure
@@ -18,6 +18,7 @@
 
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::Arc;
 
 use rustix::pipe::SpliceFlags;
 
@@ -331,8 +332,8 @@ impl Mover for Sendfile {
     }
 }
 
-/// The strategies selectable on the command line.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+/// Who moves the bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Strategy {
     /// The broker's pipe engine moves the bytes (the application's CPU stays idle).
     Fido,
@@ -343,6 +344,39 @@ pub enum Strategy {
 }
 
 impl Strategy {
+    /// Every strategy, in the order the command line lists them.
+    pub const ALL: [Strategy; 3] = [Strategy::Fido, Strategy::Sendfile, Strategy::Readwrite];
+
+    /// The name on the command line (`--strategy NAME`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::Fido => "fido",
+            Strategy::Sendfile => "sendfile",
+            Strategy::Readwrite => "readwrite",
+        }
+    }
+
+    /// What the strategy does, in a line (for help texts).
+    pub fn describe(self) -> &'static str {
+        match self {
+            Strategy::Fido => {
+                "The broker's pipe engine moves the bytes (the application's CPU stays idle)"
+            }
+            Strategy::Sendfile => "sendfile / splice / copy_file_range in this process",
+            Strategy::Readwrite => "read/write loop in this process",
+        }
+    }
+
+    /// A mover of this strategy; [`Strategy::Fido`] joins the broker named by
+    /// `$FIDO_BROKER` (or the default socket) — see [`crate::engine::mover`].
+    pub fn mover(self) -> io::Result<Arc<dyn Mover>> {
+        Ok(match self {
+            Strategy::Sendfile => Arc::new(Sendfile),
+            Strategy::Readwrite => Arc::new(ReadWrite),
+            Strategy::Fido => crate::engine::mover()?,
+        })
+    }
+
     /// The `system` name used in bench records.
     pub fn system(self) -> &'static str {
         match self {
@@ -350,6 +384,17 @@ impl Strategy {
             Strategy::Sendfile => "sendfile",
             Strategy::Readwrite => "readwrite",
         }
+    }
+}
+
+impl std::str::FromStr for Strategy {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Strategy, String> {
+        Strategy::ALL
+            .into_iter()
+            .find(|m| m.name() == s)
+            .ok_or_else(|| format!("unknown strategy {s:?} (fido, sendfile or readwrite)"))
     }
 }
 
@@ -366,5 +411,75 @@ pub fn drain_to_null(sock: BorrowedFd<'_>) -> io::Result<u64> {
             return Ok(done);
         }
         done += n as u64;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read as _, Write as _};
+    use std::os::unix::net::UnixStream;
+
+    fn pattern(n: usize) -> Vec<u8> {
+        (0..n).map(|i| (i * 7 + i / 251) as u8).collect()
+    }
+
+    #[test]
+    fn strategy_names_round_trip() {
+        for s in Strategy::ALL {
+            assert_eq!(s.name().parse::<Strategy>(), Ok(s));
+        }
+        assert!("splice".parse::<Strategy>().is_err());
+    }
+
+    /// Each in-process strategy copies exactly the asked range, at the asked
+    /// offsets, across several chunks, and stops short only at the source's end.
+    #[test]
+    fn in_process_file_to_file_is_exact() {
+        let data = pattern(3 * CHUNK + 123);
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("src"), &data).unwrap();
+        let movers: [&dyn Mover; 2] = [&ReadWrite, &Sendfile];
+        for (i, m) in movers.into_iter().enumerate() {
+            let src = std::fs::File::open(dir.path().join("src")).unwrap();
+            let dst_path = dir.path().join(format!("dst{i}"));
+            let dst = std::fs::File::create(&dst_path).unwrap();
+            let n = m
+                .file_to_file(src.as_fd(), 10, (2 * CHUNK + 5) as u64, dst.as_fd(), 3)
+                .unwrap();
+            assert_eq!(n, (2 * CHUNK + 5) as u64);
+            let got = std::fs::read(&dst_path).unwrap();
+            assert_eq!(&got[..3], &[0, 0, 0]);
+            assert_eq!(&got[3..], &data[10..10 + 2 * CHUNK + 5]);
+            // Asking past the end returns what there was.
+            let n = m
+                .file_to_file(src.as_fd(), data.len() as u64 - 4, 100, dst.as_fd(), 0)
+                .unwrap();
+            assert_eq!(n, 4);
+        }
+    }
+
+    #[test]
+    fn in_process_socket_to_socket_runs_until_end_of_stream() {
+        let data = pattern(2 * CHUNK + 77);
+        let movers: [&dyn Mover; 2] = [&ReadWrite, &Sendfile];
+        for m in movers {
+            let (mut tx, from) = UnixStream::pair().unwrap();
+            let (to, mut rx) = UnixStream::pair().unwrap();
+            let sent = data.clone();
+            let writer = std::thread::spawn(move || {
+                tx.write_all(&sent).unwrap();
+            });
+            let reader = std::thread::spawn(move || {
+                let mut got = Vec::new();
+                rx.read_to_end(&mut got).unwrap();
+                got
+            });
+            let n = m.socket_to_socket(from.as_fd(), to.as_fd(), None).unwrap();
+            writer.join().unwrap();
+            drop(to);
+            assert_eq!(n, data.len() as u64);
+            assert_eq!(reader.join().unwrap(), data);
+        }
     }
 }
