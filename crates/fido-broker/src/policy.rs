@@ -467,22 +467,7 @@ impl Size {
     }
 }
 
-/// `"4096"`, `"64K"`, `"64KiB"`, `"16M"`, `"1G"`, `"1 GiB"` (binary units).
-pub fn parse_size(s: &str) -> Option<u64> {
-    let s = s.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let n: u64 = num.parse().ok()?;
-    let shift = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 0,
-        "k" | "kb" | "kib" => 10,
-        "m" | "mb" | "mib" => 20,
-        "g" | "gb" | "gib" => 30,
-        "t" | "tb" | "tib" => 40,
-        _ => return None,
-    };
-    n.checked_mul(1u64 << shift)
-}
+pub use fido_pipe_engine::parse_size;
 
 impl RawQuotas {
     fn over(&self, base: Quotas) -> Result<Quotas, String> {
