@@ -749,113 +749,130 @@ impl Core {
         self.sched.ready(dom, id);
     }
 
+    /// A splice or poll of job `id` completed with `res` (bytes, or `-errno`).
     fn completed(&mut self, id: u64, tag: u64, res: i32) {
         let Some(j) = self.jobs.get_mut(&id) else {
             return;
         };
         j.inflight = false;
+        match (tag, j.state) {
+            (TAG_POLL, _) => self.poll_done(id, res),
+            (_, State::Fill) => self.fill_done(id, res),
+            (_, State::Drain) => self.drain_done(id, res),
+            _ => {}
+        }
+    }
+
+    /// The descriptor a job waited on is ready (or the poll failed).
+    fn poll_done(&mut self, id: u64, res: i32) {
+        let Some(j) = self.jobs.get_mut(&id) else {
+            return;
+        };
+        if j.cancel {
+            return self.finish(id);
+        }
+        if res < 0 {
+            let side = if j.state == State::PollIn {
+                "source"
+            } else {
+                "sink"
+            };
+            j.failed = Some((
+                -res,
+                format!("{side}: poll: {}", Errno::from_raw_os_error(-res)),
+            ));
+            self.drop_lane(id);
+            return self.finish(id);
+        }
+        if j.state == State::PollOut {
+            return self.issue_drain(id);
+        }
+        // Source readable again: back to the scheduler for its next chunk.
+        j.state = State::Queued;
         let dom = j.spec.domain;
-        let cancelled = j.cancel;
-        if tag == TAG_POLL {
-            if cancelled {
-                return self.finish(id);
+        self.sched.ready(dom, id);
+    }
+
+    /// `splice(source → engine pipe)` returned.
+    fn fill_done(&mut self, id: u64, res: i32) {
+        let Some(j) = self.jobs.get_mut(&id) else {
+            return;
+        };
+        if res > 0 {
+            let n = res as u64;
+            j.consumed += n;
+            j.to_read -= n;
+            j.in_pipe = n;
+            if j.src_off >= 0 {
+                j.src_off += n as i64;
             }
-            if res < 0 {
-                let side = if j.state == State::PollIn {
-                    "source"
-                } else {
-                    "sink"
-                };
-                j.failed = Some((
-                    -res,
-                    format!("{side}: poll: {}", Errno::from_raw_os_error(-res)),
-                ));
+            if j.cancel {
                 self.drop_lane(id);
                 return self.finish(id);
             }
-            if j.state == State::PollOut {
+            self.issue_drain(id);
+        } else if res == 0 {
+            j.eof = true;
+            self.drop_lane(id);
+            self.finish(id);
+        } else if j.cancel {
+            self.drop_lane(id);
+            self.finish(id);
+        } else if res == -libc::EAGAIN {
+            self.drop_lane(id);
+            self.issue_poll(id, false);
+        } else {
+            j.failed = Some((-res, format!("source: {}", Errno::from_raw_os_error(-res))));
+            self.drop_lane(id);
+            self.finish(id);
+        }
+    }
+
+    /// `splice(engine pipe → sink)` returned: delivered bytes are charged.
+    fn drain_done(&mut self, id: u64, res: i32) {
+        let Some(j) = self.jobs.get_mut(&id) else {
+            return;
+        };
+        let dom = j.spec.domain;
+        if res > 0 {
+            let n = res as u64;
+            j.moved += n;
+            j.in_pipe -= n;
+            if j.dst_off >= 0 {
+                j.dst_off += n as i64;
+            }
+            let (more, done, cancelled) = (j.in_pipe > 0, j.to_read == 0, j.cancel);
+            self.sched.charge(dom, n);
+            if cancelled {
+                self.drop_lane(id);
+                return self.finish(id);
+            }
+            if more {
                 return self.issue_drain(id);
             }
-            // Source readable again: back to the scheduler for its next chunk.
-            j.state = State::Queued;
+            self.drop_lane(id);
+            if done {
+                return self.finish(id);
+            }
+            if let Some(j) = self.jobs.get_mut(&id) {
+                j.state = State::Queued;
+            }
             self.sched.ready(dom, id);
-            return;
-        }
-        match j.state {
-            State::Fill => {
-                if res > 0 {
-                    let n = res as u64;
-                    j.consumed += n;
-                    j.to_read -= n;
-                    j.in_pipe = n;
-                    if j.src_off >= 0 {
-                        j.src_off += n as i64;
-                    }
-                    if cancelled {
-                        self.drop_lane(id);
-                        return self.finish(id);
-                    }
-                    self.issue_drain(id);
-                } else if res == 0 {
-                    j.eof = true;
-                    self.drop_lane(id);
-                    self.finish(id);
-                } else if cancelled {
-                    self.drop_lane(id);
-                    self.finish(id);
-                } else if res == -libc::EAGAIN {
-                    self.drop_lane(id);
-                    self.issue_poll(id, false);
-                } else {
-                    j.failed = Some((-res, format!("source: {}", Errno::from_raw_os_error(-res))));
-                    self.drop_lane(id);
-                    self.finish(id);
-                }
-            }
-            State::Drain => {
-                if res > 0 {
-                    let n = res as u64;
-                    j.moved += n;
-                    j.in_pipe -= n;
-                    if j.dst_off >= 0 {
-                        j.dst_off += n as i64;
-                    }
-                    let more = j.in_pipe > 0;
-                    let done = j.to_read == 0;
-                    self.sched.charge(dom, n);
-                    if cancelled {
-                        self.drop_lane(id);
-                        return self.finish(id);
-                    }
-                    if more {
-                        return self.issue_drain(id);
-                    }
-                    self.drop_lane(id);
-                    if done {
-                        return self.finish(id);
-                    }
-                    if let Some(j) = self.jobs.get_mut(&id) {
-                        j.state = State::Queued;
-                    }
-                    self.sched.ready(dom, id);
-                } else if cancelled {
-                    self.drop_lane(id);
-                    self.finish(id);
-                } else if res == -libc::EAGAIN {
-                    self.drop_lane(id);
-                    self.issue_poll(id, true);
-                } else {
-                    let (errno, what) = if res == 0 {
-                        (libc::EPIPE, "sink accepted no bytes".to_string())
-                    } else {
-                        (-res, Errno::from_raw_os_error(-res).to_string())
-                    };
-                    j.failed = Some((errno, format!("sink: {what}")));
-                    self.drop_lane(id);
-                    self.finish(id);
-                }
-            }
-            _ => {}
+        } else if j.cancel {
+            self.drop_lane(id);
+            self.finish(id);
+        } else if res == -libc::EAGAIN {
+            self.drop_lane(id);
+            self.issue_poll(id, true);
+        } else {
+            let (errno, what) = if res == 0 {
+                (libc::EPIPE, "sink accepted no bytes".to_string())
+            } else {
+                (-res, Errno::from_raw_os_error(-res).to_string())
+            };
+            j.failed = Some((errno, format!("sink: {what}")));
+            self.drop_lane(id);
+            self.finish(id);
         }
     }
 

@@ -219,6 +219,43 @@ impl Server {
         Err(self.deny(dom, what))
     }
 
+    /// Neither end of a new connection of `dom` to `server`'s `service`
+    /// may be at its connection quota.
+    pub(super) fn check_connection_quotas(
+        &self,
+        dom: DomainId,
+        server: DomainId,
+        service: &str,
+    ) -> Result<(), RemoteError> {
+        let limit = self
+            .domains
+            .get(&dom)
+            .map_or(0, |d| d.rule.quotas.connections);
+        let open = self.open_connections(dom);
+        if open >= limit {
+            return Err(self.quota(
+                dom,
+                format!("too many connections: this domain has {open} open (limit {limit})"),
+            ));
+        }
+        if server != dom {
+            let limit = self
+                .domains
+                .get(&server)
+                .map_or(0, |d| d.rule.quotas.connections);
+            let open = self.open_connections(server);
+            if open >= limit {
+                return Err(self.quota(
+                dom,
+                format!(
+                    "domain {server} offering {service:?} is at its connection limit ({open} open, limit {limit})"
+                ),
+            ));
+            }
+        }
+        Ok(())
+    }
+
     /// Checks the registry quotas for `ops` run by `dom`; the returned charges
     /// are committed once the registry has applied them.
     pub(super) fn charge(

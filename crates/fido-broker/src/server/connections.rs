@@ -245,32 +245,7 @@ impl Server {
                 format!("no domain offers service {service:?}"),
             ));
         };
-        let limit = self
-            .domains
-            .get(&dom)
-            .map_or(0, |d| d.rule.quotas.connections);
-        let open = self.open_connections(dom);
-        if open >= limit {
-            return Err(self.quota(
-                dom,
-                format!("too many connections: this domain has {open} open (limit {limit})"),
-            ));
-        }
-        if server != dom {
-            let limit = self
-                .domains
-                .get(&server)
-                .map_or(0, |d| d.rule.quotas.connections);
-            let open = self.open_connections(server);
-            if open >= limit {
-                return Err(self.quota(
-                    dom,
-                    format!(
-                        "domain {server} offering {service:?} is at its connection limit ({open} open, limit {limit})"
-                    ),
-                ));
-            }
-        }
+        self.check_connection_quotas(dom, server, &service)?;
         let peer = self
             .peer_info(dom)
             .ok_or_else(|| internal("connect", "caller has no domain"))?;
