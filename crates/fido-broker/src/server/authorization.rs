@@ -2,7 +2,14 @@
 //! may write or delete where in the registry, MMNet's handshake), quotas,
 //! and a policy reloaded while domains live.
 
-use super::*;
+use std::os::fd::AsFd;
+use std::sync::Arc;
+
+use fido_proto::{ConnId, DomainId, ErrorCode, Event, GoneReason, RemoteError, TxnOp};
+
+use crate::policy::{JoinDenied, Rule};
+
+use super::{domains, err, internal, Server, MANAGED};
 
 impl Server {
     /// The rule that admits `who` with an arena of `arena_len` bytes, or why not.

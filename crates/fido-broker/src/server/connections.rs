@@ -3,7 +3,17 @@
 //! connection quotas, revocation, and arena grants by slot along the
 //! connection graph.
 
-use super::*;
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::os::fd::{AsFd, OwnedFd};
+
+use fido_proto::{
+    ConnId, DomainId, ErrorCode, Event, GoneReason, RemoteError, Reply, Request, RingBlock,
+};
+use rustix::net::SocketFlags;
+
+use crate::sys;
+
+use super::{err, internal, Conn, Handled, Pending, Server};
 
 impl Server {
     /// Handles `Offer`, `Withdraw`, `Connect`, `Accept`, `Refuse`, `Close`,

@@ -2,7 +2,11 @@
 //! descriptors only where a request takes them) and routed to the handler of
 //! its request family, whose answer becomes the reply.
 
-use super::*;
+use std::os::fd::OwnedFd;
+
+use fido_proto::{ClientMsg, DomainId, ErrorCode, GoneReason, ProtoError, Reply, Request};
+
+use super::{err, Handled, Server};
 
 impl Server {
     /// Handles one message from client `key`.

@@ -3,7 +3,19 @@
 //! down and its peers told, the post-restart grace period, and the PGVAS
 //! slots domains own and map.
 
-use super::*;
+use std::collections::BTreeSet;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::Arc;
+use std::time::Instant;
+
+use fido_proto::{
+    ConnId, Counters, DomainId, ErrorCode, Event, GoneReason, PeerInfo, RemoteError, Reply, Resume,
+};
+
+use crate::policy::Rule;
+use crate::sys;
+
+use super::{err, internal, Conn, Domain, Handled, Server, Slot};
 
 /// Who is joining, as the socket and the `Join` request say.
 pub(super) struct Joiner {

@@ -3,7 +3,23 @@
 //! events (queued, bounded, for a client whose socket is full), and dooming
 //! and reaping clients that went away.
 
-use super::*;
+use std::collections::VecDeque;
+use std::os::fd::{AsFd, OwnedFd};
+use std::time::{Duration, Instant};
+
+use fido_proto::{BrokerMsg, DomainId, Event, GoneReason, RemoteError, Reply};
+use fido_registry::WatchEvent;
+use rustix::event::epoll;
+use rustix::io::Errno;
+use rustix::net::SocketFlags;
+
+use crate::sys::Recv;
+use crate::{sys, BrokerError};
+
+use super::{
+    internal, Client, Outgoing, Server, KEY_LISTENER, KEY_PIPE, KEY_RELOAD, KEY_SHUTDOWN,
+    MAX_BATCH, MAX_QUEUED_BYTES, MAX_QUEUED_MSGS, MAX_REPLY,
+};
 
 impl Server {
     pub(crate) fn run(mut self) -> Result<(), BrokerError> {

@@ -24,17 +24,11 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use fido_proto::{
-    BrokerMsg, ClientMsg, ConnId, ConnStatus, Counters, DomainId, DomainStatus, ErrorCode, Event,
-    GoneReason, PeerInfo, ProtoError, RemoteError, Reply, Request, Resume, RingBlock, Status,
-    TxnOp,
-};
-use fido_registry::{Registry, WatchEvent};
+use fido_proto::{ConnId, Counters, DomainId, ErrorCode, Event, GoneReason, RemoteError, Reply};
+use fido_registry::Registry;
 use rustix::event::epoll;
-use rustix::io::Errno;
-use rustix::net::SocketFlags;
 
 mod authorization;
 mod connections;
@@ -46,8 +40,7 @@ mod registry;
 mod status;
 
 use crate::account::RegAccount;
-use crate::policy::{JoinDenied, Rule};
-use crate::sys::{self, Recv};
+use crate::policy::Rule;
 use crate::ReloadSlot;
 use crate::{BrokerError, Config};
 

@@ -3,7 +3,9 @@
 //! broker's own writes under `/domain`, `/service`, `/connection`.
 
 use super::authorization::check_writable;
-use super::*;
+use fido_proto::{DomainId, ErrorCode, RemoteError, Reply, Request, TxnOp};
+
+use super::{err, internal, Handled, Server, MAX_COUNTER_ADVANCE};
 
 impl Server {
     /// Handles `Read`, `List`, `Write`, `Delete`, `Watch`, `Unwatch`, `Transaction`.

@@ -1,7 +1,9 @@
 //! What `Status` reports (domains, services, connections, the pipe
 //! engine), and the counters domains report for it.
 
-use super::*;
+use fido_proto::{ConnStatus, Counters, DomainId, DomainStatus, Reply, Status};
+
+use super::{Handled, Server};
 
 impl Server {
     pub(super) fn status(&self) -> Status {
