@@ -15,6 +15,8 @@
 //! Pure: no clock reads and no I/O. Time comes in as `now` arguments, so the
 //! engine feeds it `Instant::now()` and tests feed it a fake clock.
 
+#![forbid(unsafe_code)]
+
 use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
