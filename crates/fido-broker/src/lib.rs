@@ -16,12 +16,13 @@
 //! mapped somewhere.
 
 mod account;
-pub mod pipe;
 pub mod policy;
 mod server;
 mod sys;
 
-pub use pipe::{Capacity, PipeConfig};
+/// The pipe engine's settings, part of [`Config`] (the engine itself is the
+/// `fido-pipe-engine` crate; the broker owns its requests, quotas and replies).
+pub use fido_pipe_engine::{Capacity, PipeConfig};
 pub use policy::{Glob, Policy, Quotas, Rule};
 
 use std::fs::{DirBuilder, File, OpenOptions};

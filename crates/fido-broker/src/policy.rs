@@ -467,22 +467,7 @@ impl Size {
     }
 }
 
-/// `"4096"`, `"64K"`, `"64KiB"`, `"16M"`, `"1G"`, `"1 GiB"` (binary units).
-pub fn parse_size(s: &str) -> Option<u64> {
-    let s = s.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let n: u64 = num.parse().ok()?;
-    let shift = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 0,
-        "k" | "kb" | "kib" => 10,
-        "m" | "mb" | "mib" => 20,
-        "g" | "gb" | "gib" => 30,
-        "t" | "tb" | "tib" => 40,
-        _ => return None,
-    };
-    n.checked_mul(1u64 << shift)
-}
+pub use fido_pipe_engine::parse_size;
 
 impl RawQuotas {
     fn over(&self, base: Quotas) -> Result<Quotas, String> {
@@ -589,48 +574,97 @@ impl RawPolicy {
     }
 }
 
+/// Largest buffer a user or group lookup may grow to: a group of some
+/// hundred thousand members still fits, a broken NSS module that answers
+/// `ERANGE` forever does not make the broker allocate without bound.
+const NSS_BUFFER_CAP: usize = 16 << 20;
+
+/// The buffer size the C library suggests for `key` (`_SC_GETPW_R_SIZE_MAX`,
+/// `_SC_GETGR_R_SIZE_MAX`), else 1 KiB. Only a starting point: entries may
+/// be larger (a group lists its members), which [`grow_on_erange`] handles.
+fn suggested_buffer(key: libc::c_int) -> usize {
+    // SAFETY: sysconf reads a configuration value; any key is allowed.
+    let n = unsafe { libc::sysconf(key) };
+    usize::try_from(n).ok().filter(|n| *n > 0).unwrap_or(1024)
+}
+
+/// Runs `call` (a reentrant NSS lookup that fills a caller buffer) with a
+/// buffer of `initial` bytes, doubling it while the lookup answers `ERANGE`,
+/// up to [`NSS_BUFFER_CAP`]. `call` returns the lookup's error number.
+fn grow_on_erange<T>(
+    initial: usize,
+    mut call: impl FnMut(&mut [libc::c_char]) -> Result<T, libc::c_int>,
+) -> Result<T, libc::c_int> {
+    let mut len = initial.clamp(1, NSS_BUFFER_CAP);
+    loop {
+        let mut buf = vec![0 as libc::c_char; len];
+        match call(&mut buf) {
+            Err(libc::ERANGE) if len < NSS_BUFFER_CAP => len = (len * 2).min(NSS_BUFFER_CAP),
+            result => return result,
+        }
+    }
+}
+
 /// uid of a user name (getpwnam_r, so NSS sources count too).
 pub fn lookup_user(name: &str) -> Result<u32, String> {
+    lookup_user_from(name, suggested_buffer(libc::_SC_GETPW_R_SIZE_MAX))
+}
+
+/// [`lookup_user`] starting from a buffer of `initial` bytes.
+fn lookup_user_from(name: &str, initial: usize) -> Result<u32, String> {
     let c = CString::new(name).map_err(|_| format!("user {name:?}: contains NUL"))?;
-    let mut buf = vec![0 as libc::c_char; 16384];
-    // SAFETY: all-zero is a valid `passwd` (null pointers, zero ids).
-    let mut pw: libc::passwd = unsafe { std::mem::zeroed() };
-    let mut out: *mut libc::passwd = std::ptr::null_mut();
-    // SAFETY: every pointer is valid for the call and `buf` outlives it.
-    let rc =
-        unsafe { libc::getpwnam_r(c.as_ptr(), &mut pw, buf.as_mut_ptr(), buf.len(), &mut out) };
-    if rc != 0 {
-        return Err(format!(
+    let found = grow_on_erange(initial, |buf| {
+        // SAFETY: all-zero is a valid `passwd` (null pointers, zero ids).
+        let mut pw: libc::passwd = unsafe { std::mem::zeroed() };
+        let mut out: *mut libc::passwd = std::ptr::null_mut();
+        // SAFETY: every pointer is valid for the call and `buf` outlives it;
+        // only the uid is read afterwards, not the strings pointing into `buf`.
+        let rc =
+            unsafe { libc::getpwnam_r(c.as_ptr(), &mut pw, buf.as_mut_ptr(), buf.len(), &mut out) };
+        match rc {
+            0 => Ok((!out.is_null()).then_some(pw.pw_uid)),
+            e => Err(e),
+        }
+    });
+    match found {
+        Ok(Some(uid)) => Ok(uid),
+        Ok(None) => Err(format!("user {name:?} does not exist")),
+        Err(e) => Err(format!(
             "user {name:?}: {}",
-            std::io::Error::from_raw_os_error(rc)
-        ));
+            std::io::Error::from_raw_os_error(e)
+        )),
     }
-    if out.is_null() {
-        return Err(format!("user {name:?} does not exist"));
-    }
-    Ok(pw.pw_uid)
 }
 
 /// gid of a group name (getgrnam_r).
 pub fn lookup_group(name: &str) -> Result<u32, String> {
+    lookup_group_from(name, suggested_buffer(libc::_SC_GETGR_R_SIZE_MAX))
+}
+
+/// [`lookup_group`] starting from a buffer of `initial` bytes.
+fn lookup_group_from(name: &str, initial: usize) -> Result<u32, String> {
     let c = CString::new(name).map_err(|_| format!("group {name:?}: contains NUL"))?;
-    let mut buf = vec![0 as libc::c_char; 65536];
-    // SAFETY: all-zero is a valid `group`.
-    let mut gr: libc::group = unsafe { std::mem::zeroed() };
-    let mut out: *mut libc::group = std::ptr::null_mut();
-    // SAFETY: every pointer is valid for the call and `buf` outlives it.
-    let rc =
-        unsafe { libc::getgrnam_r(c.as_ptr(), &mut gr, buf.as_mut_ptr(), buf.len(), &mut out) };
-    if rc != 0 {
-        return Err(format!(
+    let found = grow_on_erange(initial, |buf| {
+        // SAFETY: all-zero is a valid `group`.
+        let mut gr: libc::group = unsafe { std::mem::zeroed() };
+        let mut out: *mut libc::group = std::ptr::null_mut();
+        // SAFETY: every pointer is valid for the call and `buf` outlives it;
+        // only the gid is read afterwards, not the strings pointing into `buf`.
+        let rc =
+            unsafe { libc::getgrnam_r(c.as_ptr(), &mut gr, buf.as_mut_ptr(), buf.len(), &mut out) };
+        match rc {
+            0 => Ok((!out.is_null()).then_some(gr.gr_gid)),
+            e => Err(e),
+        }
+    });
+    match found {
+        Ok(Some(gid)) => Ok(gid),
+        Ok(None) => Err(format!("group {name:?} does not exist")),
+        Err(e) => Err(format!(
             "group {name:?}: {}",
-            std::io::Error::from_raw_os_error(rc)
-        ));
+            std::io::Error::from_raw_os_error(e)
+        )),
     }
-    if out.is_null() {
-        return Err(format!("group {name:?} does not exist"));
-    }
-    Ok(gr.gr_gid)
 }
 
 #[cfg(test)]
@@ -840,5 +874,61 @@ mod tests {
             "listeners are always published"
         );
         assert!(!is_net_handshake("/net/stats/3", false));
+    }
+
+    /// A buffer too small for the entry: the C library answers `ERANGE`,
+    /// which a lookup with one fixed buffer (the code before this test)
+    /// reported as the error; the lookup grows the buffer and finds it.
+    #[test]
+    fn lookups_grow_a_buffer_that_is_too_small() {
+        let tiny = |buf: &mut [libc::c_char]| {
+            let c = CString::new("root").unwrap();
+            // SAFETY: as in lookup_group_from.
+            let mut gr: libc::group = unsafe { std::mem::zeroed() };
+            let mut out: *mut libc::group = std::ptr::null_mut();
+            // SAFETY: every pointer is valid for the call.
+            unsafe { libc::getgrnam_r(c.as_ptr(), &mut gr, buf.as_mut_ptr(), buf.len(), &mut out) }
+        };
+        assert_eq!(
+            tiny(&mut [0; 1]),
+            libc::ERANGE,
+            "a 1-byte buffer is too small for group root"
+        );
+        assert_eq!(lookup_group_from("root", 1), Ok(0));
+        assert_eq!(lookup_user_from("root", 1), Ok(0));
+        assert_eq!(lookup_group("root"), Ok(0));
+        assert_eq!(lookup_user("root"), Ok(0));
+        let missing = lookup_group_from("fido-no-such-group", 1).unwrap_err();
+        assert!(missing.contains("does not exist"), "{missing}");
+    }
+
+    #[test]
+    fn buffer_growth_doubles_and_stops_at_the_cap() {
+        let mut sizes = Vec::new();
+        let r: Result<(), libc::c_int> = grow_on_erange(1000, |buf| {
+            sizes.push(buf.len());
+            Err(libc::ERANGE)
+        });
+        assert_eq!(r, Err(libc::ERANGE), "the cap ends the retries");
+        assert_eq!(sizes[..3], [1000, 2000, 4000]);
+        assert_eq!(*sizes.last().unwrap(), NSS_BUFFER_CAP);
+        assert!(sizes
+            .windows(2)
+            .all(|w| w[1] == (w[0] * 2).min(NSS_BUFFER_CAP)));
+        let mut calls = 0;
+        let r = grow_on_erange(64, |buf| {
+            calls += 1;
+            if buf.len() < 256 {
+                Err(libc::ERANGE)
+            } else {
+                Ok(buf.len())
+            }
+        });
+        assert_eq!((r, calls), (Ok(256), 3));
+        assert_eq!(
+            grow_on_erange(64, |_| Err::<(), _>(libc::EIO)),
+            Err(libc::EIO),
+            "other errors are not retried"
+        );
     }
 }

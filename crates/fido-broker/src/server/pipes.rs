@@ -3,7 +3,7 @@
 //! Here descriptors are checked (type, access mode, `O_APPEND`; never blocking
 //! calls), pipes are recorded per domain under its quota, operations are
 //! checked against the pipe's descriptor kinds and handed to the engine
-//! ([`crate::pipe`]); the engine's results come back through an eventfd in the
+//! (the `fido-pipe-engine` crate); the engine's results come back through an eventfd in the
 //! main epoll set and are sent as the replies of the `PipeRun`/`PipeOnce`
 //! requests. Nothing here moves a byte.
 
@@ -13,8 +13,9 @@ use std::sync::Arc;
 
 use fido_proto::{DomainId, ErrorCode, PipeFdKind, PipeId, PipeOp, Reply, Request};
 
+use fido_pipe_engine::{check_fd, check_op, check_overlap, Engine, JobSpec, StartError};
+
 use super::{err, Handled, Server};
-use crate::pipe::{check_fd, check_op, check_overlap, Engine, JobSpec};
 
 struct PipeRec {
     domain: DomainId,
@@ -45,8 +46,15 @@ pub(crate) struct PipeState {
 
 impl PipeState {
     pub(crate) fn new(cfg: &crate::Config) -> Result<PipeState, crate::BrokerError> {
+        let engine = Engine::start(cfg.pipe.clone()).map_err(|e| match e {
+            StartError::Sys { what, source } => crate::BrokerError::Sys { what, source },
+            StartError::Thread(source) => crate::BrokerError::Io {
+                path: "<pipe engine thread>".into(),
+                source,
+            },
+        })?;
         Ok(PipeState {
-            engine: Engine::start(cfg.pipe.clone())?,
+            engine,
             pipes: BTreeMap::new(),
             jobs: HashMap::new(),
             weights: HashMap::new(),
@@ -182,49 +190,8 @@ impl Server {
             return Err(err(ErrorCode::Unavailable, why.to_string()));
         }
         match body {
-            Request::PipeCreate => {
-                let (src, dst) = two_fds("PipeCreate", fds)?;
-                self.pipe_quota(dom)?;
-                let (src_kind, dst_kind) = kinds(&src, &dst)?;
-                let pipe = self.pipes.next_pipe;
-                self.pipes.next_pipe += 1;
-                self.pipes.pipes.insert(
-                    pipe,
-                    PipeRec {
-                        domain: dom,
-                        src: Arc::new(src),
-                        dst: Arc::new(dst),
-                        src_kind,
-                        dst_kind,
-                        job: None,
-                    },
-                );
-                tracing::debug!(domain = dom, pipe, ?src_kind, ?dst_kind, "pipe created");
-                Ok(Some((
-                    Reply::PipeCreated {
-                        pipe,
-                        source: src_kind,
-                        sink: dst_kind,
-                    },
-                    Vec::new(),
-                )))
-            }
-            Request::PipeRun { pipe, op } => {
-                let p = self.pipes.owned(dom, pipe)?;
-                if p.job.is_some() {
-                    return Err(err(
-                        ErrorCode::Busy,
-                        format!("pipe {pipe} already runs an operation; one at a time per pipe"),
-                    ));
-                }
-                check_op(&op, p.src_kind, p.dst_kind)
-                    .map_err(|m| err(ErrorCode::BadDescriptor, m))?;
-                check_overlap(&op, p.src.as_fd(), p.dst.as_fd())
-                    .map_err(|m| err(ErrorCode::BadRequest, m))?;
-                let (src, dst) = (p.src.clone(), p.dst.clone());
-                self.pipe_start(dom, req, Some(pipe), src, dst, op);
-                Ok(None)
-            }
+            Request::PipeCreate => self.pipe_create(dom, fds),
+            Request::PipeRun { pipe, op } => self.pipe_run(dom, req, pipe, op),
             Request::PipeOnce { op } => {
                 let (src, dst) = two_fds("PipeOnce", fds)?;
                 self.pipe_quota(dom)?;
@@ -242,59 +209,109 @@ impl Server {
                 }
                 Ok(Some((Reply::Ok, Vec::new())))
             }
-            Request::PipeDestroy { pipe } => {
-                self.pipes.owned(dom, pipe)?;
-                let p = self.pipes.pipes.remove(&pipe).expect("checked");
-                if let Some(job) = p.job {
-                    // Its PipeRun is answered (Cancelled) when the engine lets go;
-                    // the engine holds its own references to the descriptors.
-                    if let Some(j) = self.pipes.jobs.get_mut(&job) {
-                        j.pipe = None;
-                    }
-                    self.pipes.engine.cancel(job);
-                }
-                tracing::debug!(domain = dom, pipe, "pipe destroyed");
-                Ok(Some((Reply::Ok, Vec::new())))
-            }
-            Request::PipeWeight { domain, weight } => {
-                let (uid, pid) = self
-                    .clients
-                    .get(&key)
-                    .map_or((u32::MAX, 0), |c| (c.uid, c.pid));
-                let me = rustix::process::geteuid().as_raw();
-                if uid != 0 && uid != me {
-                    return Err(self.deny(
-                        dom,
-                        format!("setting pipe weights is for root or the broker's uid {me} (caller uid {uid}, pid {pid})"),
-                    ));
-                }
-                let targets: Vec<DomainId> = match domain.parse::<DomainId>() {
-                    Ok(id) if self.domains.contains_key(&id) => vec![id],
-                    _ => self
-                        .domains
-                        .iter()
-                        .filter(|(_, d)| d.name == domain)
-                        .map(|(id, _)| *id)
-                        .collect(),
-                };
-                if targets.is_empty() {
-                    return Err(err(
-                        ErrorCode::NoSuchDomain,
-                        format!("no live domain with id or name {domain:?}"),
-                    ));
-                }
-                for t in targets {
-                    self.pipes.weights.insert(t, weight);
-                    self.pipes.engine.set_weight(t, weight);
-                    tracing::info!(domain = t, weight, by = dom, "pipe weight set");
-                }
-                Ok(Some((Reply::Ok, Vec::new())))
-            }
+            Request::PipeDestroy { pipe } => self.pipe_destroy(dom, pipe),
+            Request::PipeWeight { domain, weight } => self.pipe_weight(key, dom, &domain, weight),
             other => Err(err(
                 ErrorCode::BadRequest,
                 format!("not a pipe request: {other:?}"),
             )),
         }
+    }
+
+    fn pipe_create(&mut self, dom: DomainId, fds: Vec<OwnedFd>) -> Handled {
+        let (src, dst) = two_fds("PipeCreate", fds)?;
+        self.pipe_quota(dom)?;
+        let (src_kind, dst_kind) = kinds(&src, &dst)?;
+        let pipe = self.pipes.next_pipe;
+        self.pipes.next_pipe += 1;
+        self.pipes.pipes.insert(
+            pipe,
+            PipeRec {
+                domain: dom,
+                src: Arc::new(src),
+                dst: Arc::new(dst),
+                src_kind,
+                dst_kind,
+                job: None,
+            },
+        );
+        tracing::debug!(domain = dom, pipe, ?src_kind, ?dst_kind, "pipe created");
+        Ok(Some((
+            Reply::PipeCreated {
+                pipe,
+                source: src_kind,
+                sink: dst_kind,
+            },
+            Vec::new(),
+        )))
+    }
+
+    fn pipe_run(&mut self, dom: DomainId, req: u64, pipe: PipeId, op: PipeOp) -> Handled {
+        let p = self.pipes.owned(dom, pipe)?;
+        if p.job.is_some() {
+            return Err(err(
+                ErrorCode::Busy,
+                format!("pipe {pipe} already runs an operation; one at a time per pipe"),
+            ));
+        }
+        check_op(&op, p.src_kind, p.dst_kind).map_err(|m| err(ErrorCode::BadDescriptor, m))?;
+        check_overlap(&op, p.src.as_fd(), p.dst.as_fd())
+            .map_err(|m| err(ErrorCode::BadRequest, m))?;
+        let (src, dst) = (p.src.clone(), p.dst.clone());
+        self.pipe_start(dom, req, Some(pipe), src, dst, op);
+        Ok(None)
+    }
+
+    fn pipe_destroy(&mut self, dom: DomainId, pipe: PipeId) -> Handled {
+        self.pipes.owned(dom, pipe)?;
+        let p = self.pipes.pipes.remove(&pipe).expect("checked");
+        if let Some(job) = p.job {
+            // Its PipeRun is answered (Cancelled) when the engine lets go;
+            // the engine holds its own references to the descriptors.
+            if let Some(j) = self.pipes.jobs.get_mut(&job) {
+                j.pipe = None;
+            }
+            self.pipes.engine.cancel(job);
+        }
+        tracing::debug!(domain = dom, pipe, "pipe destroyed");
+        Ok(Some((Reply::Ok, Vec::new())))
+    }
+
+    /// `PipeWeight` (for root or the broker's uid): `domain` is an id or a
+    /// name (every live domain of that name).
+    fn pipe_weight(&mut self, key: u64, dom: DomainId, domain: &str, weight: u32) -> Handled {
+        let (uid, pid) = self
+            .clients
+            .get(&key)
+            .map_or((u32::MAX, 0), |c| (c.uid, c.pid));
+        let me = rustix::process::geteuid().as_raw();
+        if uid != 0 && uid != me {
+            return Err(self.deny(
+                dom,
+                format!("setting pipe weights is for root or the broker's uid {me} (caller uid {uid}, pid {pid})"),
+            ));
+        }
+        let targets: Vec<DomainId> = match domain.parse::<DomainId>() {
+            Ok(id) if self.domains.contains_key(&id) => vec![id],
+            _ => self
+                .domains
+                .iter()
+                .filter(|(_, d)| d.name == domain)
+                .map(|(id, _)| *id)
+                .collect(),
+        };
+        if targets.is_empty() {
+            return Err(err(
+                ErrorCode::NoSuchDomain,
+                format!("no live domain with id or name {domain:?}"),
+            ));
+        }
+        for t in targets {
+            self.pipes.weights.insert(t, weight);
+            self.pipes.engine.set_weight(t, weight);
+            tracing::info!(domain = t, weight, by = dom, "pipe weight set");
+        }
+        Ok(Some((Reply::Ok, Vec::new())))
     }
 
     /// Answers the requests whose transfers the engine finished.

@@ -1,0 +1,149 @@
+//! The registry requests (read, list, write, delete, watch, transaction:
+//! checked against the managed subtrees, the policy and the quotas) and the
+//! broker's own writes under `/domain`, `/service`, `/connection`.
+
+use super::authorization::check_writable;
+use fido_proto::{DomainId, ErrorCode, RemoteError, Reply, Request, TxnOp};
+
+use super::{err, internal, Handled, Server, MAX_COUNTER_ADVANCE};
+
+impl Server {
+    /// Handles `Read`, `List`, `Write`, `Delete`, `Watch`, `Unwatch`, `Transaction`.
+    pub(super) fn registry_request(&mut self, dom: DomainId, body: Request) -> Handled {
+        match body {
+            Request::Read { path } => {
+                let v = self
+                    .reg
+                    .read(&path)
+                    .map_err(|e| internal("registry read", e))?;
+                Ok(Some((Reply::Value(v), Vec::new())))
+            }
+            Request::List { path } => {
+                let v = self
+                    .reg
+                    .list(&path)
+                    .map_err(|e| internal("registry list", e))?;
+                Ok(Some((Reply::Keys(v), Vec::new())))
+            }
+            Request::Write { path, value } => self.registry_update(dom, path, Some(value)),
+            Request::Delete { path } => self.registry_update(dom, path, None),
+            Request::Watch { token, prefix } => self.watch(dom, token, prefix),
+            Request::Unwatch { token } => {
+                self.reg.unwatch(dom, token);
+                Ok(Some((Reply::Ok, Vec::new())))
+            }
+            Request::Transaction { ops } => self.transaction(dom, ops),
+            other => Err(err(
+                ErrorCode::BadRequest,
+                format!("not a registry request: {other:?}"),
+            )),
+        }
+    }
+
+    /// `Write` (with a value) or `Delete` (without) of one key: allowed,
+    /// within quota, applied.
+    fn registry_update(&mut self, dom: DomainId, path: String, value: Option<Vec<u8>>) -> Handled {
+        check_writable(&path)?;
+        self.check_reg_access(dom, &path, value.is_none())?;
+        let op = match value {
+            Some(value) => TxnOp::Put { path, value },
+            None => TxnOp::Delete { path },
+        };
+        let overlay = self.charge(dom, std::slice::from_ref(&op))?;
+        let events = match &op {
+            TxnOp::Put { path, value } => self
+                .reg
+                .write(path, value)
+                .map_err(|e| internal("registry write", e))?,
+            TxnOp::Delete { path } => self
+                .reg
+                .delete(path)
+                .map_err(|e| internal("registry delete", e))?,
+            TxnOp::Check { .. } | TxnOp::Read { .. } => unreachable!("built above"),
+        };
+        self.acct.commit(overlay);
+        self.deliver(events);
+        Ok(Some((Reply::Ok, Vec::new())))
+    }
+
+    fn watch(&mut self, dom: DomainId, token: u64, prefix: String) -> Handled {
+        let limit = self.domains.get(&dom).map_or(0, |d| d.rule.quotas.watches);
+        let held = self.reg.watch_count(dom) as u64;
+        // Re-using a token replaces that watch: it does not add one.
+        if held >= limit && !self.reg.unwatch(dom, token) {
+            return Err(self.quota(
+                dom,
+                format!("too many registry watches: this domain holds {held} (limit {limit})"),
+            ));
+        }
+        self.reg
+            .watch(dom, token, &prefix)
+            .map_err(|e| internal("registry watch", e))?;
+        Ok(Some((Reply::Ok, Vec::new())))
+    }
+
+    fn transaction(&mut self, dom: DomainId, ops: Vec<TxnOp>) -> Handled {
+        for op in &ops {
+            match op {
+                TxnOp::Put { path, .. } => {
+                    check_writable(path)?;
+                    self.check_reg_access(dom, path, false)?;
+                }
+                TxnOp::Delete { path } => {
+                    check_writable(path)?;
+                    self.check_reg_access(dom, path, true)?;
+                }
+                TxnOp::Check { .. } | TxnOp::Read { .. } => {}
+            }
+        }
+        let overlay = self.charge(dom, &ops)?;
+        let out = self
+            .reg
+            .transact(&ops)
+            .map_err(|e| internal("registry transaction", e))?;
+        if out.committed {
+            self.acct.commit(overlay);
+        }
+        self.deliver(out.events);
+        Ok(Some((
+            Reply::Txn {
+                committed: out.committed,
+                reads: out.reads,
+            },
+            Vec::new(),
+        )))
+    }
+
+    // ----- broker-managed keys ------------------------------------------------
+
+    pub(super) fn reg_write(&mut self, path: &str, value: &[u8]) {
+        match self.reg.write(path, value) {
+            Ok(events) => self.deliver(events),
+            Err(e) => tracing::warn!(path, error = %e, "registry write failed"),
+        }
+    }
+
+    pub(super) fn reg_delete(&mut self, path: &str) {
+        match self.reg.delete(path) {
+            Ok(events) => self.deliver(events),
+            Err(e) => tracing::warn!(path, error = %e, "registry delete failed"),
+        }
+    }
+
+    /// Moves a persistent counter past `id`; returns false if `id` is absurdly far ahead.
+    pub(super) fn advance_counter(&mut self, name: &str, id: u64) -> Result<(), RemoteError> {
+        for _ in 0..MAX_COUNTER_ADVANCE {
+            let v = self
+                .reg
+                .next_counter(name)
+                .map_err(|e| internal("registry counter", e))?;
+            if v > id {
+                return Ok(());
+            }
+        }
+        Err(err(
+            ErrorCode::BadRequest,
+            format!("resumed {name} id {id} is far beyond this broker's counter; join afresh"),
+        ))
+    }
+}
