@@ -1,16 +1,18 @@
 //! End-to-end tests of the broker through a raw SEQPACKET client.
 
-mod common;
-
 use std::os::fd::AsFd;
 use std::time::Duration;
 
-use common::*;
+use fido_test_support::broker::config_in;
+use fido_test_support::raw::*;
+use fido_test_support::Defaults;
 use fido_broker::{Broker, BrokerError, Config};
 use fido_proto::{
     BrokerMsg, ClientMsg, ErrorCode, Event, GoneReason, Reply, Request, Resume, TxnOp,
 };
 use rustix::fs::{OFlags, SealFlags};
+
+type TestBroker = fido_test_support::TestBroker<Defaults>;
 
 /// Offers `svc` on `server`, connects `client` to it and accepts. Returns the
 /// connection id, the client's received fds and the server's received fds, and

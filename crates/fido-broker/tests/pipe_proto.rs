@@ -2,12 +2,12 @@
 //! descriptor counts, other domains' pipes, unknown ids, malformed operations
 //! — each a clear error on that request, the session and the broker fine.
 
-mod common;
-
 use std::os::fd::AsFd;
 
-use common::*;
+use fido_test_support::Defaults;
 use fido_proto::{ErrorCode, PipeEnd, PipeOp, Reply, Request};
+
+type TestBroker = fido_test_support::TestBroker<Defaults>;
 
 #[test]
 fn pipe_requests_are_checked() {

@@ -5,20 +5,22 @@
 //! under those uids with `setpriv` (the child's role is in `FIDO_POLICY_ROLE`,
 //! see [`child_main`]). Without root they print why and pass vacuously.
 
-mod common;
-
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
 use std::os::fd::AsFd;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::*;
+use fido_test_support::raw::*;
+use fido_test_support::users::{test_user, User};
+use fido_test_support::Defaults;
 use fido_broker::Policy;
 use fido_proto::{BrokerMsg, ErrorCode, Event, RemoteError, Reply, Request, TxnOp};
+
+type TestBroker = fido_test_support::TestBroker<Defaults>;
 
 fn policy(text: &str) -> Arc<Policy> {
     Arc::new(Policy::parse(text, "test-policy").unwrap())
@@ -629,49 +631,6 @@ fn no_matching_rule_or_join_false_is_denied() {
 }
 
 // ----- across uids (root only) ----------------------------------------------------
-
-static USERS: Mutex<()> = Mutex::new(());
-
-#[derive(Clone, Copy, Debug)]
-struct User {
-    uid: u32,
-    gid: u32,
-}
-
-fn id_of(name: &str, flag: &str) -> Option<u32> {
-    let out = Command::new("id").args([flag, name]).output().ok()?;
-    if !out.status.success() {
-        return None;
-    }
-    String::from_utf8_lossy(&out.stdout).trim().parse().ok()
-}
-
-/// Creates the user if missing (root only). `None` (with a message) without root.
-fn test_user(name: &str) -> Option<User> {
-    if !rustix::process::geteuid().is_root() {
-        eprintln!("SKIPPED: this test needs root (to create user {name} and run children under other uids)");
-        return None;
-    }
-    let _g = USERS.lock().unwrap_or_else(|e| e.into_inner());
-    if id_of(name, "-u").is_none() {
-        let st = Command::new("useradd")
-            .args([
-                "--system",
-                "--no-create-home",
-                "--shell",
-                "/usr/sbin/nologin",
-                name,
-            ])
-            .status()
-            .expect("running useradd");
-        // 9: created meanwhile by someone else.
-        assert!(st.success() || st.code() == Some(9), "useradd {name}: {st}");
-    }
-    Some(User {
-        uid: id_of(name, "-u").expect("uid of the test user"),
-        gid: id_of(name, "-g").expect("gid of the test user"),
-    })
-}
 
 struct Kid {
     child: Child,

@@ -8,8 +8,8 @@
 //! never doorbell bytes as data; `FIDO_NET=off` in the new image still
 //! adopts (the connection already is accelerated).
 
-mod common;
-use common::*;
+use fido_test_support::mmnet::*;
+use fido_test_support::wait::*;
 use std::process::Stdio;
 use std::time::Duration;
 

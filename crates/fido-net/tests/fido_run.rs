@@ -3,8 +3,8 @@
 //! `fido status` lists what was accelerated. Needs the `fido` binary built
 //! beside the library (`cargo build -p fido-cli -p fido-net`).
 
-mod common;
-use common::*;
+use fido_test_support::mmnet::*;
+use fido_test_support::wait::*;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 

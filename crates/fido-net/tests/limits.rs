@@ -3,8 +3,8 @@
 //! io_uring (their new connections are left alone), setuid programs (the
 //! loader ignores LD_PRELOAD), a peer without Fido, and no broker at all.
 
-mod common;
-use common::*;
+use fido_test_support::mmnet::*;
+use fido_test_support::wait::*;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 

@@ -9,8 +9,8 @@
 //! vacuously. Namespaces are named `fnt<pid>-<n>…` and deleted on drop, also
 //! when a test fails (deleting a namespace destroys its veth end and pair).
 
-mod common;
-use common::*;
+use fido_test_support::mmnet::*;
+use fido_test_support::wait::*;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};

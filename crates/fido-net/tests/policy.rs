@@ -4,8 +4,8 @@
 //! `FIDO_NET_DEBUG` says why, and a reload (what SIGHUP does) applies to the
 //! next connection — in both directions.
 
-mod common;
-use common::*;
+use fido_test_support::mmnet::*;
+use fido_test_support::wait::*;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 

@@ -5,8 +5,8 @@
 //! Packages: redis-server redis-tools nginx-light curl wrk iperf3 sockperf
 //! (scripts/install-test-deps.sh).
 
-mod common;
-use common::*;
+use fido_test_support::mmnet::*;
+use fido_test_support::wait::*;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 

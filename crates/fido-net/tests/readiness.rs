@@ -11,8 +11,8 @@
 //! every message instead of only under heavy CPU load. Before the fix the
 //! delayed run reported dozens of spurious EAGAINs per 200 messages.
 
-mod common;
-use common::*;
+use fido_test_support::mmnet::*;
+use fido_test_support::wait::*;
 use std::time::Duration;
 
 fn run(b: &Broker, exe: &std::path::Path, delay_us: u32, messages: u32) {

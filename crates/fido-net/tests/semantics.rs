@@ -4,8 +4,8 @@
 //! threads, sendfile, socket names and options — and the transcript under the
 //! preload must equal the plain-TCP transcript, with every connection accelerated.
 
-mod common;
-use common::*;
+use fido_test_support::mmnet::*;
+use fido_test_support::wait::*;
 use std::time::Duration;
 
 #[test]

@@ -6,8 +6,8 @@
 //! inside the library goes through its own interposer.
 #![cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 
-mod common;
-use common::*;
+use fido_test_support::mmnet::*;
+use fido_test_support::wait::*;
 use std::time::Duration;
 
 #[test]

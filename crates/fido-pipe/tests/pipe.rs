@@ -3,8 +3,6 @@
 //! bad descriptors, quotas and weights. Every wait has a generous deadline;
 //! nothing asserts a duration.
 
-mod common;
-
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
@@ -14,8 +12,10 @@ use std::sync::Arc;
 use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
 
-use common::*;
+use fido_test_support::pipes::*;
 use fido_pipe::{Error, ErrorCode, PipeOp};
+
+type TestBroker = fido_test_support::TestBroker<Pipes>;
 
 const LONG: Duration = Duration::from_secs(30);
 
@@ -544,7 +544,7 @@ fn busy_pipe_cancel_and_destroy() {
 #[test]
 fn a_stalled_descriptor_does_not_block_other_clients() {
     // One lane only: a stalled transfer must still not occupy it.
-    let b = TestBroker::with(|c| c.pipe.lanes = 1);
+    let b = TestBroker::start_with(|c| c.pipe.lanes = 1);
     let staller = b.client("staller");
     let dir = b.dir.path();
     let data = pattern(16 << 20, 4);
@@ -744,7 +744,7 @@ fn pipe_quota_is_enforced_per_domain() {
         "[[rule]]\nname = \"small\"\nuids = [{uid}]\nlabels = [\"small\"]\noffer = [\"*\"]\nconnect = [\"*\"]\npipes = 2\npipe_weight = 3\n\n[[rule]]\nname = \"rest\"\nuids = [{uid}]\noffer = [\"*\"]\nconnect = [\"*\"]\n"
     );
     let policy = fido_broker::Policy::parse(&policy, "test").unwrap();
-    let b = TestBroker::with(|c| c.policy = Arc::new(policy));
+    let b = TestBroker::start_with(|c| c.policy = Arc::new(policy));
     let small = fido_pipe::Client::connect_with(
         fido_pipe::ClientOptions::new("small")
             .label("small")
@@ -787,7 +787,7 @@ fn pipe_quota_is_enforced_per_domain() {
 fn weights_share_the_engine_one_one_two() {
     // A fixed capacity, strict shares: the split must follow the weights.
     let cap = 24u64 << 20;
-    let b = TestBroker::with(|c| {
+    let b = TestBroker::start_with(|c| {
         c.pipe.capacity = fido_broker::Capacity::BytesPerSec(cap);
         c.pipe.work_conserving = false;
         c.pipe.chunk = 256 << 10;
@@ -900,7 +900,7 @@ fn setting_weights_needs_a_live_domain() {
 fn work_conserving_engine_orders_by_weight_when_saturated() {
     // No capacity figure, one lane: the engine is the bottleneck and picks the
     // domain with the least bytes/weight for every chunk.
-    let b = TestBroker::with(|c| {
+    let b = TestBroker::start_with(|c| {
         c.pipe.capacity = fido_broker::Capacity::Unlimited;
         c.pipe.lanes = 1;
         c.pipe.chunk = 128 << 10;
@@ -959,7 +959,7 @@ fn work_conserving_engine_orders_by_weight_when_saturated() {
 
 #[test]
 fn a_broker_without_the_engine_refuses_pipes_clearly() {
-    let b = TestBroker::with(|c| c.pipe.enabled = false);
+    let b = TestBroker::start_with(|c| c.pipe.enabled = false);
     let c = b.client("noengine");
     let (_, f) = file_with(b.dir.path(), "src", b"abc");
     let (tx, _rx) = stream_pair();
@@ -979,7 +979,7 @@ fn a_broker_without_the_engine_refuses_pipes_clearly() {
 #[test]
 fn a_stalled_domain_does_not_keep_its_share_in_strict_mode() {
     let cap = 24u64 << 20;
-    let b = TestBroker::with(|c| {
+    let b = TestBroker::start_with(|c| {
         c.pipe.capacity = fido_broker::Capacity::BytesPerSec(cap);
         c.pipe.work_conserving = false;
         c.pipe.chunk = 256 << 10;

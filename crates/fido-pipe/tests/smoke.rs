@@ -1,6 +1,7 @@
-mod common;
-use common::*;
+use fido_test_support::pipes::*;
 use std::os::unix::fs::FileExt;
+
+type TestBroker = fido_test_support::TestBroker<Pipes>;
 
 #[test]
 fn file_to_socket_and_file_to_file() {

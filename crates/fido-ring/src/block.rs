@@ -29,7 +29,8 @@
 //! This module is the only one in the crate with `unsafe`: it turns the raw
 //! addresses the caller vouches for into typed, bounds-checked accessors.
 
-use crate::desc::Descriptor;
+use crate::desc::{Descriptor, SEQ_OFFSET};
+use crate::protocol;
 use crate::sync::{AtomicU16, AtomicU32, AtomicU64, Ordering};
 use std::ptr::NonNull;
 
@@ -67,6 +68,11 @@ struct Header {
 }
 
 const HEADER_LEN: usize = std::mem::size_of::<Header>();
+
+/// The descriptor word (of eight) that holds the publication mark: opcode,
+/// flags, nseg, then `seq` in its last two bytes.
+const SEQ_WORD: usize = SEQ_OFFSET / 8;
+const _: () = assert!(SEQ_OFFSET == SEQ_WORD * 8 + 6);
 const _: () = assert!(HEADER_LEN == 9 * 64);
 
 /// The publication mark of ring index `index` in a ring of `entries` slots:
@@ -164,27 +170,41 @@ impl LocalBlock {
     }
 
     /// Writes descriptor slot `index % entries` and marks it published for
-    /// `index` (its `seq`, stored last with `Release`: a consumer that sees
-    /// the mark sees the whole descriptor). Only the producer calls this.
+    /// `index` (its `seq`, stored last with `Release` by
+    /// [`protocol::mark_slot`](crate::protocol::mark_slot): a consumer that
+    /// sees the mark sees the whole descriptor). Only the producer calls this.
     #[inline]
     pub fn write_descriptor(&self, index: u64, desc: &Descriptor) {
         let slot = (index & (self.entries as u64 - 1)) as usize;
-        let mark = lap_mark(index, self.entries);
-        // The slot keeps its old mark until the descriptor is complete.
-        let words = Descriptor { seq: mark.wrapping_sub(1), ..*desc }.to_words();
+        let words = desc.to_words();
         // SAFETY: slot < entries, and the descriptor array starts at HEADER_LEN,
         // 64-aligned, inside the block (`block_len`). The peer only reads it.
         let p = unsafe { self.base.as_ptr().add(HEADER_LEN + slot * 64) };
         for (i, w) in words.into_iter().enumerate() {
+            if i == SEQ_WORD {
+                continue;
+            }
             // SAFETY: as above, word `i` < 8 of the slot, 8-aligned; the slot
             // is ours to write (the consumer released what it held, or never
             // saw it).
             unsafe { std::ptr::write_volatile((p as *mut u64).add(i), w) };
         }
+        // The word holding the mark, but not the mark: the slot keeps its old
+        // mark until the descriptor is complete, and the mark is only ever
+        // written atomically (a consumer may be loading it right now).
+        let b = words[SEQ_WORD].to_ne_bytes();
+        let (head, nseg) = (u32::from_ne_bytes([b[0], b[1], b[2], b[3]]), u16::from_ne_bytes([b[4], b[5]]));
+        // SAFETY: bytes 24..28 and 28..30 of the slot (opcode and flags, then
+        // nseg: SEQ_OFFSET is 30 = 24 + 6), naturally aligned, ours as above.
+        unsafe {
+            std::ptr::write_volatile(p.add(SEQ_WORD * 8) as *mut u32, head);
+            std::ptr::write_volatile(p.add(SEQ_WORD * 8 + 4) as *mut u16, nseg);
+        }
         // SAFETY: `seq` is a naturally aligned u16 inside the slot (SEQ_OFFSET
-        // is 30 of a 64-aligned slot); only this producer writes it.
-        let seq = unsafe { &*(p.add(crate::desc::SEQ_OFFSET) as *const AtomicU16) };
-        seq.store(mark, Ordering::Release);
+        // is 30 of a 64-aligned slot); only this producer writes it, and only
+        // here.
+        let seq = unsafe { &*(p.add(SEQ_OFFSET) as *const AtomicU16) };
+        protocol::mark_slot(seq, lap_mark(index, self.entries));
     }
 
     /// Writes release slot `index % entries`.
@@ -280,8 +300,8 @@ impl PeerBlock {
         let slot = (index & (self.entries as u64 - 1)) as usize;
         // SAFETY: in bounds (see LocalBlock::write_descriptor); an aligned
         // atomic load is a plain load, valid on a read-only mapping.
-        let seq = unsafe { &*(self.base.as_ptr().add(HEADER_LEN + slot * 64 + crate::desc::SEQ_OFFSET) as *const AtomicU16) };
-        seq.load(Ordering::Acquire) == lap_mark(index, self.entries)
+        let seq = unsafe { &*(self.base.as_ptr().add(HEADER_LEN + slot * 64 + SEQ_OFFSET) as *const AtomicU16) };
+        protocol::slot_marked(seq, lap_mark(index, self.entries))
     }
 
     #[inline]

@@ -48,12 +48,22 @@ pub fn new_doorbell() -> std::io::Result<Doorbell> {
 
 /// Rings a doorbell through its ring end. Never blocks. A full queue already
 /// means "rung"; a closed wait end means the waiter is gone, which its
-/// liveness socket reports — neither is an error here.
+/// liveness socket reports — neither is an error here. A send interrupted by
+/// a signal queued nothing, so it is tried again: taking it for a ring would
+/// leave a sleeper that asked to be woken asleep.
 pub fn ring(bell: BorrowedFd<'_>) -> std::io::Result<()> {
-    match send(bell, &[1u8], SendFlags::DONTWAIT | SendFlags::NOSIGNAL) {
-        Ok(_) | Err(Errno::AGAIN) | Err(Errno::NOBUFS) | Err(Errno::CONNREFUSED) | Err(Errno::PIPE) => Ok(()),
-        Err(Errno::CONNRESET) | Err(Errno::NOTCONN) | Err(Errno::INTR) => Ok(()),
-        Err(e) => Err(e.into()),
+    ring_with(|| send(bell, &[1u8], SendFlags::DONTWAIT | SendFlags::NOSIGNAL))
+}
+
+/// [`ring`]'s decision, over any `send` (tests inject interruptions here).
+fn ring_with(mut send_one: impl FnMut() -> Result<usize, Errno>) -> std::io::Result<()> {
+    loop {
+        match send_one() {
+            Err(Errno::INTR) => {}
+            Ok(_) | Err(Errno::AGAIN) | Err(Errno::NOBUFS) | Err(Errno::CONNREFUSED) | Err(Errno::PIPE) => return Ok(()),
+            Err(Errno::CONNRESET) | Err(Errno::NOTCONN) => return Ok(()),
+            Err(e) => return Err(e.into()),
+        }
     }
 }
 
@@ -132,6 +142,33 @@ mod tests {
         // And the waiter still sees it rung, drains it, and sees it quiet.
         assert!(block_on(bell.wait.as_fd(), None, Some(Duration::from_secs(1))).unwrap().rung);
         while block_on(bell.wait.as_fd(), None, Some(Duration::ZERO)).unwrap().rung {}
+    }
+
+    /// A send interrupted by a signal sent nothing: the ring is retried, so
+    /// the waiter is still woken (taking `EINTR` for "rung" left it asleep).
+    #[test]
+    fn a_ring_interrupted_by_a_signal_still_delivers() {
+        let bell = new_doorbell().unwrap();
+        let mut attempts = 0;
+        ring_with(|| {
+            attempts += 1;
+            if attempts <= 2 {
+                return Err(Errno::INTR);
+            }
+            send(&bell.ring, &[1u8], SendFlags::DONTWAIT | SendFlags::NOSIGNAL)
+        })
+        .unwrap();
+        assert_eq!(attempts, 3, "each interrupted send is tried again, once it went through no more");
+        let woke = block_on(bell.wait.as_fd(), None, Some(Duration::from_secs(1))).unwrap();
+        assert!(woke.rung, "the interrupted ring never reached the waiter");
+    }
+
+    /// Retrying an interruption does not hide a real failure behind it.
+    #[test]
+    fn an_error_after_an_interruption_is_reported() {
+        let mut results = [Err(Errno::INTR), Err(Errno::BADF)].into_iter();
+        let err = ring_with(|| results.next().unwrap()).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(Errno::BADF.raw_os_error()));
     }
 
     /// A ring to a waiter that has gone is not an error (its liveness socket

@@ -291,7 +291,7 @@ impl RxRing {
     fn check_index(&self) -> Result<(), RingError> {
         let published = protocol::observe(self.peer.data_prod());
         let entries = self.local.entries();
-        if published.abs_diff(self.cons) > entries as u64 {
+        if !protocol::index_plausible(published, self.cons, entries) {
             return Err(RingError::IndexJump { what: "publish", from: self.cons, to: published, entries });
         }
         Ok(())

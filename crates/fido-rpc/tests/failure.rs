@@ -2,14 +2,15 @@
 //! mid-call, a server restarted under the same name (micro-reboot).
 //! Children re-execute this binary with FIDO_TEST_ROLE (see `child_main`).
 
-mod common;
-
-use common::{eventually, ChildProc, TestBroker};
+use fido_test_support::domains::Patient;
+use fido_test_support::{eventually, ChildProc};
 use fido::{Domain, JoinOptions};
 use fido_rpc::{CallError, Ctx, Fault, RpcError, Server, ServerOptions};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+type TestBroker = fido_test_support::TestBroker<Patient>;
 
 #[fido_rpc::service]
 pub trait Slow: Send + Sync + 'static {
@@ -88,7 +89,7 @@ fn child_main() {
 fn server_crash_fails_calls_in_flight_and_a_restarted_server_is_reached() {
     let b = TestBroker::start();
     let d = b.join("client");
-    let mut server = ChildProc::spawn("server", &b.socket);
+    let mut server = ChildProc::spawn("server", &b.socket, &[]);
     let first_pid: u64 = server.expect_line("ready", Duration::from_secs(30)).parse().unwrap();
     let c = Arc::new(connect_retry(&d, "slow"));
     assert_eq!(*c.pid(c.frame().unwrap()).unwrap().get(), first_pid);
@@ -109,7 +110,7 @@ fn server_crash_fails_calls_in_flight_and_a_restarted_server_is_reached() {
     assert!(!c.0.is_connected());
     // Micro-reboot: a new server process under the same name; the same
     // client reconnects on its next call.
-    let mut server2 = ChildProc::spawn("server", &b.socket);
+    let mut server2 = ChildProc::spawn("server", &b.socket, &[]);
     let second_pid: u64 = server2.expect_line("ready", Duration::from_secs(30)).parse().unwrap();
     let deadline = Instant::now() + Duration::from_secs(20);
     let pid = loop {
@@ -134,7 +135,7 @@ fn client_crash_cancels_its_calls_and_frees_their_memory() {
     let imp = Arc::new(SlowImpl::default());
     let _h = Server::spawn(&sd, "slow", SlowServer(imp.clone()), ServerOptions { workers: 2, wait: None }).unwrap();
     let base = sd.arena().stats().bytes_in_use;
-    let mut client = ChildProc::spawn("client", &b.socket);
+    let mut client = ChildProc::spawn("client", &b.socket, &[]);
     client.expect_line("calling", Duration::from_secs(30));
     eventually("the call starts", Duration::from_secs(20), || imp.started.load(Ordering::SeqCst) == 1);
     // The call built a 1 MiB result in our arena.
@@ -152,7 +153,7 @@ fn client_crash_cancels_its_calls_and_frees_their_memory() {
 fn async_client_sees_the_crash_and_reconnects() {
     let b = TestBroker::start();
     let d = b.join("client");
-    let mut server = ChildProc::spawn("server", &b.socket);
+    let mut server = ChildProc::spawn("server", &b.socket, &[]);
     let first_pid: u64 = server.expect_line("ready", Duration::from_secs(30)).parse().unwrap();
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     rt.block_on(async {
@@ -169,7 +170,7 @@ fn async_client_sees_the_crash_and_reconnects() {
             other => panic!("expected ServerGone, got {other:?}"),
         }
         assert!(!c.0.is_connected());
-        let mut server2 = ChildProc::spawn("server", &b.socket);
+        let mut server2 = ChildProc::spawn("server", &b.socket, &[]);
         let second_pid: u64 = server2.expect_line("ready", Duration::from_secs(30)).parse().unwrap();
         let deadline = Instant::now() + Duration::from_secs(20);
         let pid = loop {

@@ -1,15 +1,16 @@
 //! fido-rpc in one process: calls, views, errors, faults, concurrency,
 //! deadlines and cancellation, one-way calls, zero-copy cache views.
 
-mod common;
-
-use common::{eventually, TestBroker};
+use fido_test_support::domains::Patient;
+use fido_test_support::eventually;
 use fido_rpc::services::bench::*;
 use fido_rpc::services::files::*;
 use fido_rpc::{CallError, CallOpts, CancelToken, Ctx, Failure, Fault, RpcError, Server, ServerOptions, ShmSlice, ShmStr};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+type TestBroker = fido_test_support::TestBroker<Patient>;
 
 /// An application error.
 #[repr(C)]

@@ -2,13 +2,13 @@
 //! floods doorbells, never releases, or joins and leaves in a loop. Honest
 //! domains and the broker stay correct and responsive.
 
-mod common;
-
-use common::*;
+use fido_test_support::domains::HangDetection;
 use fido::{Error, JoinOptions, Message, WaitStrategy};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+type TestBroker = fido_test_support::TestBroker<HangDetection>;
 
 fn honest_pair(b: &TestBroker, svc: &str) -> (fido::Domain, fido::Channel, fido::Channel) {
     let a = b.join("honest-a");

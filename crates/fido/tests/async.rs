@@ -1,11 +1,11 @@
 //! The tokio flavour: an async echo between two domains, back-pressure that
 //! awaits instead of blocking, and a peer's death as an error.
 
-mod common;
-
-use common::*;
+use fido_test_support::domains::HangDetection;
 use fido::{AsyncChannel, Error, JoinOptions, Message};
 use std::time::Duration;
+
+type TestBroker = fido_test_support::TestBroker<HangDetection>;
 
 #[tokio::test(flavor = "current_thread")]
 async fn async_echo_and_backpressure() {

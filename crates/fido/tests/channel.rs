@@ -2,11 +2,11 @@
 //! swizzled because the first holds the PGVAS window): scatter-gather, window
 //! back-pressure, forged descriptors, counters and doorbell suppression.
 
-mod common;
-
-use common::*;
+use fido_test_support::domains::{check, fill, HangDetection};
 use fido::{Descriptor, Error, JoinOptions, Message, Segment, WaitStrategy};
 use std::time::Duration;
+
+type TestBroker = fido_test_support::TestBroker<HangDetection>;
 
 fn pair(b: &TestBroker, service: &str, entries: u32) -> (fido::Domain, fido::Domain, fido::Channel, fido::Channel) {
     let server = b.join_with(JoinOptions::new("server").arena_len(64 << 20).ring_entries(entries));

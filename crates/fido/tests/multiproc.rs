@@ -2,11 +2,12 @@
 //! processes, and the failure semantics of DESIGN §2 (a peer killed with -9,
 //! a hung peer, a micro-reboot, a broker restart under a live stream).
 
-mod common;
-
-use common::*;
+use fido_test_support::domains::{check, config, connect_retry, fill, HangDetection};
+use fido_test_support::ChildProc;
 use fido::{Domain, Error, JoinOptions, WaitStrategy};
 use std::time::{Duration, Instant};
+
+type TestBroker = fido_test_support::TestBroker<HangDetection>;
 
 const SIZE: usize = 4096;
 

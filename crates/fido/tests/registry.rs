@@ -1,11 +1,11 @@
 //! The registry through the library: read/write/list/delete, transactions with
 //! compare-and-set, prefix watches, and the broker-managed paths.
 
-mod common;
-
-use common::*;
+use fido_test_support::domains::HangDetection;
 use fido::TxnOp;
 use std::time::Duration;
+
+type TestBroker = fido_test_support::TestBroker<HangDetection>;
 
 #[test]
 fn registry_round_trip_watch_and_transactions() {

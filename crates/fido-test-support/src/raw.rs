@@ -1,105 +1,35 @@
-//! A minimal raw client for the broker tests: SEQPACKET socket, sendmsg with
-//! descriptors, recvmsg with a timeout. No dependency on the `fido` library.
-#![allow(dead_code)]
+//! A raw client of the broker's control protocol, for the broker's own
+//! tests: a SEQPACKET socket, `sendmsg` with descriptors, `recvmsg` with a
+//! timeout, and the resources a join hands over (arenas, doorbells). It does
+//! not use the `fido` library, so the broker is tested against the protocol,
+//! not against its one client.
 
 use std::collections::VecDeque;
 use std::io::{IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
-use std::path::{Path, PathBuf};
-use std::thread::JoinHandle;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
-use fido_broker::{Broker, BrokerError, Config, ShutdownHandle};
-use fido_proto::{
-    BrokerMsg, ClientMsg, DomainId, ErrorCode, Event, RemoteError, Reply, Request, Resume,
-    RingBlock,
-};
+use fido_proto::{BrokerMsg, ClientMsg, DomainId, ErrorCode, Event, RemoteError, Reply, Request, Resume, RingBlock};
 use rustix::event::{PollFd, PollFlags};
 use rustix::fs::{MemfdFlags, Mode, OFlags, SealFlags};
 use rustix::net::{
-    AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
-    SendAncillaryMessage, SendFlags, SocketAddrUnix, SocketFlags, SocketType,
+    AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer, SendAncillaryMessage, SendFlags,
+    SocketAddrUnix, SocketFlags, SocketType,
 };
 
+use crate::broker::{Defaults, TestBroker};
+
+/// How long a raw client waits for a reply or an event.
 pub const WAIT: Duration = Duration::from_secs(5);
 pub const ARENA_LEN: u64 = 1 << 20;
-pub const BLOCK: RingBlock = RingBlock {
-    offset: 4096,
-    len: 4096,
-    entries: 64,
-};
+pub const BLOCK: RingBlock = RingBlock { offset: 4096, len: 4096, entries: 64 };
 
-pub struct TestBroker {
-    pub dir: tempfile::TempDir,
-    pub config: Config,
-    pub thread: Option<JoinHandle<Result<(), BrokerError>>>,
-    pub handle: ShutdownHandle,
-    pub reload: fido_broker::ReloadHandle,
-}
-
-/// Binds a broker and runs it on its own thread, keeping both handles.
-fn spawn(config: Config) -> (JoinHandle<Result<(), BrokerError>>, ShutdownHandle, fido_broker::ReloadHandle) {
-    let broker = Broker::bind(config).unwrap();
-    let (handle, reload) = (broker.shutdown_handle(), broker.reload_handle());
-    (std::thread::spawn(move || broker.run()), handle, reload)
-}
-
-pub fn config_in(dir: &Path) -> Config {
-    Config::new(dir.join("run/broker.sock"), dir.join("state"))
-}
-
-impl TestBroker {
-    pub fn start() -> TestBroker {
-        Self::start_with(|_| {})
-    }
-
-    pub fn start_with(tweak: impl FnOnce(&mut Config)) -> TestBroker {
-        let dir = tempfile::tempdir().unwrap();
-        let mut config = config_in(dir.path());
-        tweak(&mut config);
-        let (thread, handle, reload) = spawn(config.clone());
-        TestBroker {
-            dir,
-            config,
-            thread: Some(thread),
-            handle,
-            reload,
-        }
-    }
-
-    /// Stops the broker and waits for its thread (the state directory stays).
-    pub fn stop(&mut self) {
-        self.handle.shutdown();
-        if let Some(t) = self.thread.take() {
-            t.join().unwrap().unwrap();
-        }
-    }
-
-    /// Starts a new broker on the same socket and state directory.
-    pub fn restart(&mut self) {
-        self.stop();
-        let (thread, handle, reload) = spawn(self.config.clone());
-        self.thread = Some(thread);
-        self.handle = handle;
-        self.reload = reload;
-    }
-
+impl TestBroker<Defaults> {
+    /// A raw client connected to this broker (not joined yet).
     pub fn client(&self) -> Raw {
         Raw::connect(&self.config.socket)
-    }
-
-    pub fn socket(&self) -> PathBuf {
-        self.config.socket.clone()
-    }
-}
-
-impl Drop for TestBroker {
-    fn drop(&mut self) {
-        self.handle.shutdown();
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
     }
 }
 
