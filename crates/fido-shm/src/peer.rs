@@ -39,7 +39,7 @@
 //! [`PeerSlice::read_chunks`], comparisons) does not: that is the reading a
 //! zero-copy path does, made sound.
 
-use bytemuck::{Pod, Zeroable};
+use bytemuck::Pod;
 use std::marker::PhantomData;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};

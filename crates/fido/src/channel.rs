@@ -20,7 +20,7 @@ use fido_ring::{
     block_len, doorbell, wait_until, Descriptor, LocalBlock, Notify, PeerBlock, Releaser, RingError, RxRing, Segment,
     SleepSite, TxRing, WaitOutcome, WaitStrategy, FLAG_INLINE, FLAG_SG_LIST, INLINE_BYTES, INLINE_SEGMENTS, MAX_SEGMENTS,
 };
-use fido_shm::{Buf, GPtr, Mapping, ShmError};
+use fido_shm::{Buf, GPtr, Mapping, PeerSlice, ShmError};
 use parking_lot::Mutex;
 use smallvec::SmallVec;
 use std::os::fd::{AsFd, OwnedFd};
@@ -1551,10 +1551,11 @@ impl Seg {
 /// A received message: a read-only view into the sender's (or an upstream
 /// sender's) arena. Dropping it releases the message to its sender.
 ///
-/// The bytes are the sender's memory, mapped read-only here: reading them is
-/// always memory-safe for this process, but a misbehaving sender could change
-/// them while you read (Fido's relaxed trust model). Copy out anything you
-/// must validate and then rely on.
+/// The bytes are the sender's memory, mapped read-only here, which a
+/// misbehaving sender could change while you read (Fido's relaxed trust
+/// model). So they come as [`PeerSlice`]s, which read each byte once into
+/// memory you own: reading is always sound, a liar can only make you read
+/// its later bytes. Validate values after reading them, not before.
 pub struct Msg {
     /// The connection, kept alive by the messages' shared reference
     /// (`ReleaseState`), not one of its own.
@@ -1673,17 +1674,25 @@ impl Msg {
             _ => None,
         }
     }
-    /// The payload segments, in order (an inline message: one, its bytes).
-    pub fn segments(&self) -> impl Iterator<Item = &[u8]> {
-        let inline = self.inline_bytes().filter(|b| !b.is_empty());
-        inline.into_iter().chain(self.segs().iter().map(|s| {
-            // SAFETY: validated against a live mapping that `s._keep` keeps
-            // mapped for as long as `self` (and so this borrow) lives.
-            unsafe { std::slice::from_raw_parts(s.ptr.as_ptr() as *const u8, s.len) }
-        }))
+    /// The payload segments, in order (an inline message: one, its bytes),
+    /// as views of the sender's memory ([`PeerSlice`]: read through it, never
+    /// as `&[u8]`, because the sender can still write it). Copies out of them
+    /// count in the domain's `bytes_copied`.
+    pub fn segments(&self) -> impl Iterator<Item = PeerSlice<'_>> {
+        let copied = &self.conn().domain.bytes_copied;
+        let inline = self.inline_bytes().filter(|b| !b.is_empty()).map(PeerSlice::from_own);
+        inline
+            .into_iter()
+            .chain(self.segs().iter().map(|s| {
+                // SAFETY: validated against a live mapping that `s._keep` (or
+                // the connection) keeps mapped for as long as `self` (and so
+                // this borrow) lives.
+                unsafe { PeerSlice::new(s.ptr, s.len) }
+            }))
+            .map(move |v| v.counting(copied))
     }
     /// The payload when it is one segment.
-    pub fn as_slice(&self) -> Option<&[u8]> {
+    pub fn as_slice(&self) -> Option<PeerSlice<'_>> {
         if self.segment_count() == 1 {
             self.segments().next()
         } else {
@@ -1706,9 +1715,8 @@ impl Msg {
     pub fn to_vec(&self) -> Vec<u8> {
         let mut v = Vec::with_capacity(self.len());
         for s in self.segments() {
-            v.extend_from_slice(s);
+            s.append_to(&mut v);
         }
-        self.conn().domain.bytes_copied.fetch_add(v.len() as u64, Ordering::Relaxed);
         v
     }
     /// The domain that sent this message over this connection.
@@ -1720,23 +1728,25 @@ impl Msg {
     /// range is not entirely inside the arena the peer granted us. One bounds
     /// check; the view lives as long as this message, which keeps the mapping.
     /// For protocols whose payload carries pointers (fido-rpc). The sender can
-    /// still write those bytes: copy out what you validate.
-    pub fn resolve(&self, g: GPtr, len: u64) -> Option<&[u8]> {
-        let p = within(&self.conn().peer_map, g, len)?;
+    /// still write those bytes, hence a [`PeerSlice`].
+    pub fn resolve(&self, g: GPtr, len: u64) -> Option<PeerSlice<'_>> {
+        let conn = self.conn();
+        let p = within(&conn.peer_map, g, len)?;
         // SAFETY: `within` checked the range lies inside the peer's mapping,
         // which the connection keeps alive for at least the borrow of `self`.
-        Some(unsafe { std::slice::from_raw_parts(p.as_ptr() as *const u8, len as usize) })
+        Some(unsafe { PeerSlice::new(p, len as usize) }.counting(&conn.domain.bytes_copied))
     }
     /// The sending peer's whole arena, read-only, and its global address:
     /// what [`Msg::resolve`] checks against, for a caller that resolves many
     /// small ranges (fido-rpc's `View`, one string of a VarSeq at a time)
     /// and does the bounds check itself. Lives as long as this message.
-    pub fn peer_arena(&self) -> (GPtr, &[u8]) {
-        let m = &self.conn().peer_map;
+    pub fn peer_arena(&self) -> (GPtr, PeerSlice<'_>) {
+        let conn = self.conn();
+        let m = &conn.peer_map;
         // SAFETY: the whole mapping, which the connection keeps alive for at
-        // least the borrow of `self`; mapped read-only, never unmapped before.
-        let bytes = unsafe { std::slice::from_raw_parts(m.local_base(), m.len() as usize) };
-        (m.global_base(), bytes)
+        // least the borrow of `self`; mapped readable, never unmapped before.
+        let bytes = unsafe { PeerSlice::new(m.local_nonnull(), m.len() as usize) };
+        (m.global_base(), bytes.counting(&conn.domain.bytes_copied))
     }
 }
 

@@ -34,7 +34,7 @@ fn scatter_gather_and_inline_messages_arrive_intact() {
         assert_eq!((m.tag(), m.opcode(), m.segment_count()), (parts as u64, 3, parts));
         for (i, seg) in m.segments().enumerate() {
             assert_eq!(seg.len(), 10 + i);
-            assert!(seg.iter().all(|x| *x == i as u8));
+            assert!(seg.iter().all(|x| x == i as u8));
         }
         assert_eq!(m.len(), (0..parts).map(|i| 10 + i).sum::<usize>());
     }
@@ -48,7 +48,7 @@ fn scatter_gather_and_inline_messages_arrive_intact() {
         assert_eq!((m.tag(), m.opcode(), m.len()), (len as u64, 9, len));
         assert_eq!(m.inline_bytes(), Some(&bytes[..]));
         assert_eq!(m.segment_count(), (len > 0) as usize);
-        assert_eq!(m.segments().next().unwrap_or(&[]), &bytes[..]);
+        assert_eq!(m.segments().next().unwrap_or(fido::PeerSlice::empty()), &bytes[..]);
         assert_eq!(m.global_segments().count(), 0);
         // Back the other way, forwarded.
         s.forward(m).unwrap();
