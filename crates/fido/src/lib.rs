@@ -41,4 +41,4 @@ pub use domain::{Domain, JoinOptions, Listener, Watch, WatchEvent};
 pub use error::{Error, Result};
 pub use fido_proto::{default_broker_path, Counters, DomainId, ErrorCode, PeerInfo, Status, TxnOp};
 pub use fido_ring::{Descriptor, Segment, WaitStrategy, INLINE_BYTES};
-pub use fido_shm::{AddressMode, Buf, GPtr, ModeRequest, PeerSlice, PeerSliceOf};
+pub use fido_shm::{AddressMode, Buf, GPtr, ModeRequest, PeerSlice, PeerSliceOf, READ_CHUNK};
