@@ -509,6 +509,7 @@ unsafe fn volatile_copy(src: *const u8, dst: *mut u8, len: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use bytemuck::Zeroable;
 
     /// A view of `bytes` (test memory the test owns and does not write
     /// while the view lives).
