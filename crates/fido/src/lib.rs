@@ -31,6 +31,7 @@ mod asynch;
 mod channel;
 mod control;
 mod domain;
+mod local_domain;
 mod error;
 pub mod validate;
 
