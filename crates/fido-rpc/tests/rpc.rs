@@ -558,3 +558,25 @@ fn root_u64(v: fido::PeerSlice<'_>) -> u64 {
     assert_eq!(v.len(), 8, "root length");
     u64::from_ne_bytes(v.read_obj(0).unwrap())
 }
+
+/// What a client keeps of a reply is counted in `bytes_copied`
+/// (`ShmStrRef::to_string`, `to_vec` of a `Reply::slice` or of a string's
+/// bytes); reading the result and the views in place is not.
+#[test]
+fn copies_kept_from_replies_are_counted() {
+    let (_b, _sd, cd, _imp, _h) = setup(1);
+    let c = TestClient::connect(&cd, "test").unwrap();
+    let mut f = c.frame().unwrap();
+    let s = f.str("hello vmrpc").unwrap();
+    let r = c.upper(f, s).unwrap();
+    let v = r.str(*r.get()).unwrap();
+    assert!(v == "HELLO VMRPC" && v.as_bytes().iter().all(|b| b.is_ascii_uppercase() || b == b' '));
+    assert_eq!(cd.counters().bytes_copied, 0, "reads in place");
+    assert_eq!(v.to_string().unwrap(), "HELLO VMRPC");
+    assert_eq!(cd.counters().bytes_copied, 11, "ShmStrRef::to_string");
+    assert_eq!(v.as_bytes().to_vec(), b"HELLO VMRPC");
+    assert_eq!(cd.counters().bytes_copied, 22, "a string's bytes, to_vec");
+    let bytes = r.view().bytes(r.get().addr, 5).unwrap();
+    assert_eq!(bytes.copy_to(&mut [0u8; 5]), 5);
+    assert_eq!(cd.counters().bytes_copied, 27, "View::bytes().copy_to");
+}
