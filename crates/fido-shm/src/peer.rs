@@ -314,15 +314,15 @@ impl<'a> PeerSlice<'a> {
 impl std::fmt::Debug for PeerSlice<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         const SHOWN: usize = 64;
-        let head = self.subslice(0, self.len.min(SHOWN)).expect("inside").to_vec_uncounted();
+        let head = self.subslice(0, self.len.min(SHOWN)).expect("inside").uncounted().to_vec();
         write!(f, "PeerSlice({} bytes: {:?}{})", self.len, head, if self.len > SHOWN { " …" } else { "" })
     }
 }
 
 impl PeerSlice<'_> {
-    /// `to_vec` without counting: for `Debug` only.
-    fn to_vec_uncounted(&self) -> Vec<u8> {
-        PeerSlice { copied: None, ..*self }.to_vec()
+    /// The same view without its counter: for `Debug` only.
+    fn uncounted(self) -> Self {
+        PeerSlice { copied: None, ..self }
     }
 }
 
@@ -583,9 +583,9 @@ mod tests {
         assert_eq!(v.read_obj::<u8>(usize::MAX), None);
         let (a, b) = v.split_at(40).unwrap();
         assert_eq!((a.len(), b.len()), (40, 60));
-        assert!(b == &data[40..]);
+        assert!(b == data[40..]);
         assert!(v.split_at(101).is_none());
-        assert!(v != &data[..99]);
+        assert!(v != data[..99]);
         let mut other = data.clone();
         other[57] ^= 1;
         assert!(v != other[..]);
@@ -620,7 +620,7 @@ mod tests {
         assert_eq!(t.get(64), None);
         assert_eq!(t.iter().collect::<Vec<u32>>(), words);
         assert_eq!(t.to_vec(), words);
-        assert!(t == &words[..]);
+        assert!(t == words[..]);
         assert_eq!(t.subslice(60, 4).unwrap().to_vec(), &words[60..]);
         assert!(t.subslice(61, 4).is_none());
         assert!(v.subslice(1, 8).unwrap().cast::<u32>().is_none(), "misaligned start");
