@@ -18,7 +18,7 @@ use fido_rpc::services::bench::{BenchImpl, BenchServer};
 use fido_rpc::services::files::{FileServer, FilesServer};
 use fido_rpc::wire::{CallHeader, HEADER_LEN, MAGIC, STATUS_FAULT};
 use fido_rpc::{dispatch_call, reply_message, CallBytes, Dispatch, Fault, PeerMemory};
-use fido_shm::{AddressSpace, Arena, ModeRequest, PgvasGeometry, UnplacedArena};
+use fido_shm::{AddressSpace, Arena, ModeRequest, PeerSlice, PgvasGeometry, UnplacedArena};
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, OnceLock};
 
@@ -31,20 +31,20 @@ struct Fake {
 }
 
 impl PeerMemory for Fake {
-    fn bytes(&self, addr: u64, len: u64) -> Option<&[u8]> {
+    fn bytes(&self, addr: u64, len: u64) -> Option<PeerSlice<'_>> {
         let off = addr.checked_sub(BASE)?;
         let end = off.checked_add(len)?;
         if end > self.len as u64 {
             return None;
         }
         let all: &[u8] = bytemuck_bytes(&self.mem);
-        Some(&all[off as usize..end as usize])
+        Some(PeerSlice::from_own(&all[off as usize..end as usize]))
     }
     // Like a real message (`fido::Msg`): the grant as one window, so the
     // handles are checked by `View`'s inline range check, the path the
     // server takes.
-    fn window(&self) -> Option<(u64, &[u8])> {
-        Some((BASE, &bytemuck_bytes(&self.mem)[..self.len]))
+    fn window(&self) -> Option<(u64, PeerSlice<'_>)> {
+        Some((BASE, PeerSlice::from_own(&bytemuck_bytes(&self.mem)[..self.len])))
     }
 }
 

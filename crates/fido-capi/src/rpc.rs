@@ -275,7 +275,7 @@ pub unsafe extern "C" fn fido_rpc_call(
         // (either form).
         let mut r = Box::new(fido_rpc_reply { msg, root: (std::ptr::null(), 0) });
         let Ok((status, fault, root)) = fido_rpc::reply_parts(&r.msg) else { return FIDO_EPROTO };
-        let app_code = root.get(..4).map(|c| i32::from_ne_bytes(c.try_into().expect("4 bytes")).max(1));
+        let app_code = root.read_obj::<i32>(0).map(|c| c.max(1));
         let root = (root.as_ptr(), root.len());
         match status {
             STATUS_OK => {

@@ -38,7 +38,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
 use fido::{Domain, JoinOptions, Message, WaitStrategy};
-use fido_bench::{fill, fold, latency_record, size_label, Opts, PinGuard, Placement, Record};
+use fido_bench::{fill, latency_record, size_label, Opts, PinGuard, Placement, Record};
 use serde_json::json;
 
 use fido_demo::pipeline::{self, emit, Args};
@@ -220,9 +220,17 @@ fn is_end(e: &fido::Error) -> bool {
     matches!(e, fido::Error::Closed | fido::Error::PeerGone { .. })
 }
 
-fn msg_bytes(m: &fido::Msg) -> anyhow::Result<&[u8]> {
+fn msg_bytes(m: &fido::Msg) -> anyhow::Result<fido::PeerSlice<'_>> {
     m.as_slice()
         .with_context(|| format!("expected one segment, got {}", m.segment_count()))
+}
+
+/// [`fido_bench::fold`] over a received message, read in place through its view: folds
+/// every byte (as u64 words) and returns the sequence number carried in the
+/// first 8 bytes (0 if the message is shorter).
+fn fold_view(v: fido::PeerSlice<'_>) -> u64 {
+    std::hint::black_box(v.fold_u64(0u64, |acc, w| acc.wrapping_add(w).rotate_left(1)));
+    v.read_obj::<[u8; 8]>(0).map_or(0, u64::from_le_bytes)
 }
 
 impl Ctx {
@@ -296,7 +304,7 @@ impl Ctx {
                 fill(&mut b, k);
                 ch.send(b)?;
                 let m = ch.recv()?;
-                let got = fold(msg_bytes(&m)?);
+                let got = fold_view(msg_bytes(&m)?);
                 if size >= 8 && got != k {
                     bail!("echo carried {got}, expected {k}");
                 }
@@ -330,9 +338,9 @@ impl Ctx {
             let m = ch.recv()?;
             let b = msg_bytes(&m)?;
             let seq = if touch {
-                fold(b)
+                fold_view(b)
             } else {
-                u64::from_le_bytes(b[..8].try_into().unwrap())
+                u64::from_le_bytes(b.read_obj(0).context("message shorter than 8 bytes")?)
             };
             if seq != expect {
                 bail!("stream carried sequence {seq}, expected {expect}");
@@ -519,7 +527,7 @@ fn echo_peer(a: &Args) -> anyhow::Result<()> {
             Err(e) if is_end(&e) => return Ok(()),
             Err(e) => return Err(e.into()),
         };
-        let k = fold(msg_bytes(&m)?);
+        let k = fold_view(msg_bytes(&m)?);
         drop(m);
         let mut b = d.alloc(size)?;
         fill(&mut b, k);
@@ -562,7 +570,7 @@ fn consume_peer(a: &Args) -> anyhow::Result<()> {
             Err(e) if is_end(&e) => return Ok(()),
             Err(e) => return Err(e.into()),
         };
-        let k = fold(msg_bytes(&m)?);
+        let k = fold_view(msg_bytes(&m)?);
         if k != expect {
             bail!("consumer: sequence {k}, expected {expect}");
         }

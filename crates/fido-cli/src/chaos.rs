@@ -233,7 +233,10 @@ fn build(d: &Domain, rng: &mut Rng, tag: u64, ref_tag: u64) -> anyhow::Result<Me
 /// Checks a received message against its header and descriptor; returns the
 /// tag of the request it answers (0: none).
 fn verify(m: &Msg) -> Result<u64, String> {
-    let segs: Vec<&[u8]> = m.segments().collect();
+    // Copied out once, then checked: the sender could change its memory
+    // between two reads in place.
+    let owned: Vec<Vec<u8>> = m.segments().map(|s| s.to_vec()).collect();
+    let segs: Vec<&[u8]> = owned.iter().map(Vec::as_slice).collect();
     let Some(first) = segs.first() else {
         return Err("no segments".into());
     };

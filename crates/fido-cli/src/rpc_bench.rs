@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
 use bytemuck::{Pod, Zeroable};
-use fido::{Domain, JoinOptions, WaitStrategy};
+use fido::{Domain, JoinOptions, PeerSlice, PeerSliceOf, WaitStrategy};
 use fido_bench::rpc::data::{self, Dir, Seq};
 use fido_bench::rpc::{self, files, Case, RpcClient, RpcSystem, Timing};
 use fido_bench::{Opts, PeerArgs};
@@ -147,26 +147,45 @@ fn build_var(
     Ok((h, s))
 }
 
-fn sum_var(v: &fido_rpc::View<'_>, seq: &[FVar]) -> Result<u64, Fault> {
+fn sum_var(v: &fido_rpc::View<'_>, seq: PeerSliceOf<'_, FVar>) -> Result<u64, Fault> {
     let mut s = 0u64;
-    for e in seq {
-        s = s.wrapping_add(data::var_sum(v.str(e.s)?.as_bytes(), e.d));
+    for e in seq.iter() {
+        s = s.wrapping_add(var_sum_view(v.str(e.s)?.as_bytes(), e.d)?);
     }
     Ok(s)
+}
+
+/// `data::var_sum` of a string read in place. The strings are `VAR_STR`
+/// bytes, one chunk of [`PeerSlice::read_chunks`]; a longer one is refused.
+fn var_sum_view(s: PeerSlice<'_>, d: f64) -> Result<u64, Fault> {
+    if s.len() > fido::READ_CHUNK {
+        return Err(Fault::BadArguments);
+    }
+    let mut sum = data::var_sum(&[], d);
+    s.read_chunks(|c| sum = data::var_sum(c, d));
+    Ok(sum)
+}
+
+/// `data::sum_bytes` of bytes read in place, chunk by chunk (the sum is
+/// additive).
+fn sum_bytes_view(d: PeerSliceOf<'_, u8>) -> u64 {
+    let mut s = 0u64;
+    d.as_bytes().read_chunks(|c| s = s.wrapping_add(data::sum_bytes(c)));
+    s
 }
 
 impl RpcBench for Impl {
     fn null(&self, _cx: &mut Ctx<'_>) {}
 
     fn send_bytes(&self, cx: &mut Ctx<'_>, d: ShmSlice<u8>) -> Result<u64, Fault> {
-        Ok(data::server_sum(data::sum_bytes(cx.slice(d)?)))
+        Ok(data::server_sum(sum_bytes_view(cx.slice(d)?)))
     }
 
     fn send_fixed(&self, cx: &mut Ctx<'_>, d: ShmSlice<FFixed>) -> Result<u64, Fault> {
         let s = cx
             .slice(d)?
             .iter()
-            .fold(0u64, |a, f| a.wrapping_add(data::fixed_sum(&fixed_of(f))));
+            .fold(0u64, |a, f| a.wrapping_add(data::fixed_sum(&fixed_of(&f))));
         Ok(data::server_sum(s))
     }
 
@@ -363,7 +382,7 @@ impl RpcClient for FidoClient {
                 let rep = *r.get();
                 let d = r.slice(rep.data)?;
                 anyhow::ensure!(d.len() == seq.elements(len), "short ByteSeq");
-                data::check("fido recv", data::sum_bytes(d), rep.sum)
+                data::check("fido recv", sum_bytes_view(d), rep.sum)
             }
             (Seq::Fixed, Dir::Recv) => {
                 let r = c.recv_fixed(c.frame()?, l, seed)?;
@@ -372,7 +391,7 @@ impl RpcClient for FidoClient {
                 anyhow::ensure!(d.len() == len, "short FixedSeq");
                 let got = d
                     .iter()
-                    .fold(0u64, |a, f| a.wrapping_add(data::fixed_sum(&fixed_of(f))));
+                    .fold(0u64, |a, f| a.wrapping_add(data::fixed_sum(&fixed_of(&f))));
                 data::check("fido recv", got, rep.sum)
             }
             (Seq::Var, Dir::Recv) => {
@@ -407,7 +426,7 @@ impl files::FilesClient for FidoFiles {
         let r = self.c.read(f, p, 0, len as u64)?;
         let d = r.slice(*r.get())?;
         anyhow::ensure!(d.len() == len, "read {} bytes, expected {len}", d.len());
-        data::check("fido file read", data::sum_bytes(d), sum)
+        data::check("fido file read", sum_bytes_view(d), sum)
     }
 }
 

@@ -189,8 +189,9 @@ pub struct Checked {
 }
 
 /// Reads every byte of a message written by [`write_message`].
-pub fn check_message(bytes: &[u8]) -> Checked {
-    let word = |i: usize| u64::from_le_bytes(bytes[i * 8..i * 8 + 8].try_into().unwrap());
+pub fn check_message(bytes: fido::PeerSlice<'_>) -> Checked {
+    // Read in place, each word once (the sender's memory: see `PeerSlice`).
+    let word = |i: usize| u64::from_le_bytes(bytes.read_obj(i * 8).expect("inside the header"));
     if bytes.len() < HEADER {
         return Checked {
             seq: 0,
@@ -203,13 +204,17 @@ pub fn check_message(bytes: &[u8]) -> Checked {
     let (magic, seq, stamp, gptr, len, want) =
         (word(0), word(1), word(2), word(3), word(4), word(5));
     let mut sum = Sum::new();
-    let mut chunks = bytes[HEADER..].chunks_exact(8);
-    for c in &mut chunks {
-        sum.add(u64::from_le_bytes(c.try_into().unwrap()));
-    }
-    for b in chunks.remainder() {
-        sum.add(*b as u64);
-    }
+    // READ_CHUNK is a multiple of 8: only the last chunk has a remainder.
+    let body = bytes.subslice(HEADER, bytes.len() - HEADER).expect("inside the message");
+    body.read_chunks(|chunk| {
+        let mut chunks = chunk.chunks_exact(8);
+        for c in &mut chunks {
+            sum.add(u64::from_le_bytes(c.try_into().unwrap()));
+        }
+        for b in chunks.remainder() {
+            sum.add(*b as u64);
+        }
+    });
     Checked {
         seq,
         stamp,

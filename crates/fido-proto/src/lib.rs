@@ -388,6 +388,14 @@ pub struct Counters {
     pub messages_received: u64,
     pub bytes_sent: u64,
     pub bytes_received: u64,
+    /// Payload bytes this domain copied: into its arena (`alloc_copy`) and
+    /// out of received messages into memory it keeps (`Msg::to_vec`,
+    /// `PeerSlice::copy_to` / `to_vec` / `append_to` and their typed forms,
+    /// fido-rpc's `ShmStrRef::to_string`). Reads in place through a
+    /// `PeerSlice` (`read_obj`, `iter`, `fold_u64`, `read_chunks`,
+    /// comparisons) and protocol metadata (descriptors, SG lists, inline
+    /// messages, rpc headers) are not counted; docs/ARCHITECTURE.md §3.5
+    /// says what `0` proves.
     pub bytes_copied: u64,
     pub doorbells_rung: u64,
     pub doorbells_suppressed: u64,

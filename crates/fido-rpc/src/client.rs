@@ -5,7 +5,7 @@ use crate::error::{CallError, Fault, RpcError};
 use crate::frame::{Frame, View};
 use crate::wire::*;
 use bytemuck::Pod;
-use fido::{Channel, Domain, Message, Msg, WaitStrategy};
+use fido::{Channel, Domain, Message, Msg, PeerSlice, PeerSliceOf, WaitStrategy};
 use arc_swap::ArcSwapOption;
 use parking_lot::{Condvar, Mutex};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -54,7 +54,7 @@ impl CancelToken {
 /// borrow the `Reply`, so none can outlive the release:
 ///
 /// ```compile_fail
-/// fn leak(r: fido_rpc::Reply<fido_rpc::ShmSlice<u8>>) -> &'static [u8] {
+/// fn leak(r: fido_rpc::Reply<fido_rpc::ShmSlice<u8>>) -> fido::PeerSliceOf<'static, u8> {
 ///     r.slice(*r.get()).unwrap() // error: returns a value referencing data owned by `r`
 /// }
 /// ```
@@ -73,7 +73,7 @@ impl<R: Pod> Reply<R> {
         View::new(&self.msg)
     }
     /// Shorthand for `view().slice(h)`.
-    pub fn slice<T: Pod>(&self, h: ShmSlice<T>) -> Result<&[T], RpcError> {
+    pub fn slice<T: Pod>(&self, h: ShmSlice<T>) -> Result<PeerSliceOf<'_, T>, RpcError> {
         self.view().slice(h).map_err(|f| RpcError::BadReply(f.to_string()))
     }
     /// Shorthand for `view().str(s)`.
@@ -90,14 +90,13 @@ impl<R: Pod> Reply<R> {
 /// bytes (copied with its descriptor), or a framed reply's header — copied
 /// out once, then checked — and its root, resolved against the server's
 /// grant. The root lives as long as `msg`.
-pub fn reply_parts(msg: &Msg) -> Result<(u32, u32, &[u8]), &'static str> {
+pub fn reply_parts(msg: &Msg) -> Result<(u32, u32, PeerSlice<'_>), &'static str> {
     if let Some(b) = msg.inline_bytes() {
         let (status, fault, _, root) = split_inline(b).ok_or("short inline reply")?;
-        return Ok((status, fault, root));
+        return Ok((status, fault, PeerSlice::from_own(root)));
     }
     let first = msg.segments().next().ok_or("empty reply")?;
-    let hb = first.get(..HEADER_LEN).ok_or("short header")?;
-    let h: ReplyHeader = bytemuck::pod_read_unaligned(hb);
+    let h: ReplyHeader = first.read_obj(0).ok_or("short header")?;
     if h.magic != MAGIC {
         return Err("bad magic");
     }
@@ -122,7 +121,11 @@ pub(crate) fn decode_reply<R: Pod, E: Pod + std::fmt::Debug>(msg: Msg) -> Result
             Err(CallError::App(e))
         }
         STATUS_FAULT => {
-            let text = String::from_utf8_lossy(&root[..root.len().min(1024)]).into_owned();
+            // The fault's text, read in place (an error message, not payload:
+            // not counted as copied).
+            let mut text = Vec::new();
+            root.subslice(0, root.len().min(1024)).expect("inside the root").read_chunks(|c| text.extend_from_slice(c));
+            let text = String::from_utf8_lossy(&text).into_owned();
             let f = Fault::from_code(fault).ok_or_else(|| bad("unknown fault code"))?;
             if f == Fault::DeadlineExceeded {
                 // The server noticed our deadline before we did.

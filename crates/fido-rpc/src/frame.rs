@@ -9,7 +9,7 @@
 use crate::error::{Fault, RpcError};
 use crate::wire::{ShmSlice, ShmStr, HEADER_LEN};
 use bytemuck::Pod;
-use fido::Buf;
+use fido::{Buf, PeerSlice, PeerSliceOf};
 use fido_shm::Arena;
 use std::sync::Arc;
 
@@ -395,38 +395,40 @@ impl<T: Pod> ShmVec<T> {
     }
 }
 
-/// Memory of the peer that sent a message: resolves global ranges to local
-/// bytes after checking them against the peer's grant.
+/// Memory of the peer that sent a message: resolves global ranges to views
+/// of its bytes after checking them against the peer's grant.
 pub trait PeerMemory {
     /// The bytes, or `None` if `[addr, addr+len)` is not inside the grant.
-    fn bytes(&self, addr: u64, len: u64) -> Option<&[u8]>;
+    fn bytes(&self, addr: u64, len: u64) -> Option<PeerSlice<'_>>;
     /// The whole grant as one contiguous window (its global address and its
     /// bytes), when there is one: [`View`] then checks ranges inline instead
     /// of calling [`PeerMemory::bytes`] for each.
-    fn window(&self) -> Option<(u64, &[u8])> {
+    fn window(&self) -> Option<(u64, PeerSlice<'_>)> {
         None
     }
 }
 
 impl PeerMemory for fido::Msg {
     #[inline]
-    fn bytes(&self, addr: u64, len: u64) -> Option<&[u8]> {
+    fn bytes(&self, addr: u64, len: u64) -> Option<PeerSlice<'_>> {
         self.resolve(fido::GPtr(addr), len)
     }
     #[inline]
-    fn window(&self) -> Option<(u64, &[u8])> {
+    fn window(&self) -> Option<(u64, PeerSlice<'_>)> {
         let (g, b) = self.peer_arena();
         Some((g.addr(), b))
     }
 }
 
 /// Read-only access to the handles a peer sent: each handle is checked once
-/// (range inside the sender's arena, alignment of `T`), then read in place.
+/// (range inside the sender's arena, alignment of `T`), then read in place
+/// through a [`PeerSlice`] / [`PeerSliceOf`] (the sender can still write its
+/// memory: every value is read once, never referenced).
 #[derive(Clone, Copy)]
 pub struct View<'a> {
     mem: &'a dyn PeerMemory,
     /// The sender's grant as one window (global base, bytes), if it is one.
-    window: Option<(u64, &'a [u8])>,
+    window: Option<(u64, PeerSlice<'a>)>,
 }
 
 impl<'a> View<'a> {
@@ -438,12 +440,11 @@ impl<'a> View<'a> {
     /// against the window when there is one (a VarSeq checks one string per
     /// element: no indirect call), else by the memory itself.
     #[inline]
-    fn range(&self, addr: u64, len: u64) -> Option<&'a [u8]> {
+    fn range(&self, addr: u64, len: u64) -> Option<PeerSlice<'a>> {
         match self.window {
             Some((base, bytes)) => {
                 let off = addr.checked_sub(base)?;
-                let end = off.checked_add(len)?;
-                bytes.get(usize::try_from(off).ok()?..usize::try_from(end).ok()?)
+                bytes.subslice(usize::try_from(off).ok()?, usize::try_from(len).ok()?)
             }
             None => self.mem.bytes(addr, len),
         }
@@ -451,45 +452,45 @@ impl<'a> View<'a> {
 
     /// The elements of `h`, in place. One range check for the whole slice.
     #[inline]
-    pub fn slice<T: Pod>(&self, h: ShmSlice<T>) -> Result<&'a [T], Fault> {
+    pub fn slice<T: Pod>(&self, h: ShmSlice<T>) -> Result<PeerSliceOf<'a, T>, Fault> {
         let size = std::mem::size_of::<T>() as u64;
         if h.is_empty() {
-            return Ok(&[]);
+            return Ok(PeerSliceOf::empty());
         }
         if size == 0 {
             return Err(Fault::BadPointer);
         }
         let bytes = h.len().checked_mul(size).ok_or(Fault::BadPointer)?;
         let b = self.range(h.addr(), bytes).ok_or(Fault::BadPointer)?;
-        bytemuck::try_cast_slice(b).map_err(|_| Fault::BadPointer)
+        b.cast::<T>().ok_or(Fault::BadPointer)
     }
 
     /// The bytes of a string, in place.
     #[inline]
     pub fn str(&self, s: ShmStr) -> Result<ShmStrRef<'a>, Fault> {
         if s.len == 0 {
-            return Ok(ShmStrRef(&[]));
+            return Ok(ShmStrRef(PeerSlice::empty()));
         }
         self.range(s.addr, s.len).map(ShmStrRef).ok_or(Fault::BadPointer)
     }
 
     /// Raw bytes of the sender's arena.
-    pub fn bytes(&self, addr: u64, len: u64) -> Result<&'a [u8], Fault> {
+    pub fn bytes(&self, addr: u64, len: u64) -> Result<PeerSlice<'a>, Fault> {
         if len == 0 {
-            return Ok(&[]);
+            return Ok(PeerSlice::empty());
         }
         self.range(addr, len).ok_or(Fault::BadPointer)
     }
 }
 
-/// A string read in place from the sender's arena. Its bytes are exposed as
-/// `&[u8]`; UTF-8 is checked on a copy ([`ShmStrRef::to_string`]) because the
-/// sender could change bytes after an in-place check.
+/// A string read in place from the sender's arena. Its bytes are a
+/// [`PeerSlice`]; UTF-8 is checked on a copy ([`ShmStrRef::to_string`])
+/// because the sender could change bytes after an in-place check.
 #[derive(Clone, Copy, Debug)]
-pub struct ShmStrRef<'a>(&'a [u8]);
+pub struct ShmStrRef<'a>(PeerSlice<'a>);
 
 impl<'a> ShmStrRef<'a> {
-    pub fn as_bytes(&self) -> &'a [u8] {
+    pub fn as_bytes(&self) -> PeerSlice<'a> {
         self.0
     }
     pub fn len(&self) -> usize {
@@ -498,7 +499,7 @@ impl<'a> ShmStrRef<'a> {
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
-    /// Copies, then checks UTF-8.
+    /// Copies (counted in `bytes_copied`), then checks UTF-8.
     #[allow(clippy::inherent_to_string_shadow_display, clippy::inherent_to_string)]
     pub fn to_string(&self) -> Result<String, Fault> {
         String::from_utf8(self.0.to_vec()).map_err(|_| Fault::BadArguments)
@@ -507,6 +508,6 @@ impl<'a> ShmStrRef<'a> {
 
 impl PartialEq<&str> for ShmStrRef<'_> {
     fn eq(&self, o: &&str) -> bool {
-        self.0 == o.as_bytes()
+        self.0.eq_bytes(o.as_bytes())
     }
 }

@@ -6,7 +6,7 @@ use crate::error::{Fault, RpcError};
 use crate::frame::{Frame, PeerMemory, View};
 use crate::wire::*;
 use bytemuck::Pod;
-use fido::{Channel, Domain, Message, Msg, WaitStrategy};
+use fido::{Channel, Domain, Message, Msg, PeerSlice, PeerSliceOf, WaitStrategy};
 use fido_shm::Arena;
 use parking_lot::Mutex;
 use std::any::Any;
@@ -34,7 +34,7 @@ pub struct Ctx<'a> {
     /// cost a null call a few ns).
     mem: &'a dyn PeerMemory,
     view: std::cell::OnceCell<View<'a>>,
-    root: &'a [u8],
+    root: PeerSlice<'a>,
     call_id: u64,
     peer: u64,
     deadline_ns: u64,
@@ -55,15 +55,16 @@ impl<'a> Ctx<'a> {
         *self.view.get_or_init(|| View::new(self.mem))
     }
     /// Shorthand for `view().slice(h)`.
-    pub fn slice<T: Pod>(&self, h: ShmSlice<T>) -> Result<&'a [T], Fault> {
+    pub fn slice<T: Pod>(&self, h: ShmSlice<T>) -> Result<PeerSliceOf<'a, T>, Fault> {
         self.view().slice(h)
     }
     /// Shorthand for `view().str(s)`.
     pub fn str(&self, s: ShmStr) -> Result<crate::frame::ShmStrRef<'a>, Fault> {
         self.view().str(s)
     }
-    /// The packed arguments as sent (the C ABI hands them to C handlers).
-    pub fn root_bytes(&self) -> &'a [u8] {
+    /// The packed arguments as sent (the C ABI hands them to C handlers):
+    /// in the caller's memory for a framed call.
+    pub fn root_bytes(&self) -> PeerSlice<'a> {
         self.root
     }
     /// The packed arguments (for generated code).
@@ -151,14 +152,14 @@ impl CancelSignal<'_> {
 /// A call read from a message, with its header copied out and checked.
 pub struct Incoming<'a> {
     pub header: CallHeader,
-    pub root: &'a [u8],
+    pub root: PeerSlice<'a>,
 }
 
 /// A call's bytes as they arrived.
 #[derive(Clone, Copy, Debug)]
 pub enum CallBytes<'a> {
     /// The first segment of a framed call: the header, in the caller's arena.
-    Framed(&'a [u8]),
+    Framed(PeerSlice<'a>),
     /// An inline call's bytes (copied with its descriptor).
     Inline(&'a [u8]),
 }
@@ -168,7 +169,7 @@ impl<'a> CallBytes<'a> {
     pub fn of(msg: &'a Msg) -> CallBytes<'a> {
         match msg.inline_bytes() {
             Some(b) => CallBytes::Inline(b),
-            None => CallBytes::Framed(msg.segments().next().unwrap_or(&[])),
+            None => CallBytes::Framed(msg.segments().next().unwrap_or(PeerSlice::empty())),
         }
     }
 }
@@ -190,12 +191,11 @@ pub fn parse_call<'a>(call: CallBytes<'a>, mem: &'a dyn PeerMemory) -> Result<In
                 root_len: root.len() as u64,
                 _pad: [0; 3],
             };
-            return Ok(Incoming { header, root });
+            return Ok(Incoming { header, root: PeerSlice::from_own(root) });
         }
         CallBytes::Framed(b) => b,
     };
-    let hb = first_segment.get(..HEADER_LEN).ok_or(Fault::BadHeader)?;
-    let header: CallHeader = bytemuck::pod_read_unaligned(hb);
+    let header: CallHeader = first_segment.read_obj(0).ok_or(Fault::BadHeader)?;
     if header.magic != MAGIC {
         return Err(Fault::BadHeader);
     }

@@ -7,6 +7,7 @@
 //! ([`crate::View`]) before it reads a byte.
 
 use bytemuck::{Pod, Zeroable};
+use fido::PeerSlice;
 use std::marker::PhantomData;
 
 /// First word of every call and reply header ("FRPC").
@@ -290,20 +291,21 @@ pub(crate) fn pack_into<T: Pod>(bytes: &mut RootBytes, v: &T) {
 /// Reads values packed by [`RootWriter`], copying each out once (so a sender
 /// changing its memory afterwards cannot change what was read).
 pub struct RootReader<'a> {
-    bytes: &'a [u8],
+    bytes: PeerSlice<'a>,
     at: usize,
 }
 
 impl<'a> RootReader<'a> {
-    pub fn new(bytes: &'a [u8]) -> Self {
+    /// A reader of `bytes`: a framed root in the peer's memory, or an
+    /// inline root ([`PeerSlice::from_own`]). Each value is read once.
+    pub fn new(bytes: PeerSlice<'a>) -> Self {
         RootReader { bytes, at: 0 }
     }
     pub fn get<T: Pod>(&mut self) -> Result<T, crate::Fault> {
         let at = self.at.next_multiple_of(std::mem::align_of::<T>());
-        let end = at.checked_add(std::mem::size_of::<T>()).ok_or(crate::Fault::BadArguments)?;
-        let src = self.bytes.get(at..end).ok_or(crate::Fault::BadArguments)?;
-        self.at = end;
-        Ok(bytemuck::pod_read_unaligned(src))
+        let v = self.bytes.read_obj(at).ok_or(crate::Fault::BadArguments)?;
+        self.at = at + std::mem::size_of::<T>();
+        Ok(v)
     }
     /// Every byte consumed: a longer root means caller and server disagree.
     pub fn finish(self) -> Result<(), crate::Fault> {

@@ -536,7 +536,7 @@ fn raw_garbage_from_a_client_fails_alone() {
     assert_eq!(m.tag(), 6);
     let (status, _, v) = fido_rpc::reply_parts(&m).unwrap();
     assert_eq!(status, STATUS_OK);
-    assert_eq!(u64::from_ne_bytes(v.try_into().unwrap()), 42);
+    assert_eq!(root_u64(v), 42);
     // Inline calls: too short for the inline header, then add(40, 2) with
     // its root in the descriptor (method 0, any signature, no deadline).
     ch.send(fido::Message::inline(b"short").unwrap().tag(7).opcode(OP_CALL)).unwrap();
@@ -548,8 +548,36 @@ fn raw_garbage_from_a_client_fails_alone() {
     let m = ch.recv_timeout(Duration::from_secs(10)).unwrap();
     assert_eq!(m.inline_bytes().map(<[u8]>::len), Some(INLINE_HEADER_LEN + 8), "a small result comes back inline");
     let (status, _, v) = fido_rpc::reply_parts(&m).unwrap();
-    assert_eq!((m.tag(), status, u64::from_ne_bytes(v.try_into().unwrap())), (8, STATUS_OK, 42));
+    assert_eq!((m.tag(), status, root_u64(v)), (8, STATUS_OK, 42));
     // And a normal client is unaffected.
     let c = TestClient::connect(&cd, "test").unwrap();
     assert_eq!(*c.add(c.frame().unwrap(), 1, 2).unwrap().get(), 3);
+}
+
+/// A root that is exactly one `u64`, read in place.
+fn root_u64(v: fido::PeerSlice<'_>) -> u64 {
+    assert_eq!(v.len(), 8, "root length");
+    u64::from_ne_bytes(v.read_obj(0).unwrap())
+}
+
+/// What a client keeps of a reply is counted in `bytes_copied`
+/// (`ShmStrRef::to_string`, `to_vec` of a `Reply::slice` or of a string's
+/// bytes); reading the result and the views in place is not.
+#[test]
+fn copies_kept_from_replies_are_counted() {
+    let (_b, _sd, cd, _imp, _h) = setup(1);
+    let c = TestClient::connect(&cd, "test").unwrap();
+    let mut f = c.frame().unwrap();
+    let s = f.str("hello vmrpc").unwrap();
+    let r = c.upper(f, s).unwrap();
+    let v = r.str(*r.get()).unwrap();
+    assert!(v == "HELLO VMRPC" && v.as_bytes().iter().all(|b| b.is_ascii_uppercase() || b == b' '));
+    assert_eq!(cd.counters().bytes_copied, 0, "reads in place");
+    assert_eq!(v.to_string().unwrap(), "HELLO VMRPC");
+    assert_eq!(cd.counters().bytes_copied, 11, "ShmStrRef::to_string");
+    assert_eq!(v.as_bytes().to_vec(), b"HELLO VMRPC");
+    assert_eq!(cd.counters().bytes_copied, 22, "a string's bytes, to_vec");
+    let bytes = r.view().bytes(r.get().addr, 5).unwrap();
+    assert_eq!(bytes.copy_to(&mut [0u8; 5]), 5);
+    assert_eq!(cd.counters().bytes_copied, 27, "View::bytes().copy_to");
 }

@@ -12,8 +12,12 @@
 //! mapping (only `resolve` translates, and it checks the window, the slot and
 //! `offset + len` against the mapping it returns — and keeps alive).
 //!
+//! Peer memory is never handed out as `&[u8]`: a [`PeerSlice`] reads it with
+//! volatile loads (the `peer` module says why).
+//!
 //! Layout: `map` holds the mappings and the PGVAS reservation and nearly all the
-//! `unsafe`; `buf` the slice views of owned buffers (the rest of the `unsafe`);
+//! `unsafe`; `buf` the slice views of owned buffers and `peer` the views of peers'
+//! memory (the rest of the `unsafe`);
 //! `grant` memfd creation, sealing and grant checks; `space` the slot table and
 //! resolver; `arena` the owner's arena; `alloc` the allocator (its module docs
 //! describe the design and worst-case waste).
@@ -24,6 +28,7 @@ mod buf;
 mod error;
 mod grant;
 mod map;
+mod peer;
 mod space;
 
 pub use alloc::{ArenaStats, ALIGN, UNIT};
@@ -33,6 +38,7 @@ pub use error::ShmError;
 pub use fido_proto::PgvasGeometry;
 pub use grant::check_grant;
 pub use map::Mapping;
+pub use peer::{PeerSlice, PeerSliceOf, READ_CHUNK};
 pub use space::AddressSpace;
 
 /// A global pointer: an address in the PGVAS window, `G(slot) + offset`,
@@ -97,5 +103,6 @@ const _: () = {
     send_sync::<UnplacedArena>();
     send_sync::<Arena>();
     send_sync::<Buf>();
+    send_sync::<PeerSlice<'static>>();
     send_sync::<ShmError>();
 };

@@ -371,7 +371,8 @@ impl Mapping {
     pub fn local_base(&self) -> *const u8 {
         self.local.as_ptr()
     }
-    pub(crate) fn local_nonnull(&self) -> NonNull<u8> {
+    /// [`Mapping::local_base`], never null.
+    pub fn local_nonnull(&self) -> NonNull<u8> {
         self.local
     }
     /// G(slot).

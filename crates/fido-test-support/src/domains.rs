@@ -76,11 +76,11 @@ pub fn fill(buf: &mut [u8], seq: u64, gptr: u64) {
 
 /// Checks a message made by [`fill`] (panics on a corrupted byte); returns
 /// (seq, gptr in header).
-pub fn check(bytes: &[u8]) -> (u64, u64) {
-    let seq = u64::from_le_bytes(bytes[..8].try_into().unwrap());
-    let gptr = u64::from_le_bytes(bytes[8..16].try_into().unwrap());
-    for (i, b) in bytes[16..].iter().enumerate() {
-        assert_eq!(*b, (seq as u8).wrapping_add(i as u8).wrapping_mul(31), "payload corrupted at {i} in seq {seq}");
+pub fn check(bytes: fido::PeerSlice<'_>) -> (u64, u64) {
+    let seq = u64::from_le_bytes(bytes.read_obj(0).unwrap());
+    let gptr = u64::from_le_bytes(bytes.read_obj(8).unwrap());
+    for (i, b) in bytes.iter().skip(16).enumerate() {
+        assert_eq!(b, (seq as u8).wrapping_add(i as u8).wrapping_mul(31), "payload corrupted at {i} in seq {seq}");
     }
     (seq, gptr)
 }

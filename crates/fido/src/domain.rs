@@ -1,14 +1,15 @@
 //! A domain: this process's membership in a Fido broker, its arena, its view of
 //! the PGVAS window, and the registry.
 
-use crate::channel::{Channel, ConnShared, Incoming};
+use crate::channel::{Channel, ConnShared, Connections, Incoming};
 use std::sync::OnceLock;
 use crate::control::Control;
 use crate::error::{Error, Result};
 use fido_control::Handler;
 use fido_proto::{ConnId, Counters, DomainId, Event, GoneReason, Reply, Request, Resume, Status, TxnOp};
 use fido_ring::WaitStrategy;
-use fido_shm::{AddressMode, AddressSpace, Arena, Buf, Mapping, ModeRequest, UnplacedArena};
+use crate::local_domain::LocalDomain;
+use fido_shm::{AddressMode, AddressSpace, Arena, Buf, ModeRequest, UnplacedArena};
 use parking_lot::{Condvar, Mutex};
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::OwnedFd;
@@ -184,39 +185,20 @@ struct Watcher {
     tx: mpsc::Sender<WatchEvent>,
 }
 
-pub(crate) struct MappedPeer {
-    pub(crate) owner: DomainId,
-    pub(crate) dead: bool,
-}
-
 pub(crate) struct DomainInner {
     pub(crate) id: DomainId,
     pub(crate) slot: u32,
-    pub(crate) space: Arc<AddressSpace>,
-    pub(crate) arena: Arc<Arena>,
-    pub(crate) control: Control,
+    /// The arena, address space and broker line, shared with the channels.
+    pub(crate) local: Arc<LocalDomain>,
+    pub(crate) control: Arc<Control>,
     pub(crate) opts: JoinOptions,
     services: Mutex<HashMap<String, Arc<Backlog>>>,
-    pub(crate) conns: Mutex<HashMap<ConnId, Weak<ConnShared>>>,
+    /// This domain's channels.
+    pub(crate) conns: Arc<Connections>,
     watches: Mutex<HashMap<u64, Watcher>>,
     next_token: AtomicU64,
-    pub(crate) mapped: Mutex<HashMap<u32, MappedPeer>>,
-    /// Domains this domain has heard are dead.
-    dead: Mutex<std::collections::HashSet<DomainId>>,
-    /// Counters of channels that are gone.
-    pub(crate) retired: Mutex<Counters>,
     /// Counters as last sent to the broker.
     published: Mutex<Counters>,
-    /// Payload bytes this domain copied (zero on every zero-copy path).
-    pub(crate) bytes_copied: AtomicU64,
-    /// Closed channels whose sent messages the peer still holds.
-    pub(crate) lingering: Mutex<Vec<crate::channel::Lingering>>,
-    /// Channels that carried forwarded messages (their releases must flow
-    /// upstream even while this domain only receives).
-    pub(crate) forwarding: Mutex<Vec<Weak<ConnShared>>>,
-    /// Forwarded messages whose downstream went away without releasing them:
-    /// held (never released upstream) for the life of the domain.
-    pub(crate) orphaned: Mutex<Vec<crate::channel::Msg>>,
     /// Ourselves, for the control thread (which sets up accepted channels).
     this: OnceLock<Weak<DomainInner>>,
 }
@@ -241,31 +223,25 @@ impl Domain {
         let (domain, slot) = (joined.domain, joined.slot);
         let space = Arc::new(AddressSpace::new(joined.geometry, opts.address_mode)?);
         let arena = unplaced.place(&space, slot, domain)?;
+        let control = Arc::new(control);
+        let local = Arc::new(LocalDomain::new(space, arena, control.clone(), opts.ring_entries, opts.wait));
         let inner = Arc::new(DomainInner {
             id: domain,
             slot,
-            space,
-            arena,
+            conns: Arc::new(Connections::new(local.clone())),
+            local,
             control,
             opts,
             services: Mutex::new(HashMap::new()),
-            conns: Mutex::new(HashMap::new()),
             watches: Mutex::new(HashMap::new()),
             next_token: AtomicU64::new(1),
-            mapped: Mutex::new(HashMap::new()),
-            dead: Mutex::new(std::collections::HashSet::new()),
-            retired: Mutex::new(Counters::default()),
             published: Mutex::new(Counters::default()),
-            bytes_copied: AtomicU64::new(0),
-            lingering: Mutex::new(Vec::new()),
             this: OnceLock::new(),
-            forwarding: Mutex::new(Vec::new()),
-            orphaned: Mutex::new(Vec::new()),
         });
         let _ = inner.this.set(Arc::downgrade(&inner));
         let weak: Weak<dyn Handler> = Arc::downgrade(&inner) as Weak<dyn Handler>;
         inner.control.start(weak, format!("fido-control-{domain}"))?;
-        tracing::debug!(domain, slot, mode = ?inner.space.mode(), "joined");
+        tracing::debug!(domain, slot, mode = ?inner.local.space.mode(), "joined");
         Ok(Domain { inner })
     }
 
@@ -280,18 +256,18 @@ impl Domain {
     }
     /// Whether global pointers are used as they are (PGVAS) or translated.
     pub fn address_mode(&self) -> AddressMode {
-        self.inner.space.mode()
+        self.inner.local.space.mode()
     }
     pub fn arena(&self) -> &Arc<Arena> {
-        &self.inner.arena
+        &self.inner.local.arena
     }
     pub fn address_space(&self) -> &Arc<AddressSpace> {
-        &self.inner.space
+        &self.inner.local.space
     }
 
     /// Allocates a message buffer in this domain's arena.
     pub fn alloc(&self, len: usize) -> Result<Buf> {
-        Ok(self.inner.arena.alloc(len)?)
+        Ok(self.inner.local.arena.alloc(len)?)
     }
 
     /// Allocates a buffer holding a copy of `bytes` (counted as copied bytes).
@@ -300,7 +276,7 @@ impl Domain {
         buf.truncate(bytes.len().max(1));
         buf[..bytes.len()].copy_from_slice(bytes);
         buf.truncate(bytes.len());
-        self.inner.bytes_copied.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        self.inner.local.bytes_copied.fetch_add(bytes.len() as u64, Ordering::Relaxed);
         Ok(buf)
     }
 
@@ -317,12 +293,12 @@ impl Domain {
 
     /// Connects to a service offered by some domain.
     pub fn connect(&self, service: &str) -> Result<Channel> {
-        Channel::connect(&self.inner, service)
+        Channel::connect(&self.inner.conns, self.inner.clone(), service)
     }
 
     /// Counters of this domain's data path (all channels, past and present).
     pub fn counters(&self) -> Counters {
-        self.inner.counters()
+        self.inner.conns.counters()
     }
 
     /// Sends this domain's counters to the broker (shown by `fido status`).
@@ -390,75 +366,15 @@ impl Domain {
 }
 
 impl DomainInner {
-    pub(crate) fn counters(&self) -> Counters {
-        let mut c = *self.retired.lock();
-        let conns: Vec<Arc<ConnShared>> = self.conns.lock().values().filter_map(Weak::upgrade).collect();
-        for conn in conns {
-            conn.add_counters(&mut c);
-        }
-        c.bytes_copied += self.bytes_copied.load(Ordering::Relaxed);
-        c
-    }
-
-    /// Makes sure the arena in `slot` is mapped, asking the broker for a grant
-    /// the first time a pointer into it shows up (a forwarded message).
-    pub(crate) fn ensure_mapped(&self, slot: u32) -> Result<Arc<Mapping>> {
-        if let Some(m) = self.space.mapping(slot) {
-            return Ok(m);
-        }
-        let (reply, mut fds) = self.control.request(Request::GrantSlot { slot }, &[])?;
-        match reply {
-            Reply::Grant { owner, slot: s, arena_len } if s == slot && fds.len() == 1 => {
-                let m = self.space.map_peer(slot, owner, fds.remove(0), arena_len)?;
-                self.register_mapping(slot, owner);
-                Ok(m)
-            }
-            other => Err(Error::protocol(format!("bad grant reply {other:?} with {} fds", fds.len()))),
-        }
-    }
-
-    pub(crate) fn reap_forwarded(&self) -> bool {
-        crate::channel::reap_forwarded(self)
-    }
-
-    pub(crate) fn register_mapping(&self, slot: u32, owner: DomainId) {
-        let dead = self.dead.lock().contains(&owner);
-        self.mapped.lock().insert(slot, MappedPeer { owner, dead });
-    }
-
     fn peer_gone(&self, domain: DomainId, conn: Option<ConnId>, reason: GoneReason) {
         // A revoked connection ends only that connection: its peer lives on.
         if reason != GoneReason::Revoked {
-            // Remembered for arenas of this domain mapped later (a grant of a dead
-            // domain's arena that a forwarded message still points into).
-            self.dead.lock().insert(domain);
-            for m in self.mapped.lock().values_mut() {
-                if m.owner == domain {
-                    m.dead = true;
-                }
-            }
+            self.local.note_dead(domain);
         }
-        let conns: Vec<Arc<ConnShared>> = self.conns.lock().values().filter_map(Weak::upgrade).collect();
-        for c in conns {
+        for c in self.conns.live() {
             if conn.map_or(c.peer.domain == domain, |id| id == c.conn) {
                 c.mark_gone(reason);
             }
-        }
-    }
-
-    /// Unmaps arenas of dead peers that nothing references any more, and tells
-    /// the broker so it can reuse their slots.
-    fn sweep_mappings(&self) {
-        let mut mapped = self.mapped.lock();
-        let done: Vec<(u32, DomainId)> = mapped
-            .iter()
-            .filter(|(slot, m)| m.dead && self.space.mapping(**slot).is_none_or(|a| Arc::strong_count(&a) <= 2))
-            .map(|(s, m)| (*s, m.owner))
-            .collect();
-        for (slot, owner) in done {
-            mapped.remove(&slot);
-            self.space.unmap(slot);
-            self.control.notify(Request::Unmapped { slot, owner });
         }
     }
 }
@@ -470,7 +386,7 @@ impl Handler for DomainInner {
                 let backlog = self.services.lock().get(&service).cloned();
                 let me = self.this.get().and_then(Weak::upgrade);
                 match (backlog, me) {
-                    (Some(b), Some(me)) => match Channel::accept(&me, Incoming { conn, service, peer, block, fds }) {
+                    (Some(b), Some(me)) => match Channel::accept(&self.conns, me, Incoming { conn, service, peer, block, fds }) {
                         Ok(ch) => {
                             b.queue.lock().push_back(ch);
                             b.ready.notify_one();
@@ -482,7 +398,7 @@ impl Handler for DomainInner {
             }
             Event::PeerGone { domain, conn, reason } => self.peer_gone(domain, conn, reason),
             Event::Closed { conn } => {
-                if let Some(c) = self.conns.lock().get(&conn).and_then(Weak::upgrade) {
+                if let Some(c) = self.conns.get(conn) {
                     c.wake_local();
                 }
             }
@@ -495,32 +411,32 @@ impl Handler for DomainInner {
     }
 
     fn rejoin(&self) -> fido_control::Result<(Request, Vec<OwnedFd>)> {
-        let conns: Vec<Arc<ConnShared>> = self.conns.lock().values().filter_map(Weak::upgrade).collect();
+        let conns: Vec<Arc<ConnShared>> = self.conns.live();
         let resume = Resume {
             domain: self.id,
             slot: self.slot,
             services: self.services.lock().keys().cloned().collect(),
             // Dead owners' arenas we still map too: the new broker must keep
             // those slots pinned until we unmap them.
-            mapped: self.mapped.lock().iter().map(|(s, m)| (*s, m.owner)).collect(),
+            mapped: self.local.mapped.lock().iter().map(|(s, m)| (*s, m.owner)).collect(),
             connections: conns.iter().filter(|c| c.is_open()).map(|c| (c.conn, c.peer.domain, c.service.clone())).collect(),
             watches: self.watches.lock().iter().map(|(t, w)| (*t, w.prefix.clone())).collect(),
         };
         let join = Request::Join {
             name: self.opts.name.clone(),
             label: self.opts.label.clone(),
-            arena_len: self.arena.len(),
+            arena_len: self.local.arena.len(),
             resume: Some(resume),
         };
-        let arena = self.arena.ro_fd().map_err(|e| fido_control::ControlError::Io(std::io::Error::other(e)))?;
+        let arena = self.local.arena.ro_fd().map_err(|e| fido_control::ControlError::Io(std::io::Error::other(e)))?;
         Ok((join, vec![arena]))
     }
 
     fn tick(&self) {
-        crate::channel::sweep_lingering(self);
-        self.sweep_mappings();
+        self.conns.sweep_lingering();
+        self.local.sweep_mappings();
         // Keep `fido status` current: publish the counters when they changed.
-        let now = self.counters();
+        let now = self.conns.counters();
         let mut last = self.published.lock();
         if *last != now {
             *last = now;

@@ -6,7 +6,8 @@
 //! in every domain. It **offers** services and **connects** to others'; the
 //! broker exchanges arena grants and doorbells once, and from then on messages
 //! are 64-byte descriptors in rings that each side keeps in its own memory.
-//! A received [`Msg`] is a read-only view of the sender's buffer; [`Channel::forward`]
+//! A received [`Msg`] is a read-only view of the sender's buffer, read
+//! through [`PeerSlice`]s (the sender can still write it); [`Channel::forward`]
 //! passes it on to the next domain with the same pointers (transitive
 //! zero-copy) and the release travels back when the last hop is done.
 //!
@@ -30,6 +31,7 @@ mod asynch;
 mod channel;
 mod control;
 mod domain;
+mod local_domain;
 mod error;
 pub mod validate;
 
@@ -40,4 +42,4 @@ pub use domain::{Domain, JoinOptions, Listener, Watch, WatchEvent};
 pub use error::{Error, Result};
 pub use fido_proto::{default_broker_path, Counters, DomainId, ErrorCode, PeerInfo, Status, TxnOp};
 pub use fido_ring::{Descriptor, Segment, WaitStrategy, INLINE_BYTES};
-pub use fido_shm::{AddressMode, Buf, GPtr, ModeRequest};
+pub use fido_shm::{AddressMode, Buf, GPtr, ModeRequest, PeerSlice, PeerSliceOf, READ_CHUNK};

@@ -35,7 +35,8 @@ async fn async_echo_and_backpressure() {
     let receiver = async {
         for i in 0..100u64 {
             let m = c.recv().await.unwrap();
-            assert_eq!((m.tag(), m.as_slice().unwrap()), (i, &i.to_le_bytes()[..]));
+            assert_eq!(m.tag(), i);
+            assert_eq!(m.as_slice().unwrap(), &i.to_le_bytes()[..]);
         }
     };
     tokio::time::timeout(Duration::from_secs(20), async { tokio::join!(sender, receiver) }).await.expect("async echo stalled");

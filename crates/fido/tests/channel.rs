@@ -34,7 +34,7 @@ fn scatter_gather_and_inline_messages_arrive_intact() {
         assert_eq!((m.tag(), m.opcode(), m.segment_count()), (parts as u64, 3, parts));
         for (i, seg) in m.segments().enumerate() {
             assert_eq!(seg.len(), 10 + i);
-            assert!(seg.iter().all(|x| *x == i as u8));
+            assert!(seg.iter().all(|x| x == i as u8));
         }
         assert_eq!(m.len(), (0..parts).map(|i| 10 + i).sum::<usize>());
     }
@@ -48,7 +48,7 @@ fn scatter_gather_and_inline_messages_arrive_intact() {
         assert_eq!((m.tag(), m.opcode(), m.len()), (len as u64, 9, len));
         assert_eq!(m.inline_bytes(), Some(&bytes[..]));
         assert_eq!(m.segment_count(), (len > 0) as usize);
-        assert_eq!(m.segments().next().unwrap_or(&[]), &bytes[..]);
+        assert_eq!(m.segments().next().unwrap_or(fido::PeerSlice::empty()), &bytes[..]);
         assert_eq!(m.global_segments().count(), 0);
         // Back the other way, forwarded.
         s.forward(m).unwrap();
@@ -287,4 +287,53 @@ fn a_deferred_release_waits_for_the_next_send_or_wait() {
     assert_eq!(out(&c), 1);
     drop(s);
     assert_eq!(out(&c), 0);
+}
+
+/// `Counters::bytes_copied` counts every copy a receiver keeps of payload —
+/// `Msg::to_vec`, and `copy_to` / `to_vec` / `append_to` of the views from
+/// `as_slice`, `segments`, `resolve` and `peer_arena` — and no read in place
+/// (`read_obj`, `read_chunks`, `fold_u64`, `iter`, comparisons).
+#[test]
+fn bytes_copied_counts_every_kept_copy_and_no_read_in_place() {
+    let b = TestBroker::start();
+    let (server, client, s, c) = pair(&b, "copies", 8);
+    let copied = || server.counters().bytes_copied;
+    let mut buf = client.alloc(1000).unwrap();
+    buf.iter_mut().enumerate().for_each(|(i, x)| *x = i as u8);
+    let (g, len) = (buf.gptr(), buf.len());
+    c.send(buf).unwrap();
+    let m = s.recv_timeout(Duration::from_secs(5)).unwrap();
+    let v = m.as_slice().unwrap();
+    // Reads in place.
+    assert_eq!(v.read_obj::<u8>(999), Some(999u32 as u8));
+    let mut sum = 0u64;
+    v.read_chunks(|ch| sum += ch.iter().map(|&x| x as u64).sum::<u64>());
+    assert_eq!(sum, (0..1000u64).map(|i| i % 256).sum::<u64>());
+    let _ = (v.fold_u64(0u64, |a, w| a ^ w), v.iter().count(), v == &[0u8; 3][..]);
+    assert_eq!(copied(), 0, "reads in place");
+    // Kept copies, each path counted by what it copied.
+    assert_eq!(m.to_vec().len(), 1000);
+    assert_eq!(copied(), 1000, "Msg::to_vec");
+    assert_eq!(v.copy_to(&mut [0u8; 100]), 100);
+    assert_eq!(copied(), 1100, "as_slice().copy_to");
+    assert_eq!(m.segments().next().unwrap().to_vec().len(), 1000);
+    assert_eq!(copied(), 2100, "segments().to_vec");
+    let r = m.resolve(g.add(10).unwrap(), 50).unwrap();
+    assert!(r == &(10..60).map(|i| i as u8).collect::<Vec<u8>>()[..]);
+    assert_eq!(copied(), 2100, "a comparison is a read in place");
+    assert_eq!(r.to_vec().len(), 50);
+    assert_eq!(copied(), 2150, "resolve().to_vec");
+    let (base, arena) = m.peer_arena();
+    let mut kept = Vec::new();
+    arena.subslice((g.addr() - base.addr()) as usize, len).unwrap().append_to(&mut kept);
+    assert_eq!(kept, m.to_vec());
+    assert_eq!(copied(), 2150 + 1000 + 1000, "peer_arena().append_to (and to_vec)");
+    drop(m);
+    // An inline message's bytes are our own copy already; copying them again
+    // is still a copy the caller keeps.
+    c.send_inline(1, 0, b"abc").unwrap();
+    let m = s.recv_timeout(Duration::from_secs(5)).unwrap();
+    assert_eq!(m.to_vec(), b"abc");
+    assert_eq!(copied(), 4153, "an inline message's to_vec");
+    assert_eq!(client.counters().bytes_copied, 0, "the sender copied nothing");
 }

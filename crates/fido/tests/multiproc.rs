@@ -398,5 +398,5 @@ fn a_peer_writing_our_memory_dies_alone() {
     let undelivered = ch.take_undelivered();
     assert_eq!(undelivered.len(), 1);
     let bufs = undelivered.into_iter().next().unwrap().message.into_bufs();
-    assert_eq!(check(&bufs[0]).0, 1, "payload untouched");
+    assert_eq!(check(fido::PeerSlice::from_own(&bufs[0])).0, 1, "payload untouched");
 }

@@ -25,7 +25,7 @@ fn server() -> anyhow::Result<()> {
     // A read-only view of the client's buffer. Copy out what you keep: the
     // sender can still change its bytes.
     let req = ch.recv()?;
-    let name = String::from_utf8_lossy(req.as_slice().unwrap_or_default()).into_owned();
+    let name = String::from_utf8_lossy(&req.to_vec()).into_owned(); // a counted copy
     drop(req); // releases the buffer: the client's arena gets it back
     println!("server received: {name}");
     let reply = format!("hello, {name}!");
@@ -70,7 +70,8 @@ fn main() -> anyhow::Result<()> {
     println!("client sent: world");
     let wait = Duration::from_secs(10);
     let reply = ch.recv_timeout(wait)?;
-    let text = String::from_utf8_lossy(reply.as_slice().unwrap_or_default());
+    let mut text = String::new(); // decoded as it is read in place: no copy kept
+    reply.segments().for_each(|v| v.read_chunks(|c| text.push_str(&String::from_utf8_lossy(c))));
     let (tag, from) = (reply.tag(), reply.from_domain());
     println!("client received: {text} (tag {tag}, from domain {from})");
     let ev = watch.recv_timeout(wait).context("no watch event")?;

@@ -6,6 +6,7 @@
 
 use crate::{Ctx, Fault, Frame, RpcError, ShmSlice, ShmStr};
 use bytemuck::{Pod, Zeroable};
+use fido::{PeerSlice, PeerSliceOf};
 
 /// A FixedSeq element (24 bytes, no padding).
 #[repr(C)]
@@ -61,20 +62,25 @@ pub fn var_name(i: usize, out: &mut [u8; 24]) -> &[u8] {
     &out[..n]
 }
 
-pub fn byteseq_sum(d: &[u8]) -> u64 {
-    d.iter().map(|&b| b as u64).sum()
+/// Σ bytes, read in place (chunk by chunk: see [`PeerSlice::read_chunks`]).
+pub fn byteseq_sum(d: PeerSliceOf<'_, u8>) -> u64 {
+    let mut s = 0u64;
+    d.as_bytes().read_chunks(|c| s += c.iter().map(|&b| b as u64).sum::<u64>());
+    s
 }
-pub fn fixed_sum(d: &[Fixed]) -> u64 {
+pub fn fixed_sum(d: PeerSliceOf<'_, Fixed>) -> u64 {
     d.iter().fold(0u64, |s, f| s.wrapping_add(f.a).wrapping_add(f.b).wrapping_add(f.c as u64).wrapping_add(f.d as u64))
 }
 /// Sum over elements of `id` plus the string's bytes; strings resolved with `str`.
-pub fn var_sum<'a>(d: &[Var], mut str: impl FnMut(ShmStr) -> Result<&'a [u8], Fault>) -> Result<u64, Fault> {
+pub fn var_sum<'a>(d: PeerSliceOf<'_, Var>, mut str: impl FnMut(ShmStr) -> Result<PeerSlice<'a>, Fault>) -> Result<u64, Fault> {
     let mut s = 0u64;
-    for v in d {
+    for v in d.iter() {
         s = s.wrapping_add(v.id);
-        for &b in str(v.name)? {
-            s = s.wrapping_add(b as u64);
-        }
+        str(v.name)?.read_chunks(|c| {
+            for &b in c {
+                s = s.wrapping_add(b as u64);
+            }
+        });
     }
     Ok(s)
 }

@@ -81,9 +81,14 @@ impl FileServer {
     }
 
     fn store(&self, name: Vec<u8>, data: &[u8]) -> Result<Arc<Entry>, FsError> {
-        let mut b = self.arena.alloc(data.len().max(1)).map_err(|_| FsError::NO_SPACE)?;
-        b[..data.len()].copy_from_slice(data);
-        let e = Arc::new(Entry { buf: b, len: data.len() });
+        self.store_with(name, data.len(), |b| b.copy_from_slice(data))
+    }
+
+    /// Caches `len` bytes under `name`, written by `fill`.
+    fn store_with(&self, name: Vec<u8>, len: usize, fill: impl FnOnce(&mut [u8])) -> Result<Arc<Entry>, FsError> {
+        let mut b = self.arena.alloc(len.max(1)).map_err(|_| FsError::NO_SPACE)?;
+        fill(&mut b[..len]);
+        let e = Arc::new(Entry { buf: b, len });
         self.cache.write().insert(name, e.clone());
         Ok(e)
     }
@@ -126,8 +131,11 @@ impl Files for FileServer {
     }
     fn put(&self, cx: &mut Ctx<'_>, path: ShmStr, data: ShmSlice<u8>) -> Result<u64, Failure<FsError>> {
         let name = key(cx, path)?;
-        let bytes = cx.slice(data)?;
-        self.store(name, bytes).map_err(Failure::App)?;
+        let bytes = cx.slice(data)?.as_bytes();
+        self.store_with(name, bytes.len(), |b| {
+            bytes.copy_to(b);
+        })
+        .map_err(Failure::App)?;
         Ok(bytes.len() as u64)
     }
     fn evict(&self, cx: &mut Ctx<'_>, path: ShmStr) -> Result<(), Failure<FsError>> {

@@ -1,0 +1,402 @@
+//! Channels: one connection between two domains, a ring per direction.
+//!
+//! Sending writes a descriptor into the ring in our own arena (no copy: the
+//! descriptor carries global pointers to buffers in our arena, or in an upstream
+//! domain's arena when forwarding). Receiving copies the descriptor out of the
+//! peer's read-only memory, validates every range in it, and hands out a
+//! read-only view. Dropping the view releases the message: its cookie goes into
+//! our release ring, and the sender frees the buffer (or, for a forwarded
+//! message, releases it upstream in turn).
+//!
+//! `message` holds what travels, `send` and `recv` the two directions, `conn`
+//! the state they share, `connections` the domain's set of channels. The
+//! domain's resources come in through [`crate::local_domain`]: nothing here
+//! depends on the domain itself.
+
+mod conn;
+mod connections;
+mod message;
+mod recv;
+mod send;
+
+pub(crate) use conn::{ConnShared, DomainHandle};
+pub(crate) use connections::Connections;
+pub use message::{Message, Msg, SendError, Undelivered};
+
+use crate::error::{Error, Result};
+use crate::local_domain::LocalDomain;
+use conn::{AtomicConnState, ConnState, ReleaseState, Stats, NO_DEFERRED};
+use connections::Lingering;
+use fido_proto::{ConnId, GoneReason, PeerInfo, Reply, Request, RingBlock};
+use fido_ring::{block_len, doorbell, Descriptor, LocalBlock, PeerBlock, Releaser, RxRing, TxRing, WaitStrategy};
+use fido_shm::{Buf, Mapping};
+use parking_lot::Mutex;
+use recv::RxState;
+use send::{Outstanding, Slot, TxState};
+use std::os::fd::{AsFd, OwnedFd};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// A connection request waiting in a listener's backlog.
+pub(crate) struct Incoming {
+    pub(crate) conn: ConnId,
+    pub(crate) service: String,
+    pub(crate) peer: PeerInfo,
+    pub(crate) block: RingBlock,
+    pub(crate) fds: Vec<OwnedFd>,
+}
+
+/// A connection to another domain. Send and receive from any threads (one
+/// sender and one receiver at a time make progress; others queue on a lock).
+pub struct Channel {
+    shared: Arc<ConnShared>,
+}
+
+impl Channel {
+    fn new_block(domain: &LocalDomain, entries: u32) -> Result<(Buf, LocalBlock)> {
+        let len = block_len(entries);
+        let mut block = domain.arena.alloc(len)?;
+        let base = NonNull::new(block.as_mut_ptr()).ok_or_else(|| Error::Invalid("null block".into()))?;
+        // SAFETY: `block` is `len` writable bytes of our arena, 64-aligned (the
+        // allocator's guarantee), used for nothing else, and kept alive by the
+        // ConnShared that owns both it and every copy of the LocalBlock.
+        let local = unsafe { LocalBlock::init(base, len, entries) }.map_err(|e| Error::Invalid(e.to_string()))?;
+        Ok((block, local))
+    }
+
+    /// Maps the peer's arena and opens its ring block.
+    fn open_peer(domain: &LocalDomain, peer: &PeerInfo, block: &RingBlock, arena_fd: OwnedFd) -> Result<(Arc<Mapping>, PeerBlock)> {
+        let mapping = domain.space.map_peer(peer.slot, peer.domain, arena_fd, peer.arena_len)?;
+        domain.register_mapping(peer.slot, peer.domain);
+        if block.len < block_len(block.entries) as u64 {
+            return Err(Error::protocol("peer ring block too small"));
+        }
+        let g = mapping.global_base().add(block.offset).ok_or_else(|| Error::protocol("peer ring block offset"))?;
+        let (ptr, _) = domain.space.resolve(g, block.len)?;
+        // SAFETY: `resolve` checked the range lies inside the peer's mapping,
+        // which the ConnShared keeps alive (`peer_map`) as long as any copy of
+        // the PeerBlock exists.
+        let pb = unsafe { PeerBlock::open(ptr, block.len as usize, block.entries) }.map_err(Error::protocol)?;
+        Ok((mapping, pb))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn assemble(
+        (conns, domain): (&Arc<Connections>, DomainHandle),
+        conn: ConnId,
+        service: String,
+        peer: PeerInfo,
+        mapping: Arc<Mapping>,
+        (block, local): (Buf, LocalBlock),
+        peer_block: PeerBlock,
+        (data_bell, space_bell): (doorbell::Doorbell, doorbell::Doorbell),
+        mut peer_fds: Vec<OwnedFd>,
+    ) -> Channel {
+        let liveness = peer_fds.pop().expect("checked: 3 fds left");
+        let peer_space = Arc::new(peer_fds.pop().expect("checked"));
+        let peer_data = Arc::new(peer_fds.pop().expect("checked"));
+        let entries = local.entries();
+        let wait = conns.local.wait;
+        let outstanding = Arc::new(Outstanding::default());
+        let shared = Arc::new(ConnShared {
+            conn,
+            service,
+            peer,
+            conns: conns.clone(),
+            _domain: domain,
+            peer_map: mapping,
+            _block: block,
+            local,
+            data_bell,
+            space_bell,
+            liveness,
+            peer_block,
+            releaser: Mutex::new(ReleaseState { ring: Releaser::new(local, peer_block, peer_space), dropped: 0, delivered_in_all: None }),
+            deferred: AtomicU64::new(NO_DEFERRED),
+            channel_dropped: AtomicBool::new(false),
+            state: AtomicConnState::new(),
+            broken: Mutex::new(None),
+            stats: Stats::default(),
+            tx: Mutex::new(TxState {
+                ring: TxRing::new(local, peer_block, peer_data),
+                table: (0..entries).map(|_| Slot::default()).collect(),
+                free: (0..entries).rev().collect(),
+                generation: 0,
+                epoch: 0,
+                wait,
+                undelivered: Vec::new(),
+                outstanding: outstanding.clone(),
+            }),
+            rx: Mutex::new(RxState { ring: RxRing::new(local, peer_block), epoch: 0, wait, delivered: 0 }),
+            forwarding: AtomicBool::new(false),
+            outstanding,
+        });
+        conns.live.lock().insert(conn, Arc::downgrade(&shared));
+        // The received messages' reference (see `ReleaseState`): given up
+        // by whoever sees the last of them gone after the channel.
+        std::mem::forget(shared.clone());
+        Channel { shared }
+    }
+
+    /// Connects to `service` for the domain that `domain` keeps alive.
+    pub(crate) fn connect(conns: &Arc<Connections>, domain: DomainHandle, service: &str) -> Result<Channel> {
+        let local_domain = &*conns.local;
+        let entries = local_domain.ring_entries;
+        let (block, local) = Self::new_block(local_domain, entries)?;
+        let bells = (doorbell::new_doorbell()?, doorbell::new_doorbell()?);
+        let ring = RingBlock { offset: block.offset(), len: block_len(entries) as u64, entries };
+        let fds = [bells.0.ring.try_clone()?, bells.1.ring.try_clone()?];
+        let (reply, mut peer_fds) = local_domain.control.request(Request::Connect { service: service.into(), block: ring }, &fds)?;
+        drop(fds);
+        let (conn, peer, pblock) = match reply {
+            Reply::Connected { conn, peer, block } if peer_fds.len() == 4 && block.entries == entries => (conn, peer, block),
+            other => return Err(Error::protocol(format!("bad connect reply {other:?} with {} fds", peer_fds.len()))),
+        };
+        let arena_fd = peer_fds.remove(0);
+        let (mapping, peer_block) = Self::open_peer(local_domain, &peer, &pblock, arena_fd)?;
+        Ok(Self::assemble((conns, domain), conn, service.into(), peer, mapping, (block, local), peer_block, bells, peer_fds))
+    }
+
+    /// Completes an incoming connection for the domain that `domain` keeps alive.
+    pub(crate) fn accept(conns: &Arc<Connections>, domain: DomainHandle, inc: Incoming) -> Result<Channel> {
+        let local_domain = &*conns.local;
+        let Incoming { conn, service, peer, block: pblock, mut fds } = inc;
+        let refuse = |why: String| {
+            local_domain.control.notify(Request::Refuse { conn, reason: why.clone() });
+            Error::protocol(why)
+        };
+        if fds.len() != 4 {
+            return Err(refuse(format!("incoming connection with {} descriptors", fds.len())));
+        }
+        let entries = pblock.entries;
+        let (block, local) = Self::new_block(local_domain, entries)?;
+        let (mapping, peer_block) = match Self::open_peer(local_domain, &peer, &pblock, fds.remove(0)) {
+            Ok(x) => x,
+            Err(e) => return Err(refuse(e.to_string())),
+        };
+        let bells = (doorbell::new_doorbell()?, doorbell::new_doorbell()?);
+        let ring = RingBlock { offset: block.offset(), len: block_len(entries) as u64, entries };
+        let mine = [bells.0.ring.try_clone()?, bells.1.ring.try_clone()?];
+        // Runs on the control thread, which reads the broker's replies itself:
+        // fire and forget. If the client is gone by now, the liveness socket
+        // says so on the first operation.
+        local_domain.control.notify_with(Request::Accept { conn, block: ring }, &mine)?;
+        Ok(Self::assemble((conns, domain), conn, service, peer, mapping, (block, local), peer_block, bells, fds))
+    }
+
+    pub fn id(&self) -> ConnId {
+        self.shared.conn
+    }
+    pub fn peer(&self) -> &PeerInfo {
+        &self.shared.peer
+    }
+    pub fn service(&self) -> &str {
+        &self.shared.service
+    }
+
+    /// Sets how this channel waits (both directions).
+    pub fn set_wait(&self, wait: WaitStrategy) {
+        self.shared.tx.lock().wait = wait;
+        self.shared.rx.lock().wait = wait;
+    }
+
+    /// True while the connection is usable.
+    pub fn is_open(&self) -> bool {
+        // The peer's block directly, not through the send lock: callers
+        // check this before every RPC.
+        self.shared.is_open() && !self.shared.peer_block.is_closed()
+    }
+
+    /// The doorbell wait end this channel's receiver sleeps on. The peer rings it only
+    /// after the receiver announced it is going to sleep (blocking `recv`, or
+    /// [`crate::AsyncChannel`]), so it is not a readiness signal on its own.
+    pub fn data_doorbell(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.shared.data_bell.wait.as_fd()
+    }
+
+}
+
+impl Channel {
+    /// Test hook: publishes a raw descriptor as a misbehaving peer would (no
+    /// validation, no bookkeeping). Used by the adversarial tests.
+    #[doc(hidden)]
+    pub fn __send_raw_descriptor(&self, desc: Descriptor) -> Result<()> {
+        let mut tx = self.shared.tx.lock();
+        tx.ring.push(&desc).map_err(|e| Error::Invalid(e.to_string()))?;
+        tx.ring.publish()?;
+        Ok(())
+    }
+
+    /// Test hook: overwrites our published indices as a lying peer would
+    /// (`data`: the descriptor publish index; `releases`: the release index),
+    /// and rings the peer. Used by the adversarial tests.
+    #[doc(hidden)]
+    pub fn __forge_indices(&self, data: Option<u64>, releases: Option<u64>) {
+        let local = self.shared.local;
+        if let Some(v) = data {
+            local.data_prod().store(v, Ordering::Release);
+        }
+        if let Some(v) = releases {
+            local.rel_prod().store(v, Ordering::Release);
+        }
+        self.shared.tx.lock().ring.wake_peer();
+        self.shared.releaser.lock().ring.wake_peer();
+    }
+
+    /// Test hook: a duplicate of the ring end of the peer's data doorbell —
+    /// exactly what a peer holds of ours. Used by the adversarial tests.
+    #[doc(hidden)]
+    pub fn __peer_data_bell(&self) -> std::io::Result<OwnedFd> {
+        Ok(rustix::io::fcntl_dupfd_cloexec(self.shared.tx.lock().ring.peer_data_bell(), 0)?)
+    }
+
+}
+
+impl Channel {
+    #[cfg(feature = "tokio")]
+    /// Announces that the receiver is about to sleep on its data doorbell.
+    /// Returns false (and stays awake) when a message or a state change is
+    /// already there. Used by the async flavour; pair with `disarm_rx`.
+    pub(crate) fn arm_rx(&self) -> bool {
+        let mut rx = self.shared.rx.lock();
+        let local = *rx.ring.local();
+        fido_ring::protocol::arm(local.data_sleep(), &mut rx.epoch, fido_ring::protocol::Sleep::Socket);
+        let ready = rx.ring.pending().unwrap_or(true) || !self.shared.is_open() || rx.ring.peer_closed();
+        if ready {
+            fido_ring::protocol::disarm(local.data_sleep(), rx.epoch);
+        }
+        !ready
+    }
+
+    #[cfg(feature = "tokio")]
+    pub(crate) fn disarm_rx(&self) {
+        let rx = self.shared.rx.lock();
+        fido_ring::protocol::disarm(rx.ring.local().data_sleep(), rx.epoch);
+    }
+
+    #[cfg(feature = "tokio")]
+    /// As `arm_rx`, for a sender waiting for window space (releases).
+    pub(crate) fn arm_tx(&self) -> bool {
+        let mut tx = self.shared.tx.lock();
+        let local = *tx.ring.local();
+        let mut epoch = tx.epoch;
+        fido_ring::protocol::arm(local.space_sleep(), &mut epoch, fido_ring::protocol::Sleep::Socket);
+        tx.epoch = epoch;
+        let ready = tx.reap().is_err() || tx.ring.free_slots() > 0 || !self.shared.is_open() || tx.ring.peer_closed();
+        if ready {
+            fido_ring::protocol::disarm(local.space_sleep(), tx.epoch);
+        }
+        !ready
+    }
+
+    #[cfg(feature = "tokio")]
+    pub(crate) fn disarm_tx(&self) {
+        let tx = self.shared.tx.lock();
+        fido_ring::protocol::disarm(tx.ring.local().space_sleep(), tx.epoch);
+    }
+
+    #[cfg(feature = "tokio")]
+    pub(crate) fn space_doorbell(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.shared.space_bell.wait.as_fd()
+    }
+
+    #[cfg(feature = "tokio")]
+    pub(crate) fn liveness(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.shared.liveness.as_fd()
+    }
+
+    #[cfg(feature = "tokio")]
+    pub(crate) fn note_peer_hangup(&self) {
+        self.shared.mark_gone(GoneReason::Exited);
+    }
+
+    #[cfg(feature = "tokio")]
+    pub(crate) fn forwarded_in_flight(&self) -> bool {
+        self.shared.conns.reap_forwarded()
+    }
+
+}
+impl Drop for Channel {
+    fn drop(&mut self) {
+        let sh = &self.shared;
+        // No next send or receive: publish what is parked, and park nothing
+        // more (`ConnShared::defer_release`).
+        sh.channel_dropped.store(true, Ordering::SeqCst);
+        sh.publish_deferred();
+        sh.local.set_closed();
+        sh.state.end(ConnState::ClosedByUs);
+        sh.tx.lock().ring.wake_peer();
+        sh.releaser.lock().ring.wake_peer();
+        sh.conns.local.control.notify(Request::Close { conn: sh.conn });
+        sh.conns.live.lock().remove(&sh.conn);
+        sh.add_counters(&mut sh.conns.retired.lock());
+        let in_flight = sh.tx.lock().ring.in_flight();
+        if in_flight > 0 && !doorbell::peer_hung_up(sh.liveness.as_fd()) {
+            sh.conns.lingering.lock().push(Lingering { shared: sh.clone() });
+        }
+        // No message is delivered after this (receiving takes `&self`).
+        let delivered = sh.rx.lock().delivered;
+        let last = {
+            let mut r = sh.releaser.lock();
+            r.delivered_in_all = Some(delivered);
+            r.dropped == delivered
+        };
+        if last {
+            // SAFETY: the received messages' reference, taken in `assemble`
+            // and given up once (`ReleaseState`): all of them are gone, and
+            // none will come. `self.shared` still holds the channel's own, so
+            // this does not free the connection under it.
+            unsafe { Arc::decrement_strong_count(Arc::as_ptr(&self.shared)) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Domain, JoinOptions};
+    use std::time::Duration;
+
+    fn pair(socket: &std::path::Path) -> (Domain, Domain, Channel, Channel) {
+        let a = Domain::join(JoinOptions::new("a").broker(socket).arena_len(16 << 20).ring_entries(8)).unwrap();
+        let b = Domain::join(JoinOptions::new("b").broker(socket).arena_len(16 << 20).ring_entries(8).swizzle(true)).unwrap();
+        let l = a.offer("refs").unwrap();
+        let cb = b.connect("refs").unwrap();
+        let ca = l.accept_timeout(Duration::from_secs(5)).unwrap();
+        (a, b, ca, cb)
+    }
+
+    /// The received messages' one reference (`ReleaseState`) keeps the
+    /// connection alive for exactly as long as the channel or any message
+    /// it delivered, whichever order they go in and on whatever thread.
+    #[test]
+    fn received_messages_keep_their_connection_alive_and_no_longer() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("broker.sock");
+        let _broker = fido_broker::Embedded::start(fido_broker::Config::new(&socket, &dir.path().join("state"))).unwrap();
+        for channel_first in [true, false] {
+            let (_a, _b, rx, tx) = pair(&socket);
+            for i in 0..3u64 {
+                tx.send_inline(i, 0, b"x").unwrap();
+            }
+            let msgs: Vec<Msg> = (0..3).map(|_| rx.recv_timeout(Duration::from_secs(5)).unwrap()).collect();
+            let conn = Arc::downgrade(&rx.shared);
+            if channel_first {
+                drop(rx);
+                assert!(conn.upgrade().is_some(), "the messages keep the connection");
+                assert_eq!(msgs[2].tag(), 2);
+                std::thread::spawn(move || drop(msgs)).join().unwrap();
+            } else {
+                drop(msgs);
+                assert!(conn.upgrade().is_some(), "the channel keeps the connection");
+                drop(rx);
+            }
+            assert!(conn.upgrade().is_none(), "the connection outlived its channel and messages (channel first: {channel_first})");
+            // The releases reached the sender either way.
+            tx.reap().unwrap();
+            assert_eq!(tx.in_flight(), 0);
+        }
+    }
+}
+
