@@ -8,7 +8,7 @@
 //! everything it had (id, slot, services, mappings, connections, watches), so
 //! established connections — which never touch the broker — go on unharmed.
 
-use crate::error::{Error, Result};
+use crate::error::{Error, InvalidArgument, Result};
 use fido_proto::{wire, BrokerMsg, ClientMsg, Event, Reply, Request, RemoteError, ErrorCode};
 use parking_lot::Mutex;
 use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
@@ -27,7 +27,7 @@ type ReplySlot = mpsc::SyncSender<(Result<Reply, RemoteError>, Vec<OwnedFd>)>;
 /// Connects a SEQPACKET socket to the broker.
 pub(crate) fn connect_socket(path: &Path) -> Result<OwnedFd> {
     let sock = rustix::net::socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)?;
-    let addr = SocketAddrUnix::new(path).map_err(|e| Error::Invalid(format!("broker socket path {}: {e}", path.display())))?;
+    let addr = SocketAddrUnix::new(path).map_err(|e| InvalidArgument::BrokerPath { path: path.to_path_buf(), why: e.to_string() })?;
     rustix::net::connect(&sock, &addr)
         .map_err(|e| Error::BrokerUnavailable(format!("{}: {}", path.display(), std::io::Error::from(e))))?;
     Ok(sock)
@@ -52,16 +52,16 @@ pub(crate) fn recv_msg(sock: &OwnedFd, buf: &mut Vec<u8>, timeout: Option<Durati
         wire::Recv::WouldBlock => Ok(None),
         wire::Recv::Msg { len, fds, truncated } => {
             if truncated {
-                return Err(Error::protocol("truncated control message from broker"));
+                return Err(Error::broker_protocol("truncated control message from broker"));
             }
-            let msg = fido_proto::decode::<BrokerMsg>(&buf[..len]).map_err(Error::protocol)?;
+            let msg = fido_proto::decode::<BrokerMsg>(&buf[..len]).map_err(Error::broker_protocol)?;
             Ok(Some((msg, fds)))
         }
     }
 }
 
 pub(crate) fn send_msg(sock: &OwnedFd, msg: &ClientMsg, fds: &[OwnedFd]) -> Result<()> {
-    let bytes = fido_proto::encode(msg).map_err(|e| Error::Invalid(e.to_string()))?;
+    let bytes = fido_proto::encode(msg).map_err(|e| InvalidArgument::Request(e.to_string()))?;
     wire::send_blocking(sock.as_fd(), &bytes, fds)
         .map_err(|e| Error::BrokerUnavailable(std::io::Error::from(e).to_string()))
 }
@@ -272,7 +272,7 @@ impl Control {
                 Some((BrokerMsg::Reply { id: rid, body }, _)) if rid == id => {
                     return match body {
                         Ok(Reply::Joined { .. }) => Ok(sock),
-                        Ok(other) => Err(Error::protocol(format!("unexpected resume reply {other:?}"))),
+                        Ok(other) => Err(Error::broker_protocol(format!("unexpected resume reply {other:?}"))),
                         Err(e) => Err(Error::Broker(e)),
                     };
                 }

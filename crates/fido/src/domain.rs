@@ -4,7 +4,7 @@
 use crate::channel::{Channel, ConnShared, Connections, Incoming};
 use std::sync::OnceLock;
 use crate::control::{connect_socket, recv_msg, send_msg, Control, EventSink, REQUEST_TIMEOUT};
-use crate::error::{Error, Result};
+use crate::error::{Error, InvalidArgument, Result};
 use fido_proto::{
     BrokerMsg, ClientMsg, ConnId, Counters, DomainId, Event, GoneReason, Reply, Request, Resume, Status, TxnOp,
 };
@@ -209,9 +209,9 @@ impl Domain {
     /// PGVAS window and places the arena in the slot the broker assigned.
     pub fn join(opts: JoinOptions) -> Result<Domain> {
         if !opts.ring_entries.is_power_of_two() || opts.ring_entries < 2 || opts.ring_entries > 1 << 16 {
-            return Err(Error::Invalid(format!("ring_entries {} must be a power of two in 2..=65536", opts.ring_entries)));
+            return Err(InvalidArgument::RingEntries(opts.ring_entries).into());
         }
-        fido_proto::check_name(&opts.name).map_err(|e| Error::Invalid(format!("domain name: {e}")))?;
+        fido_proto::check_name(&opts.name).map_err(|e| InvalidArgument::Name(e.to_string()))?;
         let path = opts.broker.clone().unwrap_or_else(fido_proto::default_broker_path);
         let unplaced = UnplacedArena::create(opts.arena_len, opts.prefault)?;
         let sock = connect_socket(&path)?;
@@ -231,7 +231,7 @@ impl Domain {
             match recv_msg(&sock, &mut buf, Some(Duration::from_millis(200)))? {
                 Some((BrokerMsg::Reply { id: 1, body }, _)) => match body? {
                     Reply::Joined { domain, slot, geometry, heartbeat_ms } => break (domain, slot, geometry, heartbeat_ms),
-                    other => return Err(Error::protocol(format!("unexpected join reply {other:?}"))),
+                    other => return Err(Error::broker_protocol(format!("unexpected join reply {other:?}"))),
                 },
                 _ => continue,
             }
@@ -329,7 +329,7 @@ impl Domain {
     pub fn status(&self) -> Result<Status> {
         match self.inner.control.request(Request::Status, &[])?.0 {
             Reply::Status(s) => Ok(s),
-            other => Err(Error::protocol(format!("unexpected reply {other:?}"))),
+            other => Err(Error::broker_protocol(format!("unexpected reply {other:?}"))),
         }
     }
 
@@ -338,7 +338,7 @@ impl Domain {
     pub fn read(&self, path: &str) -> Result<Option<Vec<u8>>> {
         match self.inner.control.request(Request::Read { path: path.into() }, &[])?.0 {
             Reply::Value(v) => Ok(v),
-            other => Err(Error::protocol(format!("unexpected reply {other:?}"))),
+            other => Err(Error::broker_protocol(format!("unexpected reply {other:?}"))),
         }
     }
     pub fn write(&self, path: &str, value: &[u8]) -> Result<()> {
@@ -348,7 +348,7 @@ impl Domain {
     pub fn list(&self, path: &str) -> Result<Vec<String>> {
         match self.inner.control.request(Request::List { path: path.into() }, &[])?.0 {
             Reply::Keys(k) => Ok(k),
-            other => Err(Error::protocol(format!("unexpected reply {other:?}"))),
+            other => Err(Error::broker_protocol(format!("unexpected reply {other:?}"))),
         }
     }
     /// Deletes a key and its subtree.
@@ -361,7 +361,7 @@ impl Domain {
     pub fn transact(&self, ops: Vec<TxnOp>) -> Result<(bool, Vec<Option<Vec<u8>>>)> {
         match self.inner.control.request(Request::Transaction { ops }, &[])?.0 {
             Reply::Txn { committed, reads } => Ok((committed, reads)),
-            other => Err(Error::protocol(format!("unexpected reply {other:?}"))),
+            other => Err(Error::broker_protocol(format!("unexpected reply {other:?}"))),
         }
     }
     /// Watches a key prefix (component-wise): every write or delete at or under
