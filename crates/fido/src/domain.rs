@@ -1,5 +1,9 @@
 //! A domain: this process's membership in a Fido broker, its arena, its view of
 //! the PGVAS window, and the registry.
+//!
+//! The parts its channels use are in [`crate::local_domain`] (arena, address
+//! space, broker line) and [`crate::channel::Connections`] (the channels): the
+//! channel never depends on this module.
 
 use crate::channel::{Channel, ConnShared, Connections, Incoming};
 use std::sync::OnceLock;
@@ -186,6 +190,8 @@ struct Watcher {
     tx: mpsc::Sender<WatchEvent>,
 }
 
+/// A joined domain: what its channels use (`local`, `conns`) and what only
+/// the domain itself does (services, watches, the broker's events).
 pub(crate) struct DomainInner {
     pub(crate) id: DomainId,
     pub(crate) slot: u32,

@@ -369,6 +369,35 @@ impl Drop for ConnShared {
 
 #[cfg(test)]
 mod tests {
+    use super::{AtomicConnState, ConnState};
+    use fido_proto::GoneReason;
+
+    /// Every state survives the trip through its `u8`; no other byte is a
+    /// state; a connection ends once, with whatever ended it first.
+    #[test]
+    fn connection_states_round_trip_and_end_once() {
+        let all = [
+            ConnState::Open,
+            ConnState::PeerExited,
+            ConnState::PeerHung,
+            ConnState::PeerLeft,
+            ConnState::Broken,
+            ConnState::ClosedByUs,
+            ConnState::PeerEvicted,
+            ConnState::Revoked,
+        ];
+        for s in all {
+            assert_eq!(ConnState::try_from(s as u8), Ok(s));
+        }
+        assert_eq!(ConnState::try_from(all.len() as u8), Err(all.len() as u8));
+        assert_eq!(ConnState::from(GoneReason::MissedHeartbeat), ConnState::PeerHung);
+        let state = AtomicConnState::new();
+        assert!(state.is(ConnState::Open));
+        state.end(ConnState::Broken);
+        state.end(ConnState::ClosedByUs);
+        assert_eq!(state.load(), ConnState::Broken);
+    }
+
     /// The fields of `struct ConnShared`, in declaration order, read from
     /// this file (the order is the drop order, which the compiler does not
     /// let a test observe otherwise).
@@ -381,9 +410,10 @@ mod tests {
             .lines()
             .skip(1)
             .map(str::trim)
-            .filter(|l| !l.starts_with("//"))
-            .filter_map(|l| l.strip_prefix("pub(super) ").or_else(|| l.strip_prefix("pub(crate) ")))
-            .filter_map(|l| l.split(':').next())
+            .filter(|l| !l.starts_with("//") && !l.starts_with('#'))
+            .map(|l| l.strip_prefix("pub(super) ").or_else(|| l.strip_prefix("pub(crate) ")).unwrap_or(l))
+            .filter_map(|l| l.split_once(':').map(|(name, _)| name))
+            .filter(|name| !name.is_empty() && name.chars().all(|ch| ch == '_' || ch.is_ascii_alphanumeric()))
             .map(str::to_owned)
             .collect()
     }

@@ -29,7 +29,7 @@ use crate::error::{Error, InvalidArgument, ProtocolError, Result};
 use crate::local_domain::LocalDomain;
 use conn::{AtomicConnState, ConnState, ReleaseState, Stats, NO_DEFERRED};
 use connections::Lingering;
-use fido_proto::{ConnId, GoneReason, PeerInfo, Reply, Request, RingBlock};
+use fido_proto::{ConnId, PeerInfo, Reply, Request, RingBlock};
 use fido_ring::{block_len, doorbell, LocalBlock, PeerBlock, Releaser, RxRing, TxRing, WaitStrategy};
 use fido_shm::{Buf, Mapping};
 use parking_lot::Mutex;
@@ -273,7 +273,7 @@ impl Channel {
 
     #[cfg(feature = "tokio")]
     pub(crate) fn note_peer_hangup(&self) {
-        self.shared.mark_gone(GoneReason::Exited);
+        self.shared.mark_gone(fido_proto::GoneReason::Exited);
     }
 
     #[cfg(feature = "tokio")]
@@ -339,7 +339,7 @@ mod tests {
     fn received_messages_keep_their_connection_alive_and_no_longer() {
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("broker.sock");
-        let _broker = fido_broker::Embedded::start(fido_broker::Config::new(&socket, &dir.path().join("state"))).unwrap();
+        let _broker = fido_broker::Embedded::start(fido_broker::Config::new(&socket, dir.path().join("state"))).unwrap();
         for channel_first in [true, false] {
             let (_a, _b, rx, tx) = pair(&socket);
             for i in 0..3u64 {
