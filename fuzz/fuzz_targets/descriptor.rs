@@ -5,5 +5,5 @@
 #![no_main]
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
-    fido::validate::fuzz_descriptor(data);
+    fido_fuzz::descriptor::check(data);
 });

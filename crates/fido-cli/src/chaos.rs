@@ -422,7 +422,7 @@ impl Journal {
 /// The error of a failed connection worth a journal record.
 fn note_error(j: &mut Journal, what: &str, e: &Error) {
     if let Error::Protocol(why) = e {
-        j.line(&format!("P {what}: {}", why.replace('\n', " ")));
+        j.line(&format!("P {what}: {}", why.to_string().replace('\n', " ")));
     }
 }
 
@@ -649,7 +649,7 @@ fn sender(a: &Args, echo: bool) -> anyhow::Result<()> {
             drop(got);
         }
         if failed.is_none() && !c.is_open() {
-            failed = Some(Error::Invalid("is_open() turned false".into()));
+            failed = Some(Error::Closed);
         }
         if let Some(e) = failed {
             note_error(&mut j, "connection to the next hop", &e);
@@ -750,7 +750,7 @@ fn forwarder(a: &Args) -> anyhow::Result<()> {
         let mut failed: Option<Error> = if dn.is_open() {
             None
         } else {
-            Some(Error::Invalid("is_open() turned false".into()))
+            Some(Error::Closed)
         };
         if failed.is_none() {
             if let Some((m, reported)) = held.pop_front() {
@@ -970,7 +970,7 @@ fn echo_server(a: &Args) -> anyhow::Result<()> {
             }
         }
         if failed.is_none() && !c.is_open() {
-            failed = Some(Error::Invalid("is_open() turned false".into()));
+            failed = Some(Error::Closed);
         }
         if let Some(e) = failed {
             note_error(&mut j, "client", &e);

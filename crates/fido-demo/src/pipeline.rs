@@ -913,27 +913,27 @@ mod tests {
     #[test]
     fn a_filled_message_checks_and_carries_its_phase() {
         let b = message(7, 0x1000, OP_PING);
-        let c = check_message(&b);
+        let c = check_message(fido::PeerSlice::from_own(&b));
         assert!(c.header_ok && c.checksum_ok);
         assert_eq!((c.seq, c.gptr), (7, 0x1000));
         assert_eq!(message_op(&b), OP_PING);
         let mut bad = b.clone();
         bad[HEADER + 100] ^= 1;
-        assert!(!check_message(&bad).checksum_ok);
-        assert!(!check_message(&b[..HEADER - 1]).header_ok);
+        assert!(!check_message(fido::PeerSlice::from_own(&bad)).checksum_ok);
+        assert!(!check_message(fido::PeerSlice::from_own(&b[..HEADER - 1])).header_ok);
     }
 
     #[test]
     fn the_ledger_counts_errors_and_keeps_the_phases_apart() {
         let mut l = SinkLedger::default();
         for (seq, op) in [(1, OP_WARMUP), (2, OP_MEASURED), (3, OP_DRAIN), (4, OP_PING)] {
-            let c = check_message(&message(seq, 0x40, op));
+            let c = check_message(fido::PeerSlice::from_own(&message(seq, 0x40, op)));
             l.saw(seq, op, &c, Some(0x40), c.stamp + 1000 * seq, 4101);
         }
         // A gap (6 after 4), a wrong pointer, a corrupt body.
         let mut b = message(6, 0x40, OP_PING);
         b[HEADER] ^= 0xff;
-        let c = check_message(&b);
+        let c = check_message(fido::PeerSlice::from_own(&b));
         l.saw(6, OP_PING, &c, Some(0x80), c.stamp + 6000, 4101);
         let v = l.json();
         assert_eq!(v["received"], 5);

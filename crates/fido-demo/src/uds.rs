@@ -229,7 +229,7 @@ fn sink(a: &Args) -> anyhow::Result<()> {
     let mut buf = vec![0u8; size];
     let mut ledger = SinkLedger::default();
     while read_message(&mut up, &mut buf)? {
-        let c = pipeline::check_message(&buf);
+        let c = pipeline::check_message(fido::PeerSlice::from_own(&buf));
         let now = crate::measure::mono_ns();
         ledger.saw(c.seq, pipeline::message_op(&buf), &c, None, now, size as u64);
         if matches!(pipeline::message_op(&buf), OP_DRAIN | OP_PING) {

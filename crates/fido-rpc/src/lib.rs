@@ -36,7 +36,9 @@ pub use error::{CallError, Failure, Fault, RpcError};
 pub use fido;
 pub use fido_rpc_macros::service;
 pub use frame::{Frame, PeerMemory, ShmStrRef, ShmVec, View};
-pub use server::{dispatch_call, parse_call, CallBytes, reply_message, Ctx, Dispatch, Incoming, Outcome, Server, ServerHandle, ServerOptions};
+#[cfg(any(fuzzing, feature = "test-hooks"))]
+pub use server::dispatch_call;
+pub use server::{parse_call, CallBytes, reply_message, Ctx, Dispatch, Incoming, Outcome, Server, ServerHandle, ServerOptions};
 pub use wire::{monotonic_ns, NoAppError, ShmSlice, ShmStr};
 
 /// Memory of finished calls (argument frames a server released, reply frames

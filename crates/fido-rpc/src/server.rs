@@ -134,6 +134,7 @@ impl<'a> Ctx<'a> {
 #[derive(Clone, Copy)]
 enum CancelSignal<'a> {
     /// A flag whoever cancels sets ([`dispatch_call`]'s callers).
+    #[cfg(any(fuzzing, feature = "test-hooks"))]
     Flag(&'a AtomicBool),
     /// A worker's cancel word: the call is cancelled once the word holds its
     /// id (see `ConnCalls`).
@@ -143,6 +144,7 @@ enum CancelSignal<'a> {
 impl CancelSignal<'_> {
     fn is_set(&self) -> bool {
         match self {
+            #[cfg(any(fuzzing, feature = "test-hooks"))]
             CancelSignal::Flag(f) => f.load(Ordering::Acquire),
             CancelSignal::Word { word, id } => word.load(Ordering::Acquire) == *id,
         }
@@ -243,7 +245,9 @@ impl Outcome {
 }
 
 /// Runs one call: the whole server-side path except the transport, so the
-/// fuzz target and the tests can drive it with any bytes.
+/// fuzz target (`cfg(fuzzing)`) and the corpus replay (feature `test-hooks`)
+/// can drive it with any bytes.
+#[cfg(any(fuzzing, feature = "test-hooks"))]
 #[allow(clippy::too_many_arguments)]
 pub fn dispatch_call(
     svc: &dyn Dispatch,

@@ -7,7 +7,7 @@
 //! with everything it had (see `DomainInner`'s [`fido_control::Handler`]), so
 //! established connections — which never touch the broker — go on unharmed.
 
-use crate::error::{Error, Result};
+use crate::error::{Error, InvalidArgument, Result};
 use fido_control::{Backoff, ControlError, Handler, Joined, Options, Session, UnixConnector};
 use fido_proto::{ErrorCode, RemoteError, Reply, Request};
 use std::os::fd::OwnedFd;
@@ -67,12 +67,12 @@ impl From<ControlError> for Error {
             // refusal with `Unavailable`: it may or may not have been done.
             ControlError::Lost(why) => Error::Broker(RemoteError::new(ErrorCode::Unavailable, why)),
             ControlError::Refused(remote) => Error::Broker(remote),
-            ControlError::Protocol(p) => Error::protocol(p),
+            ControlError::Protocol(p) => Error::broker_protocol(p),
             ControlError::Io(io) => Error::Io(io),
             e @ (ControlError::FdsNotSupported { .. }
             | ControlError::Encode(_)
             | ControlError::BadAddress(_)
-            | ControlError::AlreadyTaken) => Error::Invalid(e.to_string()),
+            | ControlError::AlreadyTaken) => Error::Invalid(InvalidArgument::Request(e.to_string())),
         }
     }
 }

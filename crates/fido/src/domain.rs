@@ -1,10 +1,14 @@
 //! A domain: this process's membership in a Fido broker, its arena, its view of
 //! the PGVAS window, and the registry.
+//!
+//! The parts its channels use are in [`crate::local_domain`] (arena, address
+//! space, broker line) and [`crate::channel::Connections`] (the channels): the
+//! channel never depends on this module.
 
 use crate::channel::{Channel, ConnShared, Connections, Incoming};
 use std::sync::OnceLock;
 use crate::control::Control;
-use crate::error::{Error, Result};
+use crate::error::{Error, InvalidArgument, Result};
 use fido_control::Handler;
 use fido_proto::{ConnId, Counters, DomainId, Event, GoneReason, Reply, Request, Resume, Status, TxnOp};
 use fido_ring::WaitStrategy;
@@ -185,6 +189,8 @@ struct Watcher {
     tx: mpsc::Sender<WatchEvent>,
 }
 
+/// A joined domain: what its channels use (`local`, `conns`) and what only
+/// the domain itself does (services, watches, the broker's events).
 pub(crate) struct DomainInner {
     pub(crate) id: DomainId,
     pub(crate) slot: u32,
@@ -208,9 +214,9 @@ impl Domain {
     /// PGVAS window and places the arena in the slot the broker assigned.
     pub fn join(opts: JoinOptions) -> Result<Domain> {
         if !opts.ring_entries.is_power_of_two() || opts.ring_entries < 2 || opts.ring_entries > 1 << 16 {
-            return Err(Error::Invalid(format!("ring_entries {} must be a power of two in 2..=65536", opts.ring_entries)));
+            return Err(InvalidArgument::RingEntries(opts.ring_entries).into());
         }
-        fido_proto::check_name(&opts.name).map_err(|e| Error::Invalid(format!("domain name: {e}")))?;
+        fido_proto::check_name(&opts.name).map_err(|e| InvalidArgument::Name(e.to_string()))?;
         let path = opts.broker.clone().unwrap_or_else(fido_proto::default_broker_path);
         let unplaced = UnplacedArena::create(opts.arena_len, opts.prefault)?;
         let join = Request::Join {
@@ -311,7 +317,7 @@ impl Domain {
     pub fn status(&self) -> Result<Status> {
         match self.inner.control.request(Request::Status, &[])?.0 {
             Reply::Status(s) => Ok(s),
-            other => Err(Error::protocol(format!("unexpected reply {other:?}"))),
+            other => Err(Error::broker_protocol(format!("unexpected reply {other:?}"))),
         }
     }
 
@@ -320,7 +326,7 @@ impl Domain {
     pub fn read(&self, path: &str) -> Result<Option<Vec<u8>>> {
         match self.inner.control.request(Request::Read { path: path.into() }, &[])?.0 {
             Reply::Value(v) => Ok(v),
-            other => Err(Error::protocol(format!("unexpected reply {other:?}"))),
+            other => Err(Error::broker_protocol(format!("unexpected reply {other:?}"))),
         }
     }
     pub fn write(&self, path: &str, value: &[u8]) -> Result<()> {
@@ -330,7 +336,7 @@ impl Domain {
     pub fn list(&self, path: &str) -> Result<Vec<String>> {
         match self.inner.control.request(Request::List { path: path.into() }, &[])?.0 {
             Reply::Keys(k) => Ok(k),
-            other => Err(Error::protocol(format!("unexpected reply {other:?}"))),
+            other => Err(Error::broker_protocol(format!("unexpected reply {other:?}"))),
         }
     }
     /// Deletes a key and its subtree.
@@ -343,7 +349,7 @@ impl Domain {
     pub fn transact(&self, ops: Vec<TxnOp>) -> Result<(bool, Vec<Option<Vec<u8>>>)> {
         match self.inner.control.request(Request::Transaction { ops }, &[])?.0 {
             Reply::Txn { committed, reads } => Ok((committed, reads)),
-            other => Err(Error::protocol(format!("unexpected reply {other:?}"))),
+            other => Err(Error::broker_protocol(format!("unexpected reply {other:?}"))),
         }
     }
     /// Watches a key prefix (component-wise): every write or delete at or under

@@ -1,6 +1,7 @@
 //! The library's errors.
 
 use fido_proto::{ErrorCode, RemoteError};
+use fido_ring::{INLINE_BYTES, MAX_SEGMENTS};
 
 /// Everything that can go wrong in a Fido call.
 #[derive(Debug, thiserror::Error)]
@@ -16,7 +17,7 @@ pub enum Error {
     /// The peer broke the ring protocol (forged descriptor, index, pointer). The
     /// connection is unusable; nothing else is affected.
     #[error("peer violated the protocol: {0}")]
-    Protocol(String),
+    Protocol(#[from] ProtocolError),
     /// A deadline passed.
     #[error("timed out")]
     Timeout,
@@ -34,7 +35,7 @@ pub enum Error {
     Shm(#[from] fido_shm::ShmError),
     /// Invalid argument from the caller.
     #[error("invalid argument: {0}")]
-    Invalid(String),
+    Invalid(#[from] InvalidArgument),
     #[error("I/O: {0}")]
     Io(#[from] std::io::Error),
 }
@@ -48,9 +49,66 @@ impl Error {
         }
     }
 
-    pub(crate) fn protocol(msg: impl std::fmt::Display) -> Error {
-        Error::Protocol(msg.to_string())
+    /// The broker answered outside the control protocol.
+    pub(crate) fn broker_protocol(msg: impl std::fmt::Display) -> Error {
+        Error::Protocol(ProtocolError::Broker(msg.to_string()))
     }
+}
+
+/// How the other side broke the protocol ([`Error::Protocol`]). A peer's
+/// lie ends its connection and nothing else; the broker's ends the request.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ProtocolError {
+    /// A descriptor the peer published failed validation.
+    #[error("invalid descriptor: {0}")]
+    Descriptor(crate::validate::Invalid),
+    /// The peer moved a ring index where no honest peer can, or stopped
+    /// taking our releases (a `fido_ring::RingError`, as its message).
+    #[error("ring: {0}")]
+    Ring(String),
+    /// The peer released a message we have not sent (or released it twice).
+    #[error("released unknown message cookie {cookie:#x}")]
+    UnknownRelease { cookie: u64 },
+    /// The peer's ring block is unusable (too small, outside its arena, not
+    /// initialised).
+    #[error("peer ring block: {0}")]
+    PeerBlock(String),
+    /// The broker sent something the control protocol does not allow here
+    /// (an unexpected reply, a malformed message, the wrong descriptors).
+    #[error("broker: {0}")]
+    Broker(String),
+}
+
+/// What was wrong with the caller's request ([`Error::Invalid`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum InvalidArgument {
+    /// More bytes than fit in a descriptor ([`crate::Message::inline`]).
+    #[error("inline message of {len} bytes (at most {INLINE_BYTES})")]
+    InlineTooLong { len: usize },
+    /// More buffers than one message may gather.
+    #[error("{count} segments (max {MAX_SEGMENTS})")]
+    TooManySegments { count: usize },
+    /// A message with an empty buffer in it.
+    #[error("empty buffer in message")]
+    EmptyBuffer,
+    /// `JoinOptions::ring_entries` is not a power of two in 2..=65536.
+    #[error("ring_entries {0} must be a power of two in 2..=65536")]
+    RingEntries(u32),
+    /// A name the broker would refuse (empty, too long, or a byte outside
+    /// its alphabet).
+    #[error("domain name: {0}")]
+    Name(String),
+    /// The broker's socket path cannot be a Unix socket address.
+    #[error("broker socket path {path}: {why}")]
+    BrokerPath { path: std::path::PathBuf, why: String },
+    /// A request too large or malformed to encode.
+    #[error("request: {0}")]
+    Request(String),
+    /// Our own ring block could not be laid out in the arena.
+    #[error("ring block: {0}")]
+    RingBlock(String),
 }
 
 impl From<rustix::io::Errno> for Error {

@@ -65,7 +65,7 @@ impl LocalDomain {
                 self.register_mapping(slot, owner);
                 Ok(m)
             }
-            other => Err(Error::protocol(format!("bad grant reply {other:?} with {} fds", fds.len()))),
+            other => Err(Error::broker_protocol(format!("bad grant reply {other:?} with {} fds", fds.len()))),
         }
     }
 

@@ -3,7 +3,7 @@
 //! domains and the broker stay correct and responsive.
 
 use fido_test_support::domains::HangDetection;
-use fido::{Error, JoinOptions, Message, WaitStrategy};
+use fido::{Error, JoinOptions, Message, ProtocolError, WaitStrategy};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -31,6 +31,7 @@ fn lying_indices_fail_only_the_liars_connection() {
     let victim = b.join("victim");
     let l = victim.offer("liar-svc").unwrap();
     let (hd, hc, hs) = honest_pair(&b, "honest-svc");
+    // Every lie here is an index no honest peer can publish.
     for (what, data, rel) in [
         ("publish index jumps ahead", Some(1_000_000), None),
         ("publish index runs backwards", Some(u64::MAX), None),
@@ -47,11 +48,11 @@ fn lying_indices_fail_only_the_liars_connection() {
             let e = s.send_timeout(victim.alloc_copy(b"y").unwrap(), Duration::from_secs(5));
             // Reaping happens when half the window is out or it is full; force it.
             let r = e.map(|_| ()).map_err(|e| e.error).and_then(|_| s.in_flight_checked());
-            assert!(matches!(r, Err(Error::Protocol(_))), "{what}: got {r:?}");
+            assert!(matches!(r, Err(Error::Protocol(ProtocolError::Ring(_)))), "{what}: got {r:?}");
         } else {
             c.__forge_indices(data, rel);
             let r = s.recv_timeout(Duration::from_secs(5));
-            assert!(matches!(r, Err(Error::Protocol(_))), "{what}: got {r:?}");
+            assert!(matches!(r, Err(Error::Protocol(ProtocolError::Ring(_)))), "{what}: got {r:?}");
         }
         // Honest traffic elsewhere is unaffected.
         round_trip(&hd, &hc, &hs);

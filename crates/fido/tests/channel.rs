@@ -3,7 +3,7 @@
 //! back-pressure, forged descriptors, counters and doorbell suppression.
 
 use fido_test_support::domains::{check, fill, HangDetection};
-use fido::{Descriptor, Error, JoinOptions, Message, Segment, WaitStrategy};
+use fido::{Descriptor, Error, InvalidArgument, JoinOptions, Message, ProtocolError, Segment, WaitStrategy};
 use std::time::Duration;
 
 type TestBroker = fido_test_support::TestBroker<HangDetection>;
@@ -55,7 +55,10 @@ fn scatter_gather_and_inline_messages_arrive_intact() {
         let back = c.recv_timeout(Duration::from_secs(5)).unwrap();
         assert_eq!((back.tag(), back.inline_bytes()), (len as u64, Some(&bytes[..])));
     }
-    assert!(matches!(Message::inline(&[0; fido::INLINE_BYTES + 1]), Err(Error::Invalid(_))));
+    assert!(matches!(
+        Message::inline(&[0; fido::INLINE_BYTES + 1]),
+        Err(Error::Invalid(InvalidArgument::InlineTooLong { len })) if len == fido::INLINE_BYTES + 1
+    ));
     // `send_inline` sends the same message without building a `Message`.
     for len in [0usize, 5, fido::INLINE_BYTES] {
         let bytes: Vec<u8> = (0..len as u8).map(|i| i.wrapping_mul(7)).collect();
@@ -64,7 +67,7 @@ fn scatter_gather_and_inline_messages_arrive_intact() {
         assert_eq!((m.tag(), m.opcode(), m.inline_bytes()), (100 + len as u64, 4, Some(&bytes[..])));
     }
     let e = c.send_inline(7, 1, &[0; fido::INLINE_BYTES + 1]).unwrap_err();
-    assert!(matches!(e.error, Error::Invalid(_)));
+    assert!(matches!(e.error, Error::Invalid(InvalidArgument::InlineTooLong { len }) if len == fido::INLINE_BYTES + 1));
     assert_eq!(e.message.get_tag(), 7);
     // Every buffer (and SG list) is released back to the client.
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
@@ -144,11 +147,11 @@ fn forged_descriptors_are_an_error_on_their_connection_only() {
         let s = l.accept_timeout(Duration::from_secs(5)).unwrap();
         c.__send_raw_descriptor(desc).unwrap();
         match s.recv_timeout(Duration::from_secs(5)) {
-            Err(Error::Protocol(why)) => eprintln!("{what}: {why}"),
-            other => panic!("{what}: expected a protocol error, got {other:?}"),
+            Err(Error::Protocol(ProtocolError::Descriptor(why))) => eprintln!("{what}: {why}"),
+            other => panic!("{what}: expected an invalid descriptor, got {other:?}"),
         }
-        // The connection stays failed.
-        assert!(matches!(s.try_recv(), Err(Error::Protocol(_))), "{what}");
+        // The connection stays failed, for the same reason.
+        assert!(matches!(s.try_recv(), Err(Error::Protocol(ProtocolError::Descriptor(_)))), "{what}");
         // The honest connection is unaffected.
         good_c.send(friend.alloc_copy(b"fine").unwrap()).unwrap();
         assert_eq!(good_s.recv_timeout(Duration::from_secs(5)).unwrap().as_slice().unwrap(), b"fine");
@@ -336,4 +339,70 @@ fn bytes_copied_counts_every_kept_copy_and_no_read_in_place() {
     assert_eq!(m.to_vec(), b"abc");
     assert_eq!(copied(), 4153, "an inline message's to_vec");
     assert_eq!(client.counters().bytes_copied, 0, "the sender copied nothing");
+}
+
+/// Messages dropped on many threads at once each publish one release, and
+/// each release is counted (a doorbell rung or suppressed) exactly once: the
+/// release counters are written under the release lock, never after it.
+#[test]
+fn releases_from_concurrent_drops_are_all_counted() {
+    const THREADS: usize = 8;
+    const ENTRIES: u32 = 1024;
+    const ROUNDS: u64 = 64;
+    let b = TestBroker::start();
+    let (server, _client, s, c) = pair(&b, "drops", ENTRIES);
+    for _ in 0..ROUNDS {
+        for i in 0..ENTRIES {
+            c.send_inline(i as u64, 0, b"x").unwrap();
+        }
+        let mut msgs: Vec<fido::Msg> = (0..ENTRIES).map(|_| s.recv_timeout(Duration::from_secs(5)).unwrap()).collect();
+        let per_thread = msgs.len() / THREADS;
+        let start = std::sync::Barrier::new(THREADS);
+        std::thread::scope(|scope| {
+            for _ in 0..THREADS {
+                let mine: Vec<fido::Msg> = msgs.drain(..per_thread).collect();
+                let start = &start;
+                scope.spawn(move || {
+                    start.wait();
+                    for m in mine {
+                        drop(m);
+                    }
+                });
+            }
+        });
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while c.in_flight_checked().unwrap() > 0 {
+            assert!(std::time::Instant::now() < deadline, "releases never arrived");
+            std::thread::yield_now();
+        }
+    }
+    let counted = server.counters();
+    assert_eq!(counted.messages_received, ROUNDS * ENTRIES as u64);
+    assert_eq!(counted.doorbells_rung + counted.doorbells_suppressed, ROUNDS * ENTRIES as u64, "{counted:?}");
+}
+
+/// A caller's mistake comes back as the `InvalidArgument` that names it, and
+/// its message says what was wrong.
+#[test]
+fn invalid_arguments_name_the_mistake() {
+    let b = TestBroker::start();
+    match fido::Domain::join(JoinOptions::new("odd-ring").broker(&b.socket).ring_entries(3)) {
+        Err(Error::Invalid(InvalidArgument::RingEntries(3))) => {}
+        other => panic!("ring_entries 3: {:?}", other.map(|_| ())),
+    }
+    match fido::Domain::join(JoinOptions::new("").broker(&b.socket)) {
+        Err(e @ Error::Invalid(InvalidArgument::Name(_))) => assert!(e.to_string().contains("domain name"), "{e}"),
+        other => panic!("empty name: {:?}", other.map(|_| ())),
+    }
+    let (_server, client, _s, c) = pair(&b, "args", 8);
+    let mut empty = client.alloc(8).unwrap();
+    empty.truncate(0);
+    let e = c.send(Message::gather(vec![client.alloc(8).unwrap(), empty])).unwrap_err();
+    assert!(matches!(e.error, Error::Invalid(InvalidArgument::EmptyBuffer)), "{e}");
+    let many: Vec<fido::Buf> = (0..fido::MAX_SEGMENTS + 1).map(|_| client.alloc(1).unwrap()).collect();
+    let e = c.send(Message::gather(many)).unwrap_err();
+    assert!(matches!(e.error, Error::Invalid(InvalidArgument::TooManySegments { count }) if count == fido::MAX_SEGMENTS + 1), "{e}");
+    assert_eq!(e.to_string(), format!("invalid argument: {} segments (max {})", fido::MAX_SEGMENTS + 1, fido::MAX_SEGMENTS));
+    // Nothing went out.
+    assert_eq!(c.in_flight(), 0);
 }

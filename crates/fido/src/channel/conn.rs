@@ -6,7 +6,7 @@ use super::connections::Connections;
 use super::message::{Message, Msg, Parts};
 use super::recv::RxState;
 use super::send::{Outstanding, TxState};
-use crate::error::{Error, Result};
+use crate::error::{Error, ProtocolError, Result};
 use fido_proto::{ConnId, Counters, GoneReason, PeerInfo};
 use fido_ring::{doorbell, LocalBlock, Notify, PeerBlock, Releaser};
 use fido_shm::{Buf, Mapping};
@@ -141,19 +141,35 @@ impl Counter {
     }
 }
 
+/// The connection's counters, each written under the lock named here and
+/// nowhere else.
 #[derive(Default)]
 pub(super) struct Stats {
+    /// Under the send lock (`ConnShared::tx`).
     pub(super) sent: Counter,
+    /// Under the receive lock (`ConnShared::rx`).
     pub(super) received: Counter,
+    /// Under the send lock.
     pub(super) bytes_sent: Counter,
+    /// Under the receive lock.
     pub(super) bytes_received: Counter,
+    /// Data doorbells, under the send lock.
     pub(super) rung: Counter,
     pub(super) suppressed: Counter,
+    /// Release doorbells, under the release lock (`ConnShared::releaser`).
     pub(super) release_rung: Counter,
     pub(super) release_suppressed: Counter,
 }
 
 /// State shared by a channel, its received messages and the domain.
+///
+/// Drop order: Rust runs [`ConnShared`]'s `Drop::drop` first, then drops the
+/// fields in the order they are declared. The two that own ring memory —
+/// `peer_map` (the peer's arena, holding its block) and `_block` (our block,
+/// back to our allocator when dropped) — are declared last, so that every
+/// field that points into them (`local`, `peer_block`, the rings in `tx`, `rx`
+/// and `releaser`) is gone before that memory is, whatever drop code those
+/// fields are given later. Keep them last (`tests::ring_memory_is_dropped_last`).
 pub(crate) struct ConnShared {
     pub(crate) conn: ConnId,
     pub(crate) service: String,
@@ -163,8 +179,7 @@ pub(crate) struct ConnShared {
     /// Keeps the domain alive while the connection is: its control thread
     /// routes this connection's events (peer gone, closed).
     pub(super) _domain: DomainHandle,
-    pub(super) peer_map: Arc<Mapping>,
-    pub(super) _block: Buf,
+    /// Our ring block, in `_block`.
     pub(super) local: LocalBlock,
     /// Our doorbells: we wait on `.wait`; the peer holds a copy of `.ring`,
     /// and so do we, to wake our own waiters.
@@ -183,7 +198,7 @@ pub(crate) struct ConnShared {
     /// so no release waits any more.
     pub(super) channel_dropped: AtomicBool,
     pub(super) state: AtomicConnState,
-    pub(super) broken: Mutex<Option<String>>,
+    pub(super) broken: Mutex<Option<ProtocolError>>,
     pub(super) stats: Stats,
     pub(super) tx: Mutex<TxState>,
     pub(super) rx: Mutex<RxState>,
@@ -191,6 +206,12 @@ pub(crate) struct ConnShared {
     pub(super) forwarding: AtomicBool,
     /// `TxState::outstanding`, readable without the tx lock.
     pub(super) outstanding: Arc<Outstanding>,
+    // Ring memory: declared last, dropped last (see above).
+    /// The peer's arena, mapped read-only: its ring block and the messages
+    /// it sends us.
+    pub(super) peer_map: Arc<Mapping>,
+    /// Our ring block's memory in our arena.
+    pub(super) _block: Buf,
 }
 
 // SAFETY: the raw pointers inside (ring blocks) point into mappings kept alive
@@ -209,7 +230,7 @@ impl ConnShared {
         self.wake_local();
     }
 
-    pub(super) fn mark_broken(&self, why: String) -> Error {
+    pub(super) fn mark_broken(&self, why: ProtocolError) -> Error {
         tracing::warn!(conn = self.conn, peer = self.peer.domain, "closing connection: {why}");
         *self.broken.lock() = Some(why.clone());
         self.state.end(ConnState::Broken);
@@ -238,7 +259,7 @@ impl ConnShared {
             ConnState::PeerLeft => Error::PeerGone { domain, reason: "left" },
             ConnState::PeerEvicted => Error::PeerGone { domain, reason: "evicted by the broker's policy" },
             ConnState::Revoked => Error::PeerGone { domain, reason: "connection revoked by the broker's policy" },
-            ConnState::Broken => Error::Protocol(self.broken.lock().clone().unwrap_or_default()),
+            ConnState::Broken => Error::Protocol(self.broken.lock().clone().expect("set before the state turns Broken")),
             ConnState::Open | ConnState::ClosedByUs => Error::Closed,
         }
     }
@@ -262,14 +283,17 @@ impl ConnShared {
         let published = if self.state.is(ConnState::Broken) { Ok(Notify::Suppressed) } else { r.ring.release(cookie) };
         r.dropped += 1;
         let last = r.delivered_in_all == Some(r.dropped);
-        drop(r);
+        // Counted before the unlock: a `Counter` has one writer at a time,
+        // the holder of its lock, and messages are dropped on any thread.
         match published {
             Ok(Notify::Rung) => self.stats.release_rung.add(1),
             Ok(Notify::Suppressed) => self.stats.release_suppressed.add(1),
-            Err(e) => {
-                if self.is_open() {
-                    self.mark_broken(format!("cannot publish release: {e}"));
-                }
+            Err(_) => {}
+        }
+        drop(r);
+        if let Err(e) = published {
+            if self.is_open() {
+                self.mark_broken(ProtocolError::Ring(format!("cannot publish release: {e}")));
             }
         }
         last
@@ -343,3 +367,62 @@ impl Drop for ConnShared {
     }
 }
 
+#[cfg(test)]
+mod tests {
+    use super::{AtomicConnState, ConnState};
+    use fido_proto::GoneReason;
+
+    /// Every state survives the trip through its `u8`; no other byte is a
+    /// state; a connection ends once, with whatever ended it first.
+    #[test]
+    fn connection_states_round_trip_and_end_once() {
+        let all = [
+            ConnState::Open,
+            ConnState::PeerExited,
+            ConnState::PeerHung,
+            ConnState::PeerLeft,
+            ConnState::Broken,
+            ConnState::ClosedByUs,
+            ConnState::PeerEvicted,
+            ConnState::Revoked,
+        ];
+        for s in all {
+            assert_eq!(ConnState::try_from(s as u8), Ok(s));
+        }
+        assert_eq!(ConnState::try_from(all.len() as u8), Err(all.len() as u8));
+        assert_eq!(ConnState::from(GoneReason::MissedHeartbeat), ConnState::PeerHung);
+        let state = AtomicConnState::new();
+        assert!(state.is(ConnState::Open));
+        state.end(ConnState::Broken);
+        state.end(ConnState::ClosedByUs);
+        assert_eq!(state.load(), ConnState::Broken);
+    }
+
+    /// The fields of `struct ConnShared`, in declaration order, read from
+    /// this file (the order is the drop order, which the compiler does not
+    /// let a test observe otherwise).
+    fn conn_shared_fields() -> Vec<String> {
+        let src = include_str!("conn.rs");
+        let start = src.find("pub(crate) struct ConnShared {").expect("ConnShared declared here");
+        let body = &src[start..];
+        let end = body.find("\n}").expect("end of ConnShared");
+        body[..end]
+            .lines()
+            .skip(1)
+            .map(str::trim)
+            .filter(|l| !l.starts_with("//") && !l.starts_with('#'))
+            .map(|l| l.strip_prefix("pub(super) ").or_else(|| l.strip_prefix("pub(crate) ")).unwrap_or(l))
+            .filter_map(|l| l.split_once(':').map(|(name, _)| name))
+            .filter(|name| !name.is_empty() && name.chars().all(|ch| ch == '_' || ch.is_ascii_alphanumeric()))
+            .map(str::to_owned)
+            .collect()
+    }
+
+    #[test]
+    fn ring_memory_is_dropped_last() {
+        let fields = conn_shared_fields();
+        assert!(fields.len() > 10, "{fields:?}");
+        let last_two: Vec<&str> = fields[fields.len() - 2..].iter().map(String::as_str).collect();
+        assert_eq!(last_two, ["peer_map", "_block"], "ring memory must be the last fields of ConnShared: {fields:?}");
+    }
+}

@@ -5,7 +5,7 @@
 
 use super::conn::ConnShared;
 use super::recv::within;
-use crate::error::{Error, Result};
+use crate::error::{Error, InvalidArgument, Result};
 use fido_ring::{Descriptor, Segment, INLINE_BYTES};
 use fido_shm::{Buf, GPtr, Mapping, PeerSlice};
 use smallvec::SmallVec;
@@ -23,7 +23,7 @@ pub(super) enum Parts {
 
 /// Why `len` bytes cannot be sent inline.
 pub(super) fn inline_too_long(len: usize) -> Error {
-    Error::Invalid(format!("inline message of {len} bytes (at most {INLINE_BYTES})"))
+    Error::Invalid(InvalidArgument::InlineTooLong { len })
 }
 
 /// An outgoing message: buffers from our arena (one, or several gathered), or a

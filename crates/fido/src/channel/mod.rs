@@ -18,17 +18,19 @@ mod connections;
 mod message;
 mod recv;
 mod send;
+#[cfg(feature = "test-hooks")]
+mod test_hooks;
 
 pub(crate) use conn::{ConnShared, DomainHandle};
 pub(crate) use connections::Connections;
 pub use message::{Message, Msg, SendError, Undelivered};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, InvalidArgument, ProtocolError, Result};
 use crate::local_domain::LocalDomain;
 use conn::{AtomicConnState, ConnState, ReleaseState, Stats, NO_DEFERRED};
 use connections::Lingering;
-use fido_proto::{ConnId, GoneReason, PeerInfo, Reply, Request, RingBlock};
-use fido_ring::{block_len, doorbell, Descriptor, LocalBlock, PeerBlock, Releaser, RxRing, TxRing, WaitStrategy};
+use fido_proto::{ConnId, PeerInfo, Reply, Request, RingBlock};
+use fido_ring::{block_len, doorbell, LocalBlock, PeerBlock, Releaser, RxRing, TxRing, WaitStrategy};
 use fido_shm::{Buf, Mapping};
 use parking_lot::Mutex;
 use recv::RxState;
@@ -57,11 +59,11 @@ impl Channel {
     fn new_block(domain: &LocalDomain, entries: u32) -> Result<(Buf, LocalBlock)> {
         let len = block_len(entries);
         let mut block = domain.arena.alloc(len)?;
-        let base = NonNull::new(block.as_mut_ptr()).ok_or_else(|| Error::Invalid("null block".into()))?;
+        let base = NonNull::new(block.as_mut_ptr()).ok_or_else(|| InvalidArgument::RingBlock("the arena gave a null pointer".into()))?;
         // SAFETY: `block` is `len` writable bytes of our arena, 64-aligned (the
         // allocator's guarantee), used for nothing else, and kept alive by the
         // ConnShared that owns both it and every copy of the LocalBlock.
-        let local = unsafe { LocalBlock::init(base, len, entries) }.map_err(|e| Error::Invalid(e.to_string()))?;
+        let local = unsafe { LocalBlock::init(base, len, entries) }.map_err(|e| InvalidArgument::RingBlock(e.to_string()))?;
         Ok((block, local))
     }
 
@@ -70,14 +72,14 @@ impl Channel {
         let mapping = domain.space.map_peer(peer.slot, peer.domain, arena_fd, peer.arena_len)?;
         domain.register_mapping(peer.slot, peer.domain);
         if block.len < block_len(block.entries) as u64 {
-            return Err(Error::protocol("peer ring block too small"));
+            return Err(ProtocolError::PeerBlock("too small".into()).into());
         }
-        let g = mapping.global_base().add(block.offset).ok_or_else(|| Error::protocol("peer ring block offset"))?;
+        let g = mapping.global_base().add(block.offset).ok_or_else(|| ProtocolError::PeerBlock("offset outside the arena".into()))?;
         let (ptr, _) = domain.space.resolve(g, block.len)?;
         // SAFETY: `resolve` checked the range lies inside the peer's mapping,
         // which the ConnShared keeps alive (`peer_map`) as long as any copy of
         // the PeerBlock exists.
-        let pb = unsafe { PeerBlock::open(ptr, block.len as usize, block.entries) }.map_err(Error::protocol)?;
+        let pb = unsafe { PeerBlock::open(ptr, block.len as usize, block.entries) }.map_err(|e| ProtocolError::PeerBlock(e.to_string()))?;
         Ok((mapping, pb))
     }
 
@@ -151,7 +153,7 @@ impl Channel {
         drop(fds);
         let (conn, peer, pblock) = match reply {
             Reply::Connected { conn, peer, block } if peer_fds.len() == 4 && block.entries == entries => (conn, peer, block),
-            other => return Err(Error::protocol(format!("bad connect reply {other:?} with {} fds", peer_fds.len()))),
+            other => return Err(Error::broker_protocol(format!("bad connect reply {other:?} with {} fds", peer_fds.len()))),
         };
         let arena_fd = peer_fds.remove(0);
         let (mapping, peer_block) = Self::open_peer(local_domain, &peer, &pblock, arena_fd)?;
@@ -162,18 +164,18 @@ impl Channel {
     pub(crate) fn accept(conns: &Arc<Connections>, domain: DomainHandle, inc: Incoming) -> Result<Channel> {
         let local_domain = &*conns.local;
         let Incoming { conn, service, peer, block: pblock, mut fds } = inc;
-        let refuse = |why: String| {
-            local_domain.control.notify(Request::Refuse { conn, reason: why.clone() });
-            Error::protocol(why)
+        let refuse = |error: Error| {
+            local_domain.control.notify(Request::Refuse { conn, reason: error.to_string() });
+            error
         };
         if fds.len() != 4 {
-            return Err(refuse(format!("incoming connection with {} descriptors", fds.len())));
+            return Err(refuse(Error::broker_protocol(format!("incoming connection with {} descriptors", fds.len()))));
         }
         let entries = pblock.entries;
         let (block, local) = Self::new_block(local_domain, entries)?;
         let (mapping, peer_block) = match Self::open_peer(local_domain, &peer, &pblock, fds.remove(0)) {
             Ok(x) => x,
-            Err(e) => return Err(refuse(e.to_string())),
+            Err(e) => return Err(refuse(e)),
         };
         let bells = (doorbell::new_doorbell()?, doorbell::new_doorbell()?);
         let ring = RingBlock { offset: block.offset(), len: block_len(entries) as u64, entries };
@@ -214,43 +216,6 @@ impl Channel {
     pub fn data_doorbell(&self) -> std::os::fd::BorrowedFd<'_> {
         self.shared.data_bell.wait.as_fd()
     }
-
-}
-
-impl Channel {
-    /// Test hook: publishes a raw descriptor as a misbehaving peer would (no
-    /// validation, no bookkeeping). Used by the adversarial tests.
-    #[doc(hidden)]
-    pub fn __send_raw_descriptor(&self, desc: Descriptor) -> Result<()> {
-        let mut tx = self.shared.tx.lock();
-        tx.ring.push(&desc).map_err(|e| Error::Invalid(e.to_string()))?;
-        tx.ring.publish()?;
-        Ok(())
-    }
-
-    /// Test hook: overwrites our published indices as a lying peer would
-    /// (`data`: the descriptor publish index; `releases`: the release index),
-    /// and rings the peer. Used by the adversarial tests.
-    #[doc(hidden)]
-    pub fn __forge_indices(&self, data: Option<u64>, releases: Option<u64>) {
-        let local = self.shared.local;
-        if let Some(v) = data {
-            local.data_prod().store(v, Ordering::Release);
-        }
-        if let Some(v) = releases {
-            local.rel_prod().store(v, Ordering::Release);
-        }
-        self.shared.tx.lock().ring.wake_peer();
-        self.shared.releaser.lock().ring.wake_peer();
-    }
-
-    /// Test hook: a duplicate of the ring end of the peer's data doorbell —
-    /// exactly what a peer holds of ours. Used by the adversarial tests.
-    #[doc(hidden)]
-    pub fn __peer_data_bell(&self) -> std::io::Result<OwnedFd> {
-        Ok(rustix::io::fcntl_dupfd_cloexec(self.shared.tx.lock().ring.peer_data_bell(), 0)?)
-    }
-
 }
 
 impl Channel {
@@ -308,7 +273,7 @@ impl Channel {
 
     #[cfg(feature = "tokio")]
     pub(crate) fn note_peer_hangup(&self) {
-        self.shared.mark_gone(GoneReason::Exited);
+        self.shared.mark_gone(fido_proto::GoneReason::Exited);
     }
 
     #[cfg(feature = "tokio")]
@@ -374,7 +339,7 @@ mod tests {
     fn received_messages_keep_their_connection_alive_and_no_longer() {
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("broker.sock");
-        let _broker = fido_broker::Embedded::start(fido_broker::Config::new(&socket, &dir.path().join("state"))).unwrap();
+        let _broker = fido_broker::Embedded::start(fido_broker::Config::new(&socket, dir.path().join("state"))).unwrap();
         for channel_first in [true, false] {
             let (_a, _b, rx, tx) = pair(&socket);
             for i in 0..3u64 {

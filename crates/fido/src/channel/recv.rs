@@ -4,7 +4,7 @@
 use super::conn::{ConnShared, ConnState};
 use super::message::{Body, InlineArea, Msg, Seg, SegList};
 use super::Channel;
-use crate::error::{Error, Result};
+use crate::error::{Error, ProtocolError, Result};
 use crate::validate::{check_inline, validate, Resolver};
 use fido_proto::GoneReason;
 use fido_ring::{wait_until, Descriptor, RingError, RxRing, SleepSite, WaitOutcome, WaitStrategy, FLAG_INLINE};
@@ -109,7 +109,7 @@ impl Channel {
         match rx.ring.poll() {
             Ok(Some(desc)) => self.accept_descriptor(&mut rx, &desc).map(Some),
             Ok(None) => Ok(None),
-            Err(e) => Err(sh.mark_broken(e.to_string())),
+            Err(e) => Err(sh.mark_broken(ProtocolError::Ring(e.to_string()))),
         }
     }
 
@@ -142,7 +142,7 @@ impl Channel {
                 match rx.ring.poll() {
                     Ok(Some(desc)) => return self.accept_descriptor(&mut rx, &desc),
                     Ok(None) => {}
-                    Err(e) => return Err(sh.mark_broken(e.to_string())),
+                    Err(e) => return Err(sh.mark_broken(ProtocolError::Ring(e.to_string()))),
                 }
             }
             if quick_looks > 0 {
@@ -180,7 +180,7 @@ impl Channel {
                     waited.spun = true;
                     let ring = &rx.ring;
                     let ready = || -> std::result::Result<bool, RingError> { Ok(ring.pending()? || !sh.is_open()) };
-                    if fido_ring::quick_spin(rx.wait, ready).map_err(|e| sh.mark_broken(e.to_string()))? {
+                    if fido_ring::quick_spin(rx.wait, ready).map_err(|e| sh.mark_broken(ProtocolError::Ring(e.to_string())))? {
                         return Ok(());
                     }
                 }
@@ -227,7 +227,7 @@ impl Channel {
                 sh.mark_gone(GoneReason::Exited);
                 Ok(())
             }
-            Err(e) => Err(sh.mark_broken(e.to_string())),
+            Err(e) => Err(sh.mark_broken(ProtocolError::Ring(e.to_string()))),
         }
     }
 
@@ -264,7 +264,7 @@ impl Channel {
             Err(e) => {
                 // Fail the connection; the sender gets its buffers back as
                 // undelivered when it notices.
-                let err = sh.mark_broken(format!("invalid descriptor: {e}"));
+                let err = sh.mark_broken(ProtocolError::Descriptor(e));
                 return Err(err);
             }
         };

@@ -9,7 +9,7 @@
 use super::conn::Counter;
 use super::message::{inline_too_long, Body, Hold, Message, Msg, Parts, SendError, Undelivered};
 use super::Channel;
-use crate::error::{Error, Result};
+use crate::error::{Error, InvalidArgument, ProtocolError, Result};
 use fido_proto::GoneReason;
 use fido_ring::{
     doorbell, wait_until, Descriptor, Notify, Segment, SleepSite, TxRing, WaitOutcome, WaitStrategy, FLAG_SG_LIST, INLINE_BYTES,
@@ -150,8 +150,8 @@ impl TxState {
 
     /// Reaps every release the peer published (one batch: the peer's index
     /// is read once); an unknown cookie is a lie.
-    pub(super) fn reap(&mut self) -> std::result::Result<(), String> {
-        let ready = self.ring.releases_ready().map_err(|e| e.to_string())?;
+    pub(super) fn reap(&mut self) -> std::result::Result<(), ProtocolError> {
+        let ready = self.ring.releases_ready().map_err(|e| ProtocolError::Ring(e.to_string()))?;
         for k in 0..ready {
             let cookie = Cookie(self.ring.pending_release(k));
             let index = cookie.index();
@@ -170,7 +170,7 @@ impl TxState {
                 }
                 _ => {
                     self.ring.consume_releases(k);
-                    return Err(format!("released unknown message cookie {:#x}", cookie.0));
+                    return Err(ProtocolError::UnknownRelease { cookie: cookie.0 });
                 }
             }
         }
@@ -326,7 +326,7 @@ impl Channel {
                         liveness: Some(sh.liveness.as_fd()),
                         futex: Some(sh.peer_block.space_bell()),
                     },
-                    || -> std::result::Result<bool, String> {
+                    || -> std::result::Result<bool, ProtocolError> {
                         txr.reap()?;
                         Ok(txr.ring.free_slots() > 0 || !sh.is_open() || txr.ring.peer_closed())
                     },
@@ -428,11 +428,11 @@ impl Channel {
         match &msg.parts {
             Parts::Bufs(bufs) => {
                 if bufs.len() > MAX_SEGMENTS {
-                    return Err(SendError { error: Error::Invalid(format!("{} segments (max {MAX_SEGMENTS})", bufs.len())), message: msg });
+                    return Err(SendError { error: InvalidArgument::TooManySegments { count: bufs.len() }.into(), message: msg });
                 }
                 total = bufs.iter().map(|b| b.len() as u64).sum::<u64>();
                 if bufs.iter().any(|b| b.is_empty()) {
-                    return Err(SendError { error: Error::Invalid("empty buffer in message".into()), message: msg });
+                    return Err(SendError { error: InvalidArgument::EmptyBuffer.into(), message: msg });
                 }
                 if bufs.len() <= INLINE_SEGMENTS {
                     for (i, b) in bufs.iter().enumerate() {
