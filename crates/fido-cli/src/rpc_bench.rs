@@ -14,7 +14,7 @@
 //!   `null-polled`: `BusyPoll` on both ends. Sequence and file cases use the
 //!   domain default (`Adaptive`: spin 50 µs, then sleep) and ring (64
 //!   entries).
-//! * Case study: `fido_rpc::services::files` (the fido-rpc crate's caching file
+//! * Case study: `fido_examples::services::files` (the fido-rpc crate's caching file
 //!   server; a read is a view of the server's cache) against the same service
 //!   over tonic.
 
@@ -28,7 +28,7 @@ use fido::{Domain, JoinOptions, WaitStrategy};
 use fido_bench::rpc::data::{self, Dir, Seq};
 use fido_bench::rpc::{self, files, Case, RpcClient, RpcSystem, Timing};
 use fido_bench::{Opts, PeerArgs};
-use fido_rpc::services::files::{FileServer, FilesClient as FidoFilesClient, FilesServer};
+use fido_examples::services::files::{FileServer, FilesClient as FidoFilesClient, FilesServer};
 use fido_rpc::{Ctx, Fault, RpcError, Server, ServerOptions, ShmSlice, ShmStr};
 
 use crate::proc::{self, EmbeddedBroker};

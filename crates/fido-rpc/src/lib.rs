@@ -25,7 +25,6 @@ mod client;
 mod error;
 mod frame;
 mod server;
-pub mod services;
 pub mod wire;
 
 #[cfg(feature = "tokio")]
