@@ -22,7 +22,7 @@
 //!   With zero copy nobody else moves the bytes either, so the fido `-notouch`
 //!   figure is messages/s × size: a descriptor rate, said so under the table.
 //! * `pipeline-<n>hop`: 1 MiB messages through n links (n+1 processes,
-//!   unpinned), see [`crate::pipeline`]; bytes/s at the sink, source→sink
+//!   unpinned), see [`fido_demo::pipeline`]; bytes/s at the sink, source→sink
 //!   latency under load, and `bytes_copied` summed over every domain (0).
 //! * `doorbells-64B`: the parent streams 64-byte messages to a peer that folds
 //!   them; doorbells the sender rang per message sent (notification
@@ -41,8 +41,8 @@ use fido::{Domain, JoinOptions, Message, WaitStrategy};
 use fido_bench::{fill, fold, latency_record, size_label, Opts, PinGuard, Placement, Record};
 use serde_json::json;
 
-use crate::pipeline::{self, emit, Args};
-use crate::proc::{self, EmbeddedBroker, Kid};
+use fido_demo::pipeline::{self, emit, Args};
+use fido_demo::proc::{self, EmbeddedBroker, Kid};
 
 const SYSTEM: &str = "fido";
 const ENTRIES: u32 = 64;

@@ -93,8 +93,8 @@ use fido::{Channel, Domain, Error, JoinOptions, Listener, Message, Msg, SendErro
 use fido_bench::Record;
 use serde_json::Value;
 
-use crate::pipeline::Args;
-use crate::proc;
+use fido_demo::pipeline::Args;
+use fido_demo::proc;
 
 const SUITE: &str = "chaos";
 const SYSTEM: &str = "fido";
@@ -1403,7 +1403,7 @@ impl Fleet {
         let out = child.stdout.take().expect("piped");
         let stdin = child.stdin.take();
         let tx = self.tx.clone();
-        let reader = crate::proc::read_lines(&mut child, format!("chaos-{}", spec.name), out, move |line| match line {
+        let reader = fido_demo::proc::read_lines(&mut child, format!("chaos-{}", spec.name), out, move |line| match line {
             Some(s) => tx.send(Ev::Line(inst, s)).is_ok(),
             None => false,
         })?;

@@ -26,7 +26,6 @@
 mod bench;
 mod broker;
 mod chaos;
-mod demo;
 mod pipe_bench;
 mod pipe_cli;
 mod pipe_fido;
@@ -35,8 +34,6 @@ mod pipe_proxy;
 mod pipe_serve;
 mod pipe_cmd;
 mod netbench;
-mod pipeline;
-mod proc;
 mod rpc_bench;
 mod run;
 mod status;
@@ -45,6 +42,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use fido_demo::{demo, pipeline, proc};
 
 #[derive(Parser)]
 #[command(
@@ -306,6 +304,7 @@ fn main() -> ExitCode {
             seconds,
             size,
             hops,
+            uds_pipeline: fido_bench::uds_pipeline,
         }),
         Cmd::Bench {
             suite:

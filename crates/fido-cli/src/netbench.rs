@@ -12,7 +12,7 @@ use anyhow::{bail, Context as _};
 use fido::{Domain, JoinOptions};
 use fido_bench::{Opts, Record};
 
-use crate::proc::EmbeddedBroker;
+use fido_demo::proc::EmbeddedBroker;
 
 const SUITE: &str = "net";
 

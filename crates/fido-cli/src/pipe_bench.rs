@@ -47,7 +47,7 @@ use fido_bench::{PeerArgs, PinGuard, Placement, Record};
 use serde_json::json;
 
 use crate::pipe_move::{self, Strategy};
-use crate::proc::{self, EmbeddedBroker, Kid};
+use fido_demo::proc::{self, EmbeddedBroker, Kid};
 
 const SUITE: &str = "pipe";
 const GIB: f64 = (1u64 << 30) as f64;

@@ -31,7 +31,7 @@ use fido_bench::{Opts, PeerArgs};
 use fido_examples::services::files::{FileServer, FilesClient as FidoFilesClient, FilesServer};
 use fido_rpc::{Ctx, Fault, RpcError, Server, ServerOptions, ShmSlice, ShmStr};
 
-use crate::proc::{self, EmbeddedBroker};
+use fido_demo::proc::{self, EmbeddedBroker};
 
 /// A FixedSeq element: the paper's `struct { int i; int j; double d; }`.
 #[repr(C)]

@@ -6,7 +6,8 @@ use anyhow::Context as _;
 use fido::{Domain, JoinOptions, Status};
 use serde_json::{json, Value};
 
-use crate::pipeline::counters_json;
+use fido_demo::pipeline::counters_json;
+use fido_demo::text::table;
 
 pub fn run(json_out: bool, socket: Option<PathBuf>) -> anyhow::Result<()> {
     let path = socket.unwrap_or_else(fido::default_broker_path);
@@ -72,29 +73,6 @@ fn human_bytes(b: u64) -> String {
     } else {
         format!("{v:.1} {}", U[i])
     }
-}
-
-/// Left-aligned text table.
-pub fn table(header: &[&str], rows: &[Vec<String>]) -> String {
-    let mut w: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
-    for r in rows {
-        for (i, c) in r.iter().enumerate() {
-            w[i] = w[i].max(c.chars().count());
-        }
-    }
-    let line = |cells: Vec<String>| -> String {
-        let mut s = String::new();
-        for (i, c) in cells.iter().enumerate() {
-            s.push_str(c);
-            s.push_str(&" ".repeat(w[i] - c.chars().count() + 2));
-        }
-        s.trim_end().to_string() + "\n"
-    };
-    let mut out = line(header.iter().map(|s| s.to_string()).collect());
-    for r in rows {
-        out.push_str(&line(r.clone()));
-    }
-    out
 }
 
 fn print_text(st: &Status, path: &std::path::Path, me: u64) {

@@ -9,12 +9,18 @@ use anyhow::bail;
 
 use crate::pipeline::{self, Outcome};
 use crate::proc::{self, EmbeddedBroker};
-use crate::status::table;
+use crate::measure::percentiles;
+use crate::text::table;
+
+/// The same pipeline over Unix sockets: `(hops, message size, measured
+/// duration)` → (bytes/s at the sink, source→sink latency samples in ns).
+pub type UdsPipeline = fn(usize, usize, Duration) -> anyhow::Result<(f64, Vec<u64>)>;
 
 pub struct DemoArgs {
     pub seconds: f64,
     pub size: usize,
     pub hops: usize,
+    pub uds_pipeline: UdsPipeline,
 }
 
 fn gbps(bps: f64) -> String {
@@ -32,9 +38,13 @@ fn dur_ns(ns: f64) -> String {
 }
 
 fn size_str(n: usize) -> String {
-    fido_bench::size_label(n)
-        .replace("KiB", " KiB")
-        .replace("MiB", " MiB")
+    if n >= 1 << 20 && n.is_multiple_of(1 << 20) {
+        format!("{} MiB", n >> 20)
+    } else if n >= 1 << 10 && n.is_multiple_of(1 << 10) {
+        format!("{} KiB", n >> 10)
+    } else {
+        format!("{n}B")
+    }
 }
 
 /// Runs the demo; `Ok(false)` when a check failed.
@@ -105,8 +115,8 @@ pub fn run(a: DemoArgs) -> anyhow::Result<bool> {
 
     print_fido(&out);
 
-    println!("\nsame pipeline over Unix stream sockets (fido_bench::uds_pipeline: every hop copies in and out of the kernel)...");
-    let uds = fido_bench::uds_pipeline(a.hops, a.size, duration);
+    println!("\nsame pipeline over Unix stream sockets (every hop copies in and out of the kernel)...");
+    let uds = (a.uds_pipeline)(a.hops, a.size, duration);
     proc::check_interrupt()?;
     let s = out.sink();
     let (fido_bps, fido_mps) = (
@@ -126,7 +136,7 @@ pub fn run(a: DemoArgs) -> anyhow::Result<bool> {
     match &uds {
         Ok((bps, lat)) => {
             let mut lat = lat.clone();
-            let (p50, p99) = fido_bench::percentiles(&mut lat);
+            let (p50, p99) = percentiles(&mut lat);
             rows.push(vec![
                 "uds".into(),
                 a.hops.to_string(),

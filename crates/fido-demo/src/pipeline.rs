@@ -19,6 +19,7 @@
 //! `{"event":"result",...}` line at the end, with figures it measured and its
 //! domain's counters (`bytes_copied` must be 0).
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -26,6 +27,7 @@ use anyhow::{bail, Context as _};
 use fido::{Channel, Domain, JoinOptions, Message, Msg, WaitStrategy};
 use serde_json::{json, Value};
 
+use crate::measure::{mono_ns, percentiles};
 use crate::proc::{self, Kid};
 
 pub const HEADER: usize = 64;
@@ -34,8 +36,39 @@ const OP_WARMUP: u16 = 1;
 const OP_MEASURED: u16 = 2;
 const OP_END: u16 = 3;
 
-/// Key=value arguments of a role (the bench harness's parser).
-pub use fido_bench::PeerArgs as Args;
+/// `key=value` arguments of a role process.
+pub struct Args(HashMap<String, String>);
+
+impl Args {
+    pub fn parse(args: &[String]) -> Args {
+        Args(
+            args.iter()
+                .filter_map(|a| {
+                    a.split_once('=')
+                        .map(|(k, v)| (k.to_string(), v.to_string()))
+                })
+                .collect(),
+        )
+    }
+    pub fn get(&self, k: &str) -> anyhow::Result<&str> {
+        self.0
+            .get(k)
+            .map(|s| s.as_str())
+            .with_context(|| format!("role argument {k}= missing"))
+    }
+    pub fn num<T: std::str::FromStr>(&self, k: &str) -> anyhow::Result<T>
+    where
+        T::Err: std::error::Error + Send + Sync + 'static,
+    {
+        Ok(self.get(k)?.parse()?)
+    }
+    pub fn opt(&self, k: &str) -> Option<&str> {
+        self.0.get(k).map(|s| s.as_str())
+    }
+    pub fn flag(&self, k: &str) -> bool {
+        matches!(self.0.get(k).map(|s| s.as_str()), Some("1") | Some("true"))
+    }
+}
 
 /// Prints one JSON line on stdout and flushes it.
 pub fn emit(v: &Value) -> anyhow::Result<()> {
@@ -109,7 +142,7 @@ pub fn write_message(buf: &mut fido::Buf, seq: u64) {
     let fields = [
         MAGIC,
         seq,
-        fido_bench::mono_ns(),
+        mono_ns(),
         gptr,
         len,
         sum.value(),
@@ -400,7 +433,7 @@ fn sink(a: &Args, entries: u32) -> anyhow::Result<()> {
             None => bail!("pipeline message with {} segments", m.segment_count()),
         };
         let c = check_message(bytes);
-        let now = fido_bench::mono_ns();
+        let now = mono_ns();
         if !c.header_ok {
             header_errors += 1;
             note(format!("message tag {}: bad header", m.tag()));
@@ -437,7 +470,7 @@ fn sink(a: &Args, entries: u32) -> anyhow::Result<()> {
     }
     // Dropping `up` (at return) tells the forwarder we are done.
     let samples = lat.len();
-    let (p50, p99) = fido_bench::percentiles(&mut lat);
+    let (p50, p99) = percentiles(&mut lat);
     result_line(
         "sink",
         &d,

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context as _};
 
 /// Environment variable carrying the spawning parent's pid to a helper.
-pub(crate) const PARENT_ENV: &str = "FIDO_CLI_PARENT";
+pub const PARENT_ENV: &str = "FIDO_CLI_PARENT";
 
 static INTERRUPT: OnceLock<Arc<AtomicBool>> = OnceLock::new();
 

@@ -1,0 +1,27 @@
+//! Fido's demonstration pipeline, shared by `fido demo` and the benchmark tool.
+//!
+//! * [`proc`]: helper processes (re-executed copies of the running binary), an
+//!   embedded broker, and the SIGINT/SIGTERM flag — the things that must never
+//!   be left behind.
+//! * [`pipeline`]: a zero-copy pipeline across processes (source → forwarders →
+//!   sink, one domain each), every message checked end to end at the sink.
+//! * [`demo`]: `fido demo` — that pipeline beside the same pipeline over Unix
+//!   sockets, with the checks that decide its exit status.
+//! * [`text`]: plain-text tables for the terminal.
+//!
+//! The running binary must dispatch the hidden subcommand `__demo-role` to
+//! [`pipeline::role_main`]: the roles are that binary re-executed.
+//!
+//! What this crate must never do: leave anything behind — every helper process
+//! it starts is killed and reaped on every path (and dies with its parent
+//! through `PR_SET_PDEATHSIG`), an embedded broker is shut down (its socket
+//! removed) and its temporary directory deleted, also on Ctrl-C; print a figure
+//! it did not measure in the same run, or report success when a check failed;
+//! and depend on the benchmark baselines (`fido-bench`): the product stands
+//! alone.
+
+pub mod demo;
+pub mod measure;
+pub mod pipeline;
+pub mod proc;
+pub mod text;
