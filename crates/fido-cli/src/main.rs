@@ -28,10 +28,6 @@ mod broker;
 mod chaos;
 mod pipe_bench;
 mod pipe_cli;
-mod pipe_fido;
-mod pipe_move;
-mod pipe_proxy;
-mod pipe_serve;
 mod pipe_cmd;
 mod netbench;
 mod rpc_bench;
@@ -304,7 +300,6 @@ fn main() -> ExitCode {
             seconds,
             size,
             hops,
-            uds_pipeline: fido_bench::uds_pipeline,
         }),
         Cmd::Bench {
             suite:

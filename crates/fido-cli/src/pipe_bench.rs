@@ -46,7 +46,7 @@ use anyhow::{bail, Context as _};
 use fido_bench::{PeerArgs, PinGuard, Placement, Record};
 use serde_json::json;
 
-use crate::pipe_move::{self, Strategy};
+use fido_pipe_apps::{engine, mover as pipe_move, Strategy};
 use fido_demo::proc::{self, EmbeddedBroker, Kid};
 
 const SUITE: &str = "pipe";
@@ -167,7 +167,7 @@ pub fn run(o: &PipeBenchOpts) -> anyhow::Result<bool> {
         .tempdir()
         .context("scratch directory")?;
     let mut modes = Vec::new();
-    if crate::pipe_fido::available(broker.socket()) {
+    if engine::available(broker.socket()) {
         modes.push(Strategy::Fido);
     } else {
         eprintln!(
@@ -409,7 +409,7 @@ fn role_app(a: &PeerArgs) -> anyhow::Result<()> {
     let kind = Kind::parse(a.get("kind")?)?;
     let mode = strategy(a.get("mode")?)?;
     let len: u64 = a.num("len")?;
-    let m = crate::pipe_cli::mover(mode)?;
+    let m = mode.mover()?;
     let (t0, c0, n) = match kind {
         Kind::FileToSocket => {
             let f = File::open(a.get("src")?)?;
@@ -625,8 +625,8 @@ fn role_stream(a: &PeerArgs) -> anyhow::Result<()> {
     let start_ns: u64 = a.num("start_ns")?;
     let end_ns: u64 = a.num("end_ns")?;
     let m = match mode {
-        Strategy::Fido => crate::pipe_fido::mover_weighted(weight)?,
-        _ => crate::pipe_cli::mover(mode)?,
+        Strategy::Fido => engine::mover_weighted(weight)?,
+        _ => mode.mover()?,
     };
     let f = File::open(a.get("src")?)?;
     let size = f.metadata()?.len();

@@ -1,9 +1,9 @@
 //! `fido pipe ...`: the applications built on the pipe engine.
 //!
 //! * `fido pipe serve DIR --port P`: static files over HTTP/1.1, bodies moved
-//!   file→socket by the engine ([`crate::pipe_serve`]).
+//!   file→socket by the engine ([`fido_pipe_apps::serve`]).
 //! * `fido pipe proxy LISTEN UPSTREAM`: a TCP forwarder, both directions moved
-//!   socket→socket by the engine ([`crate::pipe_proxy`]).
+//!   socket→socket by the engine ([`fido_pipe_apps::proxy`]).
 //!
 //! `--strategy sendfile|readwrite` runs the same program with the bytes moved in
 //! this process instead (what `fido bench pipe` compares against).
@@ -11,12 +11,19 @@
 use std::io::Write as _;
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Duration;
 
+use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser as _};
 use clap::Subcommand;
+use fido_pipe_apps::{engine, proxy, serve, Strategy};
 
-use crate::pipe_move::{self, Mover, Strategy};
+/// `--strategy NAME`, with each strategy's description in the help.
+fn strategy_arg() -> impl clap::builder::TypedValueParser<Value = Strategy> {
+    PossibleValuesParser::new(
+        Strategy::ALL.map(|s| PossibleValue::new(s.name()).help(s.describe())),
+    )
+    .map(|name| name.parse::<Strategy>().expect("one of the possible values"))
+}
 
 #[derive(Subcommand)]
 pub enum AppCmd {
@@ -31,7 +38,7 @@ pub enum AppCmd {
         #[arg(long, default_value = "127.0.0.1")]
         addr: IpAddr,
         /// Who moves the body bytes.
-        #[arg(long, value_enum, default_value_t = Strategy::Fido)]
+        #[arg(long, value_parser = strategy_arg(), default_value = "fido")]
         strategy: Strategy,
         /// Close a connection idle (or not reading) for this many seconds.
         #[arg(long, default_value_t = 60)]
@@ -47,18 +54,9 @@ pub enum AppCmd {
         /// Where to connect, e.g. 127.0.0.1:80.
         upstream: String,
         /// Who moves the bytes.
-        #[arg(long, value_enum, default_value_t = Strategy::Fido)]
+        #[arg(long, value_parser = strategy_arg(), default_value = "fido")]
         strategy: Strategy,
     },
-}
-
-/// Builds the mover for `s`.
-pub fn mover(s: Strategy) -> anyhow::Result<Arc<dyn Mover>> {
-    Ok(match s {
-        Strategy::Sendfile => Arc::new(pipe_move::Sendfile),
-        Strategy::Readwrite => Arc::new(pipe_move::ReadWrite),
-        Strategy::Fido => crate::pipe_fido::mover()?,
-    })
 }
 
 pub fn run(cmd: AppCmd) -> anyhow::Result<()> {
@@ -73,36 +71,36 @@ pub fn run(cmd: AppCmd) -> anyhow::Result<()> {
         } => {
             let m = match strategy {
                 Strategy::Fido => {
-                    crate::pipe_fido::mover_with_stall(Duration::from_secs(idle_secs.max(1)))?
+                    engine::mover_with_stall(Duration::from_secs(idle_secs.max(1)))?
                 }
-                s => mover(s)?,
+                s => s.mover()?,
             };
-            let cfg = crate::pipe_serve::ServeConfig {
+            let cfg = serve::ServeConfig {
                 root: dir,
                 idle_timeout: Duration::from_secs(idle_secs.max(1)),
                 max_conns,
             };
-            let srv = crate::pipe_serve::Server::bind(SocketAddr::new(addr, port), cfg, m)?;
+            let srv = serve::Server::bind(SocketAddr::new(addr, port), cfg, m)?;
             announce(&format!(
                 "serving on http://{}/ ({})",
                 srv.local_addr()?,
                 strategy.system()
             ))?;
-            srv.run()
+            Ok(srv.run()?)
         }
         AppCmd::Proxy {
             listen,
             upstream,
             strategy,
         } => {
-            let m = mover(strategy)?;
-            let p = crate::pipe_proxy::Proxy::bind(&listen, &upstream, m)?;
+            let m = strategy.mover()?;
+            let p = proxy::Proxy::bind(&listen, &upstream, m)?;
             announce(&format!(
                 "proxying {} -> {upstream} ({})",
                 p.local_addr()?,
                 strategy.system()
             ))?;
-            p.run()
+            Ok(p.run()?)
         }
     }
 }

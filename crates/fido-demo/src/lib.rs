@@ -5,8 +5,11 @@
 //!   be left behind.
 //! * [`pipeline`]: a zero-copy pipeline across processes (source → forwarders →
 //!   sink, one domain each), every message checked end to end at the sink.
-//! * [`demo`]: `fido demo` — that pipeline beside the same pipeline over Unix
-//!   sockets, with the checks that decide its exit status.
+//! * [`uds`]: the same pipeline over Unix stream sockets, the demo's baseline
+//!   (the same roles' work, the same checks, the same latency phase).
+//! * [`demo`]: `fido demo` — both pipelines, throughput at full load and
+//!   latency with one message in flight, with the checks that decide its
+//!   exit status.
 //! * [`text`]: plain-text tables for the terminal.
 //!
 //! The running binary must dispatch the hidden subcommand `__demo-role` to
@@ -20,8 +23,11 @@
 //! and depend on the benchmark baselines (`fido-bench`): the product stands
 //! alone.
 
+#![forbid(unsafe_code)]
+
 pub mod demo;
 pub mod measure;
 pub mod pipeline;
 pub mod proc;
 pub mod text;
+pub mod uds;

@@ -12,6 +12,12 @@
 //!   sequence has no gap, and checks that the message's global pointer is the
 //!   one the source wrote: the pointer travelled unchanged through every hop.
 //!   It records source→sink latency after its read (as the uds baseline does).
+//! * An optional **latency phase** ([`PingPhase`]) follows the measured
+//!   window: the sink acknowledges each message on a channel of its own back
+//!   to the source, and the source sends the next only then — one message in
+//!   flight through every hop, so the latency measured is the pipeline's, not
+//!   its queue's. (Under full load a message also waits behind up to
+//!   `ring_entries` others per hop.)
 //! * The end is an `END` message; each role then waits for its downstream to
 //!   close, so nobody's memory disappears while someone still reads it.
 //!
@@ -32,9 +38,14 @@ use crate::proc::{self, Kid};
 
 pub const HEADER: usize = 64;
 const MAGIC: u64 = 0x6f64_6966_6570_6970; // "pipefido"
-const OP_WARMUP: u16 = 1;
-const OP_MEASURED: u16 = 2;
+// A message's phase (its opcode, and word 6 of its header).
+pub(crate) const OP_WARMUP: u16 = 1;
+pub(crate) const OP_MEASURED: u16 = 2;
 const OP_END: u16 = 3;
+/// Latency phase, not measured: acknowledged, so the queues are empty after it.
+pub(crate) const OP_DRAIN: u16 = 4;
+/// Latency phase, measured: acknowledged; the source sends one at a time.
+pub(crate) const OP_PING: u16 = 5;
 
 /// `key=value` arguments of a role process.
 pub struct Args(HashMap<String, String>);
@@ -123,8 +134,14 @@ impl Sum {
 /// header, then the header. Needs `buf.len() >= HEADER`.
 pub fn write_message(buf: &mut fido::Buf, seq: u64) {
     let gptr = buf.gptr().addr();
-    let len = buf.len() as u64;
-    let bytes: &mut [u8] = buf;
+    fill_message(buf, seq, gptr, 0);
+}
+
+/// [`write_message`] into any buffer: `gptr` is the global pointer the sink
+/// must find the message at (0 where the transport has none), `op` the phase
+/// carried in the header. Needs `bytes.len() >= HEADER`.
+pub fn fill_message(bytes: &mut [u8], seq: u64, gptr: u64, op: u16) {
+    let len = bytes.len() as u64;
     let (head, body) = bytes.split_at_mut(HEADER);
     let mut sum = Sum::new();
     let seed = seq.wrapping_mul(K2);
@@ -146,11 +163,19 @@ pub fn write_message(buf: &mut fido::Buf, seq: u64) {
         gptr,
         len,
         sum.value(),
-        0,
+        op as u64,
         0,
     ];
     for (i, f) in fields.iter().enumerate() {
         head[i * 8..i * 8 + 8].copy_from_slice(&f.to_le_bytes());
+    }
+}
+
+/// The phase written by [`fill_message`] (0 for a message shorter than the header).
+pub fn message_op(bytes: &[u8]) -> u16 {
+    match bytes.get(48..56) {
+        Some(w) => u64::from_le_bytes(w.try_into().unwrap()) as u16,
+        None => 0,
     }
 }
 
@@ -223,16 +248,16 @@ fn wait_closed(ch: &Channel) -> anyhow::Result<()> {
 /// Throughput bookkeeping: bytes/messages of the measured window and the span
 /// from the arrival (or send) before the first measured message to the last.
 #[derive(Default)]
-struct Window {
+pub(crate) struct Window {
     messages: u64,
     bytes: u64,
     start: Option<Instant>,
     last: Option<Instant>,
-    prev: Option<Instant>,
+    pub(crate) prev: Option<Instant>,
 }
 
 impl Window {
-    fn saw(&mut self, now: Instant, measured: bool, bytes: u64) {
+    pub(crate) fn saw(&mut self, now: Instant, measured: bool, bytes: u64) {
         if measured {
             if self.start.is_none() {
                 self.start = Some(self.prev.unwrap_or(now));
@@ -276,15 +301,25 @@ impl Publisher {
 fn result_line(role: &str, d: &Domain, window: &Window, extra: Value) -> anyhow::Result<()> {
     let _ = d.publish_counters();
     let mut v = json!({
-        "event": "result",
-        "role": role,
-        "pid": std::process::id(),
         "domain": d.id(),
         "slot": d.slot(),
         "name": d.name(),
         "address_mode": format!("{:?}", d.address_mode()),
-        "window": window.json(),
         "counters": counters_json(&d.counters()),
+    });
+    if let (Value::Object(m), Value::Object(x)) = (&mut v, extra) {
+        m.extend(x);
+    }
+    result_json(role, window, v)
+}
+
+/// Prints a role's `result` line: its role, pid, window, and `extra`'s fields.
+pub(crate) fn result_json(role: &str, window: &Window, extra: Value) -> anyhow::Result<()> {
+    let mut v = json!({
+        "event": "result",
+        "role": role,
+        "pid": std::process::id(),
+        "window": window.json(),
     });
     if let (Value::Object(m), Value::Object(x)) = (&mut v, extra) {
         m.extend(x);
@@ -292,10 +327,144 @@ fn result_line(role: &str, d: &Domain, window: &Window, extra: Value) -> anyhow:
     emit(&v)
 }
 
-/// `role=source|fwd|sink` plus its arguments (see [`launch`]).
+/// The latency phase after the measured window (see the module documentation).
+#[derive(Debug, Clone)]
+pub struct PingPhase {
+    /// Pings are sent for this long…
+    pub duration: Duration,
+    /// …but at least this many (a slow pipeline still gets percentiles)…
+    pub min_pings: u64,
+    /// …and at most this many.
+    pub max_pings: u64,
+}
+
+impl PingPhase {
+    /// The role arguments that carry it.
+    pub(crate) fn args(&self) -> Vec<String> {
+        vec![
+            format!("ping_ns={}", self.duration.as_nanos()),
+            format!("ping_min={}", self.min_pings),
+            format!("ping_max={}", self.max_pings),
+        ]
+    }
+
+    pub(crate) fn from_args(a: &Args) -> anyhow::Result<Option<PingPhase>> {
+        if a.opt("ping_ns").is_none() {
+            return Ok(None);
+        }
+        Ok(Some(PingPhase {
+            duration: Duration::from_nanos(a.num("ping_ns")?),
+            min_pings: a.num("ping_min")?,
+            max_pings: a.num("ping_max")?,
+        }))
+    }
+
+    /// Whether another ping is due after `sent` of them in `elapsed`.
+    pub(crate) fn wants_more(&self, sent: u64, elapsed: Duration) -> bool {
+        sent < self.max_pings && (sent < self.min_pings || elapsed < self.duration)
+    }
+}
+
+/// What a sink learns from the messages it receives, whatever carried them.
+#[derive(Default)]
+pub(crate) struct SinkLedger {
+    pub(crate) window: Window,
+    received: u64,
+    /// The sequence number due next (0: none seen yet, the first must be 1).
+    expect: u64,
+    seq_errors: u64,
+    checksum_errors: u64,
+    pointer_errors: u64,
+    header_errors: u64,
+    first_error: Option<String>,
+    /// Source→sink latency of the measured window's messages (full load).
+    loaded: Vec<u64>,
+    /// Source→sink latency of the pings (one message in flight).
+    pings: Vec<u64>,
+}
+
+impl SinkLedger {
+    /// Books one message checked at `now_ns`: `tag` is what the transport says
+    /// its sequence is, `op` its phase, `arrived_at` the global pointer it
+    /// arrived at where the transport has one.
+    pub(crate) fn saw(
+        &mut self,
+        tag: u64,
+        op: u16,
+        c: &Checked,
+        arrived_at: Option<u64>,
+        now_ns: u64,
+        len: u64,
+    ) {
+        let expect = self.expect.max(1);
+        self.received += 1;
+        if !c.header_ok {
+            self.header_errors += 1;
+            self.note(format!("message tag {tag}: bad header"));
+        }
+        if c.seq != expect || tag != c.seq {
+            self.seq_errors += 1;
+            self.note(format!("expected sequence {expect}, got {} (tag {tag})", c.seq));
+        }
+        self.expect = c.seq + 1;
+        if !c.checksum_ok {
+            self.checksum_errors += 1;
+            self.note(format!("sequence {}: checksum mismatch", c.seq));
+        }
+        if let Some(g) = arrived_at {
+            if c.gptr != g {
+                self.pointer_errors += 1;
+                self.note(format!(
+                    "sequence {}: source wrote pointer {:#x}, message arrived at {g:#x}",
+                    c.seq, c.gptr
+                ));
+            }
+        }
+        let latency = now_ns.saturating_sub(c.stamp);
+        match op {
+            OP_MEASURED => self.loaded.push(latency),
+            OP_PING => self.pings.push(latency),
+            _ => {}
+        }
+        self.window.saw(Instant::now(), op == OP_MEASURED, len);
+    }
+
+    fn note(&mut self, s: String) {
+        self.first_error.get_or_insert(s);
+    }
+
+    /// The sink's fields of its result line.
+    pub(crate) fn json(mut self) -> Value {
+        let samples = self.loaded.len();
+        let (p50, p99) = percentiles(&mut self.loaded);
+        let pings = self.pings.len();
+        let (ping_p50, ping_p99) = percentiles(&mut self.pings);
+        json!({
+            "received": self.received,
+            "last_seq": self.expect.max(1) - 1,
+            "latency_samples": samples,
+            "p50_ns": p50,
+            "p99_ns": p99,
+            "ping_samples": pings,
+            "ping_p50_ns": ping_p50,
+            "ping_p99_ns": ping_p99,
+            "seq_errors": self.seq_errors,
+            "checksum_errors": self.checksum_errors,
+            "pointer_errors": self.pointer_errors,
+            "header_errors": self.header_errors,
+            "first_error": self.first_error,
+        })
+    }
+}
+
+/// `role=source|fwd|sink` plus its arguments (see [`launch`]), or a role of
+/// the socket pipeline (`uds-*`, see [`crate::uds`]).
 pub fn role_main(args: &[String]) -> anyhow::Result<()> {
     proc::child_prologue()?;
     let a = Args::parse(args);
+    if let Some(r) = crate::uds::role(&a) {
+        return r;
+    }
     let entries: u32 = a.num("entries")?;
     match a.get("role")? {
         "source" => source(&a, entries),
@@ -316,6 +485,14 @@ fn source(a: &Args, entries: u32) -> anyhow::Result<()> {
     let ch = d
         .connect(next)
         .with_context(|| format!("connecting to {next}"))?;
+    let pings = PingPhase::from_args(a)?;
+    let ack = match &pings {
+        Some(_) => {
+            let svc = a.get("ack")?;
+            Some(d.connect(svc).with_context(|| format!("connecting to {svc}"))?)
+        }
+        None => None,
+    };
     emit(&json!({"event": "ready", "pid": std::process::id(), "domain": d.id()}))?;
     let mut window = Window::default();
     let start = Instant::now();
@@ -331,19 +508,51 @@ fn source(a: &Args, entries: u32) -> anyhow::Result<()> {
         let measured = now >= warm_end;
         seq += 1;
         let mut buf = d.alloc(size)?;
-        write_message(&mut buf, seq);
         let op = if measured { OP_MEASURED } else { OP_WARMUP };
+        let gptr = buf.gptr().addr();
+        fill_message(&mut buf, seq, gptr, op);
         ch.send(Message::new(buf).tag(seq).opcode(op))
             .context("sending")?;
         window.saw(Instant::now(), measured, size as u64);
         publisher.tick(&d);
+    }
+    let mut pinged = 0u64;
+    if let (Some(p), Some(ack)) = (&pings, &ack) {
+        let one = |seq: u64, op: u16| -> anyhow::Result<()> {
+            let mut buf = d.alloc(size)?;
+            let gptr = buf.gptr().addr();
+            fill_message(&mut buf, seq, gptr, op);
+            ch.send(Message::new(buf).tag(seq).opcode(op))
+                .context("sending a ping")?;
+            let m = ack
+                .recv_timeout(Duration::from_secs(10))
+                .context("waiting for the sink's acknowledgement")?;
+            if m.tag() != seq {
+                bail!("the sink acknowledged {}, expected {seq}", m.tag());
+            }
+            Ok(())
+        };
+        // The first empties the queues the measured window left behind.
+        seq += 1;
+        one(seq, OP_DRAIN)?;
+        let t = Instant::now();
+        while p.wants_more(pinged, t.elapsed()) {
+            seq += 1;
+            one(seq, OP_PING)?;
+            pinged += 1;
+        }
     }
     let mut endbuf = d.alloc(HEADER)?;
     endbuf.fill(0);
     ch.send(Message::new(endbuf).tag(seq + 1).opcode(OP_END))
         .context("sending END")?;
     wait_closed(&ch)?;
-    result_line("source", &d, &window, json!({"sent": seq, "size": size}))
+    result_line(
+        "source",
+        &d,
+        &window,
+        json!({"sent": seq, "size": size, "pings": pinged}),
+    )
 }
 
 fn forwarder(a: &Args, entries: u32) -> anyhow::Result<()> {
@@ -403,27 +612,27 @@ pub fn drain(ch: &Channel, timeout: Duration) -> anyhow::Result<()> {
 fn sink(a: &Args, entries: u32) -> anyhow::Result<()> {
     let d = join(a.get("name")?, 8 << 20, false, entries)?;
     let listener = d.offer(a.get("listen")?)?;
+    let ack_listener = match a.opt("ack") {
+        Some(svc) => Some(d.offer(svc)?),
+        None => None,
+    };
     emit(&json!({"event": "ready", "pid": std::process::id(), "domain": d.id()}))?;
     let up = listener.accept().context("accepting upstream")?;
-    let mut window = Window::default();
-    let mut lat: Vec<u64> = Vec::with_capacity(1 << 16);
-    let (mut received, mut seq_errors, mut checksum_errors, mut pointer_errors, mut header_errors) =
-        (0u64, 0u64, 0u64, 0u64, 0u64);
-    let mut expect = 1u64;
-    let mut publisher = Publisher::new();
-    let mut first_error: Option<String> = None;
-    let mut note = |s: String| {
-        if first_error.is_none() {
-            first_error = Some(s);
-        }
+    let ack = match &ack_listener {
+        Some(l) => Some(
+            l.accept()
+                .context("accepting the source's acknowledgement channel")?,
+        ),
+        None => None,
     };
+    let mut ledger = SinkLedger::default();
+    let mut publisher = Publisher::new();
     loop {
         let m = up.recv().context("receiving from upstream")?;
-        if m.opcode() == OP_END {
+        let op = m.opcode();
+        if op == OP_END {
             break;
         }
-        let measured = m.opcode() == OP_MEASURED;
-        received += 1;
         let (g, _) = m
             .global_segments()
             .next()
@@ -434,60 +643,22 @@ fn sink(a: &Args, entries: u32) -> anyhow::Result<()> {
         };
         let c = check_message(bytes);
         let now = mono_ns();
-        if !c.header_ok {
-            header_errors += 1;
-            note(format!("message tag {}: bad header", m.tag()));
-        }
-        if c.seq != expect || m.tag() != c.seq {
-            seq_errors += 1;
-            note(format!(
-                "expected sequence {expect}, got {} (tag {})",
-                c.seq,
-                m.tag()
-            ));
-        }
-        expect = c.seq + 1;
-        if !c.checksum_ok {
-            checksum_errors += 1;
-            note(format!("sequence {}: checksum mismatch", c.seq));
-        }
-        if c.gptr != g.addr() {
-            pointer_errors += 1;
-            note(format!(
-                "sequence {}: source wrote pointer {:#x}, message arrived at {:#x}",
-                c.seq,
-                c.gptr,
-                g.addr()
-            ));
-        }
-        if measured {
-            lat.push(now.saturating_sub(c.stamp));
-        }
-        let len = m.len() as u64;
+        let (tag, len) = (m.tag(), m.len() as u64);
         drop(m);
-        window.saw(Instant::now(), measured, len);
+        ledger.saw(tag, op, &c, Some(g.addr()), now, len);
+        if matches!(op, OP_DRAIN | OP_PING) {
+            let ack = ack
+                .as_ref()
+                .context("a ping, but no acknowledgement channel")?;
+            // No payload: the acknowledgement is its tag.
+            ack.send(Message::inline(&[])?.tag(tag))
+                .context("acknowledging")?;
+        }
         publisher.tick(&d);
     }
     // Dropping `up` (at return) tells the forwarder we are done.
-    let samples = lat.len();
-    let (p50, p99) = percentiles(&mut lat);
-    result_line(
-        "sink",
-        &d,
-        &window,
-        json!({
-            "received": received,
-            "last_seq": expect - 1,
-            "latency_samples": samples,
-            "p50_ns": p50,
-            "p99_ns": p99,
-            "seq_errors": seq_errors,
-            "checksum_errors": checksum_errors,
-            "pointer_errors": pointer_errors,
-            "header_errors": header_errors,
-            "first_error": first_error,
-        }),
-    )
+    let window = std::mem::take(&mut ledger.window);
+    result_line("sink", &d, &window, ledger.json())
 }
 
 // ---------------------------------------------------------------------------
@@ -556,6 +727,40 @@ impl Outcome {
     /// Every check, as (what, passed, detail).
     pub fn checks(&self) -> Vec<(String, bool, String)> {
         let s = self.sink();
+        let mut out = self.delivery_checks();
+        let at = out
+            .iter()
+            .position(|c| c.0 == "checksum")
+            .map_or(out.len(), |i| i + 1);
+        out.splice(
+            at..at,
+            [
+                (
+                    "pointer unchanged".to_string(),
+                    s.u(&["pointer_errors"]) == 0,
+                    format!(
+                        "{} messages arrived at another address",
+                        s.u(&["pointer_errors"])
+                    ),
+                ),
+                (
+                    "bytes copied".into(),
+                    self.bytes_copied() == 0,
+                    format!(
+                        "{} B over {} domains",
+                        self.bytes_copied(),
+                        self.roles.len()
+                    ),
+                ),
+            ],
+        );
+        out
+    }
+
+    /// The checks that hold for any transport: every message arrived, in
+    /// order, intact, and every forwarder passed all of them on.
+    pub fn delivery_checks(&self) -> Vec<(String, bool, String)> {
+        let s = self.sink();
         let sent = self.source().u(&["sent"]);
         let got = s.u(&["received"]);
         let mut out = vec![
@@ -577,23 +782,6 @@ impl Outcome {
                 "checksum".into(),
                 s.u(&["checksum_errors"]) == 0,
                 format!("{} mismatches", s.u(&["checksum_errors"])),
-            ),
-            (
-                "pointer unchanged".into(),
-                s.u(&["pointer_errors"]) == 0,
-                format!(
-                    "{} messages arrived at another address",
-                    s.u(&["pointer_errors"])
-                ),
-            ),
-            (
-                "bytes copied".into(),
-                self.bytes_copied() == 0,
-                format!(
-                    "{} B over {} domains",
-                    self.bytes_copied(),
-                    self.roles.len()
-                ),
             ),
         ];
         for r in &self.roles[1..self.roles.len() - 1] {
@@ -618,6 +806,15 @@ impl Outcome {
 /// source; collects every result; reaps every process (killing them on any
 /// error or interrupt).
 pub fn launch(spec: &Spec, broker: &std::path::Path) -> anyhow::Result<Outcome> {
+    launch_with_pings(spec, None, broker)
+}
+
+/// [`launch`], with the latency phase `pings` after the measured window.
+pub fn launch_with_pings(
+    spec: &Spec,
+    pings: Option<&PingPhase>,
+    broker: &std::path::Path,
+) -> anyhow::Result<Outcome> {
     if spec.links == 0 {
         bail!("a pipeline needs at least one hop");
     }
@@ -646,6 +843,9 @@ pub fn launch(spec: &Spec, broker: &std::path::Path) -> anyhow::Result<Outcome> 
 
     let mut a = base("sink", "sink");
     a.push(format!("listen={}", svc("sink")));
+    if pings.is_some() {
+        a.push(format!("ack={}", svc("ack")));
+    }
     let mut k = Kid::spawn(&a, broker)?;
     k.expect_event("ready", ready_by())?;
     kids.push(("sink".into(), k));
@@ -667,12 +867,18 @@ pub fn launch(spec: &Spec, broker: &std::path::Path) -> anyhow::Result<Outcome> 
         format!("warm_ns={}", spec.warmup.as_nanos()),
         format!("dur_ns={}", spec.duration.as_nanos()),
     ]);
+    if let Some(p) = pings {
+        a.push(format!("ack={}", svc("ack")));
+        a.extend(p.args());
+    }
     let mut k = Kid::spawn(&a, broker)?;
     k.expect_event("ready", ready_by())?;
     kids.push(("source".into(), k));
 
     // Results come in any order; everyone is done a little after the source.
-    let deadline = Instant::now() + spec.warmup + spec.duration + Duration::from_secs(20);
+    let ping_time = pings.map_or(Duration::ZERO, |p| p.duration);
+    let deadline =
+        Instant::now() + spec.warmup + spec.duration + ping_time + Duration::from_secs(20);
     let mut roles = Vec::new();
     for (label, k) in kids.iter_mut().rev() {
         let v = k.expect_event("result", deadline)?;

@@ -85,10 +85,21 @@ impl Kid {
     /// Spawns `current_exe args...` with `FIDO_BROKER=broker`, stdout piped
     /// (read on a helper thread), stderr inherited.
     pub fn spawn(args: &[String], broker: &Path) -> anyhow::Result<Kid> {
+        Self::spawn_with(args, Some(broker))
+    }
+
+    /// [`Kid::spawn`] for a helper that does not talk to a broker.
+    pub fn spawn_without_broker(args: &[String]) -> anyhow::Result<Kid> {
+        Self::spawn_with(args, None)
+    }
+
+    fn spawn_with(args: &[String], broker: Option<&Path>) -> anyhow::Result<Kid> {
         let exe = std::env::current_exe().context("current_exe")?;
         let mut cmd = Command::new(exe);
+        if let Some(b) = broker {
+            cmd.env("FIDO_BROKER", b);
+        }
         cmd.args(args)
-            .env("FIDO_BROKER", broker)
             .env(PARENT_ENV, std::process::id().to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

@@ -6,7 +6,7 @@
 //! * [`Sendfile`]: the kernel's in-process shortcuts, still on the application's
 //!   CPU time — `sendfile` (file→socket), `splice` through a private pipe
 //!   (socket→socket, socket→file), `copy_file_range` (file→file).
-//! * `FidoPipe` (in `pipe_fido.rs`): the broker's pipe engine moves the bytes;
+//! * [`FidoPipe`](crate::engine::FidoPipe): the broker's pipe engine moves the bytes;
 //!   the application only hands it the descriptors and waits.
 //!
 //! Servers and benchmarks are written once against the trait, so every figure
@@ -18,6 +18,7 @@
 
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::Arc;
 
 use rustix::pipe::SpliceFlags;
 
@@ -331,8 +332,8 @@ impl Mover for Sendfile {
     }
 }
 
-/// The strategies selectable on the command line.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+/// Who moves the bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Strategy {
     /// The broker's pipe engine moves the bytes (the application's CPU stays idle).
     Fido,
@@ -343,6 +344,39 @@ pub enum Strategy {
 }
 
 impl Strategy {
+    /// Every strategy, in the order the command line lists them.
+    pub const ALL: [Strategy; 3] = [Strategy::Fido, Strategy::Sendfile, Strategy::Readwrite];
+
+    /// The name on the command line (`--strategy NAME`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::Fido => "fido",
+            Strategy::Sendfile => "sendfile",
+            Strategy::Readwrite => "readwrite",
+        }
+    }
+
+    /// What the strategy does, in a line (for help texts).
+    pub fn describe(self) -> &'static str {
+        match self {
+            Strategy::Fido => {
+                "The broker's pipe engine moves the bytes (the application's CPU stays idle)"
+            }
+            Strategy::Sendfile => "sendfile / splice / copy_file_range in this process",
+            Strategy::Readwrite => "read/write loop in this process",
+        }
+    }
+
+    /// A mover of this strategy; [`Strategy::Fido`] joins the broker named by
+    /// `$FIDO_BROKER` (or the default socket) — see [`crate::engine::mover`].
+    pub fn mover(self) -> io::Result<Arc<dyn Mover>> {
+        Ok(match self {
+            Strategy::Sendfile => Arc::new(Sendfile),
+            Strategy::Readwrite => Arc::new(ReadWrite),
+            Strategy::Fido => crate::engine::mover()?,
+        })
+    }
+
     /// The `system` name used in bench records.
     pub fn system(self) -> &'static str {
         match self {
@@ -350,6 +384,17 @@ impl Strategy {
             Strategy::Sendfile => "sendfile",
             Strategy::Readwrite => "readwrite",
         }
+    }
+}
+
+impl std::str::FromStr for Strategy {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Strategy, String> {
+        Strategy::ALL
+            .into_iter()
+            .find(|m| m.name() == s)
+            .ok_or_else(|| format!("unknown strategy {s:?} (fido, sendfile or readwrite)"))
     }
 }
 

@@ -16,9 +16,7 @@ use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::Context as _;
-
-use crate::pipe_move::Mover;
+use crate::mover::Mover;
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -30,13 +28,19 @@ pub struct Proxy {
 }
 
 impl Proxy {
-    pub fn bind(listen: &str, upstream: &str, mover: Arc<dyn Mover>) -> anyhow::Result<Proxy> {
+    pub fn bind(listen: &str, upstream: &str, mover: Arc<dyn Mover>) -> io::Result<Proxy> {
         let upstream: Vec<SocketAddr> = upstream
             .to_socket_addrs()
-            .with_context(|| format!("upstream address {upstream}"))?
+            .map_err(|e| in_context(e, format!("upstream address {upstream}")))?
             .collect();
-        anyhow::ensure!(!upstream.is_empty(), "upstream resolves to no address");
-        let listener = TcpListener::bind(listen).with_context(|| format!("binding {listen}"))?;
+        if upstream.is_empty() {
+            return Err(io::Error::new(
+                io::ErrorKind::NotFound,
+                "upstream resolves to no address",
+            ));
+        }
+        let listener =
+            TcpListener::bind(listen).map_err(|e| in_context(e, format!("binding {listen}")))?;
         Ok(Proxy {
             listener,
             upstream,
@@ -49,7 +53,7 @@ impl Proxy {
     }
 
     /// Accepts forever.
-    pub fn run(self) -> anyhow::Result<()> {
+    pub fn run(self) -> io::Result<()> {
         let upstream = Arc::new(self.upstream);
         loop {
             let (client, peer) = match self.listener.accept() {
@@ -75,6 +79,11 @@ impl Proxy {
             }
         }
     }
+}
+
+/// `e` with `what` in front of its message (its kind kept).
+pub(crate) fn in_context(e: io::Error, what: String) -> io::Error {
+    io::Error::new(e.kind(), format!("{what}: {e}"))
 }
 
 fn connect_any(addrs: &[SocketAddr]) -> io::Result<TcpStream> {

@@ -29,9 +29,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use anyhow::Context as _;
-
-use crate::pipe_move::Mover;
+use crate::mover::Mover;
+use crate::proxy::in_context;
 
 /// Largest request head (request line and headers) accepted.
 const MAX_HEAD: usize = 16 << 10;
@@ -67,17 +66,19 @@ impl Server {
         addr: SocketAddr,
         cfg: ServeConfig,
         mover: Arc<dyn Mover>,
-    ) -> anyhow::Result<Server> {
+    ) -> io::Result<Server> {
         let root = cfg
             .root
             .canonicalize()
-            .with_context(|| format!("serve root {}", cfg.root.display()))?;
-        anyhow::ensure!(
-            root.is_dir(),
-            "serve root {} is not a directory",
-            root.display()
-        );
-        let listener = TcpListener::bind(addr).with_context(|| format!("binding {addr}"))?;
+            .map_err(|e| in_context(e, format!("serve root {}", cfg.root.display())))?;
+        if !root.is_dir() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("serve root {} is not a directory", root.display()),
+            ));
+        }
+        let listener =
+            TcpListener::bind(addr).map_err(|e| in_context(e, format!("binding {addr}")))?;
         Ok(Server {
             listener,
             shared: Arc::new(Shared {
@@ -95,7 +96,7 @@ impl Server {
     }
 
     /// Accepts forever (each connection on its own thread).
-    pub fn run(self) -> anyhow::Result<()> {
+    pub fn run(self) -> io::Result<()> {
         loop {
             let (sock, peer) = match self.listener.accept() {
                 Ok(x) => x,

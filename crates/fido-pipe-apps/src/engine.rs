@@ -1,4 +1,4 @@
-//! The `fido` strategy of [`crate::pipe_move::Mover`]: the broker's pipe engine
+//! The `fido` strategy of [`crate::mover::Mover`]: the broker's pipe engine
 //! moves the bytes (crate `fido-pipe`). This process only passes the two
 //! descriptors with each request and waits for the exact result; its CPU stays
 //! free for the application.
@@ -18,11 +18,10 @@ use std::sync::Arc;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use anyhow::Context as _;
 use fido_pipe::{Client, ClientOptions, PipeOp, Transfer};
 use fido_proto::ErrorCode;
 
-use crate::pipe_move::{Mover, Sendfile};
+use crate::mover::{Mover, Sendfile};
 
 /// The engine as a [`Mover`].
 pub struct FidoPipe {
@@ -166,10 +165,7 @@ impl FidoPipe {
                 s.client = Some(c.clone());
                 Ok(c)
             }
-            Err(e) => Err(io::Error::new(
-                io::ErrorKind::NotConnected,
-                format!("{e:#}"),
-            )),
+            Err(e) => Err(io::Error::new(io::ErrorKind::NotConnected, e.to_string())),
         }
     }
 }
@@ -347,17 +343,18 @@ fn wait_readable(fd: BorrowedFd<'_>) -> io::Result<()> {
     }
 }
 
-fn connect(name: &str, broker: Option<&Path>) -> anyhow::Result<Client> {
-    let mut o = ClientOptions::new(name);
+fn connect(name: &str, broker: Option<&Path>) -> io::Result<Client> {
     let path = match broker {
         Some(p) => p.to_path_buf(),
-        None => fido::default_broker_path(),
+        None => fido_proto::default_broker_path(),
     };
-    o = o.broker(&path);
-    Client::connect_with(o).with_context(|| {
-        format!(
-            "joining the broker at {} for its pipe engine",
-            path.display()
+    Client::connect_with(ClientOptions::new(name).broker(&path)).map_err(|e| {
+        io::Error::new(
+            io::ErrorKind::NotConnected,
+            format!(
+                "joining the broker at {} for its pipe engine: {e}",
+                path.display()
+            ),
         )
     })
 }
@@ -371,14 +368,14 @@ pub fn available(broker: &Path) -> bool {
 }
 
 /// A mover on the broker named by `$FIDO_BROKER` (or the default socket).
-pub fn mover() -> anyhow::Result<Arc<dyn Mover>> {
+pub fn mover() -> io::Result<Arc<dyn Mover>> {
     let name = format!("fido-pipe-{}", std::process::id());
     Ok(Arc::new(FidoPipe::new(connect(&name, None)?, name, None)))
 }
 
 /// [`mover`] for a server: file→socket gives up on a client that reads
 /// nothing for `stall`.
-pub fn mover_with_stall(stall: Duration) -> anyhow::Result<Arc<dyn Mover>> {
+pub fn mover_with_stall(stall: Duration) -> io::Result<Arc<dyn Mover>> {
     let name = format!("fido-pipe-serve-{}", std::process::id());
     Ok(Arc::new(FidoPipe::new(
         connect(&name, None)?,
@@ -389,11 +386,11 @@ pub fn mover_with_stall(stall: Duration) -> anyhow::Result<Arc<dyn Mover>> {
 
 /// A mover whose domain has pipe weight `w` (set live: the caller must be root
 /// or the broker's uid).
-pub fn mover_weighted(w: u32) -> anyhow::Result<Arc<dyn Mover>> {
+pub fn mover_weighted(w: u32) -> io::Result<Arc<dyn Mover>> {
     let name = format!("fido-pipe-{}", std::process::id());
     let client = connect(&name, None)?;
     client
         .set_weight(&client.domain().to_string(), w)
-        .with_context(|| format!("setting pipe weight {w}"))?;
+        .map_err(|e| io::Error::other(format!("setting pipe weight {w}: {e}")))?;
     Ok(Arc::new(FidoPipe::new(client, name, None)))
 }
