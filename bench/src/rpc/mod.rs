@@ -1,4 +1,4 @@
-//! `fido bench rpc`: the VMRPC paper's evaluation (§5.2 null RPC, §5.3 Table 2
+//! `fido-bench rpc`: the VMRPC paper's evaluation (§5.2 null RPC, §5.3 Table 2
 //! throughput) with today's baselines, all measured in one invocation, plus the
 //! case study (a caching file server, fido-rpc against the same service over
 //! tonic: [`files`]).
