@@ -5,19 +5,19 @@
 #
 # What is needed, and why (nothing else is):
 #   build-essential  cc/c++/ld: rusqlite's bundled SQLite, libFuzzer (C++), linking
-#   ucx-utils        ucx_perftest, the UCX baseline of `fido bench channel`
+#   ucx-utils        ucx_perftest, the UCX baseline of `fido-bench channel`
 #   curl             the HTTP client of the `fido pipe serve` tests
 #   wrk, nginx-light, libnginx-mod-stream, fonts-dejavu-core
-#                    `fido bench pipe`: load generator, the nginx baselines (static
+#                    `fido-bench pipe`: load generator, the nginx baselines (static
 #                    files with sendfile; TCP proxy via the stream module), the
 #                    plot's font
-#   protobuf-compiler  protoc: bench/build.rs compiles the tonic baseline's .proto
-#   capnproto        capnp: bench/build.rs compiles the capnp-rpc baseline's schema
-#   python3          xmlrpc.server/xmlrpc.client, the XML-RPC baseline of `fido bench rpc`
+#   (no protoc, no capnp: the baselines' generated code is checked in; only
+#   bench/proto/regenerate.sh needs them, after a schema changes)
+#   python3          xmlrpc.server/xmlrpc.client, the XML-RPC baseline of `fido-bench rpc`
 #   ca-certificates, curl   only when Rust itself must be installed (rustup)
 #   cargo-fuzz       only for scripts/fuzz-replay.sh / fuzz-run.sh
 #   redis-server redis-tools nginx-light curl wrk iperf3 sockperf util-linux
-#                    the real programs of the fido-net (MMNet) tests and `fido bench net`
+#                    the real programs of the fido-net (MMNet) tests and `fido-bench net`
 #                    (setpriv from util-linux runs the setuid fallback test)
 #   iproute2         `ip netns` / veth pairs of the fido-net cross-namespace test
 # Not needed: pkg-config (SQLite is bundled), libclang (iceoryx2 runs bindgen
@@ -64,7 +64,7 @@ apt_install build-essential ucx-utils
 apt_install curl wrk nginx-light libnginx-mod-stream fonts-dejavu-core
 apt_install redis-server redis-tools iperf3 sockperf util-linux
 apt_install iproute2
-apt_install protobuf-compiler capnproto python3
+apt_install python3
 
 # Rust (stable, via rustup) if there is no cargo at all.
 if [[ -x "$HOME/.cargo/bin/cargo" ]]; then export PATH="$HOME/.cargo/bin:$PATH"; fi

@@ -600,7 +600,7 @@ pub(crate) fn peer_fd(i: usize) -> OwnedFd {
     unsafe { OwnedFd::from_raw_fd(PEER_FD0 + i as RawFd) }
 }
 
-/// `key=value` arguments of a peer process (also used by the `fido` CLI's
+/// `key=value` arguments of a peer process (also used by the suites'
 /// own role processes).
 pub struct PeerArgs(HashMap<String, String>);
 

@@ -1,8 +1,12 @@
-//! Baselines and drivers for `fido bench` (DESIGN.md §8). This crate is never shipped:
-//! it lives under `bench/`, outside the crates that ship, and exists so that every
-//! Fido figure is printed beside the figures of real systems **measured in the same
-//! invocation** on the same machine — results are read as ratios, never as absolute
-//! numbers from elsewhere. It must never be a dependency of a shipped crate.
+//! Fido's benchmark tool: the `fido-bench` binary's suites ([`suites`]: `channel`,
+//! `rpc`, `pipe`, `net`), its chaos run ([`chaos`]), and the baselines they measure
+//! beside Fido (DESIGN.md §8). This crate is never shipped: it lives under `bench/`,
+//! outside the crates that ship, and exists so that every Fido figure is printed
+//! beside the figures of real systems **measured in the same invocation** on the same
+//! machine — results are read as ratios, never as absolute numbers from elsewhere. It
+//! must never be a dependency of a shipped crate (crates/fido-cli/tests/product_deps.rs
+//! checks the `fido` binary's), and it needs no external compiler to build: the
+//! generated code of its schemas is checked in (bench/proto/regenerate.sh).
 //!
 //! # Methodology
 //!
@@ -40,8 +44,10 @@
 //! (loopback, `TCP_NODELAY`), `iceoryx2` (0.10, ipc pub-sub ping/pong, polling) and
 //! `ucx-posix` (`ucx_perftest`, if installed).
 
+pub mod chaos;
 mod harness;
 pub mod rpc;
+pub mod suites;
 mod ice;
 mod shm;
 mod sock;
@@ -60,7 +66,7 @@ pub const LATENCY_SIZES: [usize; 4] = [64, 4 << 10, 64 << 10, 1 << 20];
 /// Message sizes of the throughput cases.
 pub const THROUGHPUT_SIZES: [usize; 3] = [4 << 10, 64 << 10, 1 << 20];
 
-/// Entry point of helper processes: `fido __bench-peer <kind> key=value...`.
+/// Entry point of helper processes: `fido-bench __bench-peer <kind> key=value...`.
 pub fn peer_main(args: &[String]) -> anyhow::Result<()> {
     harness::peer_prologue()?;
     let kind = args.first().map(|s| s.as_str()).unwrap_or("");

@@ -9,7 +9,7 @@
 //!
 //! * `spin-floor`: both sides spin on the cache line (bounded spin, then `sched_yield`).
 //! * `eventfd-floor`: each side blocks in `read` on its own eventfd; the other writes it.
-//! * `futex-floor` (no payload; `fido bench rpc`'s `null-notified`): each side blocks in
+//! * `futex-floor` (no payload; `fido-bench rpc`'s `null-notified`): each side blocks in
 //!   `FUTEX_WAIT` on its own 32-bit word of the control page; the other stores the call
 //!   number there and `FUTEX_WAKE`s it. Nobody spins, so every round trip pays two
 //!   wake-ups: the floor of any call whose both ends block between request and reply.

@@ -14,8 +14,8 @@
 //! input); every handle the server resolves lies inside the memory; a reply
 //! can always be built.
 
-use fido_rpc::services::bench::{BenchImpl, BenchServer};
-use fido_rpc::services::files::{FileServer, FilesServer};
+use fido_examples::services::bench::{BenchImpl, BenchServer};
+use fido_examples::services::files::{FileServer, FilesServer};
 use fido_rpc::wire::{CallHeader, HEADER_LEN, MAGIC, STATUS_FAULT};
 use fido_rpc::{dispatch_call, reply_message, CallBytes, Dispatch, Fault, PeerMemory};
 use fido_shm::{AddressSpace, Arena, ModeRequest, PeerSlice, PgvasGeometry, UnplacedArena};

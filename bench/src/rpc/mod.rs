@@ -1,4 +1,4 @@
-//! `fido bench rpc`: the VMRPC paper's evaluation (§5.2 null RPC, §5.3 Table 2
+//! `fido-bench rpc`: the VMRPC paper's evaluation (§5.2 null RPC, §5.3 Table 2
 //! throughput) with today's baselines, all measured in one invocation, plus the
 //! case study (a caching file server, fido-rpc against the same service over
 //! tonic: [`files`]).
@@ -73,15 +73,17 @@ pub use data::{Dir, Seq};
 use crate::harness::{PeerArgs, Placement, Record, PARENT_ENV};
 use crate::Opts;
 
-/// Generated protobuf + tonic code (bench/proto/bench.proto).
+/// Generated protobuf + tonic code (bench/proto/bench.proto), checked in so that
+/// the build needs no `protoc`; bench/proto/regenerate.sh rewrites it.
 pub mod pb {
-    tonic::include_proto!("fidobench");
+    include!("generated/fidobench.rs");
 }
 
-/// Generated Cap'n Proto code (bench/proto/bench.capnp).
+/// Generated Cap'n Proto code (bench/proto/bench.capnp), checked in so that the
+/// build needs no `capnp`; bench/proto/regenerate.sh rewrites it.
 #[allow(clippy::all, dead_code)]
 pub mod bench_capnp {
-    include!(concat!(env!("OUT_DIR"), "/bench_capnp.rs"));
+    include!("generated/bench_capnp.rs");
 }
 
 pub const SUITE: &str = "rpc";

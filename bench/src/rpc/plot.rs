@@ -1,4 +1,4 @@
-//! The PNG of `fido bench rpc --plot FILE`: throughput against LEN (log–log), one
+//! The PNG of `fido-bench rpc --plot FILE`: throughput against LEN (log–log), one
 //! panel per sequence type and direction (the paper's Fig. 3 layout), one line per
 //! system. Drawn with plotters' bitmap backend and an embedded DejaVu Sans font
 //! (the `dejavu` crate), so it needs no system fonts and no display.

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""XML-RPC peer of `fido bench rpc` (the paper's XMLRPC baseline).
+"""XML-RPC peer of `fido-bench rpc` (the paper's XMLRPC baseline).
 
 Python's standard xmlrpc.server / xmlrpc.client (HTTP/1.1 keep-alive) over a
 Unix stream socket. Same calls, payloads and checksums as the Rust systems

@@ -7,10 +7,9 @@
 //!   zero copies, checks every message end to end, and runs the same pipeline
 //!   over Unix sockets beside it.
 //! * `fido run -- CMD` runs a program with MMNet (crates/fido-net) preloaded.
-//! * `fido bench channel` measures Fido against real baselines in the same
-//!   invocation (DESIGN.md §8).
-//! * `fido bench rpc` measures fido-rpc against uds, tarpc, capnp-rpc, tonic
-//!   and XML-RPC (the VMRPC paper's evaluation) in the same invocation.
+//!
+//! The benchmark suites and the chaos run are another binary, `fido-bench`
+//! (bench/): the product never depends on its benchmarks.
 //!
 //! What this binary must never do: leave anything behind — every helper process
 //! it starts is killed and reaped on every path (and dies with us through
@@ -18,19 +17,12 @@
 //! its temporary directory deleted, also on Ctrl-C; and print a figure it did
 //! not measure in the same run, or report success when a check failed.
 //!
-//! Hidden subcommands (helpers re-executing this binary): `__bench-peer` (Fido's
-//! own peers when the first argument is `fido`, otherwise the baselines' peers
-//! in `fido_bench::peer_main`), `__demo-role` and `__chaos-role` (the domains
-//! of `fido bench chaos`).
+//! Hidden subcommand (helpers re-executing this binary): `__demo-role` (the
+//! domains of `fido demo`'s pipeline).
 
-mod bench;
 mod broker;
-mod chaos;
-mod pipe_bench;
 mod pipe_cli;
 mod pipe_cmd;
-mod netbench;
-mod rpc_bench;
 mod run;
 mod status;
 
@@ -122,102 +114,6 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
         cmd: Vec<std::ffi::OsString>,
     },
-    /// Benchmarks (separate processes, baselines in the same run).
-    Bench {
-        #[command(subcommand)]
-        suite: Suite,
-    },
-}
-
-#[derive(Subcommand)]
-enum Suite {
-    /// Channel latency, throughput, pipelines, doorbells: fido vs spin/eventfd floors, uds, tcp, iceoryx2, ucx.
-    Channel {
-        /// ≈0.3 s per point instead of ≈2 s.
-        #[arg(long)]
-        quick: bool,
-        /// Also write one JSON object per result to FILE.
-        #[arg(long, value_name = "FILE")]
-        json: Option<PathBuf>,
-        /// Only points whose system or case contains this substring.
-        #[arg(long, value_name = "S")]
-        filter: Option<String>,
-    },
-    /// Piped I/O (vPipe Figures 4-7, file server and proxy under wrk): fido pipe vs sendfile/splice, read/write, nginx.
-    Pipe {
-        /// 32 MiB transfers and a 3 s weight experiment instead of 512 MiB and 30 s.
-        #[arg(long)]
-        quick: bool,
-        /// Also write one JSON object per result to FILE.
-        #[arg(long, value_name = "FILE")]
-        json: Option<PathBuf>,
-        /// Draw the 1:1:2 weight experiment's time series into FILE (PNG).
-        #[arg(long, value_name = "FILE.png")]
-        plot: Option<PathBuf>,
-        /// Only points whose system or case contains this substring.
-        #[arg(long, value_name = "S")]
-        filter: Option<String>,
-    },
-    /// Real TCP programs (sockperf, iperf3, redis-benchmark, nginx + wrk) over
-    /// plain TCP and under `fido run` (MMNet), in one invocation.
-    Net {
-        /// 1 s per point (and fewer redis requests) instead of 5 s.
-        #[arg(long)]
-        quick: bool,
-        /// Also write one JSON object per result to FILE.
-        #[arg(long, value_name = "FILE")]
-        json: Option<PathBuf>,
-        /// Only points whose system or case contains this substring.
-        #[arg(long, value_name = "S")]
-        filter: Option<String>,
-    },
-    /// RPC (VMRPC): null calls and Table 2 throughput, fido-rpc vs uds, tarpc, capnp-rpc, tonic, XML-RPC.
-    Rpc {
-        /// ≈0.3 s per point instead of ≈2 s, and LEN 10^2, 10^4, 10^6 only.
-        #[arg(long)]
-        quick: bool,
-        /// Also write one JSON object per result to FILE.
-        #[arg(long, value_name = "FILE")]
-        json: Option<PathBuf>,
-        /// Only points whose system or case contains one of these comma-separated terms (`T$`: case ends with T).
-        #[arg(long, value_name = "S")]
-        filter: Option<String>,
-        /// Also draw throughput against LEN per system into this PNG.
-        #[arg(long, value_name = "FILE.png")]
-        plot: Option<PathBuf>,
-    },
-    /// Pipelines of domains while domains and the broker are killed (-9) and
-    /// restarted at random: no corruption, no silent duplicate or loss, no leak.
-    Chaos {
-        /// Seconds of chaos (then the pipelines drain and everything stops).
-        #[arg(long, default_value_t = 60.0)]
-        seconds: f64,
-        /// Seed of the kill schedule and message sizes [default: from the clock; printed].
-        #[arg(long)]
-        seed: Option<u64>,
-        /// Also write one JSON object per result to FILE.
-        #[arg(long, value_name = "FILE")]
-        json: Option<PathBuf>,
-        /// Messages per second of each source (the echo client sends half).
-        #[arg(long, default_value_t = 1000.0)]
-        rate: f64,
-        /// Pause between kills: uniform in MIN-MAX milliseconds.
-        #[arg(long, value_name = "MIN-MAX", default_value = "1000-4000")]
-        interval_ms: String,
-        /// A pipeline delivering nothing for this long counts as a stall.
-        #[arg(long, default_value_t = 20.0)]
-        stall_secs: f64,
-        /// Keep the stderr of every role and of the broker in DIR.
-        #[arg(long, value_name = "DIR")]
-        log_dir: Option<PathBuf>,
-    },
-}
-
-fn parse_range(s: &str) -> anyhow::Result<(u64, u64)> {
-    let (a, b) = s
-        .split_once('-')
-        .ok_or_else(|| anyhow::anyhow!("expected MIN-MAX, got {s}"))?;
-    Ok((a.trim().parse()?, b.trim().parse()?))
 }
 
 fn init_logging() {
@@ -231,14 +127,7 @@ fn init_logging() {
 
 fn hidden(args: &[String]) -> Option<anyhow::Result<()>> {
     match args.first().map(|s| s.as_str()) {
-        Some("__bench-peer") => Some(if args.get(1).map(|s| s.as_str()) == Some("fido") {
-            bench::peer_main(&args[2..])
-        } else {
-            fido_bench::peer_main(&args[1..])
-        }),
         Some("__demo-role") => Some(pipeline::role_main(&args[1..])),
-        Some("__chaos-role") => Some(chaos::role_main(&args[1..])),
-        Some("__pipe-role") => Some(pipe_bench::role_main(&args[1..])),
         _ => None,
     }
 }
@@ -300,84 +189,6 @@ fn main() -> ExitCode {
             seconds,
             size,
             hops,
-        }),
-        Cmd::Bench {
-            suite:
-                Suite::Channel {
-                    quick,
-                    json,
-                    filter,
-                },
-        } => bench::channel(&fido_bench::Opts {
-            quick,
-            json,
-            filter,
-        })
-        .map(|_| true),
-        Cmd::Bench {
-            suite:
-                Suite::Pipe {
-                    quick,
-                    json,
-                    plot,
-                    filter,
-                },
-        } => pipe_bench::run(&pipe_bench::PipeBenchOpts {
-            quick,
-            json,
-            plot,
-            filter,
-        }),
-        Cmd::Bench {
-            suite:
-                Suite::Net {
-                    quick,
-                    json,
-                    filter,
-                },
-        } => netbench::run(&fido_bench::Opts {
-            quick,
-            json,
-            filter,
-        })
-        .map(|_| true),
-        Cmd::Bench {
-            suite:
-                Suite::Rpc {
-                    quick,
-                    json,
-                    filter,
-                    plot,
-                },
-        } => rpc_bench::run(
-            &fido_bench::Opts {
-                quick,
-                json,
-                filter,
-            },
-            plot,
-        ),
-        Cmd::Bench {
-            suite:
-                Suite::Chaos {
-                    seconds,
-                    seed,
-                    json,
-                    rate,
-                    interval_ms,
-                    stall_secs,
-                    log_dir,
-                },
-        } => parse_range(&interval_ms).and_then(|interval_ms| {
-            chaos::run(chaos::Opts {
-                seconds,
-                seed,
-                json,
-                rate,
-                interval_ms,
-                stall_secs,
-                log_dir,
-            })
         }),
     };
     match r {

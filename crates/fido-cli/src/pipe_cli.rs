@@ -6,7 +6,7 @@
 //!   socket→socket by the engine ([`fido_pipe_apps::proxy`]).
 //!
 //! `--strategy sendfile|readwrite` runs the same program with the bytes moved in
-//! this process instead (what `fido bench pipe` compares against).
+//! this process instead (what `fido-bench pipe` compares against).
 
 use std::io::Write as _;
 use std::net::{IpAddr, SocketAddr};

@@ -1,6 +1,6 @@
 //! A zero-copy pipeline across processes: source → forwarders → sink, one
 //! domain per process, used by `fido demo` and by the `pipeline-*` cases of
-//! `fido bench channel`.
+//! `fido-bench channel`.
 //!
 //! * The **source** allocates each message in its own arena and writes every
 //!   byte once: a pattern derived from the sequence number, then a 64-byte
@@ -573,7 +573,7 @@ fn forwarder(a: &Args, entries: u32) -> anyhow::Result<()> {
     // it sleeps on its doorbell instead of spinning. On a host with fewer
     // cores than pipeline stages (2 cores, up to 5 processes here), a spinning
     // relay steals the CPU the source and sink need: measured 4-hop/1-hop
-    // throughput 0.64 spinning vs 0.85 blocking (fido bench channel --quick).
+    // throughput 0.64 spinning vs 0.85 blocking (fido-bench channel --quick).
     up.set_wait(WaitStrategy::Block);
     down.set_wait(WaitStrategy::Block);
     let mut window = Window::default();

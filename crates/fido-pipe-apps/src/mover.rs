@@ -1,4 +1,4 @@
-//! How the bytes of `fido pipe serve`, `fido pipe proxy` and `fido bench pipe`
+//! How the bytes of `fido pipe serve`, `fido pipe proxy` and `fido-bench pipe`
 //! are moved: one [`Mover`] trait, three strategies.
 //!
 //! * [`ReadWrite`]: the classic loop in the application — `pread`/`read` into a

@@ -1,7 +1,7 @@
 //! Quick throughput check of the pipe engine against the same transfer done
 //! in this process with sendfile / copy_file_range / read+write, in one run.
 //! A private broker runs on a thread of this process (its engine thread does
-//! the moving). Not the paper's benchmark (that is `fido bench pipe`).
+//! the moving). Not the paper's benchmark (that is `fido-bench pipe`).
 //!
 //!   cargo run --release -p fido-pipe --example throughput -- [MiB] [dir]
 

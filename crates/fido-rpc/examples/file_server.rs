@@ -9,7 +9,7 @@
 //! path: the server copies the file into its cache once, from disk).
 
 use fido::{Domain, JoinOptions};
-use fido_rpc::services::files::{FileServer, FilesClient, FilesServer};
+use fido_examples::services::files::{FileServer, FilesClient, FilesServer};
 use fido_rpc::{Server, ServerOptions};
 use std::io::Read;
 use std::path::Path;

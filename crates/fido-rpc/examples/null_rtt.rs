@@ -1,12 +1,12 @@
 //! Null-RPC round trip, notified and polled: a quick self-check, not the
-//! benchmark (`fido bench rpc` is). Starts a private broker, runs the server
+//! benchmark (`fido-bench rpc` is). Starts a private broker, runs the server
 //! in a child process (this program re-executed with `--serve`), and calls
 //! it from this one.
 //!
 //! cargo run --release -p fido-rpc --example null_rtt [ITERS [notified|polled]]
 
 use fido::{Domain, JoinOptions, WaitStrategy};
-use fido_rpc::services::bench::{BenchClient, BenchImpl, BenchServer};
+use fido_examples::services::bench::{BenchClient, BenchImpl, BenchServer};
 use fido_rpc::{Server, ServerOptions};
 use std::io::Read;
 use std::process::{Command, Stdio};

@@ -355,7 +355,7 @@ impl Client {
     /// arrives (the server releases a call's arguments before replying), not
     /// only when half the ring is in flight, which a synchronous caller
     /// never reaches: without that, up to half a ring of large argument
-    /// frames stayed allocated (found by `fido bench rpc`: 10 MB ByteSeq
+    /// frames stayed allocated (found by `fido-bench rpc`: 10 MB ByteSeq
     /// calls exhausted a 256 MiB arena).
     #[inline]
     pub fn frame(&self) -> Result<Frame, RpcError> {

@@ -25,7 +25,6 @@ mod client;
 mod error;
 mod frame;
 mod server;
-pub mod services;
 pub mod wire;
 
 #[cfg(feature = "tokio")]
@@ -46,7 +45,7 @@ pub use wire::{monotonic_ns, NoAppError, ShmSlice, ShmStr};
 /// is out; below it, in batches when half the ring is out. Collecting costs a
 /// cache-line transfer from the peer, which a null call cannot afford each
 /// time, while a large frame must come back before the next one is built
-/// (found by `fido bench rpc`: 10 MB frames piled up until the arena ran out).
+/// (found by `fido-bench rpc`: 10 MB frames piled up until the arena ran out).
 pub(crate) const REAP_ABOVE: u64 = 256 << 10;
 
 /// Re-exported for generated code.

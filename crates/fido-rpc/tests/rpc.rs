@@ -3,8 +3,8 @@
 
 use fido_test_support::domains::Patient;
 use fido_test_support::eventually;
-use fido_rpc::services::bench::*;
-use fido_rpc::services::files::*;
+use fido_examples::services::bench::*;
+use fido_examples::services::files::*;
 use fido_rpc::{CallError, CallOpts, CancelToken, Ctx, Failure, Fault, RpcError, Server, ServerOptions, ShmSlice, ShmStr};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;

@@ -4,7 +4,7 @@
 //! The server touches every element and returns a checksum the client can
 //! compare with [`byteseq_sum`], [`fixed_sum`], [`var_sum`].
 
-use crate::{Ctx, Fault, Frame, RpcError, ShmSlice, ShmStr};
+use fido_rpc::{Ctx, Fault, Frame, RpcError, ShmSlice, ShmStr};
 use bytemuck::{Pod, Zeroable};
 use fido::{PeerSlice, PeerSliceOf};
 
@@ -26,7 +26,7 @@ pub struct Var {
     pub name: ShmStr,
 }
 
-#[crate::service]
+#[fido_rpc::service]
 pub trait Bench: Send + Sync + 'static {
     /// Nothing in, nothing out.
     fn null(&self, cx: &mut Ctx<'_>);

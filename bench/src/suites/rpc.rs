@@ -1,9 +1,9 @@
-//! `fido bench rpc`: fido-rpc against a raw Unix-socket request/response, tarpc,
-//! capnp-rpc, tonic and XML-RPC, in one invocation. `fido_bench::rpc` has the
+//! `fido-bench rpc`: fido-rpc against a raw Unix-socket request/response, tarpc,
+//! capnp-rpc, tonic and XML-RPC, in one invocation. `crate::rpc` has the
 //! method, the baselines and the driver; this module adds the `fido` system —
 //! the same calls as the baselines, declared with `#[fido_rpc::service]` over
 //! the paper's Table 2 types — its server and client processes
-//! (`fido __bench-peer fido rpc-server|rpc-client ...`, each its own domain of an
+//! (`fido-bench __bench-peer fido rpc-server|rpc-client ...`, each its own domain of an
 //! embedded broker) and the report.
 //!
 //! * Arguments are built in the client's arena (a `Frame`), results in the
@@ -14,7 +14,7 @@
 //!   `null-polled`: `BusyPoll` on both ends. Sequence and file cases use the
 //!   domain default (`Adaptive`: spin 50 µs, then sleep) and ring (64
 //!   entries).
-//! * Case study: `fido_rpc::services::files` (the fido-rpc crate's caching file
+//! * Case study: `fido_examples::services::files` (the fido-rpc crate's caching file
 //!   server; a read is a view of the server's cache) against the same service
 //!   over tonic.
 
@@ -25,10 +25,10 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context as _};
 use bytemuck::{Pod, Zeroable};
 use fido::{Domain, JoinOptions, PeerSlice, PeerSliceOf, WaitStrategy};
-use fido_bench::rpc::data::{self, Dir, Seq};
-use fido_bench::rpc::{self, files, Case, RpcClient, RpcSystem, Timing};
-use fido_bench::{Opts, PeerArgs};
-use fido_rpc::services::files::{FileServer, FilesClient as FidoFilesClient, FilesServer};
+use crate::rpc::data::{self, Dir, Seq};
+use crate::rpc::{self, files, Case, RpcClient, RpcSystem, Timing};
+use crate::{Opts, PeerArgs};
+use fido_examples::services::files::{FileServer, FilesClient as FidoFilesClient, FilesServer};
 use fido_rpc::{Ctx, Fault, RpcError, Server, ServerOptions, ShmSlice, ShmStr};
 
 use fido_demo::proc::{self, EmbeddedBroker};
@@ -303,7 +303,7 @@ fn join(role: &str, case: &Case) -> anyhow::Result<Domain> {
     .context("joining the embedded broker")
 }
 
-/// `fido __bench-peer fido rpc-server|rpc-client key=value...`.
+/// `fido-bench __bench-peer fido rpc-server|rpc-client key=value...`.
 pub fn peer_main(kind: &str, args: &[String]) -> anyhow::Result<()> {
     proc::child_prologue()?;
     let a = PeerArgs::parse(args);
@@ -451,7 +451,7 @@ fn addr(dir: &Path, s: &dyn RpcSystem, n: usize) -> String {
     }
 }
 
-/// `fido bench rpc`. `Ok(false)` when a point failed (a checksum mismatch, a
+/// `fido-bench rpc`. `Ok(false)` when a point failed (a checksum mismatch, a
 /// crashed peer): every figure is still printed, but the run is not a pass.
 pub fn run(opts: &Opts, plot: Option<PathBuf>) -> anyhow::Result<bool> {
     proc::install_interrupt_flag()?;
@@ -485,7 +485,7 @@ pub fn run(opts: &Opts, plot: Option<PathBuf>) -> anyhow::Result<bool> {
     let run = run?;
     proc::check_interrupt()?;
     let records = run.records;
-    fido_bench::print_table(&records);
+    crate::print_table(&records);
     println!(
         "# rpc: client pinned to the parent CPU, server to the peer CPU; value = p50 round trip \
          (null-*, file-read-*) or payload bytes/s (Table 2 volume); did_not_finish = over the per-point \
@@ -506,14 +506,14 @@ pub fn run(opts: &Opts, plot: Option<PathBuf>) -> anyhow::Result<bool> {
         t.elapsed().as_secs_f64()
     );
     if let Some(p) = &opts.json {
-        fido_bench::write_json(p, &records)?;
+        crate::write_json(p, &records)?;
     }
     if let Some(p) = &plot {
         rpc::plot::draw(
             &records,
             p,
             &format!(
-                "fido bench rpc{}: payload throughput vs LEN (VMRPC Table 2)",
+                "fido-bench rpc{}: payload throughput vs LEN (VMRPC Table 2)",
                 if opts.quick { " --quick" } else { "" }
             ),
         )?;

@@ -5,7 +5,7 @@
 //! the client drops its reply — eviction or replacement never frees memory a
 //! client is reading.
 
-use crate::{Ctx, Failure, ShmSlice, ShmStr};
+use fido_rpc::{Ctx, Failure, ShmSlice, ShmStr};
 use bytemuck::{Pod, Zeroable};
 use fido::Buf;
 use fido_shm::Arena;
@@ -29,7 +29,7 @@ impl FsError {
     pub const NO_SPACE: FsError = FsError { code: 5 };
 }
 
-#[crate::service]
+#[fido_rpc::service]
 pub trait Files: Send + Sync + 'static {
     /// `len` bytes at `offset` of `path` (fewer at the end of the file), as a
     /// view of the server's cache: nothing is copied.

@@ -1,4 +1,4 @@
-//! `fido bench rpc --quick` end to end, on a filter small enough for CI: the JSON
+//! `fido-bench rpc --quick` end to end, on a filter small enough for CI: the JSON
 //! lines are well formed, every system ran beside fido, every sequence call's
 //! checksum was asserted, the plot is a PNG, nothing is left behind, the
 //! floors (`futex-floor`, `eventfd-floor`, `shm-floor`) ran beside them and the
@@ -10,7 +10,7 @@ use std::process::{Command, Output, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
-const FIDO: &str = env!("CARGO_BIN_EXE_fido");
+const FIDO: &str = env!("CARGO_BIN_EXE_fido-bench");
 const SYSTEMS: [&str; 6] = ["fido", "uds", "tarpc", "capnp", "tonic", "xmlrpc"];
 /// Measured beside the systems: null-notified's blocking floors.
 const NULL_FLOORS: [&str; 2] = ["futex-floor", "eventfd-floor"];
@@ -35,7 +35,7 @@ fn run(mut cmd: Command, limit: Duration) -> Output {
             if let Some(p) = rustix::process::Pid::from_raw(pid) {
                 let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
             }
-            panic!("`fido bench rpc` did not finish within {limit:?}");
+            panic!("`fido-bench rpc` did not finish within {limit:?}");
         }
     }
 }
@@ -55,7 +55,7 @@ fn bench(dir: &Path, filter: &str, extra: &[&str], env: &[(&str, &str)]) -> Outp
     let tmp = dir.join("tmp");
     std::fs::create_dir_all(&tmp).unwrap();
     let mut cmd = Command::new(FIDO);
-    cmd.args(["bench", "rpc", "--quick", "--filter", filter])
+    cmd.args(["rpc", "--quick", "--filter", filter])
         .args(extra)
         .env("TMPDIR", &tmp)
         .env_remove("RUST_LOG");

@@ -1,12 +1,12 @@
-//! `fido bench channel`: Fido's own cases (system `fido`), measured across
-//! processes exactly as the baselines of `fido_bench::channel_baselines` are,
+//! `fido-bench channel`: Fido's own cases (system `fido`), measured across
+//! processes exactly as the baselines of `crate::channel_baselines` are,
 //! then the baselines themselves in the same invocation.
 //!
 //! Every fido case runs against an embedded broker in a temporary directory.
 //! The measuring parent is a domain; its peer is this binary re-executed as
-//! `fido __bench-peer fido <kind> key=value...` (a separate domain, pinned to
+//! `fido-bench __bench-peer fido <kind> key=value...` (a separate domain, pinned to
 //! the second CPU of our affinity mask; the parent pins itself to the first,
-//! like the baselines — see `fido_bench::Placement`).
+//! like the baselines — see `crate::Placement`).
 //!
 //! * `latency-{polled,notified}-<size>`: ping-pong; each iteration the parent
 //!   **allocates a fresh buffer in its arena** (allocation is part of the cost),
@@ -38,7 +38,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
 use fido::{Domain, JoinOptions, Message, WaitStrategy};
-use fido_bench::{fill, latency_record, size_label, Opts, PinGuard, Placement, Record};
+use crate::{fill, latency_record, size_label, Opts, PinGuard, Placement, Record};
 use serde_json::json;
 
 use fido_demo::pipeline::{self, emit, Args};
@@ -49,15 +49,15 @@ const ENTRIES: u32 = 64;
 const ARENA: u64 = 256 << 20;
 const READY: Duration = Duration::from_secs(20);
 
-/// `fido bench channel`.
-pub fn channel(opts: &Opts) -> anyhow::Result<()> {
+/// `fido-bench channel`.
+pub fn run(opts: &Opts) -> anyhow::Result<()> {
     proc::install_interrupt_flag()?;
     let t = Instant::now();
     let mut records = fido_cases(opts)?;
     proc::check_interrupt()?;
-    records.extend(fido_bench::channel_baselines(opts)?);
+    records.extend(crate::channel_baselines(opts)?);
     proc::check_interrupt()?;
-    fido_bench::print_table(&records);
+    crate::print_table(&records);
     if records.iter().any(|r| r.system == SYSTEM) {
         println!(
             "# fido: one fresh arena buffer per message (allocation included); ring {ENTRIES} entries; embedded broker.\n\
@@ -72,7 +72,7 @@ pub fn channel(opts: &Opts) -> anyhow::Result<()> {
         t.elapsed().as_secs_f64()
     );
     if let Some(p) = &opts.json {
-        fido_bench::write_json(p, &records)?;
+        crate::write_json(p, &records)?;
     }
     Ok(())
 }
@@ -107,7 +107,7 @@ pub fn fido_cases(opts: &Opts) -> anyhow::Result<Vec<Record>> {
         (WaitStrategy::BusyPoll, "polled"),
         (WaitStrategy::Block, "notified"),
     ] {
-        for &size in &fido_bench::LATENCY_SIZES {
+        for &size in &crate::LATENCY_SIZES {
             let case = format!("latency-{kind}-{}", size_label(size));
             let c2 = case.clone();
             cases.push((
@@ -118,7 +118,7 @@ pub fn fido_cases(opts: &Opts) -> anyhow::Result<Vec<Record>> {
             ));
         }
     }
-    for &size in &fido_bench::THROUGHPUT_SIZES {
+    for &size in &crate::THROUGHPUT_SIZES {
         for touch in [true, false] {
             let case = format!(
                 "throughput-{}-{}",
@@ -263,7 +263,7 @@ impl Ctx {
         let place = Placement::detect();
         let rtts = {
             let _pin = PinGuard::pin(place.parent)?;
-            fido_bench::time_round_trips(self.opts.warmup(), self.opts.duration(), |k| {
+            crate::time_round_trips(self.opts.warmup(), self.opts.duration(), |k| {
                 a.send(Message::inline(&k.to_ne_bytes())?.tag(k))?;
                 let m = b.recv()?;
                 b.send(Message::inline(m.inline_bytes().unwrap_or_default())?.tag(m.tag()))?;
@@ -299,7 +299,7 @@ impl Ctx {
         ch.set_wait(wait);
         let rtts = {
             let _pin = PinGuard::pin(place.parent)?;
-            fido_bench::time_round_trips(self.opts.warmup(), self.opts.duration(), |k| {
+            crate::time_round_trips(self.opts.warmup(), self.opts.duration(), |k| {
                 let mut b = d.alloc(size)?;
                 fill(&mut b, k);
                 ch.send(b)?;
@@ -474,7 +474,7 @@ impl Ctx {
 }
 
 // ---------------------------------------------------------------------------
-// Peer side: `fido __bench-peer fido <kind> key=value...`
+// Peer side: `fido-bench __bench-peer fido <kind> key=value...`
 // ---------------------------------------------------------------------------
 
 pub fn peer_main(args: &[String]) -> anyhow::Result<()> {
@@ -484,18 +484,18 @@ pub fn peer_main(args: &[String]) -> anyhow::Result<()> {
         return pipeline::role_main(rest);
     }
     if kind.starts_with("rpc-") {
-        return crate::rpc_bench::peer_main(kind, rest);
+        return super::rpc::peer_main(kind, rest);
     }
     proc::child_prologue()?;
     let a = Args::parse(rest);
     if let Some(cpu) = a.opt("cpu") {
-        fido_bench::pin_to(cpu.parse()?)?;
+        crate::pin_to(cpu.parse()?)?;
     }
     match kind {
         "echo" => echo_peer(&a),
         "stream" => stream_peer(&a),
         "consume" => consume_peer(&a),
-        k => bail!("unknown fido bench peer `{k}`"),
+        k => bail!("unknown fido-bench peer `{k}`"),
     }
 }
 

@@ -1,4 +1,4 @@
-//! `fido bench net`: real TCP programs (sockperf, iperf3, redis-benchmark,
+//! `fido-bench net`: real TCP programs (sockperf, iperf3, redis-benchmark,
 //! nginx + wrk), each run over plain TCP (system `tcp`) and under `fido run`
 //! (system `fido`, both ends preloaded) in the same invocation, against an
 //! embedded broker. A `fido` figure is only reported if the library's
@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
 use fido::{Domain, JoinOptions};
-use fido_bench::{Opts, Record};
+use crate::{Opts, Record};
 
 use fido_demo::proc::EmbeddedBroker;
 
@@ -393,7 +393,7 @@ pub fn run(opts: &Opts) -> anyhow::Result<()> {
         .prefix("fido-bench-net-")
         .tempdir()?;
     let e = Env {
-        lib: crate::run::find_library()?,
+        lib: find_library()?,
         broker: broker.socket(),
         dir: dir.path(),
         secs: if opts.quick { 1 } else { 5 },
@@ -419,7 +419,7 @@ pub fn run(opts: &Opts) -> anyhow::Result<()> {
             }
         }
     }
-    fido_bench::print_table(&records);
+    crate::print_table(&records);
     println!(
         "# net: loopback, both ends of every connection under `fido run` for system fido, plain for tcp; \
          sockperf pp -m 14 --mps 2000000 (one_way_ns = RTT/2 as sockperf reports), tp -m 64000 (sender rate); \
@@ -431,11 +431,33 @@ pub fn run(opts: &Opts) -> anyhow::Result<()> {
         t.elapsed().as_secs_f64()
     );
     if let Some(p) = &opts.json {
-        fido_bench::write_json(p, &records)?;
+        crate::write_json(p, &records)?;
     }
     broker.stop()?;
     if !failures.is_empty() {
         bail!("failed: {}", failures.join(", "));
     }
     Ok(())
+}
+
+/// MMNet's preload library: `$FIDO_NET_LIB`, else `libfido_net.so` beside this
+/// executable (the cargo target directory `cargo build --release --workspace`
+/// fills), as `fido run` looks for it first.
+fn find_library() -> anyhow::Result<PathBuf> {
+    if let Some(p) = std::env::var_os("FIDO_NET_LIB") {
+        let p = PathBuf::from(p);
+        if p.is_file() {
+            return Ok(p);
+        }
+        bail!("FIDO_NET_LIB={} is not a file", p.display());
+    }
+    let exe = std::env::current_exe().context("current_exe")?;
+    let lib = exe.with_file_name("libfido_net.so");
+    if lib.is_file() {
+        return Ok(lib);
+    }
+    bail!(
+        "{} not found; build it with `cargo build --release -p fido-net` or set FIDO_NET_LIB",
+        lib.display()
+    )
 }

@@ -1,4 +1,4 @@
-//! `fido bench pipe`: vPipe's Figures 4–7 and its web-server / load-balancer
+//! `fido-bench pipe`: vPipe's Figures 4–7 and its web-server / load-balancer
 //! experiment, on one machine with two CPUs.
 //!
 //! Placement (as vPipe pinned the driver domain and the guest): the
@@ -31,7 +31,7 @@
 //!   CPU B) under wrk, with each strategy, and nginx's own TCP proxy (`stream`
 //!   module) in the same place.
 //!
-//! Helpers are this binary re-executed as `fido __pipe-role <role> key=value...`.
+//! Helpers are this binary re-executed as `fido-bench __pipe-role <role> key=value...`.
 
 use std::fs::{File, OpenOptions};
 use std::io::Write as _;
@@ -43,7 +43,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
-use fido_bench::{PeerArgs, PinGuard, Placement, Record};
+use crate::{PeerArgs, PinGuard, Placement, Record};
 use serde_json::json;
 
 use fido_pipe_apps::{engine, mover as pipe_move, Strategy};
@@ -52,7 +52,7 @@ use fido_demo::proc::{self, EmbeddedBroker, Kid};
 const SUITE: &str = "pipe";
 const GIB: f64 = (1u64 << 30) as f64;
 
-/// Options of `fido bench pipe`.
+/// Options of `fido-bench pipe`.
 pub struct PipeBenchOpts {
     pub quick: bool,
     pub json: Option<PathBuf>,
@@ -153,7 +153,7 @@ impl Ctx {
     }
 }
 
-/// `fido bench pipe`.
+/// `fido-bench pipe`.
 pub fn run(o: &PipeBenchOpts) -> anyhow::Result<bool> {
     proc::install_interrupt_flag()?;
     let t = Instant::now();
@@ -202,7 +202,7 @@ pub fn run(o: &PipeBenchOpts) -> anyhow::Result<bool> {
     drop(cx);
     drop(_pin);
     // Print whatever was measured even if a later point failed.
-    fido_bench::print_table(&records);
+    crate::print_table(&records);
     println!(
         "# app + busy loops on CPU{app_cpu}, broker (pipe engine), sinks/sources and wrk on CPU{eng_cpu}; \
          transfers {} MiB; cpu_s_per_gib = the application's CPU time per GiB moved",
@@ -214,7 +214,7 @@ pub fn run(o: &PipeBenchOpts) -> anyhow::Result<bool> {
         t.elapsed().as_secs_f64()
     );
     if let Some(p) = &o.json {
-        fido_bench::write_json(p, &records)?;
+        crate::write_json(p, &records)?;
     }
     r?;
     Ok(ok)
@@ -516,7 +516,7 @@ fn fairness(cx: &Ctx, o: &PipeBenchOpts, out: &mut Vec<Record>) -> anyhow::Resul
             .as_ref()
             .map_or(cx.broker.socket(), |b| b.socket())
             .to_path_buf();
-        let t0 = fido_bench::mono_ns() + 300_000_000;
+        let t0 = crate::mono_ns() + 300_000_000;
         let mut kids = Vec::new();
         let mut sinks = Vec::new();
         for i in 0..3 {
@@ -632,14 +632,14 @@ fn role_stream(a: &PeerArgs) -> anyhow::Result<()> {
     let size = f.metadata()?.len();
     let s = TcpStream::connect(a.get("out")?)?;
     const PIECE: u64 = 1 << 20;
-    let now = fido_bench::mono_ns();
+    let now = crate::mono_ns();
     if start_ns > now {
         std::thread::sleep(Duration::from_nanos(start_ns - now));
     }
-    let mut samples: Series = vec![(fido_bench::mono_ns(), 0)];
+    let mut samples: Series = vec![(crate::mono_ns(), 0)];
     let mut off = 0u64;
     let mut cum = 0u64;
-    while fido_bench::mono_ns() < end_ns {
+    while crate::mono_ns() < end_ns {
         if off + PIECE > size {
             off = 0;
         }
@@ -649,7 +649,7 @@ fn role_stream(a: &PeerArgs) -> anyhow::Result<()> {
         }
         off += n;
         cum += n;
-        samples.push((fido_bench::mono_ns(), cum));
+        samples.push((crate::mono_ns(), cum));
     }
     s.shutdown(Shutdown::Write)?;
     emit(json!({"event": "done", "samples": samples}))
@@ -973,7 +973,7 @@ fn web(cx: &Ctx, o: &PipeBenchOpts, out: &mut Vec<Record>) -> anyhow::Result<()>
             let (addr, _keep_d, _keep_k) = match (strat, proxy) {
                 (Some(st), false) => {
                     let mut k = cx.spawn_on_app(&[
-                        "pipe".into(),
+                        "__pipe-app".into(),
                         "serve".into(),
                         www.display().to_string(),
                         "--port".into(),
@@ -987,7 +987,7 @@ fn web(cx: &Ctx, o: &PipeBenchOpts, out: &mut Vec<Record>) -> anyhow::Result<()>
                 (Some(st), true) => {
                     let up = upstream_addr.expect("started above");
                     let mut k = cx.spawn_on_app(&[
-                        "pipe".into(),
+                        "__pipe-app".into(),
                         "proxy".into(),
                         "127.0.0.1:0".into(),
                         up.to_string(),
@@ -1073,7 +1073,7 @@ fn start_upstream(
     }
     let mut k = Kid::spawn(
         &[
-            "pipe".into(),
+            "__pipe-app".into(),
             "serve".into(),
             www.display().to_string(),
             "--port".into(),
@@ -1087,7 +1087,7 @@ fn start_upstream(
     Ok((a, None, Some(k)))
 }
 
-/// The address in `fido pipe serve|proxy`'s first stdout line.
+/// The address in `__pipe-app serve|proxy`'s first stdout line.
 fn announced_addr(k: &mut Kid) -> anyhow::Result<SocketAddr> {
     let line = k.next_line(Instant::now() + Duration::from_secs(20))?;
     let tok = line
@@ -1104,7 +1104,7 @@ fn announced_addr(k: &mut Kid) -> anyhow::Result<SocketAddr> {
 // Roles
 // ---------------------------------------------------------------------------------------
 
-/// `fido __pipe-role <role> key=value...`.
+/// `fido-bench __pipe-role <role> key=value...`.
 pub fn role_main(args: &[String]) -> anyhow::Result<()> {
     proc::child_prologue()?;
     let role = args.first().map(|s| s.as_str()).unwrap_or("");
@@ -1120,5 +1120,59 @@ pub fn role_main(args: &[String]) -> anyhow::Result<()> {
         "app" => role_app(&a),
         "stream" => role_stream(&a),
         r => bail!("unknown role {r:?}"),
+    }
+}
+
+/// `fido-bench __pipe-app serve DIR --port P --strategy S` and `__pipe-app proxy
+/// LISTEN UPSTREAM --strategy S`: the programs `fido pipe serve` and `fido pipe
+/// proxy` run, with their defaults (127.0.0.1, 60 s idle timeout, 1024
+/// connections), from the same library; the first stdout line announces the
+/// address.
+pub fn app_main(args: &[String]) -> anyhow::Result<()> {
+    use fido_pipe_apps::{proxy, serve};
+    let mut positional = Vec::new();
+    let (mut port, mut strat) = (0u16, Strategy::Fido);
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--port" => port = it.next().context("--port P")?.parse()?,
+            "--strategy" => {
+                strat = it
+                    .next()
+                    .context("--strategy S")?
+                    .parse()
+                    .map_err(|e: String| anyhow::anyhow!(e))?
+            }
+            _ => positional.push(a.as_str()),
+        }
+    }
+    let idle = Duration::from_secs(60);
+    let announce = |line: String| -> anyhow::Result<()> {
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "{line}")?;
+        out.flush()?;
+        Ok(())
+    };
+    match positional.as_slice() {
+        ["serve", dir] => {
+            let m = match strat {
+                Strategy::Fido => engine::mover_with_stall(idle)?,
+                s => s.mover()?,
+            };
+            let cfg = serve::ServeConfig {
+                root: PathBuf::from(dir),
+                idle_timeout: idle,
+                max_conns: 1024,
+            };
+            let srv = serve::Server::bind(SocketAddr::from(([127, 0, 0, 1], port)), cfg, m)?;
+            announce(format!("serving on http://{}/ ({})", srv.local_addr()?, strat.system()))?;
+            Ok(srv.run()?)
+        }
+        ["proxy", listen, upstream] => {
+            let p = proxy::Proxy::bind(listen, upstream, strat.mover()?)?;
+            announce(format!("proxying {} -> {upstream} ({})", p.local_addr()?, strat.system()))?;
+            Ok(p.run()?)
+        }
+        _ => bail!("usage: __pipe-app serve DIR [--port P] [--strategy S] | proxy LISTEN UPSTREAM [--strategy S]"),
     }
 }

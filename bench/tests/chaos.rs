@@ -1,4 +1,4 @@
-//! `fido bench chaos --seconds 20 --seed 50`: domains and the broker killed (-9) and
+//! `fido-bench chaos --seconds 20 --seed 50`: domains and the broker killed (-9) and
 //! restarted at random under load. The run must pass its own checks and its
 //! JSON records must show no corrupted, silently duplicated or silently lost
 //! message and no leak (DESIGN.md §2 invariant 4; issue 3 item 5).
@@ -8,7 +8,7 @@ use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
-const FIDO: &str = env!("CARGO_BIN_EXE_fido");
+const FIDO: &str = env!("CARGO_BIN_EXE_fido-bench");
 
 #[test]
 fn chaos_20s_no_corruption_no_silent_loss_no_leak() {
@@ -21,7 +21,6 @@ fn chaos_20s_no_corruption_no_silent_loss_no_leak() {
     let seed = std::env::var("FIDO_CHAOS_SEED").unwrap_or_else(|_| "50".into());
     let mut cmd = Command::new(FIDO);
     cmd.args([
-        "bench",
         "chaos",
         "--seconds",
         "20",
@@ -35,7 +34,7 @@ fn chaos_20s_no_corruption_no_silent_loss_no_leak() {
     .stdin(Stdio::null())
     .stdout(Stdio::piped())
     .stderr(Stdio::piped());
-    let child = cmd.spawn().expect("spawn fido bench chaos");
+    let child = cmd.spawn().expect("spawn fido-bench chaos");
     let pid = child.id() as i32;
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
@@ -48,7 +47,7 @@ fn chaos_20s_no_corruption_no_silent_loss_no_leak() {
             if let Some(p) = rustix::process::Pid::from_raw(pid) {
                 let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
             }
-            panic!("`fido bench chaos --seconds 20` did not finish within 110 s (a hang?)");
+            panic!("`fido-bench chaos --seconds 20` did not finish within 110 s (a hang?)");
         }
     };
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -129,7 +128,7 @@ fn chaos_20s_no_corruption_no_silent_loss_no_leak() {
     }
     assert!(
         out.status.success(),
-        "fido bench chaos failed: {}\n{report}",
+        "fido-bench chaos failed: {}\n{report}",
         out.status
     );
     assert!(stdout.contains("all checks passed"), "{report}");

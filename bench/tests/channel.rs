@@ -1,0 +1,110 @@
+//! `fido-bench channel --quick` on one case: the JSON records have the
+//! DESIGN.md format, fido and a baseline ran in the same invocation, and the
+//! embedded broker's directory is gone afterwards.
+
+use std::process::{Command, Output, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+const FIDO: &str = env!("CARGO_BIN_EXE_fido-bench");
+
+/// Runs `cmd` to completion, killing it (and failing) after `limit`.
+fn run(cmd: Command, limit: Duration) -> Output {
+    run_pid(cmd, limit).0
+}
+
+/// [`run`], also returning the process id it had.
+fn run_pid(mut cmd: Command, limit: Duration) -> (Output, u32) {
+    let child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn fido-bench");
+    let pid = child.id() as i32;
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(limit) {
+        Ok(out) => (out.expect("wait"), pid as u32),
+        Err(_) => {
+            if let Some(p) = rustix::process::Pid::from_raw(pid) {
+                let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
+            }
+            panic!("`fido-bench` did not finish within {limit:?}");
+        }
+    }
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+#[test]
+fn bench_writes_design_json_lines() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("out.json");
+    let tmp = dir.path().join("tmp");
+    std::fs::create_dir(&tmp).unwrap();
+    let mut cmd = Command::new(FIDO);
+    cmd.args([
+        "channel",
+        "--quick",
+        "--filter",
+        "latency-polled-64B",
+        "--json",
+    ])
+    .arg(&json)
+    .env("TMPDIR", &tmp)
+    .env_remove("RUST_LOG");
+    let out = run(cmd, Duration::from_secs(60));
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    assert!(
+        stdout.contains("latency-polled-64B") && stdout.contains("fido"),
+        "{stdout}"
+    );
+    let body = std::fs::read_to_string(&json).unwrap();
+    let mut systems = Vec::new();
+    for line in body.lines() {
+        let v: serde_json::Value =
+            serde_json::from_str(line).unwrap_or_else(|e| panic!("bad JSON line {line}: {e}"));
+        let o = v.as_object().unwrap();
+        let keys: Vec<&str> = o.keys().map(|k| k.as_str()).collect();
+        for k in [
+            "suite", "case", "system", "metric", "value", "unit", "p50", "p99", "n",
+        ] {
+            assert!(keys.contains(&k), "field {k} missing in {line}");
+        }
+        assert_eq!(o.len(), 9, "extra fields in {line}");
+        assert_eq!(v["suite"], "channel");
+        assert_eq!(v["case"], "latency-polled-64B");
+        assert!(v["value"].is_number() && v["n"].is_u64(), "{line}");
+        systems.push(v["system"].as_str().unwrap().to_string());
+    }
+    let fido = body
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .find(|v| v["system"] == "fido");
+    let fido = fido.unwrap_or_else(|| panic!("no fido record in {body}"));
+    assert_eq!(fido["metric"], "one_way_ns");
+    assert_eq!(fido["unit"], "ns");
+    assert!(fido["value"].as_f64().unwrap() > 0.0 && fido["n"].as_u64().unwrap() > 0);
+    assert!(fido["p99"].as_f64().unwrap() >= fido["p50"].as_f64().unwrap());
+    assert!(
+        systems.iter().any(|s| s != "fido"),
+        "no baseline ran beside fido: {systems:?}"
+    );
+    // The embedded broker's directory is gone.
+    let left: Vec<_> = std::fs::read_dir(&tmp)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert!(
+        left.iter()
+            .all(|n| !n.to_string_lossy().starts_with("fido-bench-")),
+        "left behind: {left:?}"
+    );
+}
