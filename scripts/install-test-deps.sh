@@ -15,6 +15,7 @@
 #   bench/proto/regenerate.sh needs them, after a schema changes)
 #   python3          xmlrpc.server/xmlrpc.client, the XML-RPC baseline of `fido-bench rpc`
 #   ca-certificates, curl   only when Rust itself must be installed (rustup)
+#   clippy           the lint step (workspace lints: SAFETY comments, unsafe_op_in_unsafe_fn)
 #   cargo-fuzz       only for scripts/fuzz-replay.sh / fuzz-run.sh
 #   redis-server redis-tools nginx-light curl wrk iperf3 sockperf util-linux
 #                    the real programs of the fido-net (MMNet) tests and `fido-bench net`
@@ -76,6 +77,17 @@ else
     curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs |
         sh -s -- -y --profile minimal --default-toolchain stable
     export PATH="$HOME/.cargo/bin:$PATH"
+fi
+
+# clippy: the lint step of scripts/test.sh (a minimal rustup profile lacks it).
+if cargo clippy --version >/dev/null 2>&1; then
+    say "clippy: $(cargo clippy --version) already installed"
+elif command -v rustup >/dev/null; then
+    say "rustup component add clippy"
+    rustup component add clippy
+else
+    say "clippy: missing and no rustup to add it; install clippy by hand" >&2
+    exit 1
 fi
 
 if [[ "${FIDO_SKIP_CARGO_FUZZ:-0}" == 1 ]]; then

@@ -9,6 +9,9 @@
 #   test         cargo test --release --workspace  (release: the multi-process
 #                tests should see realistic timing; includes the stable replay
 #                of the fuzz corpora, crates/fido-{proto,registry}/tests/corpus.rs)
+#   lint         cargo clippy --release --workspace --all-targets: the workspace
+#                lints at deny level (every unsafe block has a SAFETY comment,
+#                unsafe_op_in_unsafe_fn) fail it; other clippy lints only warn
 #   loom         RUSTFLAGS="--cfg loom" cargo test -p fido-ring --release --test loom
 #                (own target dir, so it does not invalidate the main build)
 #   fuzz-replay  scripts/fuzz-replay.sh: every corpus through the libFuzzer+ASan
@@ -74,6 +77,9 @@ if [[ " ${failed_steps[*]} " == *" build "* ]]; then
 else
     step test "${FIDO_CI_TEST_LIMIT:-1500}" cargo test --release "${cargo_args[@]}"
 fi
+
+# clippy shares the build's dependencies (same profile), so it only checks our crates.
+step lint "${FIDO_CI_LINT_LIMIT:-900}" cargo clippy --release "${cargo_args[@]}" --all-targets
 
 step loom "${FIDO_CI_LOOM_LIMIT:-600}" env RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR="$target_dir/loom" \
     cargo test -p fido-ring --release --test loom

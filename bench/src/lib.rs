@@ -1,7 +1,7 @@
 //! Fido's benchmark tool: the `fido-bench` binary's suites ([`suites`]: `channel`,
 //! `rpc`, `pipe`, `net`), its chaos run ([`chaos`]), and the baselines they measure
-//! beside Fido (DESIGN.md §8). This crate is never shipped: it lives under `bench/`,
-//! outside the crates that ship, and exists so that every Fido figure is printed
+//! beside Fido (docs/BENCHMARKS.md says how to run and read them). This crate is never
+//! shipped: it lives under `bench/`, outside the crates that ship, and exists so that every Fido figure is printed
 //! beside the figures of real systems **measured in the same invocation** on the same
 //! machine — results are read as ratios, never as absolute numbers from elsewhere. It
 //! must never be a dependency of a shipped crate (crates/fido-cli/tests/product_deps.rs

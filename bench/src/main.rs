@@ -1,5 +1,5 @@
 //! `fido-bench`: Fido's benchmark suites and its chaos run, each measuring Fido
-//! beside real baselines in the same invocation (DESIGN.md §8).
+//! beside real baselines in the same invocation (docs/BENCHMARKS.md).
 //!
 //! * `fido-bench channel`: channel latency, throughput, pipelines, doorbells —
 //!   fido vs spin/eventfd floors, uds, tcp, iceoryx2, ucx.

@@ -1,5 +1,5 @@
 //! `fido-bench channel --quick` on one case: the JSON records have the
-//! DESIGN.md format, fido and a baseline ran in the same invocation, and the
+//! docs/BENCHMARKS.md format, fido and a baseline ran in the same invocation, and the
 //! embedded broker's directory is gone afterwards.
 
 use std::process::{Command, Output, Stdio};

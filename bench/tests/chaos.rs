@@ -1,7 +1,7 @@
 //! `fido-bench chaos --seconds 20 --seed 50`: domains and the broker killed (-9) and
 //! restarted at random under load. The run must pass its own checks and its
 //! JSON records must show no corrupted, silently duplicated or silently lost
-//! message and no leak (DESIGN.md §2 invariant 4; issue 3 item 5).
+//! message and no leak (invariant 4, docs/ARCHITECTURE.md §3.4).
 
 use std::collections::HashMap;
 use std::process::{Command, Stdio};

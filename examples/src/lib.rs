@@ -10,6 +10,8 @@
 //! This crate is never shipped and no shipped crate may depend on it: it shows
 //! how applications use the libraries; the libraries must not carry it.
 
+#![forbid(unsafe_code)]
+
 pub mod services {
     pub mod bench;
     pub mod files;

@@ -20,6 +20,8 @@
 //! Hidden subcommand (helpers re-executing this binary): `__demo-role` (the
 //! domains of `fido demo`'s pipeline).
 
+#![forbid(unsafe_code)]
+
 mod broker;
 mod pipe_cli;
 mod pipe_cmd;

@@ -20,6 +20,8 @@
 //! destroyed), or block a caller forever on a dead broker (its death fails every
 //! pending operation).
 
+#![forbid(unsafe_code)]
+
 use std::future::Future;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd, RawFd};
 use std::path::PathBuf;

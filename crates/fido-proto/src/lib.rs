@@ -13,6 +13,8 @@
 //! length allows. It carries control traffic only: no payload byte of a Fido
 //! message ever goes through it.
 
+#![forbid(unsafe_code)]
+
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 
 pub mod wire;

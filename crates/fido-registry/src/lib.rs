@@ -21,6 +21,8 @@
 //! [`Registry`] is a single-threaded object owned by the broker's event loop. It
 //! is `Send` (it can be moved to that thread) but not `Sync`.
 
+#![forbid(unsafe_code)]
+
 use std::collections::{BTreeSet, HashMap};
 use std::path::Path;
 

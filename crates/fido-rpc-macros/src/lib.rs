@@ -15,6 +15,8 @@
 //!
 //! A method marked `#[oneway]` returns nothing and is never answered.
 
+#![forbid(unsafe_code)]
+
 use proc_macro::TokenStream;
 use proc_macro2::TokenStream as TokenStream2;
 use quote::{format_ident, quote};

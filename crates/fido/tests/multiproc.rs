@@ -1,5 +1,5 @@
 //! Multi-process tests of the core: transitive zero-copy through real
-//! processes, and the failure semantics of DESIGN §2 (a peer killed with -9,
+//! processes, and the failure semantics of docs/ARCHITECTURE.md §3 (a peer killed with -9,
 //! a hung peer, a micro-reboot, a broker restart under a live stream).
 
 use fido_test_support::domains::{check, config, connect_retry, fill, HangDetection};

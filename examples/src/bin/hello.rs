@@ -7,6 +7,8 @@
 //! in the server's arena. The server also writes a registry key that the
 //! client watches.
 
+#![forbid(unsafe_code)]
+
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
