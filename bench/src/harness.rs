@@ -662,7 +662,8 @@ pub fn fill(buf: &mut [u8], seq: u64) {
 /// `ptr..ptr+len` must be writable and not concurrently accessed.
 #[inline]
 pub unsafe fn fill_raw(ptr: *mut u8, len: usize, seq: u64) {
-    fill(std::slice::from_raw_parts_mut(ptr, len), seq)
+    // SAFETY: the caller's contract above.
+    fill(unsafe { std::slice::from_raw_parts_mut(ptr, len) }, seq)
 }
 
 /// The receiver's read: folds every byte (as u64 words) and returns the sequence number

@@ -380,6 +380,7 @@ pub unsafe extern "C" fn fido_rpc_call_reply(call: *mut fido_rpc_ctx, data: *con
         if data.is_null() && len > 0 {
             return FIDO_EINVAL;
         }
+        // SAFETY: `cx` points to the running handler's context, alive for the call.
         let cx = unsafe { &mut *c.cx };
         // SAFETY: `len` readable bytes at `data` (contract).
         let b = if len == 0 { &[][..] } else { unsafe { std::slice::from_raw_parts(data as *const u8, len) } };
@@ -395,6 +396,7 @@ pub unsafe extern "C" fn fido_rpc_call_cancelled(call: *mut fido_rpc_ctx) -> c_i
     guard(1, || {
         // SAFETY: the live handle of the running handler.
         let Some(c) = (unsafe { call.as_ref() }) else { return 1 };
+        // SAFETY: `cx` points to the running handler's context, alive for the call.
         c_int::from(unsafe { &*c.cx }.is_cancelled())
     })
 }

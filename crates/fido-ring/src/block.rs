@@ -132,12 +132,16 @@ pub struct PeerBlock {
     entries: u32,
 }
 
-// SAFETY: a block is plain shared memory accessed only through atomics and
-// volatile copies; the creator of a LocalBlock/PeerBlock guarantees the mapping
-// outlives every copy (see `LocalBlock::init` / `PeerBlock::open`).
+// SAFETY: (all four) a block is plain shared memory accessed only through
+// atomics and volatile copies, so any thread may hold or share a handle; the
+// creator of a LocalBlock/PeerBlock guarantees the mapping outlives every copy
+// (see `LocalBlock::init` / `PeerBlock::open`).
 unsafe impl Send for LocalBlock {}
+// SAFETY: as above.
 unsafe impl Sync for LocalBlock {}
+// SAFETY: as above.
 unsafe impl Send for PeerBlock {}
+// SAFETY: as above.
 unsafe impl Sync for PeerBlock {}
 
 impl LocalBlock {

@@ -16,6 +16,7 @@ impl Pair {
         let layout = Layout::from_size_align(block_len(entries), 64).unwrap();
         // SAFETY: non-zero size layout.
         let a = NonNull::new(unsafe { alloc_zeroed(layout) }).unwrap();
+        // SAFETY: non-zero size layout.
         let b = NonNull::new(unsafe { alloc_zeroed(layout) }).unwrap();
         Pair { a, b, layout }
     }
@@ -46,6 +47,7 @@ fn connect(pair: &Pair, entries: u32) -> (Side, Side) {
     let (la, lb) = unsafe {
         (LocalBlock::init(pair.a, len, entries).unwrap(), LocalBlock::init(pair.b, len, entries).unwrap())
     };
+    // SAFETY: the same buffers, initialised just above.
     let (pa, pb) = unsafe { (PeerBlock::open(pair.a, len, entries).unwrap(), PeerBlock::open(pair.b, len, entries).unwrap()) };
     // Ring ends go to the ring/releaser that wakes the other side; wait ends stay.
     let bells: Vec<doorbell::Doorbell> = (0..4).map(|_| doorbell::new_doorbell().unwrap()).collect();
@@ -143,14 +145,18 @@ fn forged_indices_are_errors() {
 #[test]
 fn uninitialised_peer_block_refused() {
     let layout = Layout::from_size_align(block_len(8), 64).unwrap();
+    // SAFETY: non-zero size layout.
     let p = NonNull::new(unsafe { alloc_zeroed(layout) }).unwrap();
     // SAFETY: valid zeroed memory of the right size.
     let r = unsafe { PeerBlock::open(p, layout.size(), 8) };
     assert_eq!(r.err(), Some(BlockError::NotInitialised));
+    // SAFETY: `p` is valid zeroed memory of at least that size.
     let r = unsafe { PeerBlock::open(p, layout.size() - 64, 8) };
     assert!(matches!(r, Err(BlockError::TooSmall { .. })));
+    // SAFETY: `p` is valid zeroed memory of that size.
     let r = unsafe { PeerBlock::open(p, layout.size(), 6) };
     assert_eq!(r.err(), Some(BlockError::BadEntries(6)));
+    // SAFETY: allocated above with this layout; no block handle outlives it.
     unsafe { dealloc(p.as_ptr(), layout) };
 }
 

@@ -493,16 +493,18 @@ unsafe fn volatile_copy(src: *const u8, dst: *mut u8, len: usize) {
     const W: usize = std::mem::size_of::<Word>();
     let head = src.align_offset(W).min(len);
     let mut i = 0;
-    // SAFETY (every block below): `i` (plus the width read) stays below
+    // Why every block below is sound: `i` (plus the width read) stays below
     // `len`, so reads are inside `src..src+len` and writes inside
     // `dst..dst+len`; `Word` loads start at `head`, where `src` is aligned
     // for `Word`, and advance by whole words; stores are unaligned writes to
     // our own memory.
     while i < head {
+        // SAFETY: `i < head <= len` (see above).
         unsafe { dst.add(i).write(src.add(i).read_volatile()) };
         i += 1;
     }
     while i + 4 * W <= len {
+        // SAFETY: four aligned words from `i`, all below `len` (see above).
         unsafe {
             let s = src.add(i).cast::<Word>();
             let (a, b, c, d) = (s.read_volatile(), s.add(1).read_volatile(), s.add(2).read_volatile(), s.add(3).read_volatile());
@@ -515,10 +517,12 @@ unsafe fn volatile_copy(src: *const u8, dst: *mut u8, len: usize) {
         i += 4 * W;
     }
     while i + W <= len {
+        // SAFETY: one aligned word from `i`, below `len` (see above).
         unsafe { dst.add(i).cast::<Word>().write_unaligned(src.add(i).cast::<Word>().read_volatile()) };
         i += W;
     }
     while i < len {
+        // SAFETY: `i < len` (see above).
         unsafe { dst.add(i).write(src.add(i).read_volatile()) };
         i += 1;
     }

@@ -135,8 +135,8 @@ fn pointer_chain(g: PgvasGeometry, mode: ModeRequest, expect: AddressMode) {
             "in PGVAS a global pointer is the local address"
         );
     }
-    // SAFETY: resolve checked 5 readable bytes at q.
     assert_eq!(
+        // SAFETY: resolve checked 5 readable bytes at q.
         unsafe { std::slice::from_raw_parts(q.as_ptr(), 5) },
         b"hello"
     );

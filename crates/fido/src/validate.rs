@@ -156,6 +156,7 @@ mod tests {
                 if off.checked_add(len).is_none_or(|e| e > self.0.len() as u64 * 8) {
                     return Err("outside".into());
                 }
+                // SAFETY: `off + len` was checked to lie inside the test arena just above.
                 Ok((NonNull::new(unsafe { (self.0.as_ptr() as *mut u8).add(off as usize) }).unwrap(), ()))
             }
         }

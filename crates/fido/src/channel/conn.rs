@@ -218,6 +218,7 @@ pub(crate) struct ConnShared {
 // by `block` and `peer_map`; every access goes through the rings' atomics or
 // under the tx/rx/releaser locks.
 unsafe impl Send for ConnShared {}
+// SAFETY: as for Send: shared access is through atomics or under those locks.
 unsafe impl Sync for ConnShared {}
 
 impl ConnShared {

@@ -230,6 +230,8 @@ impl InlineArea {
 // connection pointer is to a `ConnShared` (itself `Send + Sync`) kept alive
 // by the messages' reference (`ReleaseState`) wherever the message goes.
 unsafe impl Send for Msg {}
+// SAFETY: as for Send: a shared `&Msg` only reads the read-only mappings, and
+// its release goes through the connection's locks.
 unsafe impl Sync for Msg {}
 
 impl Msg {
