@@ -203,15 +203,18 @@ pub fn check_message(bytes: fido::PeerSlice<'_>) -> Checked {
     }
     let (magic, seq, stamp, gptr, len, want) =
         (word(0), word(1), word(2), word(3), word(4), word(5));
-    let mut sum = Sum::new();
-    // READ_CHUNK is a multiple of 8: only the last chunk has a remainder.
+    // Whole words straight from the peer's memory (`fold_u64`: one volatile
+    // load each, no staging copy), then the last bytes one by one, as
+    // `write_message` summed them.
     let body = bytes.subslice(HEADER, bytes.len() - HEADER).expect("inside the message");
-    body.read_chunks(|chunk| {
-        let mut chunks = chunk.chunks_exact(8);
-        for c in &mut chunks {
-            sum.add(u64::from_le_bytes(c.try_into().unwrap()));
-        }
-        for b in chunks.remainder() {
+    let whole = body.len() / 8 * 8;
+    let words = body.subslice(0, whole).expect("inside the body");
+    let mut sum = words.fold_u64(Sum::new(), |mut sum, w| {
+        sum.add(u64::from_le_bytes(w.to_ne_bytes()));
+        sum
+    });
+    body.subslice(whole, body.len() - whole).expect("inside the body").read_chunks(|tail| {
+        for b in tail {
             sum.add(*b as u64);
         }
     });
