@@ -206,15 +206,18 @@ impl<'a> PeerSlice<'a> {
     /// transient); a caller that keeps them should use [`PeerSlice::to_vec`].
     #[inline]
     pub fn read_chunks(&self, mut f: impl FnMut(&[u8])) {
-        let mut buf = [0u64; READ_CHUNK / 8];
+        // Not zeroed first: a short view (a 10-byte string) must not pay for
+        // clearing READ_CHUNK bytes; only the `n` bytes written are handed out.
+        let mut buf = std::mem::MaybeUninit::<[u64; READ_CHUNK / 8]>::uninit();
+        let dst = buf.as_mut_ptr().cast::<u8>();
         let mut at = 0;
         while at < self.len {
             let n = (self.len - at).min(READ_CHUNK);
-            let dst: &mut [u8] = bytemuck::cast_slice_mut(&mut buf[..]);
             // SAFETY: `at + n ≤ len`: inside the view; `dst` is our stack
             // buffer of READ_CHUNK ≥ n bytes.
-            unsafe { volatile_copy(self.ptr.as_ptr().add(at), dst.as_mut_ptr(), n) };
-            f(&dst[..n]);
+            unsafe { volatile_copy(self.ptr.as_ptr().add(at), dst, n) };
+            // SAFETY: the first `n` bytes of the buffer were just written.
+            f(unsafe { std::slice::from_raw_parts(dst, n) });
             at += n;
         }
     }
