@@ -106,19 +106,8 @@ impl Opts {
 // Percentiles and histogram
 // ---------------------------------------------------------------------------------------
 
-/// Exact (nearest-rank) p50 and p99 of `samples` (reorders the slice). `(0, 0)` if empty.
-pub fn percentiles(samples: &mut [u64]) -> (u64, u64) {
-    (quantile(samples, 0.50), quantile(samples, 0.99))
-}
-
-/// Exact nearest-rank quantile `q` in [0, 1] (reorders the slice).
-pub fn quantile(samples: &mut [u64], q: f64) -> u64 {
-    if samples.is_empty() {
-        return 0;
-    }
-    let rank = ((q * samples.len() as f64).ceil() as usize).clamp(1, samples.len()) - 1;
-    *samples.select_nth_unstable(rank).1
-}
+// Exact percentiles and the monotonic clock: the demo's, one copy for both.
+pub use fido_demo::measure::{mono_ns, percentiles, quantile};
 
 /// Log-linear histogram of nanosecond values: exact below 128, then 128 sub-buckets per
 /// power of two (relative error < 1 %). Constant memory, O(1) record; for runs whose
@@ -600,46 +589,16 @@ pub(crate) fn peer_fd(i: usize) -> OwnedFd {
     unsafe { OwnedFd::from_raw_fd(PEER_FD0 + i as RawFd) }
 }
 
-/// `key=value` arguments of a peer process (also used by the suites'
-/// own role processes).
-pub struct PeerArgs(HashMap<String, String>);
+/// `key=value` arguments of a peer process (also used by the suites' own role
+/// processes): the demo's role arguments, one parser for both.
+pub use fido_demo::pipeline::Args as PeerArgs;
 
-impl PeerArgs {
-    pub fn parse(args: &[String]) -> PeerArgs {
-        PeerArgs(
-            args.iter()
-                .filter_map(|a| {
-                    a.split_once('=')
-                        .map(|(k, v)| (k.to_string(), v.to_string()))
-                })
-                .collect(),
-        )
+/// Pins the calling peer to the CPU its `cpu=` argument names, if any.
+pub fn pin_peer(a: &PeerArgs) -> anyhow::Result<()> {
+    if let Some(c) = a.opt("cpu") {
+        pin_to(c.parse()?)?;
     }
-    pub fn get(&self, k: &str) -> anyhow::Result<&str> {
-        self.0
-            .get(k)
-            .map(|s| s.as_str())
-            .with_context(|| format!("peer argument {k}= missing"))
-    }
-    pub fn num<T: std::str::FromStr>(&self, k: &str) -> anyhow::Result<T>
-    where
-        T::Err: std::error::Error + Send + Sync + 'static,
-    {
-        Ok(self.get(k)?.parse()?)
-    }
-    pub fn opt(&self, k: &str) -> Option<&str> {
-        self.0.get(k).map(|s| s.as_str())
-    }
-    pub fn flag(&self, k: &str) -> bool {
-        matches!(self.0.get(k).map(|s| s.as_str()), Some("1") | Some("true"))
-    }
-    /// Pins the peer if `cpu=` was given.
-    pub fn pin(&self) -> anyhow::Result<()> {
-        if let Some(c) = self.0.get("cpu") {
-            pin_to(c.parse()?)?;
-        }
-        Ok(())
-    }
+    Ok(())
 }
 
 // ---------------------------------------------------------------------------------------
@@ -774,11 +733,6 @@ pub fn size_label(size: usize) -> String {
     }
 }
 
-/// CLOCK_MONOTONIC in ns (shared by every process on the machine).
-pub fn mono_ns() -> u64 {
-    let t = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
-    t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
-}
 
 #[cfg(test)]
 mod tests {

@@ -71,7 +71,7 @@ pub fn peer_main(args: &[String]) -> anyhow::Result<()> {
     harness::peer_prologue()?;
     let kind = args.first().map(|s| s.as_str()).unwrap_or("");
     let a = harness::PeerArgs::parse(args.get(1..).unwrap_or(&[]));
-    a.pin()?;
+    crate::harness::pin_peer(&a)?;
     shm::peer(kind, &a)
         .or_else(|| sock::peer(kind, &a))
         .or_else(|| ice::peer(kind, &a))

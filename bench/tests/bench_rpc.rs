@@ -6,9 +6,10 @@
 //! run (`shm-floor` too).
 
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
-use std::sync::mpsc;
+use std::process::{Command, Output};
 use std::time::Duration;
+
+use fido_test_support::wait::run_limited;
 
 const FIDO: &str = env!("CARGO_BIN_EXE_fido-bench");
 const SYSTEMS: [&str; 6] = ["fido", "uds", "tarpc", "capnp", "tonic", "xmlrpc"];
@@ -16,29 +17,6 @@ const SYSTEMS: [&str; 6] = ["fido", "uds", "tarpc", "capnp", "tonic", "xmlrpc"];
 const NULL_FLOORS: [&str; 2] = ["futex-floor", "eventfd-floor"];
 /// Measured beside the systems on every sequence case, checksums asserted.
 const SEQ_FLOOR: &str = "shm-floor";
-
-fn run(mut cmd: Command, limit: Duration) -> Output {
-    let child = cmd
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn fido");
-    let pid = child.id() as i32;
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(child.wait_with_output());
-    });
-    match rx.recv_timeout(limit) {
-        Ok(out) => out.expect("wait"),
-        Err(_) => {
-            if let Some(p) = rustix::process::Pid::from_raw(pid) {
-                let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
-            }
-            panic!("`fido-bench rpc` did not finish within {limit:?}");
-        }
-    }
-}
 
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
@@ -62,7 +40,7 @@ fn bench(dir: &Path, filter: &str, extra: &[&str], env: &[(&str, &str)]) -> Outp
     for (k, v) in env {
         cmd.env(k, v);
     }
-    run(cmd, Duration::from_secs(120))
+    run_limited(&mut cmd, Duration::from_secs(120)).0
 }
 
 fn left_in(tmp: &Path) -> Vec<String> {

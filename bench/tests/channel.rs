@@ -2,40 +2,12 @@
 //! docs/BENCHMARKS.md format, fido and a baseline ran in the same invocation, and the
 //! embedded broker's directory is gone afterwards.
 
-use std::process::{Command, Output, Stdio};
-use std::sync::mpsc;
+use std::process::Command;
 use std::time::Duration;
 
+use fido_test_support::wait::run_limited;
+
 const FIDO: &str = env!("CARGO_BIN_EXE_fido-bench");
-
-/// Runs `cmd` to completion, killing it (and failing) after `limit`.
-fn run(cmd: Command, limit: Duration) -> Output {
-    run_pid(cmd, limit).0
-}
-
-/// [`run`], also returning the process id it had.
-fn run_pid(mut cmd: Command, limit: Duration) -> (Output, u32) {
-    let child = cmd
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn fido-bench");
-    let pid = child.id() as i32;
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(child.wait_with_output());
-    });
-    match rx.recv_timeout(limit) {
-        Ok(out) => (out.expect("wait"), pid as u32),
-        Err(_) => {
-            if let Some(p) = rustix::process::Pid::from_raw(pid) {
-                let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
-            }
-            panic!("`fido-bench` did not finish within {limit:?}");
-        }
-    }
-}
 
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
@@ -58,7 +30,7 @@ fn bench_writes_design_json_lines() {
     .arg(&json)
     .env("TMPDIR", &tmp)
     .env_remove("RUST_LOG");
-    let out = run(cmd, Duration::from_secs(60));
+    let out = run_limited(&mut cmd, Duration::from_secs(60)).0;
     let stdout = text(&out.stdout);
     assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
     assert!(

@@ -307,7 +307,7 @@ fn join(role: &str, case: &Case) -> anyhow::Result<Domain> {
 pub fn peer_main(kind: &str, args: &[String]) -> anyhow::Result<()> {
     proc::child_prologue()?;
     let a = PeerArgs::parse(args);
-    a.pin()?;
+    crate::harness::pin_peer(&a)?;
     let case = Case::parse(a.get("case")?)?;
     let svc = a.get("svc")?;
     match kind {

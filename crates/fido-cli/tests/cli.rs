@@ -2,40 +2,12 @@
 //! behind, and `fido status` sees a `fido broker`.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
-use std::sync::mpsc;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use fido_test_support::wait::run_limited;
+
 const FIDO: &str = env!("CARGO_BIN_EXE_fido");
-
-/// Runs `cmd` to completion, killing it (and failing) after `limit`.
-fn run(cmd: Command, limit: Duration) -> Output {
-    run_pid(cmd, limit).0
-}
-
-/// [`run`], also returning the process id it had.
-fn run_pid(mut cmd: Command, limit: Duration) -> (Output, u32) {
-    let child = cmd
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn fido");
-    let pid = child.id() as i32;
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(child.wait_with_output());
-    });
-    match rx.recv_timeout(limit) {
-        Ok(out) => (out.expect("wait"), pid as u32),
-        Err(_) => {
-            if let Some(p) = rustix::process::Pid::from_raw(pid) {
-                let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
-            }
-            panic!("`fido` did not finish within {limit:?}");
-        }
-    }
-}
 
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
@@ -82,7 +54,7 @@ fn demo_passes_and_leaves_nothing_behind() {
         .env("TMPDIR", &tmp)
         .env_remove("RUST_LOG");
     let child_start = Instant::now();
-    let (out, demo_pid) = run_pid(cmd, Duration::from_secs(45));
+    let (out, demo_pid) = run_limited(&mut cmd, Duration::from_secs(45));
     let stdout = text(&out.stdout);
     let stderr = text(&out.stderr);
     assert!(
@@ -201,7 +173,7 @@ fn broker_and_status_json() {
     // JSON, broker found through FIDO_BROKER.
     let mut cmd = Command::new(FIDO);
     cmd.args(["status", "--json"]).env("FIDO_BROKER", &sock);
-    let out = run(cmd, Duration::from_secs(20));
+    let out = run_limited(&mut cmd, Duration::from_secs(20)).0;
     assert!(out.status.success(), "{}", text(&out.stderr));
     let v: serde_json::Value =
         serde_json::from_slice(&out.stdout).expect("status --json prints JSON");
@@ -238,7 +210,7 @@ fn broker_and_status_json() {
     cmd.args(["status", "--socket"])
         .arg(&sock)
         .env("FIDO_BROKER", dir.path().join("elsewhere.sock"));
-    let out = run(cmd, Duration::from_secs(20));
+    let out = run_limited(&mut cmd, Duration::from_secs(20)).0;
     let s = text(&out.stdout);
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert!(
@@ -269,7 +241,7 @@ fn broker_and_status_json() {
     // No broker: status fails cleanly.
     let mut cmd = Command::new(FIDO);
     cmd.args(["status", "--json", "--socket"]).arg(&sock);
-    let out = run(cmd, Duration::from_secs(20));
+    let out = run_limited(&mut cmd, Duration::from_secs(20)).0;
     assert!(!out.status.success());
 }
 

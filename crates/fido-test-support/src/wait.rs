@@ -51,6 +51,33 @@ pub fn wait_timeout(mut child: Child, timeout: Duration) -> Output {
     }
 }
 
+/// Runs `cmd` to completion with its output collected (stdin closed), and
+/// returns the output and the process id it had. Kills it and panics after
+/// `limit`. The output is read on a helper thread, so a child that prints
+/// more than a pipe holds never blocks on it.
+pub fn run_limited(cmd: &mut Command, limit: Duration) -> (Output, u32) {
+    let child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawning {cmd:?}: {e}"));
+    let pid = child.id();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(limit) {
+        Ok(out) => (out.expect("collecting the child's output"), pid),
+        Err(_) => {
+            if let Some(p) = rustix::process::Pid::from_raw(pid as i32) {
+                let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
+            }
+            panic!("{cmd:?} did not finish within {limit:?}");
+        }
+    }
+}
+
 /// A free TCP port on 127.0.0.1 (bound then released).
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
