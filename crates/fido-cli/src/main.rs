@@ -138,16 +138,7 @@ fn main() -> ExitCode {
     init_logging();
     let args: Vec<String> = std::env::args().skip(1).collect();
     if let Some(r) = hidden(&args) {
-        return match r {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!(
-                    "fido {}: {e:#}",
-                    args.iter().take(3).cloned().collect::<Vec<_>>().join(" ")
-                );
-                ExitCode::FAILURE
-            }
-        };
+        return proc::helper_exit("fido", &args, r);
     }
     let cli = Cli::parse();
     let r: anyhow::Result<bool> = match cli.cmd {

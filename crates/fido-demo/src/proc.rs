@@ -12,7 +12,7 @@
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Child, Command, ExitCode, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, OnceLock};
@@ -40,6 +40,19 @@ pub fn install_interrupt_flag() -> anyhow::Result<()> {
     }
     let _ = INTERRUPT.set(flag);
     Ok(())
+}
+
+/// How a hidden helper subcommand (a re-executed copy of `prog`) ends: its
+/// error, if any, printed as `PROG SUBCOMMAND ARGS: error` on stderr (where the
+/// parent collects it) and a failing exit status.
+pub fn helper_exit(prog: &str, args: &[String], result: anyhow::Result<()>) -> ExitCode {
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{prog} {}: {e:#}", args.iter().take(3).cloned().collect::<Vec<_>>().join(" "));
+            ExitCode::FAILURE
+        }
+    }
 }
 
 /// Whether SIGINT or SIGTERM arrived (always false before [`install_interrupt_flag`]).
