@@ -140,10 +140,6 @@ pub(super) struct Fleet {
     pub(super) trace: bool,
 }
 
-/// The driver's timeline (`driver.log` in the log directory): kills, starts,
-/// readiness (domain id and slot) and problems, with the same Unix-epoch
-/// timestamps as the roles' logs.
-
 impl Fleet {
     pub(super) fn start_broker(&mut self) -> anyhow::Result<()> {
         use std::os::unix::process::CommandExt as _;

@@ -883,7 +883,17 @@ pub fn launch_with_pings(
     k.expect_event("ready", ready_by())?;
     kids.push(("source".into(), k));
 
-    // Results come in any order; everyone is done a little after the source.
+    collect_results(kids, spec, pings)
+}
+
+/// Waits for every role's `result` line (they come in any order; everyone is
+/// done a little after the source), then for every role to exit. Shared with
+/// the Unix-socket pipeline (`uds`), whose roles report the same way.
+pub(crate) fn collect_results(
+    mut kids: Vec<(String, Kid)>,
+    spec: &Spec,
+    pings: Option<&PingPhase>,
+) -> anyhow::Result<Outcome> {
     let ping_time = pings.map_or(Duration::ZERO, |p| p.duration);
     let deadline =
         Instant::now() + spec.warmup + spec.duration + ping_time + Duration::from_secs(20);

@@ -25,10 +25,10 @@ use anyhow::{bail, Context as _};
 use serde_json::json;
 
 use crate::pipeline::{
-    self, emit, fill_message, Args, Outcome, PingPhase, RoleReport, SinkLedger, Spec, Window,
+    self, emit, fill_message, Args, Outcome, PingPhase, SinkLedger, Spec, Window,
     OP_DRAIN, OP_MEASURED, OP_PING, OP_WARMUP,
 };
-use crate::proc::{self, Kid};
+use crate::proc::Kid;
 
 fn link(dir: &Path, i: usize) -> PathBuf {
     dir.join(format!("link{i}.sock"))
@@ -89,24 +89,9 @@ pub fn launch(spec: &Spec, pings: Option<&PingPhase>) -> anyhow::Result<Outcome>
     k.expect_event("ready", ready_by())?;
     kids.push(("source".into(), k));
 
-    let ping_time = pings.map_or(Duration::ZERO, |p| p.duration);
-    let deadline =
-        Instant::now() + spec.warmup + spec.duration + ping_time + Duration::from_secs(20);
-    let mut roles = Vec::new();
-    for (label, k) in kids.iter_mut().rev() {
-        let v = k.expect_event("result", deadline)?;
-        roles.push(RoleReport {
-            label: label.clone(),
-            pid: k.pid(),
-            v,
-        });
-    }
-    proc::finish_all(
-        kids.into_iter().map(|(_, k)| k).collect(),
-        Duration::from_secs(10),
-    )?;
+    let outcome = pipeline::collect_results(kids, spec, pings)?;
     dir.close().context("removing the sockets' directory")?;
-    Ok(Outcome { roles })
+    Ok(outcome)
 }
 
 /// `role=uds-source|uds-fwd|uds-sink` (reached through [`pipeline::role_main`]).
