@@ -309,14 +309,22 @@ impl Conn {
     /// between knows one is on its way); a failed send uncounts it.
     fn doorbell(&self, fd: c_int, b: u8) {
         let s = self.seg.side(self.me);
-        // SAFETY: one byte from a local onto the real socket.
-        let r = unsafe {
-            real::send(
-                fd,
-                &b as *const u8 as *const libc::c_void,
-                1,
-                libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
-            )
+        let r = loop {
+            // SAFETY: one byte from a local onto the real socket.
+            let r = unsafe {
+                real::send(
+                    fd,
+                    &b as *const u8 as *const libc::c_void,
+                    1,
+                    libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
+                )
+            };
+            // Interrupted before anything was queued: the armed reader
+            // still needs its byte (as fido-ring's `doorbell::ring`).
+            if r < 0 && errno() == libc::EINTR {
+                continue;
+            }
+            break r;
         };
         if r != 1 {
             s.doorbells_sent.fetch_sub(1, Ordering::SeqCst);
