@@ -1160,9 +1160,8 @@ pub fn app_main(args: &[String]) -> anyhow::Result<()> {
                 s => s.mover()?,
             };
             let cfg = serve::ServeConfig {
-                root: PathBuf::from(dir),
                 idle_timeout: idle,
-                max_conns: 1024,
+                ..serve::ServeConfig::new(PathBuf::from(dir))
             };
             let srv = serve::Server::bind(SocketAddr::from(([127, 0, 0, 1], port)), cfg, m)?;
             announce(format!("serving on http://{}/ ({})", srv.local_addr()?, strat.system()))?;

@@ -22,7 +22,10 @@ fn strategy_arg() -> impl clap::builder::TypedValueParser<Value = Strategy> {
     PossibleValuesParser::new(
         Strategy::ALL.map(|s| PossibleValue::new(s.name()).help(s.describe())),
     )
-    .map(|name| name.parse::<Strategy>().expect("one of the possible values"))
+    .map(|name| {
+        name.parse::<Strategy>()
+            .expect("one of the possible values")
+    })
 }
 
 #[derive(Subcommand)]
@@ -43,9 +46,18 @@ pub enum AppCmd {
         /// Close a connection idle (or not reading) for this many seconds.
         #[arg(long, default_value_t = 60)]
         idle_secs: u64,
+        /// A request head (and body) must arrive within this many seconds, however it trickles in (else 408).
+        #[arg(long, default_value_t = 10)]
+        head_secs: u64,
         /// Connections served at once (more are answered 503).
         #[arg(long, default_value_t = 1024)]
         max_conns: usize,
+        /// Connections one peer may hold: a local uid (whoever owns the client socket), or a remote address (more are answered 503).
+        #[arg(long, default_value_t = 64)]
+        max_conns_per_peer: usize,
+        /// Refuse every symlink under DIR (by default symlinks that stay beneath DIR are followed; absolute ones and those leading out never).
+        #[arg(long)]
+        no_symlinks: bool,
     },
     /// Forward TCP connections from LISTEN to UPSTREAM; both directions go socket→socket through the broker's pipe engine.
     Proxy {
@@ -56,6 +68,12 @@ pub enum AppCmd {
         /// Who moves the bytes.
         #[arg(long, value_parser = strategy_arg(), default_value = "fido")]
         strategy: Strategy,
+        /// Client connections forwarded at once (more are closed at once).
+        #[arg(long, default_value_t = 1024)]
+        max_conns: usize,
+        /// Client connections one peer may hold: a local uid, or a remote address (more are closed at once).
+        #[arg(long, default_value_t = 64)]
+        max_conns_per_peer: usize,
     },
 }
 
@@ -67,18 +85,22 @@ pub fn run(cmd: AppCmd) -> anyhow::Result<()> {
             addr,
             strategy,
             idle_secs,
+            head_secs,
             max_conns,
+            max_conns_per_peer,
+            no_symlinks,
         } => {
             let m = match strategy {
-                Strategy::Fido => {
-                    engine::mover_with_stall(Duration::from_secs(idle_secs.max(1)))?
-                }
+                Strategy::Fido => engine::mover_with_stall(Duration::from_secs(idle_secs.max(1)))?,
                 s => s.mover()?,
             };
             let cfg = serve::ServeConfig {
-                root: dir,
                 idle_timeout: Duration::from_secs(idle_secs.max(1)),
+                head_timeout: Duration::from_secs(head_secs.max(1)),
                 max_conns,
+                max_conns_per_peer,
+                follow_symlinks: !no_symlinks,
+                ..serve::ServeConfig::new(dir)
             };
             let srv = serve::Server::bind(SocketAddr::new(addr, port), cfg, m)?;
             announce(&format!(
@@ -92,9 +114,12 @@ pub fn run(cmd: AppCmd) -> anyhow::Result<()> {
             listen,
             upstream,
             strategy,
+            max_conns,
+            max_conns_per_peer,
         } => {
             let m = strategy.mover()?;
-            let p = proxy::Proxy::bind(&listen, &upstream, m)?;
+            let p = proxy::Proxy::bind(&listen, &upstream, m)?
+                .with_limits(max_conns, max_conns_per_peer);
             announce(&format!(
                 "proxying {} -> {upstream} ({})",
                 p.local_addr()?,

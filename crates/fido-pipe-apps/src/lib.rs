@@ -12,6 +12,8 @@
 //!   through the engine, never through this process.
 //! * [`proxy`]: a TCP forwarder, both directions socket→socket through a
 //!   [`Mover`].
+//! * [`peers`]: who a connection's peer is (a local uid, or a remote address)
+//!   and the connection limits, in all and per peer, of `serve` and `proxy`.
 //!
 //! Programs are written once against [`Mover`], so every comparison changes
 //! only the strategy. Unlike `fido-pipe`, whose client never touches payload,
@@ -21,15 +23,17 @@
 //! engine) — said once in the log.
 //!
 //! What this crate must never do: serve anything outside the directory it was
-//! given (`..` and symlinks included), let one connection hold up another (one
-//! thread per connection, idle timeouts), or report a transfer as complete
-//! when fewer bytes moved.
+//! given (`..` and symlinks included, also while they change), let one
+//! connection hold up another (one thread per connection, deadlines), let one
+//! client take every connection, or report a transfer as complete when fewer
+//! bytes moved.
 
 #![forbid(unsafe_code)]
 
 pub mod copy;
 pub mod engine;
 pub mod mover;
+pub mod peers;
 pub mod proxy;
 #[cfg(feature = "serve")]
 pub mod serve;

@@ -9,6 +9,15 @@
 //! reset, a failed write) shuts both connections down in both directions, so
 //! the other mover wakes up and the pair is released; it never affects other
 //! pairs. An upstream that cannot be reached closes the client connection.
+//!
+//! The proxy reads nothing of what it forwards: each client connection gets
+//! its own upstream connection, never shared with another client, so no
+//! client can frame bytes into another's requests (HTTP request smuggling
+//! needs a connection two clients share). What it does bound is how many
+//! connections (each two threads and an upstream connection) are open: in
+//! all, and per peer (a local uid, or a remote address: [`crate::peers`]).
+//! A connection over either limit is closed at once, before any upstream
+//! connection is made.
 
 use std::io;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
@@ -17,6 +26,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::mover::Mover;
+use crate::peers::{self, ConnLimits};
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -25,6 +35,12 @@ pub struct Proxy {
     listener: TcpListener,
     upstream: Vec<SocketAddr>,
     mover: Arc<dyn Mover>,
+    limits: Arc<ConnLimits>,
+}
+
+impl Proxy {
+    pub const DEFAULT_MAX_CONNS: usize = 1024;
+    pub const DEFAULT_MAX_CONNS_PER_PEER: usize = 64;
 }
 
 impl Proxy {
@@ -45,7 +61,16 @@ impl Proxy {
             listener,
             upstream,
             mover,
+            limits: ConnLimits::new(Self::DEFAULT_MAX_CONNS, Self::DEFAULT_MAX_CONNS_PER_PEER),
         })
+    }
+
+    /// At most `max_conns` client connections at once, `max_per_peer` of them
+    /// from one peer (defaults: [`Proxy::DEFAULT_MAX_CONNS`],
+    /// [`Proxy::DEFAULT_MAX_CONNS_PER_PEER`]).
+    pub fn with_limits(mut self, max_conns: usize, max_per_peer: usize) -> Proxy {
+        self.limits = ConnLimits::new(max_conns, max_per_peer);
+        self
     }
 
     pub fn local_addr(&self) -> io::Result<SocketAddr> {
@@ -64,6 +89,19 @@ impl Proxy {
                     continue;
                 }
             };
+            let who = match client.local_addr() {
+                Ok(local) => peers::identify(local, peer),
+                Err(_) => continue, // reset before we got here
+            };
+            let slot = match self.limits.admit(who) {
+                Ok(slot) => slot,
+                Err(why) => {
+                    tracing::debug!(
+                        "proxy {peer} ({who}): {why:?} connection limit reached: closed"
+                    );
+                    continue;
+                }
+            };
             let mover = self.mover.clone();
             let upstream = upstream.clone();
             let r = std::thread::Builder::new()
@@ -73,6 +111,7 @@ impl Proxy {
                     if let Err(e) = pair(mover, client, &upstream) {
                         tracing::debug!("proxy {peer}: {e}");
                     }
+                    drop(slot);
                 });
             if let Err(e) = r {
                 tracing::warn!("spawning a proxy thread: {e}");

@@ -11,25 +11,46 @@
 //! `Last-Modified`, a content type from the extension.
 //!
 //! What it refuses, with a status and never by crashing: other methods (405
-//! with `Allow`), malformed requests, missing `Host` on HTTP/1.1, request
-//! bodies with `Transfer-Encoding` (400), headers over 16 KiB (431), paths that
-//! leave DIR — `..` segments, encoded or not, and symlinks resolving outside
-//! DIR (404: the server does not say what exists outside), more than
-//! `max_conns` connections at once (503). A client that stops reading or
-//! sending is dropped after the idle timeout; one client never holds up another
-//! (one thread per connection).
+//! with `Allow`), malformed requests, missing or repeated `Host` on HTTP/1.1,
+//! framing that two parsers could read differently — `Transfer-Encoding`,
+//! repeated `Content-Length`, a `Content-Length` that is not plain digits,
+//! obs-fold, bare CR (400, RFC 9112 §6.3) — heads over 16 KiB or 64 headers
+//! (431), paths that leave DIR (`..` segments, encoded or not: 400; symlinks
+//! out of DIR, absolute symlinks, anything but a regular file — FIFOs,
+//! devices, sockets: 404, so the server says nothing about what exists), more
+//! than `max_conns` connections at once or more than `max_conns_per_peer` from
+//! one peer (503; a peer on this host is its uid, see [`crate::peers`]).
+//! Every refusal closes the connection, so nothing pipelined behind it is read
+//! as a request.
+//!
+//! Time limits: the request head (and a small body, read and discarded) must
+//! arrive within `head_timeout` of its first byte (of the accept, for the
+//! first request), however it trickles in (408); a connection idle between
+//! requests, or a client that stops reading a response, is dropped after
+//! `idle_timeout`. One client never holds up another (one thread per
+//! connection).
+//!
+//! Files are opened with `openat2(DIR, path, RESOLVE_BENEATH |
+//! RESOLVE_NO_MAGICLINKS)`: the kernel resolves every component beneath the
+//! directory descriptor opened at start, so a symlink swapped in under DIR
+//! while a request is served cannot lead out of it (a check of the path
+//! followed by an open by path could). `O_NONBLOCK` keeps a FIFO from blocking
+//! the open; `fstat` on the descriptor then admits regular files only, and the
+//! body is moved from that descriptor, never from the path again.
 
 use std::fs::File;
 use std::io::{self, Read as _, Write as _};
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsFd;
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt as _;
 use std::path::{Component, Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
+
+use rustix::fs::{FileType, Mode, OFlags, ResolveFlags};
 
 use crate::mover::Mover;
+use crate::peers::{self, ConnLimits};
 use crate::proxy::in_context;
 
 /// Largest request head (request line and headers) accepted.
@@ -37,13 +58,47 @@ const MAX_HEAD: usize = 16 << 10;
 /// Largest request body (Content-Length) read and discarded.
 const MAX_DISCARD: u64 = 64 << 10;
 const MAX_HEADERS: usize = 64;
+/// After refusing a request, how long (and how many bytes) the server keeps
+/// reading what the client still sends before closing: closing with unread
+/// bytes makes the kernel send a reset, which can destroy the refusal before
+/// the client reads it (nginx's lingering close).
+const LINGER: Duration = Duration::from_secs(2);
+const LINGER_BYTES: usize = 64 << 10;
 
 /// Server settings.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct ServeConfig {
     pub root: PathBuf,
+    /// A connection idle between requests, or not reading a response, this
+    /// long is closed.
     pub idle_timeout: Duration,
+    /// A request head (and body) must arrive in full within this long.
+    pub head_timeout: Duration,
     pub max_conns: usize,
+    /// Connections one peer (a local uid, or a remote address) may hold.
+    pub max_conns_per_peer: usize,
+    /// Follow symlinks that stay beneath the root (`false`: refuse every
+    /// symlink, `RESOLVE_NO_SYMLINKS`).
+    pub follow_symlinks: bool,
+}
+
+impl ServeConfig {
+    pub const DEFAULT_IDLE: Duration = Duration::from_secs(60);
+    pub const DEFAULT_HEAD: Duration = Duration::from_secs(10);
+    pub const DEFAULT_MAX_CONNS: usize = 1024;
+    pub const DEFAULT_MAX_CONNS_PER_PEER: usize = 64;
+
+    /// Serving `root` with the default limits.
+    pub fn new(root: impl Into<PathBuf>) -> ServeConfig {
+        ServeConfig {
+            root: root.into(),
+            idle_timeout: Self::DEFAULT_IDLE,
+            head_timeout: Self::DEFAULT_HEAD,
+            max_conns: Self::DEFAULT_MAX_CONNS,
+            max_conns_per_peer: Self::DEFAULT_MAX_CONNS_PER_PEER,
+            follow_symlinks: true,
+        }
+    }
 }
 
 /// A bound server (the socket is listening once this exists).
@@ -53,29 +108,45 @@ pub struct Server {
 }
 
 struct Shared {
-    root: PathBuf,
+    /// DIR, opened once: every file is resolved beneath this descriptor.
+    root: OwnedFd,
+    resolve: ResolveFlags,
     mover: Arc<dyn Mover>,
     idle: Duration,
-    max_conns: usize,
-    conns: AtomicUsize,
+    head: Duration,
+    limits: Arc<ConnLimits>,
 }
 
+/// How every file is opened: `O_NONBLOCK` so that a FIFO cannot block the
+/// open (cleared again once `fstat` found a regular file), `O_NOCTTY` so that
+/// a terminal never becomes ours.
+const OPEN_FLAGS: OFlags = OFlags::RDONLY
+    .union(OFlags::NONBLOCK)
+    .union(OFlags::NOCTTY)
+    .union(OFlags::CLOEXEC);
+
 impl Server {
-    /// Binds `addr` and checks DIR.
-    pub fn bind(
-        addr: SocketAddr,
-        cfg: ServeConfig,
-        mover: Arc<dyn Mover>,
-    ) -> io::Result<Server> {
-        let root = cfg
-            .root
-            .canonicalize()
-            .map_err(|e| in_context(e, format!("serve root {}", cfg.root.display())))?;
-        if !root.is_dir() {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!("serve root {} is not a directory", root.display()),
-            ));
+    /// Binds `addr` and opens DIR.
+    pub fn bind(addr: SocketAddr, cfg: ServeConfig, mover: Arc<dyn Mover>) -> io::Result<Server> {
+        let what = || format!("serve root {}", cfg.root.display());
+        let root = rustix::fs::open(
+            &cfg.root,
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|e| in_context(e.into(), what()))?;
+        let mut resolve = ResolveFlags::BENEATH | ResolveFlags::NO_MAGICLINKS;
+        if !cfg.follow_symlinks {
+            resolve |= ResolveFlags::NO_SYMLINKS;
+        }
+        // No fallback to resolving paths in this process: that is the race openat2 closes.
+        if let Err(e) = rustix::fs::openat2(&root, ".", OPEN_FLAGS, Mode::empty(), resolve) {
+            let hint = if e == rustix::io::Errno::NOSYS {
+                " (openat2 needs Linux 5.6 or later)"
+            } else {
+                ""
+            };
+            return Err(in_context(e.into(), format!("{}: openat2{hint}", what())));
         }
         let listener =
             TcpListener::bind(addr).map_err(|e| in_context(e, format!("binding {addr}")))?;
@@ -83,10 +154,11 @@ impl Server {
             listener,
             shared: Arc::new(Shared {
                 root,
+                resolve,
                 mover,
                 idle: cfg.idle_timeout,
-                max_conns: cfg.max_conns.max(1),
-                conns: AtomicUsize::new(0),
+                head: cfg.head_timeout,
+                limits: ConnLimits::new(cfg.max_conns, cfg.max_conns_per_peer),
             }),
         })
     }
@@ -107,29 +179,33 @@ impl Server {
                     continue;
                 }
             };
+            let who = match sock.local_addr() {
+                Ok(local) => peers::identify(local, peer),
+                Err(_) => continue, // reset before we got here
+            };
+            let slot = match self.shared.limits.admit(who) {
+                Ok(slot) => slot,
+                Err(why) => {
+                    tracing::debug!("{peer} ({who}): {why:?} connection limit reached: 503");
+                    // A fresh socket's buffer takes the short answer without blocking.
+                    let mut s = sock;
+                    let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
+                    let _ = s.write_all(&simple(503, "Service Unavailable", true, false));
+                    continue;
+                }
+            };
             let shared = self.shared.clone();
-            if shared.conns.fetch_add(1, Ordering::SeqCst) >= shared.max_conns {
-                shared.conns.fetch_sub(1, Ordering::SeqCst);
-                let mut s = sock;
-                let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
-                let _ = s.write_all(&simple(503, "Service Unavailable", true, false));
-                continue;
-            }
             let spawned = std::thread::Builder::new()
                 .name("fido-serve-conn".into())
                 .stack_size(256 << 10)
-                .spawn({
-                    let shared = shared.clone();
-                    move || {
-                        if let Err(e) = connection(&shared, sock) {
-                            tracing::debug!("connection {peer}: {e}");
-                        }
-                        shared.conns.fetch_sub(1, Ordering::SeqCst);
+                .spawn(move || {
+                    if let Err(e) = connection(&shared, sock) {
+                        tracing::debug!("connection {peer}: {e}");
                     }
+                    drop(slot);
                 });
             if let Err(e) = spawned {
                 tracing::warn!("spawning a connection thread: {e}");
-                shared.conns.fetch_sub(1, Ordering::SeqCst);
             }
         }
     }
@@ -154,45 +230,33 @@ enum Parsed {
 
 fn connection(sh: &Shared, mut sock: TcpStream) -> io::Result<()> {
     sock.set_nodelay(true)?;
-    sock.set_read_timeout(Some(sh.idle))?;
     sock.set_write_timeout(Some(sh.idle))?;
     let mut buf: Vec<u8> = Vec::with_capacity(4096);
+    // When the current request's head (and body) must be in. The first one is
+    // due `head` after the accept; later ones `head` after their first byte.
+    let mut due = Some(Instant::now() + sh.head);
     loop {
         // Read until a complete head is buffered (pipelined bytes stay in `buf`).
         let (parsed, used) = loop {
             if !buf.is_empty() {
+                due.get_or_insert_with(|| Instant::now() + sh.head);
                 match parse(&buf)? {
                     Some(x) => break x,
                     None if buf.len() >= MAX_HEAD => {
-                        let _ = sock.write_all(&simple(
-                            431,
-                            "Request Header Fields Too Large",
-                            true,
-                            false,
-                        ));
-                        return Ok(());
+                        let r = simple(431, "Request Header Fields Too Large", true, false);
+                        return refuse(&mut sock, &r);
                     }
                     None => {}
                 }
             }
             let mut tmp = [0u8; 4096];
-            let n = match sock.read(&mut tmp) {
-                Ok(n) => n,
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                    ) =>
-                {
-                    return Ok(()); // idle: close quietly
-                }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(e),
-            };
-            if n == 0 {
-                return Ok(()); // the client closed (mid-head or between requests)
+            match read_by(&mut sock, &mut tmp, due, sh.idle)? {
+                Got::Bytes(n) => buf.extend_from_slice(&tmp[..n]),
+                // The client closed (mid-head or between requests), or stayed silent
+                // longer than the idle timeout.
+                Got::Eof | Got::Idle => return Ok(()),
+                Got::Late => return too_slow(&mut sock),
             }
-            buf.extend_from_slice(&tmp[..n]);
         };
         buf.drain(..used);
         let req = match parsed {
@@ -201,33 +265,112 @@ fn connection(sh: &Shared, mut sock: TcpStream) -> io::Result<()> {
                 if let Some(a) = allow {
                     r = with_header(r, "Allow", a);
                 }
-                sock.write_all(&r)?;
-                return Ok(());
+                return refuse(&mut sock, &r);
             }
             Parsed::Req(r) => r,
         };
-        // Discard a small request body (GET with a body is legal, if odd).
+        // Discard a small request body (GET with a body is legal, if odd), under
+        // the head's deadline; never read past it (the next request may follow).
         if req.body > 0 {
             if req.body > MAX_DISCARD {
-                sock.write_all(&simple(413, "Content Too Large", true, false))?;
-                return Ok(());
+                return refuse(&mut sock, &simple(413, "Content Too Large", true, false));
             }
             let mut left = req.body;
             let have = (buf.len() as u64).min(left);
             buf.drain(..have as usize);
             left -= have;
-            if left > 0 {
-                let mut sink = (&mut sock).take(left);
-                let got = io::copy(&mut sink, &mut io::sink())?;
-                if got < left {
-                    return Ok(());
+            while left > 0 {
+                let mut tmp = [0u8; 4096];
+                let want = (left as usize).min(tmp.len());
+                match read_by(&mut sock, &mut tmp[..want], due, sh.idle)? {
+                    Got::Bytes(n) => left -= n as u64,
+                    Got::Eof | Got::Idle => return Ok(()),
+                    Got::Late => return too_slow(&mut sock),
                 }
             }
         }
+        due = None;
         if !respond(sh, &mut sock, &req)? || !req.keep_alive {
             return Ok(());
         }
     }
+}
+
+/// What one read of a request brought.
+enum Got {
+    Bytes(usize),
+    Eof,
+    /// Nothing for the idle timeout.
+    Idle,
+    /// The request's deadline passed.
+    Late,
+}
+
+/// One read, waiting at most until `due` (if any) and at most `idle`.
+fn read_by(
+    sock: &mut TcpStream,
+    buf: &mut [u8],
+    due: Option<Instant>,
+    idle: Duration,
+) -> io::Result<Got> {
+    loop {
+        let wait = match due {
+            Some(d) => match d.checked_duration_since(Instant::now()) {
+                Some(left) if !left.is_zero() => left.min(idle),
+                _ => return Ok(Got::Late),
+            },
+            None => idle,
+        };
+        sock.set_read_timeout(Some(wait))?;
+        match sock.read(buf) {
+            Ok(0) => return Ok(Got::Eof),
+            Ok(n) => return Ok(Got::Bytes(n)),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) =>
+            {
+                if due.is_some_and(|d| Instant::now() >= d) {
+                    return Ok(Got::Late);
+                }
+                return Ok(Got::Idle);
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// The request did not arrive in time: 408, then close.
+fn too_slow(sock: &mut TcpStream) -> io::Result<()> {
+    refuse(sock, &simple(408, "Request Timeout", true, false))
+}
+
+/// Sends a final answer and closes the connection, reading for a moment what
+/// the client still sends (see [`LINGER`]).
+fn refuse(sock: &mut TcpStream, answer: &[u8]) -> io::Result<()> {
+    sock.write_all(answer)?;
+    let _ = sock.shutdown(Shutdown::Write);
+    let until = Instant::now() + LINGER;
+    let mut left = LINGER_BYTES;
+    let mut tmp = [0u8; 4096];
+    while left > 0 {
+        let Some(wait) = until
+            .checked_duration_since(Instant::now())
+            .filter(|w| !w.is_zero())
+        else {
+            break;
+        };
+        sock.set_read_timeout(Some(wait))?;
+        match sock.read(&mut tmp) {
+            Ok(0) => break,
+            Ok(n) => left = left.saturating_sub(n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => break,
+        }
+    }
+    Ok(())
 }
 
 /// `Ok(None)`: the head is not complete yet. Second value: bytes consumed.
@@ -258,15 +401,19 @@ fn parse(buf: &[u8]) -> io::Result<Option<(Parsed, usize)>> {
             )))
         }
     };
-    let mut host = false;
+    let mut hosts = 0;
     let mut conn_close = false;
     let mut conn_keep = false;
     let mut range = None;
-    let mut body = 0u64;
+    let mut body: Option<u64> = None;
     for h in req.headers.iter() {
         let name = h.name;
+        // httparse takes a lone CR inside a value; a peer may end the line there.
+        if h.value.contains(&b'\r') {
+            return refuse(400, "Bad Request");
+        }
         if name.eq_ignore_ascii_case("host") {
-            host = true;
+            hosts += 1;
         } else if name.eq_ignore_ascii_case("connection") {
             for tok in h.value.split(|b| *b == b',') {
                 let tok = tok.trim_ascii();
@@ -279,17 +426,23 @@ fn parse(buf: &[u8]) -> io::Result<Option<(Parsed, usize)>> {
         } else if name.eq_ignore_ascii_case("range") {
             range = Some(h.value.to_vec());
         } else if name.eq_ignore_ascii_case("transfer-encoding") {
+            // No transfer coding is implemented, so the body's end is unknown.
             return refuse(400, "Bad Request");
         } else if name.eq_ignore_ascii_case("content-length") {
-            match std::str::from_utf8(h.value)
-                .ok()
-                .and_then(|s| s.trim().parse::<u64>().ok())
-            {
-                Some(n) => body = n,
-                None => return refuse(400, "Bad Request"),
+            // Exactly one, plain digits: a second one, a list, a sign or anything
+            // else is a length another parser may read differently (RFC 9112 §6.3).
+            match (body, content_length(h.value)) {
+                (None, Some(n)) => body = Some(n),
+                _ => return refuse(400, "Bad Request"),
             }
         }
     }
+    let body = body.unwrap_or(0);
+    // RFC 9112 §3.2: more than one Host is an error, whatever the version.
+    if hosts > 1 {
+        return refuse(400, "Bad Request");
+    }
+    let host = hosts == 1;
     if version == 1 && !host {
         return refuse(400, "Bad Request");
     }
@@ -312,6 +465,15 @@ fn parse(buf: &[u8]) -> io::Result<Option<(Parsed, usize)>> {
     )))
 }
 
+/// A `Content-Length` value: 1*DIGIT (surrounding blanks allowed), in range.
+fn content_length(v: &[u8]) -> Option<u64> {
+    let v = v.trim_ascii();
+    if v.is_empty() || !v.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    std::str::from_utf8(v).ok()?.parse().ok()
+}
+
 /// Sends the response. `Ok(false)`: the connection must close (the body could
 /// not be sent in full, so the client cannot find the next response).
 fn respond(sh: &Shared, sock: &mut TcpStream, req: &Request) -> io::Result<bool> {
@@ -326,7 +488,7 @@ fn respond(sh: &Shared, sock: &mut TcpStream, req: &Request) -> io::Result<bool>
     let Some(rel) = resolve_target(&req.path) else {
         return send_err(sock, 400, "Bad Request");
     };
-    let Some((file, path)) = open_under(&sh.root, &rel) else {
+    let Some((file, path)) = open_under(sh, &rel) else {
         return send_err(sock, 404, "Not Found");
     };
     let meta = file.metadata()?;
@@ -447,26 +609,48 @@ fn resolve_target(target: &[u8]) -> Option<PathBuf> {
     Some(rel)
 }
 
-/// Opens `root/rel` (a directory: its index.html) if, with every symlink
-/// resolved, it is a regular file inside `root`.
-fn open_under(root: &Path, rel: &Path) -> Option<(File, PathBuf)> {
-    let mut p = root.join(rel).canonicalize().ok()?;
-    if !p.starts_with(root) {
-        return None;
+/// Opens `rel` beneath DIR (a directory: its `index.html`) if it is a regular
+/// file; returns it with the path it was opened as (for its content type).
+/// `None` for anything else: missing, a symlink out of DIR (or any symlink,
+/// with `--no-symlinks`), a FIFO, a device, a socket.
+fn open_under(sh: &Shared, rel: &Path) -> Option<(File, PathBuf)> {
+    let rel = if rel.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        rel
+    };
+    let (fd, kind) = open_beneath(sh, rel)?;
+    match kind {
+        FileType::RegularFile => Some((File::from(fd), rel.to_path_buf())),
+        FileType::Directory => {
+            // Resolved from DIR again: if the directory was swapped meanwhile,
+            // this finds another file beneath DIR, never one outside it.
+            let index = rel.join("index.html");
+            match open_beneath(sh, &index)? {
+                (fd, FileType::RegularFile) => Some((File::from(fd), index)),
+                _ => None,
+            }
+        }
+        _ => None,
     }
-    if p.is_dir() {
-        p = p.join("index.html").canonicalize().ok()?;
-        if !p.starts_with(root) {
+}
+
+/// `openat2` beneath DIR, then `fstat`; a regular file's `O_NONBLOCK` is
+/// cleared (it only guarded the open, and the movers expect blocking I/O).
+fn open_beneath(sh: &Shared, rel: &Path) -> Option<(OwnedFd, FileType)> {
+    let fd = match rustix::fs::openat2(&sh.root, rel, OPEN_FLAGS, Mode::empty(), sh.resolve) {
+        Ok(fd) => fd,
+        Err(e) => {
+            // EXDEV: the path leads out of DIR; ELOOP: a symlink with --no-symlinks.
+            tracing::debug!("{}: {e}", rel.display());
             return None;
         }
+    };
+    let kind = FileType::from_raw_mode(rustix::fs::fstat(&fd).ok()?.st_mode);
+    if kind == FileType::RegularFile {
+        rustix::fs::fcntl_setfl(&fd, OFlags::empty()).ok()?;
     }
-    let f = File::open(&p).ok()?;
-    // Checked on the open descriptor: a rename between the checks cannot swap in a
-    // directory or a device.
-    if !f.metadata().ok()?.is_file() {
-        return None;
-    }
-    Some((f, p))
+    Some((fd, kind))
 }
 
 enum RangeAns {
@@ -635,5 +819,67 @@ mod tests {
         );
         assert_eq!(ok("GET / HTTP/1.1\r\nHost"), "partial");
         assert_eq!(ok("G\0T / HTTP/1.1\r\n\r\n"), "refuse 400");
+    }
+
+    /// Framing two parsers could read differently is refused (RFC 9112 §6.3):
+    /// what a request smuggler needs.
+    #[test]
+    fn ambiguous_framing() {
+        let status = |extra: &str| {
+            let h = format!("GET / HTTP/1.1\r\nHost: x\r\n{extra}\r\n");
+            match parse(h.as_bytes()).unwrap() {
+                Some((Parsed::Req(r), _)) => format!("ok body={}", r.body),
+                Some((Parsed::Refuse(c, _, _), _)) => format!("refuse {c}"),
+                None => "partial".into(),
+            }
+        };
+        assert_eq!(status("Content-Length: 5\r\n"), "ok body=5");
+        assert_eq!(status("Content-Length:  5 \r\n"), "ok body=5");
+        assert_eq!(
+            status("Content-Length: 0\r\nContent-Length: 42\r\n"),
+            "refuse 400"
+        );
+        assert_eq!(
+            status("Content-Length: 5\r\nContent-Length: 5\r\n"),
+            "refuse 400"
+        );
+        assert_eq!(
+            status("content-length: 5\r\nCONTENT-LENGTH: 5\r\n"),
+            "refuse 400"
+        );
+        for bad in [
+            "+5",
+            "-5",
+            "5,5",
+            "5, 5",
+            "5 5",
+            "0x5",
+            "5e1",
+            "",
+            "99999999999999999999999",
+        ] {
+            assert_eq!(
+                status(&format!("Content-Length: {bad}\r\n")),
+                "refuse 400",
+                "{bad:?}"
+            );
+        }
+        assert_eq!(status("Transfer-Encoding: identity\r\n"), "refuse 400");
+        assert_eq!(
+            status("Content-Length: 5\r\nTransfer-Encoding: chunked\r\n"),
+            "refuse 400"
+        );
+        assert_eq!(status("Content-Length : 5\r\n"), "refuse 400");
+        assert_eq!(status("X-A: a\r\n b\r\n"), "refuse 400", "obs-fold");
+        assert_eq!(status("X-A: a\rb\r\n"), "refuse 400", "bare CR");
+        assert_eq!(status("X-A: a\0b\r\n"), "refuse 400");
+        assert_eq!(status("Host: y\r\n"), "refuse 400", "two Hosts");
+        assert_eq!(
+            match parse(b"GET / HTTP/1.0\r\nHost: a\r\nHost: b\r\n\r\n").unwrap() {
+                Some((Parsed::Refuse(c, _, _), _)) => c,
+                _ => 0,
+            },
+            400
+        );
     }
 }
