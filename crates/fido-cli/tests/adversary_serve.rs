@@ -59,13 +59,19 @@ impl Proc {
 /// `fido pipe <args>` (sendfile: these attacks do not depend on the mover),
 /// with the address it announced.
 fn start(args: &[&str]) -> (Proc, SocketAddr) {
-    let mut child = Command::new(FIDO)
-        .arg("pipe")
+    let mut cmd = Command::new(FIDO);
+    cmd.arg("pipe")
         .args(args)
         .env("RUST_LOG", "error")
+        .stderr(Stdio::inherit());
+    start_cmd(cmd)
+}
+
+/// Starts `cmd` (a `fido pipe` server) and reads the address it announces.
+fn start_cmd(mut cmd: Command) -> (Proc, SocketAddr) {
+    let mut child = cmd
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
         .spawn()
         .unwrap();
     let mut out = BufReader::new(child.stdout.take().unwrap());
@@ -448,6 +454,58 @@ fn a_client_that_sends_nothing_is_dropped_at_the_head_deadline() {
     );
     let answer = String::from_utf8_lossy(&answer);
     assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+}
+
+/// A flood that leaves the server without descriptors (finding 7's sibling):
+/// the accept loop backs off and logs once instead of spinning and logging
+/// every failure, and serves again once the flood is gone.
+#[test]
+fn out_of_descriptors_is_paced_and_survived() {
+    let Some(attacker) = test_user("fido-test-a") else {
+        return;
+    };
+    let site = Site::new(attacker);
+    let log = site.top.path().join("serve.log");
+    let mut cmd = Command::new("prlimit");
+    cmd.arg("--nofile=32:32")
+        .arg(FIDO)
+        .args(["pipe", "serve"])
+        .arg(site.www())
+        .args(["--port", "0", "--strategy", "sendfile", "--head-secs", "60"])
+        .env("RUST_LOG", "warn")
+        .stderr(std::fs::File::create(&log).unwrap());
+    let (_srv, addr) = start_cmd(cmd);
+    // 60 silent connections: more than the 32 descriptors, fewer than the per-peer cap.
+    let mut hog = as_user(
+        attacker,
+        "hog",
+        &[("ADDR", addr.to_string()), ("CONNS", "60".into())],
+    );
+    hog.line("held");
+    std::thread::sleep(Duration::from_secs(3));
+    let text = std::fs::read_to_string(&log).unwrap();
+    let failures = text.lines().filter(|l| l.contains("accept")).count();
+    assert!(
+        (1..=3).contains(&failures),
+        "{failures} accept failures logged in 3 s:\n{}",
+        &text[..text.len().min(2000)]
+    );
+    drop(hog);
+    let t = Instant::now();
+    loop {
+        let (mut c, mut r) = connect(addr);
+        let _ = c.write_all(b"GET /hello.txt HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n");
+        if let Some((head, body)) = response(&mut r) {
+            assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+            assert_eq!(body, b"hello\n");
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "not served again after the flood"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
 }
 
 // ----- finding 11: request framing -----------------------------------------------

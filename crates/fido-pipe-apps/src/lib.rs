@@ -13,7 +13,8 @@
 //! * [`proxy`]: a TCP forwarder, both directions socket→socket through a
 //!   [`Mover`].
 //! * [`peers`]: who a connection's peer is (a local uid, or a remote address)
-//!   and the connection limits, in all and per peer, of `serve` and `proxy`.
+//!   and the connection limits, in all and per peer, of `serve` and `proxy`;
+//!   [`accept`]: their accept loops' pacing when out of descriptors.
 //!
 //! Programs are written once against [`Mover`], so every comparison changes
 //! only the strategy. Unlike `fido-pipe`, whose client never touches payload,
@@ -30,6 +31,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod accept;
 pub mod copy;
 pub mod engine;
 pub mod mover;

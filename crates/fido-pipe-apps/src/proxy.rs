@@ -25,6 +25,7 @@ use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::accept;
 use crate::mover::Mover;
 use crate::peers::{self, ConnLimits};
 
@@ -80,15 +81,17 @@ impl Proxy {
     /// Accepts forever.
     pub fn run(self) -> io::Result<()> {
         let upstream = Arc::new(self.upstream);
+        let mut backoff = accept::Backoff::default();
         loop {
             let (client, peer) = match self.listener.accept() {
                 Ok(x) => x,
+                Err(e) if accept::passing(&e) => continue,
                 Err(e) => {
-                    tracing::warn!("accept: {e}");
-                    std::thread::sleep(Duration::from_millis(10));
+                    backoff.failed(&e);
                     continue;
                 }
             };
+            backoff.succeeded();
             let who = match client.local_addr() {
                 Ok(local) => peers::identify(local, peer),
                 Err(_) => continue, // reset before we got here

@@ -49,6 +49,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use rustix::fs::{FileType, Mode, OFlags, ResolveFlags};
 
+use crate::accept;
 use crate::mover::Mover;
 use crate::peers::{self, ConnLimits};
 use crate::proxy::in_context;
@@ -169,16 +170,18 @@ impl Server {
 
     /// Accepts forever (each connection on its own thread).
     pub fn run(self) -> io::Result<()> {
+        let mut backoff = accept::Backoff::default();
         loop {
             let (sock, peer) = match self.listener.accept() {
                 Ok(x) => x,
-                // Out of descriptors or a connection reset before accept: keep serving.
+                Err(e) if accept::passing(&e) => continue,
+                // Out of descriptors (or memory): keep serving, paced.
                 Err(e) => {
-                    tracing::warn!("accept: {e}");
-                    std::thread::sleep(Duration::from_millis(10));
+                    backoff.failed(&e);
                     continue;
                 }
             };
+            backoff.succeeded();
             let who = match sock.local_addr() {
                 Ok(local) => peers::identify(local, peer),
                 Err(_) => continue, // reset before we got here
