@@ -337,7 +337,23 @@ fn fifo_under_dir_is_refused_at_once() {
         assert!(head.starts_with("HTTP/1.1 404"), "{head}");
     }
     drop(conns);
-    assert_eq!(get(addr, "/hello.txt").1, b"hello\n");
+    // Once those connections are gone (their threads see the close), the slots are free.
+    let t = Instant::now();
+    loop {
+        let (mut c, mut r) = connect(addr);
+        let _ = c.write_all(b"GET /hello.txt HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n");
+        match response(&mut r) {
+            Some((head, body)) if head.starts_with("HTTP/1.1 200") => {
+                assert_eq!(body, b"hello\n");
+                break;
+            }
+            other => assert!(
+                t.elapsed() < Duration::from_secs(20),
+                "slots not given back: {other:?}"
+            ),
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 #[test]
