@@ -135,3 +135,44 @@ fn pipe_cp_weight_and_status() {
     let out = fido(&["status"]).output().unwrap();
     assert!(String::from_utf8_lossy(&out.stdout).contains("pipe engine: capacity 200.0 MiB/s"));
 }
+
+/// A FIFO as the source is refused at once ("not a regular file"), not after
+/// waiting in `open` for a writer that may never come (someone else's FIFO
+/// where a file was expected would hang the copy).
+#[test]
+fn pipe_cp_refuses_a_fifo_without_waiting() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("fifo");
+    assert!(Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap()
+        .success());
+    let mut cp = Kill(
+        Command::new(FIDO)
+            .args(["pipe", "cp"])
+            .arg(&fifo)
+            .arg(dir.path().join("out"))
+            .env("FIDO_BROKER", dir.path().join("no-broker.sock"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let t = Instant::now();
+    let status = loop {
+        if let Some(st) = cp.0.try_wait().unwrap() {
+            break st;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "fido pipe cp waits in open() on a FIFO"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(cp.0.stderr.as_mut().unwrap(), &mut err).unwrap();
+    assert!(!status.success());
+    assert!(err.contains("not a regular file"), "{err}");
+}

@@ -41,11 +41,18 @@ impl PipeCopy {
         let (src_end, src_len, mode) = if is_stdio(src) {
             (End::Stdio, None, 0o644)
         } else {
-            let f = File::open(src).map_err(|e| in_context(e, format!("opening {}", src.display())))?;
+            // O_NONBLOCK: a FIFO (refused below) must not block the open until
+            // a writer comes; cleared again for the regular file that is copied.
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(rustix::fs::OFlags::NONBLOCK.bits() as i32)
+                .open(src)
+                .map_err(|e| in_context(e, format!("opening {}", src.display())))?;
             let m = f.metadata()?;
             if !m.is_file() {
                 return Err(invalid(format!("{}: not a regular file", src.display())));
             }
+            rustix::fs::fcntl_setfl(&f, rustix::fs::OFlags::empty())?;
             (End::File(f), Some(m.len()), m.permissions().mode() & 0o7777)
         };
         let dst_end = if is_stdio(dst) {
