@@ -884,4 +884,80 @@ mod tests {
             400
         );
     }
+
+    /// Random heads made of the pieces smugglers use never panic the parser,
+    /// and whatever it accepts has exactly one reading: at most one
+    /// Content-Length of plain digits, no Transfer-Encoding, one Host.
+    #[test]
+    fn random_heads_have_one_reading() {
+        const NAMES: &[&str] = &[
+            "Content-Length",
+            "content-length",
+            "Transfer-Encoding",
+            "Host",
+            "X-A",
+            "Content-Length ",
+        ];
+        const SEPS: &[&str] = &[":", ": ", " :", ":\t"];
+        const VALUES: &[&str] = &[
+            "0", "5", "42", "+", "-", ",", " ", "chunked", "identity", "\0", "\r", "\u{e9}",
+        ];
+        const ENDS: &[&str] = &["\r\n", "\r\n", "\r\n", "\n", "\r\n "];
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let (mut accepted, mut with_length) = (0, 0);
+        for _ in 0..50_000 {
+            let mut h = String::from("GET / HTTP/1.1\r\nHost: x\r\n");
+            let pick = |from: &[&'static str], r: u64| from[(r % from.len() as u64) as usize];
+            for _ in 0..next() % 4 {
+                h.push_str(pick(NAMES, next()));
+                h.push_str(pick(SEPS, next()));
+                for _ in 0..1 + next() % 3 {
+                    h.push_str(pick(VALUES, next()));
+                }
+                h.push_str(pick(ENDS, next()));
+            }
+            h.push_str("\r\n");
+            let Some((Parsed::Req(req), _)) = parse(h.as_bytes()).unwrap() else {
+                continue;
+            };
+            accepted += 1;
+            let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+            let mut r = httparse::Request::new(&mut headers);
+            r.parse(h.as_bytes()).unwrap();
+            let named = |n: &str| {
+                r.headers
+                    .iter()
+                    .filter(|x| x.name.eq_ignore_ascii_case(n))
+                    .count()
+            };
+            assert_eq!(named("transfer-encoding"), 0, "{h:?}");
+            assert_eq!(named("host"), 1, "{h:?}");
+            match r
+                .headers
+                .iter()
+                .find(|x| x.name.eq_ignore_ascii_case("content-length"))
+            {
+                None => assert_eq!(req.body, 0, "{h:?}"),
+                Some(cl) => {
+                    assert_eq!(named("content-length"), 1, "{h:?}");
+                    let digits = cl.value.trim_ascii();
+                    assert!(digits.iter().all(u8::is_ascii_digit), "{h:?}");
+                    let n: u64 = std::str::from_utf8(digits).unwrap().parse().unwrap();
+                    assert_eq!(req.body, n, "{h:?}");
+                    with_length += 1;
+                }
+            }
+        }
+        // The mix reaches both sides: plain heads, and heads with a length.
+        assert!(
+            accepted > 1000 && with_length > 100,
+            "{accepted} {with_length}"
+        );
+    }
 }
