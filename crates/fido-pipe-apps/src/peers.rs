@@ -235,6 +235,25 @@ mod tests {
     }
 
     #[test]
+    fn a_peer_on_ipv6_or_a_dual_stack_listener_is_known_by_its_uid() {
+        let me = rustix::process::geteuid().as_raw();
+        // [::1] (skipped where IPv6 is off), then an IPv4 client of a [::] listener.
+        if let Ok(l) = TcpListener::bind("[::1]:0") {
+            let _c = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+            let (s, peer) = l.accept().unwrap();
+            assert_eq!(identify(s.local_addr().unwrap(), peer), Peer::Uid(me));
+        }
+        if let Ok(l) = TcpListener::bind("[::]:0") {
+            let port = l.local_addr().unwrap().port();
+            let Ok(_c) = TcpStream::connect(("127.0.0.1", port)) else {
+                return; // a v6-only listener
+            };
+            let (s, peer) = l.accept().unwrap();
+            assert_eq!(identify(s.local_addr().unwrap(), peer), Peer::Uid(me));
+        }
+    }
+
+    #[test]
     fn an_unknown_peer_is_known_by_its_address() {
         let local: SocketAddr = "127.0.0.1:9".parse().unwrap();
         let peer: SocketAddr = "127.0.0.1:1".parse().unwrap();
