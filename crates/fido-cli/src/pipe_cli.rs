@@ -22,10 +22,7 @@ fn strategy_arg() -> impl clap::builder::TypedValueParser<Value = Strategy> {
     PossibleValuesParser::new(
         Strategy::ALL.map(|s| PossibleValue::new(s.name()).help(s.describe())),
     )
-    .map(|name| {
-        name.parse::<Strategy>()
-            .expect("one of the possible values")
-    })
+    .map(|name| name.parse::<Strategy>().expect("one of the possible values"))
 }
 
 #[derive(Subcommand)]
@@ -91,7 +88,9 @@ pub fn run(cmd: AppCmd) -> anyhow::Result<()> {
             no_symlinks,
         } => {
             let m = match strategy {
-                Strategy::Fido => engine::mover_with_stall(Duration::from_secs(idle_secs.max(1)))?,
+                Strategy::Fido => {
+                    engine::mover_with_stall(Duration::from_secs(idle_secs.max(1)))?
+                }
                 s => s.mover()?,
             };
             let cfg = serve::ServeConfig {

@@ -42,9 +42,7 @@ pub struct Proxy {
 impl Proxy {
     pub const DEFAULT_MAX_CONNS: usize = 1024;
     pub const DEFAULT_MAX_CONNS_PER_PEER: usize = 64;
-}
 
-impl Proxy {
     pub fn bind(listen: &str, upstream: &str, mover: Arc<dyn Mover>) -> io::Result<Proxy> {
         let upstream: Vec<SocketAddr> = upstream
             .to_socket_addrs()
