@@ -39,6 +39,7 @@
 //! the clock or do I/O in the scheduler.
 
 mod calibrate;
+mod caller;
 pub mod checks;
 mod config;
 mod engine;
@@ -47,4 +48,5 @@ pub mod sched;
 
 pub use checks::{check_fd, check_op, check_overlap};
 pub use config::{parse_size, Capacity, PipeConfig};
-pub use engine::{Done, Engine, JobSpec, StartError, SLOW};
+pub use caller::Caller;
+pub use engine::{Done, Engine, JobSpec, StartError, IOWQ_MAX_WORKERS, SLOW};
