@@ -40,7 +40,13 @@ const STREAM_SPLICE_LIMIT: Duration = Duration::from_millis(50);
 /// for root is no limit at all. Requests beyond the cap wait in the kernel's
 /// queue; none blocks on a stream that is not ready (poll first, non-blocking
 /// splices, [`STREAM_SPLICE_LIMIT`]), so the cap delays, never starves.
-pub const IOWQ_MAX_WORKERS: [u32; 2] = [8, 8];
+pub const IOWQ_MAX_WORKERS: [u32; 2] = [16, 32];
+/// Splices of one caller (uid) in the kernel at once. Some waits cannot be
+/// interrupted (a read from a FUSE file whose daemon never answers holds its
+/// worker until the daemon does): this many is all one uid can hold, so the
+/// workers ([`IOWQ_MAX_WORKERS`]) stay for the others. A caller's further
+/// splices wait in the engine until one of its own returns.
+pub const MAX_SPLICES_PER_CALLER: usize = 4;
 /// Callers (credentials) whose io_uring personality the engine keeps
 /// registered; beyond it, those with no transfer running are dropped.
 const MAX_PERSONALITIES: usize = 256;
@@ -211,6 +217,8 @@ impl Engine {
             calibration_done: false,
             personalities: HashMap::new(),
             stream_limit: Box::new(types::Timespec::from(STREAM_SPLICE_LIMIT)),
+            splicing: HashMap::new(),
+            deferred: HashMap::new(),
         };
         let thread = std::thread::Builder::new()
             .name("fido-pipe".into())
@@ -401,6 +409,11 @@ struct Core {
     /// [`STREAM_SPLICE_LIMIT`] for the linked timeouts (read by the kernel
     /// when they are submitted, so it lives as long as the ring).
     stream_limit: Box<types::Timespec>,
+    /// Splices in the kernel per caller uid ([`MAX_SPLICES_PER_CALLER`]).
+    splicing: HashMap<u32, usize>,
+    /// Per caller uid, the jobs whose next splice waits for one of the
+    /// caller's own to return (true: a drain, false: a fill).
+    deferred: HashMap<u32, std::collections::VecDeque<(u64, bool)>>,
 }
 
 fn ud(job: u64, tag: u64) -> u64 {
@@ -823,6 +836,12 @@ impl Core {
             self.drop_lane(id);
             return self.issue_poll(id, false);
         }
+        if !self.may_splice(id, false) {
+            return;
+        }
+        let Some(j) = self.jobs.get_mut(&id) else {
+            return;
+        };
         let len = j.to_read.min(j.chunk as u64) as u32;
         let stream = j.src_stream;
         let sqe = opcode::Splice::new(
@@ -851,6 +870,12 @@ impl Core {
             // Poll first, as for a source (see `issue_fill`).
             return self.issue_poll(id, true);
         }
+        if !self.may_splice(id, true) {
+            return;
+        }
+        let Some(j) = self.jobs.get_mut(&id) else {
+            return;
+        };
         let len = j.in_pipe.min(u32::MAX as u64) as u32;
         let stream = j.dst_stream;
         let sqe = opcode::Splice::new(
@@ -868,6 +893,54 @@ impl Core {
         j.inflight = true;
         j.dst_ready = false;
         self.push_splice(sqe, id, stream);
+    }
+
+    /// May job `id` issue a splice now (its caller is under
+    /// [`MAX_SPLICES_PER_CALLER`])? If so it is counted; if not, the job waits
+    /// for one of its caller's splices to return.
+    fn may_splice(&mut self, id: u64, drain: bool) -> bool {
+        let Some(j) = self.jobs.get(&id) else {
+            return false;
+        };
+        let uid = j.spec.caller.uid;
+        let n = self.splicing.entry(uid).or_default();
+        if *n < MAX_SPLICES_PER_CALLER {
+            *n += 1;
+            return true;
+        }
+        self.deferred.entry(uid).or_default().push_back((id, drain));
+        false
+    }
+
+    /// A splice of `uid` returned: the next one waiting may go.
+    fn splice_returned(&mut self, uid: u32) {
+        if let Some(n) = self.splicing.get_mut(&uid) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.splicing.remove(&uid);
+            }
+        }
+    }
+
+    /// Issues waiting splices of `uid` while it has room.
+    fn resume_deferred(&mut self, uid: u32) {
+        while self.splicing.get(&uid).copied().unwrap_or(0) < MAX_SPLICES_PER_CALLER {
+            let Some(q) = self.deferred.get_mut(&uid) else {
+                return;
+            };
+            let Some((id, drain)) = q.pop_front() else {
+                self.deferred.remove(&uid);
+                return;
+            };
+            // A job cancelled while it waited is already finished and gone.
+            if self.jobs.get(&id).is_some_and(|j| !j.cancel) {
+                if drain {
+                    self.issue_drain(id);
+                } else {
+                    self.issue_fill(id);
+                }
+            }
+        }
     }
 
     /// Queues a splice; one touching a stream gets a linked timeout of
@@ -974,11 +1047,18 @@ impl Core {
             return;
         };
         j.inflight = false;
-        match (tag, j.state) {
+        let uid = j.spec.caller.uid;
+        if tag == TAG_SPLICE {
+            self.splice_returned(uid);
+        }
+        match (tag, self.jobs[&id].state) {
             (TAG_POLL, _) => self.poll_done(id, res),
             (_, State::Fill) => self.fill_done(id, res),
             (_, State::Drain) => self.drain_done(id, res),
             _ => {}
+        }
+        if tag == TAG_SPLICE {
+            self.resume_deferred(uid);
         }
     }
 
