@@ -292,7 +292,13 @@ impl Server {
         op: PipeOp,
     ) -> Result<(), fido_proto::RemoteError> {
         let fsize_limit = if op.sink_is_file() {
-            self.caller_fsize_limit(key)?
+            // The broker's own limit too: a write past it would stop the
+            // broker itself with SIGXFSZ.
+            let own = rustix::process::getrlimit(rustix::process::Resource::Fsize).current;
+            match (self.caller_fsize_limit(key)?, own) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            }
         } else {
             None
         };
