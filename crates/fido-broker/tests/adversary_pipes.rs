@@ -81,8 +81,7 @@ fn threads() -> (usize, usize) {
         .unwrap()
         .flatten()
         .filter(|t| {
-            std::fs::read_to_string(t.path().join("comm"))
-                .is_ok_and(|c| c.starts_with("iou-wrk"))
+            std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.starts_with("iou-wrk"))
         })
         .count();
     (all, workers)
@@ -131,7 +130,10 @@ fn stalled_operations_cost_the_broker_no_threads() {
     let bob_dir = dir_for(bob);
     let mut mover = Kid::spawn(bob, "mover", &b.socket, &[("FIDO_ADV_DIR", bob_dir.path())]);
     let moved = mover.line("@@ moved");
-    assert_eq!(moved, "file-to-socket=8388608 socket-to-socket=4194304 socket-to-file=4194304");
+    assert_eq!(
+        moved,
+        "file-to-socket=8388608 socket-to-socket=4194304 socket-to-file=4194304"
+    );
     mover.wait_success();
     let (threads_after, workers_after) = threads();
     eprintln!("threads after bob's transfers: {threads_after} (io_uring workers {workers_after})");
@@ -199,7 +201,11 @@ fn the_engine_writes_with_the_callers_credentials() {
     kid.wait_success();
     for name in ["suid-splice", "suid-copy"] {
         let mode = std::fs::metadata(work.path().join(name)).unwrap().mode();
-        assert_eq!(mode & 0o6000, 0, "{name}: mode {mode:o} kept its set-id bits");
+        assert_eq!(
+            mode & 0o6000,
+            0,
+            "{name}: mode {mode:o} kept its set-id bits"
+        );
     }
 }
 
@@ -216,10 +222,18 @@ impl ReservedFs {
         let img = tmp.path().join("fs.img");
         let dir = tmp.path().join("mnt");
         std::fs::create_dir(&dir).unwrap();
-        std::fs::File::create(&img).unwrap().set_len(16 << 20).unwrap();
+        std::fs::File::create(&img)
+            .unwrap()
+            .set_len(16 << 20)
+            .unwrap();
         let ok = |c: &mut Command| c.stderr(Stdio::null()).status().is_ok_and(|s| s.success());
-        if !ok(Command::new("mkfs.ext4").args(["-q", "-F", "-m", "50"]).arg(&img))
-            || !ok(Command::new("mount").args(["-o", "loop"]).arg(&img).arg(&dir))
+        if !ok(Command::new("mkfs.ext4")
+            .args(["-q", "-F", "-m", "50"])
+            .arg(&img))
+            || !ok(Command::new("mount")
+                .args(["-o", "loop"])
+                .arg(&img)
+                .arg(&dir))
         {
             eprintln!("SKIPPED (reserved blocks): cannot make and loop-mount an ext4 image here");
             return None;
@@ -258,7 +272,13 @@ impl Kid {
             .arg(format!("--regid={}", user.gid))
             .arg("--clear-groups")
             .arg(&exe)
-            .args(["--exact", "child_main", "--nocapture", "--test-threads=1", "-q"])
+            .args([
+                "--exact",
+                "child_main",
+                "--nocapture",
+                "--test-threads=1",
+                "-q",
+            ])
             .env("FIDO_ADV_ROLE", role)
             .env("FIDO_ADV_SOCKET", socket)
             .stdin(Stdio::piped())
@@ -358,7 +378,11 @@ fn stall(raw: &mut Raw, dir: &Path) {
         0,
     )
     .unwrap();
-    let fifo_src = std::fs::OpenOptions::new().read(true).write(true).open(&fifo).unwrap();
+    let fifo_src = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&fifo)
+        .unwrap();
     let (idle_sink, _idle_reader) = UnixStream::pair().unwrap();
     // Sinks nobody reads, fed from a file: a Unix socket, a TCP connection.
     let data = dir.join("data");
@@ -381,7 +405,10 @@ fn stall(raw: &mut Raw, dir: &Path) {
             sent += 1;
         }
         for dst in [unix_sink.as_fd(), tcp_sink.as_fd()] {
-            let op = PipeOp::FileToSocket { off: 0, len: 8 << 20 };
+            let op = PipeOp::FileToSocket {
+                off: 0,
+                len: 8 << 20,
+            };
             raw.send_request(Request::PipeOnce { op }, &[file.as_fd(), dst]);
             sent += 1;
         }
@@ -412,7 +439,15 @@ fn mover(raw: &mut Raw, dir: &Path) {
 
     let (sink, reader) = UnixStream::pair().unwrap();
     let got = std::thread::spawn(move || read_all(reader));
-    let r = once(raw, PipeOp::FileToSocket { off: 0, len: 8 << 20 }, src.as_fd(), sink.as_fd());
+    let r = once(
+        raw,
+        PipeOp::FileToSocket {
+            off: 0,
+            len: 8 << 20,
+        },
+        src.as_fd(),
+        sink.as_fd(),
+    );
     drop(sink);
     assert_eq!(r.end, PipeEnd::Done, "{r:?}");
     assert!(got.join().unwrap() == data, "file to socket: wrong bytes");
@@ -423,21 +458,40 @@ fn mover(raw: &mut Raw, dir: &Path) {
     let part = data[..4 << 20].to_vec();
     let feeder = std::thread::spawn(move || write_all(feed, part));
     let got = std::thread::spawn(move || read_all(reader));
-    let r = once(raw, PipeOp::SocketToSocket { len: 4 << 20 }, source.as_fd(), sink.as_fd());
+    let r = once(
+        raw,
+        PipeOp::SocketToSocket { len: 4 << 20 },
+        source.as_fd(),
+        sink.as_fd(),
+    );
     drop(sink);
     feeder.join().unwrap();
     assert_eq!(r.end, PipeEnd::Done, "{r:?}");
-    assert!(got.join().unwrap() == data[..4 << 20], "socket to socket: wrong bytes");
+    assert!(
+        got.join().unwrap() == data[..4 << 20],
+        "socket to socket: wrong bytes"
+    );
     let s2s = r.moved;
 
     let (feed, source) = UnixStream::pair().unwrap();
     let part = data[4 << 20..].to_vec();
     let feeder = std::thread::spawn(move || write_all(feed, part));
     let out = rw(&dir.join("out"));
-    let r = once(raw, PipeOp::SocketToFile { off: 0, len: 4 << 20 }, source.as_fd(), out.as_fd());
+    let r = once(
+        raw,
+        PipeOp::SocketToFile {
+            off: 0,
+            len: 4 << 20,
+        },
+        source.as_fd(),
+        out.as_fd(),
+    );
     feeder.join().unwrap();
     assert_eq!(r.end, PipeEnd::Done, "{r:?}");
-    assert!(std::fs::read(dir.join("out")).unwrap() == data[4 << 20..], "socket to file: wrong bytes");
+    assert!(
+        std::fs::read(dir.join("out")).unwrap() == data[4 << 20..],
+        "socket to file: wrong bytes"
+    );
     let s2f = r.moved;
 
     // More transfers at once than one uid may have splices in the kernel
@@ -446,7 +500,10 @@ fn mover(raw: &mut Raw, dir: &Path) {
     for i in 0..16u64 {
         let (sink, reader) = UnixStream::pair().unwrap();
         let got = std::thread::spawn(move || read_all(reader));
-        let op = PipeOp::FileToSocket { off: i << 16, len: 1 << 20 };
+        let op = PipeOp::FileToSocket {
+            off: i << 16,
+            len: 1 << 20,
+        };
         let id = raw.send_request(Request::PipeOnce { op }, &[src.as_fd(), sink.as_fd()]);
         pending.push((id, i, sink, got));
     }
@@ -458,16 +515,29 @@ fn mover(raw: &mut Raw, dir: &Path) {
                 replies.insert(id, body);
             }
             Some(_) => {}
-            None => panic!("{} of {} transfers unanswered after 30 s", pending.len() - replies.len(), pending.len()),
+            None => panic!(
+                "{} of {} transfers unanswered after 30 s",
+                pending.len() - replies.len(),
+                pending.len()
+            ),
         }
     }
     for (id, i, sink, got) in pending {
         let r = replies.remove(&id).unwrap();
-        let Ok(Reply::PipeDone(r)) = r else { panic!("transfer {i}: {r:?}") };
-        assert_eq!((r.moved, &r.end), (1 << 20, &PipeEnd::Done), "transfer {i}: {r:?}");
+        let Ok(Reply::PipeDone(r)) = r else {
+            panic!("transfer {i}: {r:?}")
+        };
+        assert_eq!(
+            (r.moved, &r.end),
+            (1 << 20, &PipeEnd::Done),
+            "transfer {i}: {r:?}"
+        );
         drop(sink);
         let off = (i << 16) as usize;
-        assert!(got.join().unwrap() == data[off..off + (1 << 20)], "transfer {i}: wrong bytes");
+        assert!(
+            got.join().unwrap() == data[off..off + (1 << 20)],
+            "transfer {i}: wrong bytes"
+        );
     }
     println!("@@ moved file-to-socket={f2s} socket-to-socket={s2s} socket-to-file={s2f}");
 }
@@ -480,7 +550,10 @@ fn fsize(raw: &mut Raw, dir: &Path) {
     let old = rustix::process::getrlimit(rustix::process::Resource::Fsize);
     rustix::process::setrlimit(
         rustix::process::Resource::Fsize,
-        rustix::process::Rlimit { current: Some(4096), maximum: old.maximum },
+        rustix::process::Rlimit {
+            current: Some(4096),
+            maximum: old.maximum,
+        },
     )
     .unwrap();
 
@@ -499,25 +572,62 @@ fn fsize(raw: &mut Raw, dir: &Path) {
     let (feed, source) = UnixStream::pair().unwrap();
     let feeder = std::thread::spawn(move || write_all(feed, vec![1u8; 1 << 20]));
     let out = rw(&dir.join("from-socket"));
-    let r = once(raw, PipeOp::SocketToFile { off: 0, len: 1 << 20 }, source.as_fd(), out.as_fd());
+    let r = once(
+        raw,
+        PipeOp::SocketToFile {
+            off: 0,
+            len: 1 << 20,
+        },
+        source.as_fd(),
+        out.as_fd(),
+    );
     efbig(&r, 4096, "socket to file");
-    assert_eq!(r.consumed, 4096, "took more from the socket than it could write: {r:?}");
+    assert_eq!(
+        r.consumed, 4096,
+        "took more from the socket than it could write: {r:?}"
+    );
     drop(source);
     feeder.join().unwrap();
 
     // file → file: copy_file_range.
     let out = rw(&dir.join("from-file"));
-    let r = once(raw, PipeOp::FileToFile { in_off: 0, len: 1 << 20, out_off: 0 }, src.as_fd(), out.as_fd());
+    let r = once(
+        raw,
+        PipeOp::FileToFile {
+            in_off: 0,
+            len: 1 << 20,
+            out_off: 0,
+        },
+        src.as_fd(),
+        out.as_fd(),
+    );
     efbig(&r, 4096, "file to file");
 
     // Starting at the limit: nothing moves.
-    let r = once(raw, PipeOp::FileToFile { in_off: 0, len: 10, out_off: 4096 }, src.as_fd(), out.as_fd());
+    let r = once(
+        raw,
+        PipeOp::FileToFile {
+            in_off: 0,
+            len: 10,
+            out_off: 4096,
+        },
+        src.as_fd(),
+        out.as_fd(),
+    );
     efbig(&r, 0, "file to file at the limit");
 
     // Streams have no size limit.
     let (sink, reader) = UnixStream::pair().unwrap();
     let got = std::thread::spawn(move || read_all(reader));
-    let r = once(raw, PipeOp::FileToSocket { off: 0, len: 1 << 20 }, src.as_fd(), sink.as_fd());
+    let r = once(
+        raw,
+        PipeOp::FileToSocket {
+            off: 0,
+            len: 1 << 20,
+        },
+        src.as_fd(),
+        sink.as_fd(),
+    );
     drop(sink);
     assert_eq!((r.moved, &r.end), (1 << 20, &PipeEnd::Done), "{r:?}");
     assert_eq!(got.join().unwrap().len(), 1 << 20);
@@ -536,17 +646,35 @@ fn creds(raw: &mut Raw, dir: &Path) {
         let out = rw(&path);
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o4755)).unwrap();
         let r = if file_source {
-            once(raw, PipeOp::FileToFile { in_off: 0, len: 4096, out_off: 0 }, src.as_fd(), out.as_fd())
+            once(
+                raw,
+                PipeOp::FileToFile {
+                    in_off: 0,
+                    len: 4096,
+                    out_off: 0,
+                },
+                src.as_fd(),
+                out.as_fd(),
+            )
         } else {
             let (feed, source) = UnixStream::pair().unwrap();
             let feeder = std::thread::spawn(move || write_all(feed, vec![2u8; 4096]));
-            let r = once(raw, PipeOp::SocketToFile { off: 0, len: 4096 }, source.as_fd(), out.as_fd());
+            let r = once(
+                raw,
+                PipeOp::SocketToFile { off: 0, len: 4096 },
+                source.as_fd(),
+                out.as_fd(),
+            );
             feeder.join().unwrap();
             r
         };
         assert_eq!((r.moved, &r.end), (4096, &PipeEnd::Done), "{name}: {r:?}");
         let mode = std::fs::metadata(&path).unwrap().mode();
-        assert_eq!(mode & 0o4000, 0, "{name}: the engine's write kept the setuid bit (mode {mode:o})");
+        assert_eq!(
+            mode & 0o4000,
+            0,
+            "{name}: the engine's write kept the setuid bit (mode {mode:o})"
+        );
     }
     println!("@@ setuid ok");
 
@@ -570,21 +698,49 @@ fn creds(raw: &mut Raw, dir: &Path) {
     assert!(size > 0);
     for file_source in [false, true] {
         let r = if file_source {
-            once(raw, PipeOp::FileToFile { in_off: 0, len: 64 << 10, out_off: size }, src.as_fd(), f.as_fd())
+            once(
+                raw,
+                PipeOp::FileToFile {
+                    in_off: 0,
+                    len: 64 << 10,
+                    out_off: size,
+                },
+                src.as_fd(),
+                f.as_fd(),
+            )
         } else {
             let (feed, source) = UnixStream::pair().unwrap();
             let feeder = std::thread::spawn(move || write_all(feed, vec![4u8; 1 << 20]));
-            let r = once(raw, PipeOp::SocketToFile { off: size, len: 1 << 20 }, source.as_fd(), f.as_fd());
+            let r = once(
+                raw,
+                PipeOp::SocketToFile {
+                    off: size,
+                    len: 1 << 20,
+                },
+                source.as_fd(),
+                f.as_fd(),
+            );
             drop(source);
             feeder.join().unwrap();
             r
         };
-        let what = if file_source { "file to file" } else { "socket to file" };
+        let what = if file_source {
+            "file to file"
+        } else {
+            "socket to file"
+        };
         match &r.end {
             PipeEnd::Failed { errno, .. } if *errno == libc_enospc() => {}
-            other => panic!("{what} into root's reserved blocks: ended {other:?}, moved {}", r.moved),
+            other => panic!(
+                "{what} into root's reserved blocks: ended {other:?}, moved {}",
+                r.moved
+            ),
         }
-        assert!(r.moved < 64 << 10, "{what}: {} bytes went into root's reserved blocks", r.moved);
+        assert!(
+            r.moved < 64 << 10,
+            "{what}: {} bytes went into root's reserved blocks",
+            r.moved
+        );
         size += r.moved;
     }
     f.flush().unwrap();
@@ -604,7 +760,13 @@ fn fido_test_support_pattern(len: usize) -> Vec<u8> {
 }
 
 fn rw(path: &Path) -> std::fs::File {
-    std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(path).unwrap()
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(path)
+        .unwrap()
 }
 
 fn read_all(mut s: UnixStream) -> Vec<u8> {

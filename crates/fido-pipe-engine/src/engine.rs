@@ -316,8 +316,8 @@ impl Drop for Engine {
 /// the caller's own write there would, unless a file source had nothing
 /// more to give (then it simply reached the source's end).
 fn cut_at_limit(j: &Job, limit: u64) -> PipeEnd {
-    let source_done = !j.src_stream
-        && rustix::fs::fstat(&*j.spec.src).is_ok_and(|st| j.src_off >= st.st_size);
+    let source_done =
+        !j.src_stream && rustix::fs::fstat(&*j.spec.src).is_ok_and(|st| j.src_off >= st.st_size);
     if source_done {
         return PipeEnd::Eof;
     }
@@ -431,7 +431,10 @@ fn splice_flags(stream: bool) -> u32 {
     }
 }
 
-fn with_personality(sqe: io_uring::squeue::Entry, personality: Option<u16>) -> io_uring::squeue::Entry {
+fn with_personality(
+    sqe: io_uring::squeue::Entry,
+    personality: Option<u16>,
+) -> io_uring::squeue::Entry {
     match personality {
         Some(p) => sqe.personality(p),
         None => sqe,
@@ -448,7 +451,12 @@ fn not_ready(res: i32) -> bool {
     const ERESTARTNOHAND: i32 = 514;
     matches!(
         -res,
-        libc::EAGAIN | libc::EINTR | libc::ECANCELED | ERESTARTSYS | ERESTARTNOINTR | ERESTARTNOHAND
+        libc::EAGAIN
+            | libc::EINTR
+            | libc::ECANCELED
+            | ERESTARTSYS
+            | ERESTARTNOINTR
+            | ERESTARTNOHAND
     )
 }
 

@@ -46,9 +46,9 @@ mod engine;
 mod files;
 pub mod sched;
 
+pub use caller::Caller;
 pub use checks::{check_fd, check_op, check_overlap};
 pub use config::{parse_size, Capacity, PipeConfig};
-pub use caller::Caller;
 pub use engine::{
     Done, Engine, JobSpec, StartError, IOWQ_MAX_WORKERS, MAX_SPLICES_PER_CALLER, SLOW,
 };

@@ -234,7 +234,10 @@ impl Server {
             // A pidfd becomes readable when its process exits: still alive
             // now, so the pid read above was that process's.
             Some(fd) => {
-                let mut fds = [rustix::event::PollFd::new(&fd, rustix::event::PollFlags::IN)];
+                let mut fds = [rustix::event::PollFd::new(
+                    &fd,
+                    rustix::event::PollFlags::IN,
+                )];
                 let zero = rustix::time::Timespec {
                     tv_sec: 0,
                     tv_nsec: 0,
