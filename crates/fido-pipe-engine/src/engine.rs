@@ -14,7 +14,8 @@ use parking_lot::Mutex;
 use rustix::io::Errno;
 
 use crate::calibrate::calibrate;
-use crate::files::{FileChunk, FileWorkers};
+use crate::caller::Caller;
+use crate::files::{Copied, FileChunk, FileWorkers};
 use crate::sched::{self, Scheduler};
 use crate::{Capacity, PipeConfig};
 
@@ -26,7 +27,32 @@ const TICK: Duration = sched::REFILL_PERIOD;
 /// How long a cancelled splice may take to return before the transfer is
 /// reported cancelled anyway.
 const CANCEL_GRACE: Duration = Duration::from_secs(2);
+/// The most a splice on a stream may wait inside the kernel. The engine only
+/// issues one after a poll said the stream is ready, but readiness can be
+/// taken back (the application reads the bytes first) or be partial (a
+/// socket with room for less than the chunk): then the splice would park
+/// an io_uring worker until the peer moves. A linked timeout interrupts it;
+/// the bytes it moved count, and the transfer polls again.
+const STREAM_SPLICE_LIMIT: Duration = Duration::from_millis(50);
+/// Most io_uring workers the engine's ring may use: for regular files
+/// ("bounded" work) and for streams ("unbounded"). Without a cap the kernel
+/// starts one per blocked request, up to the broker's RLIMIT_NPROC, which
+/// for root is no limit at all. Requests beyond the cap wait in the kernel's
+/// queue; none blocks on a stream that is not ready (poll first, non-blocking
+/// splices, [`STREAM_SPLICE_LIMIT`]), so the cap delays, never starves.
+pub const IOWQ_MAX_WORKERS: [u32; 2] = [16, 32];
+/// Splices of one caller (uid) in the kernel at once. Some waits cannot be
+/// interrupted (a read from a FUSE file whose daemon never answers holds its
+/// worker until the daemon does): this many is all one uid can hold, so the
+/// workers ([`IOWQ_MAX_WORKERS`]) stay for the others. A caller's further
+/// splices wait in the engine until one of its own returns.
+pub const MAX_SPLICES_PER_CALLER: usize = 4;
+/// Callers (credentials) whose io_uring personality the engine keeps
+/// registered; beyond it, those with no transfer running are dropped.
+const MAX_PERSONALITIES: usize = 256;
 
+/// User data of a stream splice's linked timeout (its completion is ignored).
+const TAG_TIMEOUT: u64 = 0;
 const TAG_SPLICE: u64 = 1;
 const TAG_POLL: u64 = 2;
 const TAG_CANCEL: u64 = 3;
@@ -56,6 +82,12 @@ pub struct JobSpec {
     pub src: Arc<OwnedFd>,
     pub dst: Arc<OwnedFd>,
     pub op: PipeOp,
+    /// Whom the transfer is for: it reads and writes with these credentials.
+    pub caller: Caller,
+    /// The caller's `RLIMIT_FSIZE` (soft), when the sink is a file: nothing
+    /// is written at or past this offset; a transfer that would is cut there
+    /// and fails with `EFBIG`, as the caller's own write would.
+    pub fsize_limit: Option<u64>,
 }
 
 /// A finished transfer.
@@ -138,7 +170,13 @@ impl Engine {
             })
         };
         let ring = match ring {
-            Ok(r) => r,
+            Ok(r) => {
+                let mut max = IOWQ_MAX_WORKERS;
+                if let Err(e) = r.submitter().register_iowq_max_workers(&mut max) {
+                    tracing::warn!(error = %e, "cannot cap the pipe engine's io_uring workers");
+                }
+                r
+            }
             Err(why) => {
                 return Ok(Engine {
                     tx,
@@ -177,6 +215,10 @@ impl Engine {
             jobs: HashMap::new(),
             files: FileWorkers::new(wake.clone()),
             calibration_done: false,
+            personalities: HashMap::new(),
+            stream_limit: Box::new(types::Timespec::from(STREAM_SPLICE_LIMIT)),
+            splicing: HashMap::new(),
+            deferred: HashMap::new(),
         };
         let thread = std::thread::Builder::new()
             .name("fido-pipe".into())
@@ -270,6 +312,24 @@ impl Drop for Engine {
 
 // ----- the engine thread -------------------------------------------------------
 
+/// How a transfer the caller's file size limit cut short ends: `EFBIG` as
+/// the caller's own write there would, unless a file source had nothing
+/// more to give (then it simply reached the source's end).
+fn cut_at_limit(j: &Job, limit: u64) -> PipeEnd {
+    let source_done =
+        !j.src_stream && rustix::fs::fstat(&*j.spec.src).is_ok_and(|st| j.src_off >= st.st_size);
+    if source_done {
+        return PipeEnd::Eof;
+    }
+    PipeEnd::Failed {
+        errno: libc::EFBIG,
+        message: format!(
+            "sink: {} (the caller's RLIMIT_FSIZE is {limit} bytes)",
+            Errno::FBIG
+        ),
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
     /// Waiting for the scheduler to start its next chunk.
@@ -313,6 +373,19 @@ struct Job {
     copy_range: bool,
     /// A file worker holds a chunk of this job.
     in_worker: bool,
+    /// The caller's io_uring personality (its credentials), set on every
+    /// splice; `None` where the engine need not act as someone else.
+    personality: Option<u16>,
+    /// Whom the file workers act as for this job (`None`: as the broker).
+    file_caller: Option<Caller>,
+    /// Source / sink is a stream (socket or pipe): polled before each splice.
+    src_stream: bool,
+    dst_stream: bool,
+    /// A poll said the stream is ready, and no splice ran on it since.
+    src_ready: bool,
+    dst_ready: bool,
+    /// The caller's file size limit cut this transfer short (the limit).
+    fsize_cut: Option<u64>,
 }
 
 struct Core {
@@ -331,10 +404,60 @@ struct Core {
     jobs: HashMap<u64, Job>,
     files: FileWorkers,
     calibration_done: bool,
+    /// The io_uring personality registered for each caller acted as.
+    personalities: HashMap<Caller, u16>,
+    /// [`STREAM_SPLICE_LIMIT`] for the linked timeouts (read by the kernel
+    /// when they are submitted, so it lives as long as the ring).
+    stream_limit: Box<types::Timespec>,
+    /// Splices in the kernel per caller uid ([`MAX_SPLICES_PER_CALLER`]).
+    splicing: HashMap<u32, usize>,
+    /// Per caller uid, the jobs whose next splice waits for one of the
+    /// caller's own to return (true: a drain, false: a fill).
+    deferred: HashMap<u32, std::collections::VecDeque<(u64, bool)>>,
 }
 
 fn ud(job: u64, tag: u64) -> u64 {
     (job << 2) | tag
+}
+
+/// Splices on a stream never wait for it inside the kernel where the kernel
+/// lets us say so (pipes, Unix sockets); TCP ignores the flag, hence the
+/// poll before and the linked timeout.
+fn splice_flags(stream: bool) -> u32 {
+    if stream {
+        libc::SPLICE_F_NONBLOCK
+    } else {
+        0
+    }
+}
+
+fn with_personality(
+    sqe: io_uring::squeue::Entry,
+    personality: Option<u16>,
+) -> io_uring::squeue::Entry {
+    match personality {
+        Some(p) => sqe.personality(p),
+        None => sqe,
+    }
+}
+
+/// A splice that returned without moving anything because it was
+/// interrupted (its linked timeout) or would have had to wait: the
+/// transfer polls and tries again. `ERESTART*` are the kernel's internal
+/// "interrupted" codes, which a splice in an io_uring worker can return as is.
+fn not_ready(res: i32) -> bool {
+    const ERESTARTSYS: i32 = 512;
+    const ERESTARTNOINTR: i32 = 513;
+    const ERESTARTNOHAND: i32 = 514;
+    matches!(
+        -res,
+        libc::EAGAIN
+            | libc::EINTR
+            | libc::ECANCELED
+            | ERESTARTSYS
+            | ERESTARTNOINTR
+            | ERESTARTNOHAND
+    )
 }
 
 impl Core {
@@ -412,8 +535,8 @@ impl Core {
                 }
                 let (job, tag) = (data >> 2, data & 3);
                 match tag {
-                    TAG_CANCEL => {}
                     TAG_SPLICE | TAG_POLL => self.completed(job, tag, res),
+                    // TAG_CANCEL, TAG_TIMEOUT: the request they aimed at reports.
                     _ => {}
                 }
             }
@@ -471,26 +594,68 @@ impl Core {
         }
     }
 
+    /// Reports a transfer that failed before it started.
+    fn refuse(&self, id: u64, errno: i32, message: String) {
+        let result = PipeResult {
+            moved: 0,
+            consumed: 0,
+            end: PipeEnd::Failed { errno, message },
+        };
+        let _ = self.done_tx.send(Done { id, result });
+        ring_bell(&self.done_fd);
+    }
+
+    /// The io_uring personality that carries `caller`'s credentials,
+    /// registered by a short-lived thread that became the caller (a
+    /// personality is the registering thread's credentials). `None`: the
+    /// engine need not act as someone else for this caller.
+    fn personality_for(&mut self, caller: &Caller) -> Result<Option<u16>, std::io::Error> {
+        if !caller.needs_own_credentials() {
+            return Ok(None);
+        }
+        if let Some(id) = self.personalities.get(caller) {
+            return Ok(Some(*id));
+        }
+        if self.personalities.len() >= MAX_PERSONALITIES {
+            let in_use: std::collections::HashSet<u16> =
+                self.jobs.values().filter_map(|j| j.personality).collect();
+            let ring = &self.ring;
+            self.personalities.retain(|_, id| {
+                in_use.contains(id) || ring.submitter().unregister_personality(*id).is_err()
+            });
+        }
+        let ring = &self.ring;
+        let id = std::thread::scope(|s| {
+            std::thread::Builder::new()
+                .name("fido-pipe-cred".into())
+                .spawn_scoped(s, || {
+                    caller.become_on_this_thread()?;
+                    ring.submitter().register_personality()
+                })?
+                .join()
+                .unwrap_or_else(|_| Err(std::io::Error::other("the thread panicked")))
+        })?;
+        self.personalities.insert(caller.clone(), id);
+        Ok(Some(id))
+    }
+
     fn start(&mut self, spec: JobSpec) {
         self.ensure_capacity();
-        let (pr, pw) = match rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC) {
+        let personality = match self.personality_for(&spec.caller) {
             Ok(p) => p,
             Err(e) => {
-                let result = PipeResult {
-                    moved: 0,
-                    consumed: 0,
-                    end: PipeEnd::Failed {
-                        errno: e.raw_os_error(),
-                        message: format!("engine pipe: {e}"),
-                    },
-                };
-                let _ = self.done_tx.send(Done {
-                    id: spec.id,
-                    result,
-                });
-                ring_bell(&self.done_fd);
-                return;
+                tracing::error!(caller = ?spec.caller, error = %e, "cannot act with a caller's credentials; its transfer fails");
+                let errno = e.raw_os_error().unwrap_or(libc::EPERM);
+                return self.refuse(
+                    spec.id,
+                    errno,
+                    format!("engine: cannot act as uid {} ({e})", spec.caller.uid),
+                );
             }
+        };
+        let (pr, pw) = match rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC) {
+            Ok(p) => p,
+            Err(e) => return self.refuse(spec.id, e.raw_os_error(), format!("engine pipe: {e}")),
         };
         // A bigger pipe moves a bigger chunk per splice; if the per-user pipe
         // budget is spent the kernel refuses and we keep the default size.
@@ -507,12 +672,26 @@ impl Core {
                 in_off, out_off, ..
             } => (in_off as i64, out_off as i64),
         };
+        // Nothing is written at or past the caller's file size limit.
+        let mut to_read = spec.op.len();
+        let mut fsize_cut = None;
+        if let (Some(limit), true) = (spec.fsize_limit, dst_off >= 0) {
+            let room = limit.saturating_sub(dst_off as u64);
+            if to_read > room {
+                to_read = room;
+                fsize_cut = Some(limit);
+            }
+        }
         let id = spec.id;
         let spec_op = spec.op;
         let dom_id = spec.domain;
         let weight = spec.weight;
+        let file_caller = spec
+            .caller
+            .needs_own_credentials()
+            .then(|| spec.caller.clone());
         let job = Job {
-            to_read: spec.op.len(),
+            to_read,
             spec,
             pr,
             pw,
@@ -533,6 +712,13 @@ impl Core {
             failed: None,
             copy_range: matches!(spec_op, PipeOp::FileToFile { .. }),
             in_worker: false,
+            personality,
+            file_caller,
+            src_stream: !spec_op.source_is_file(),
+            dst_stream: !spec_op.sink_is_file(),
+            src_ready: false,
+            dst_ready: false,
+            fsize_cut,
         };
         self.jobs.insert(id, job);
         self.sched.submit(dom_id, weight, id);
@@ -648,10 +834,24 @@ impl Core {
                 out_off: j.dst_off as u64,
                 len,
             };
-            self.files.submit(chunk);
+            self.files.submit(j.file_caller.as_ref(), chunk);
             return;
         }
+        if j.src_stream && !j.src_ready {
+            // Poll first: a splice from a stream with nothing to read would
+            // hold an io_uring worker until the peer writes. The poll holds
+            // no thread, and the job leaves its lane while it waits.
+            self.drop_lane(id);
+            return self.issue_poll(id, false);
+        }
+        if !self.may_splice(id, false) {
+            return;
+        }
+        let Some(j) = self.jobs.get_mut(&id) else {
+            return;
+        };
         let len = j.to_read.min(j.chunk as u64) as u32;
+        let stream = j.src_stream;
         let sqe = opcode::Splice::new(
             types::Fd(j.spec.src.as_raw_fd()),
             j.src_off,
@@ -659,19 +859,33 @@ impl Core {
             -1,
             len,
         )
+        .flags(splice_flags(stream))
         .build()
         .user_data(ud(id, TAG_SPLICE));
+        let sqe = with_personality(sqe, j.personality);
         j.state = State::Fill;
         j.inflight = true;
+        j.src_ready = false;
         j.issued = Instant::now();
-        self.push(sqe);
+        self.push_splice(sqe, id, stream);
     }
 
     fn issue_drain(&mut self, id: u64) {
         let Some(j) = self.jobs.get_mut(&id) else {
             return;
         };
+        if j.dst_stream && !j.dst_ready {
+            // Poll first, as for a source (see `issue_fill`).
+            return self.issue_poll(id, true);
+        }
+        if !self.may_splice(id, true) {
+            return;
+        }
+        let Some(j) = self.jobs.get_mut(&id) else {
+            return;
+        };
         let len = j.in_pipe.min(u32::MAX as u64) as u32;
+        let stream = j.dst_stream;
         let sqe = opcode::Splice::new(
             types::Fd(j.pr.as_raw_fd()),
             -1,
@@ -679,11 +893,85 @@ impl Core {
             j.dst_off,
             len,
         )
+        .flags(splice_flags(stream))
         .build()
         .user_data(ud(id, TAG_SPLICE));
+        let sqe = with_personality(sqe, j.personality);
         j.state = State::Drain;
         j.inflight = true;
-        self.push(sqe);
+        j.dst_ready = false;
+        self.push_splice(sqe, id, stream);
+    }
+
+    /// May job `id` issue a splice now (its caller is under
+    /// [`MAX_SPLICES_PER_CALLER`])? If so it is counted; if not, the job waits
+    /// for one of its caller's splices to return.
+    fn may_splice(&mut self, id: u64, drain: bool) -> bool {
+        let Some(j) = self.jobs.get(&id) else {
+            return false;
+        };
+        let uid = j.spec.caller.uid;
+        let n = self.splicing.entry(uid).or_default();
+        if *n < MAX_SPLICES_PER_CALLER {
+            *n += 1;
+            return true;
+        }
+        self.deferred.entry(uid).or_default().push_back((id, drain));
+        false
+    }
+
+    /// A splice of `uid` returned: the next one waiting may go.
+    fn splice_returned(&mut self, uid: u32) {
+        if let Some(n) = self.splicing.get_mut(&uid) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.splicing.remove(&uid);
+            }
+        }
+    }
+
+    /// Issues waiting splices of `uid` while it has room.
+    fn resume_deferred(&mut self, uid: u32) {
+        while self.splicing.get(&uid).copied().unwrap_or(0) < MAX_SPLICES_PER_CALLER {
+            let Some(q) = self.deferred.get_mut(&uid) else {
+                return;
+            };
+            let Some((id, drain)) = q.pop_front() else {
+                self.deferred.remove(&uid);
+                return;
+            };
+            // A job cancelled while it waited is already finished and gone.
+            if self.jobs.get(&id).is_some_and(|j| !j.cancel) {
+                if drain {
+                    self.issue_drain(id);
+                } else {
+                    self.issue_fill(id);
+                }
+            }
+        }
+    }
+
+    /// Queues a splice; one touching a stream gets a linked timeout of
+    /// [`STREAM_SPLICE_LIMIT`], so it cannot hold a worker while its peer sleeps.
+    fn push_splice(&mut self, sqe: io_uring::squeue::Entry, id: u64, stream: bool) {
+        if !stream {
+            return self.push(sqe);
+        }
+        let timeout = opcode::LinkTimeout::new(&*self.stream_limit)
+            .build()
+            .user_data(ud(id, TAG_TIMEOUT));
+        // The two must be in one submission queue, adjacent: make room first.
+        let room = {
+            let sq = self.ring.submission();
+            sq.capacity() - sq.len()
+        };
+        if room < 2 {
+            if let Err(e) = self.ring.submit() {
+                tracing::warn!(error = %e, "io_uring submit failed while the queue was full");
+            }
+        }
+        self.push(sqe.flags(io_uring::squeue::Flags::IO_LINK));
+        self.push(timeout);
     }
 
     fn issue_poll(&mut self, id: u64, out: bool) {
@@ -713,12 +1001,24 @@ impl Core {
     }
 
     /// A file worker finished a `copy_file_range` chunk.
-    fn file_done(&mut self, id: u64, res: Result<usize, Errno>) {
+    fn file_done(&mut self, id: u64, res: Copied) {
         let Some(j) = self.jobs.get_mut(&id) else {
             return;
         };
         j.in_worker = false;
         let dom = j.spec.domain;
+        let Some(res) = res else {
+            // No worker ran it (its caller's last one had just ended): again.
+            self.drop_lane(id);
+            let Some(j) = self.jobs.get_mut(&id) else {
+                return;
+            };
+            if j.cancel {
+                return self.finish(id);
+            }
+            j.state = State::Queued;
+            return self.sched.ready(dom, id);
+        };
         match res {
             Ok(0) => j.eof = true,
             Ok(n) => {
@@ -755,11 +1055,18 @@ impl Core {
             return;
         };
         j.inflight = false;
-        match (tag, j.state) {
+        let uid = j.spec.caller.uid;
+        if tag == TAG_SPLICE {
+            self.splice_returned(uid);
+        }
+        match (tag, self.jobs[&id].state) {
             (TAG_POLL, _) => self.poll_done(id, res),
             (_, State::Fill) => self.fill_done(id, res),
             (_, State::Drain) => self.drain_done(id, res),
             _ => {}
+        }
+        if tag == TAG_SPLICE {
+            self.resume_deferred(uid);
         }
     }
 
@@ -785,9 +1092,11 @@ impl Core {
             return self.finish(id);
         }
         if j.state == State::PollOut {
+            j.dst_ready = true;
             return self.issue_drain(id);
         }
         // Source readable again: back to the scheduler for its next chunk.
+        j.src_ready = true;
         j.state = State::Queued;
         let dom = j.spec.domain;
         self.sched.ready(dom, id);
@@ -818,7 +1127,7 @@ impl Core {
         } else if j.cancel {
             self.drop_lane(id);
             self.finish(id);
-        } else if res == -libc::EAGAIN {
+        } else if not_ready(res) {
             self.drop_lane(id);
             self.issue_poll(id, false);
         } else {
@@ -861,7 +1170,7 @@ impl Core {
         } else if j.cancel {
             self.drop_lane(id);
             self.finish(id);
-        } else if res == -libc::EAGAIN {
+        } else if not_ready(res) {
             self.drop_lane(id);
             self.issue_poll(id, true);
         } else {
@@ -893,6 +1202,8 @@ impl Core {
             PipeEnd::Cancelled
         } else if j.eof {
             PipeEnd::Eof
+        } else if let Some(limit) = j.fsize_cut {
+            cut_at_limit(&j, limit)
         } else {
             PipeEnd::Done
         };
@@ -949,7 +1260,7 @@ impl Core {
                 .map(|c| (c.user_data(), c.result()))
                 .collect();
             for (data, res) in cqes {
-                if data != WAKE && data & 3 != TAG_CANCEL {
+                if data != WAKE && matches!(data & 3, TAG_SPLICE | TAG_POLL) {
                     self.completed(data >> 2, data & 3, res);
                 }
             }

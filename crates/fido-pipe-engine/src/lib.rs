@@ -39,12 +39,16 @@
 //! the clock or do I/O in the scheduler.
 
 mod calibrate;
+mod caller;
 pub mod checks;
 mod config;
 mod engine;
 mod files;
 pub mod sched;
 
+pub use caller::Caller;
 pub use checks::{check_fd, check_op, check_overlap};
 pub use config::{parse_size, Capacity, PipeConfig};
-pub use engine::{Done, Engine, JobSpec, StartError, SLOW};
+pub use engine::{
+    Done, Engine, JobSpec, StartError, IOWQ_MAX_WORKERS, MAX_SPLICES_PER_CALLER, SLOW,
+};

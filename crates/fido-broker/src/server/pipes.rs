@@ -8,12 +8,12 @@
 //! requests. Nothing here moves a byte.
 
 use std::collections::{BTreeMap, HashMap};
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
 
 use fido_proto::{DomainId, ErrorCode, PipeFdKind, PipeId, PipeOp, Reply, Request};
 
-use fido_pipe_engine::{check_fd, check_op, check_overlap, Engine, JobSpec, StartError};
+use fido_pipe_engine::{check_fd, check_op, check_overlap, Caller, Engine, JobSpec, StartError};
 
 use super::{err, Handled, Server};
 
@@ -118,7 +118,151 @@ fn kinds(
     ))
 }
 
+/// The supplementary groups of the process that connected `sock`, as the
+/// kernel recorded them then (`SO_PEERGROUPS`); none if it cannot say, which
+/// only makes the engine's writes for that caller stricter.
+fn peer_groups(sock: BorrowedFd<'_>) -> Vec<u32> {
+    let mut groups = vec![0u32; 32];
+    loop {
+        let mut len = std::mem::size_of_val(groups.as_slice()) as libc::socklen_t;
+        // SAFETY: `groups` has `len` writable bytes; the kernel writes at
+        // most that many and sets `len` to what it wrote (or, with ERANGE,
+        // to what it needs).
+        let r = unsafe {
+            libc::getsockopt(
+                sock.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_PEERGROUPS,
+                groups.as_mut_ptr().cast(),
+                &mut len,
+            )
+        };
+        let needed = len as usize / std::mem::size_of::<u32>();
+        if r == 0 {
+            groups.truncate(needed);
+            return groups;
+        }
+        let range = std::io::Error::last_os_error().raw_os_error() == Some(libc::ERANGE);
+        if !range || needed <= groups.len() || needed > 65_536 {
+            return Vec::new();
+        }
+        groups.resize(needed, 0);
+    }
+}
+
+/// A pidfd for the process that connected `sock` (`SO_PEERPIDFD`): it names
+/// that process, not whichever holds its pid number later.
+fn peer_pidfd(sock: BorrowedFd<'_>) -> std::io::Result<OwnedFd> {
+    let mut fd: libc::c_int = -1;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: `fd` is a writable c_int and `len` says so.
+    let r = unsafe {
+        libc::getsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERPIDFD,
+            (&mut fd as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    if r != 0 || fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: the kernel just gave us this new descriptor; nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// `pid`'s soft RLIMIT_FSIZE (`None`: unlimited), from `/proc/PID/limits`
+/// (`prlimit` would need `CAP_SYS_RESOURCE`, which a broker confined to
+/// fewer capabilities may lack; the file is readable by all).
+fn fsize_limit_of(pid: i32) -> std::io::Result<Option<u64>> {
+    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits"))?;
+    let bad = || std::io::Error::new(std::io::ErrorKind::InvalidData, "no \"Max file size\" line");
+    let soft = limits
+        .lines()
+        .find_map(|l| l.strip_prefix("Max file size"))
+        .and_then(|rest| rest.split_whitespace().next())
+        .ok_or_else(bad)?;
+    if soft == "unlimited" {
+        return Ok(None);
+    }
+    soft.parse().map(Some).map_err(|_| bad())
+}
+
 impl Server {
+    /// Whom a transfer of client `key` is for: the engine reads and writes
+    /// with these credentials (the peer's, as the kernel reported them).
+    fn pipe_caller(&self, key: u64) -> Caller {
+        match self.clients.get(&key) {
+            Some(c) => Caller {
+                uid: c.uid,
+                gid: c.gid,
+                groups: peer_groups(c.sock.as_fd()),
+            },
+            // Unreachable (requests come from clients); the least privilege.
+            None => Caller {
+                uid: u32::MAX - 1,
+                gid: u32::MAX - 1,
+                groups: Vec::new(),
+            },
+        }
+    }
+
+    /// The file size limit of the process that connected client `key`, read
+    /// now, for a transfer into a file: the engine writes nothing past it.
+    /// The process must still be the one that connected (a pidfd taken from
+    /// the socket says so), or the limit read could be another process's.
+    fn caller_fsize_limit(&self, key: u64) -> Result<Option<u64>, fido_proto::RemoteError> {
+        let denied = |m: String| err(ErrorCode::Denied, m);
+        let Some(c) = self.clients.get(&key) else {
+            return Err(denied("no such client".into()));
+        };
+        let gone = |why: String| {
+            denied(format!(
+                "the engine cannot read the file size limit of the process that \
+                 connected (pid {}: {why}), so it writes no file for this connection",
+                c.pid
+            ))
+        };
+        let pidfd = match peer_pidfd(c.sock.as_fd()) {
+            Ok(fd) => Some(fd),
+            Err(e) if e.raw_os_error() == Some(libc::ENOPROTOOPT) => None,
+            Err(e) => return Err(gone(format!("pidfd: {e}"))),
+        };
+        let limit = fsize_limit_of(c.pid).map_err(|e| gone(format!("its limits: {e}")))?;
+        match pidfd {
+            // A pidfd becomes readable when its process exits: still alive
+            // now, so the pid read above was that process's.
+            Some(fd) => {
+                let mut fds = [rustix::event::PollFd::new(
+                    &fd,
+                    rustix::event::PollFlags::IN,
+                )];
+                let zero = rustix::time::Timespec {
+                    tv_sec: 0,
+                    tv_nsec: 0,
+                };
+                if rustix::event::poll(&mut fds, Some(&zero)).map_or(true, |n| n > 0) {
+                    return Err(gone("it has exited".into()));
+                }
+            }
+            // A kernel without SO_PEERPIDFD (before 6.5): at least the
+            // process is the caller's uid's.
+            None => {
+                let status = std::fs::read_to_string(format!("/proc/{}/status", c.pid))
+                    .map_err(|e| gone(format!("/proc: {e}")))?;
+                let uid = status
+                    .lines()
+                    .find_map(|l| l.strip_prefix("Uid:"))
+                    .and_then(|v| v.split_whitespace().next()?.parse::<u32>().ok());
+                if uid != Some(c.uid) {
+                    return Err(gone("it has exited".into()));
+                }
+            }
+        }
+        Ok(limit)
+    }
+
     fn pipe_weight_of(&self, dom: DomainId) -> u32 {
         self.pipes.weights.get(&dom).copied().unwrap_or_else(|| {
             self.domains
@@ -139,15 +283,29 @@ impl Server {
         Ok(())
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn pipe_start(
         &mut self,
+        key: u64,
         dom: DomainId,
         req: u64,
         pipe: Option<PipeId>,
         src: Arc<OwnedFd>,
         dst: Arc<OwnedFd>,
         op: PipeOp,
-    ) {
+    ) -> Result<(), fido_proto::RemoteError> {
+        let fsize_limit = if op.sink_is_file() {
+            // The broker's own limit too: a write past it would stop the
+            // broker itself with SIGXFSZ.
+            let own = rustix::process::getrlimit(rustix::process::Resource::Fsize).current;
+            match (self.caller_fsize_limit(key)?, own) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            }
+        } else {
+            None
+        };
+        let caller = self.pipe_caller(key);
         let id = self.pipes.next_job;
         self.pipes.next_job += 1;
         self.pipes.jobs.insert(
@@ -170,7 +328,10 @@ impl Server {
             src,
             dst,
             op,
+            caller,
+            fsize_limit,
         });
+        Ok(())
     }
 
     /// Handles `PipeCreate`, `PipeRun`, `PipeOnce`, `PipeCancel`, `PipeDestroy`, `PipeWeight`.
@@ -191,7 +352,7 @@ impl Server {
         }
         match body {
             Request::PipeCreate => self.pipe_create(dom, fds),
-            Request::PipeRun { pipe, op } => self.pipe_run(dom, req, pipe, op),
+            Request::PipeRun { pipe, op } => self.pipe_run(key, dom, req, pipe, op),
             Request::PipeOnce { op } => {
                 let (src, dst) = two_fds("PipeOnce", fds)?;
                 self.pipe_quota(dom)?;
@@ -199,7 +360,7 @@ impl Server {
                 check_op(&op, sk, dk).map_err(|m| err(ErrorCode::BadDescriptor, m))?;
                 check_overlap(&op, src.as_fd(), dst.as_fd())
                     .map_err(|m| err(ErrorCode::BadRequest, m))?;
-                self.pipe_start(dom, req, None, Arc::new(src), Arc::new(dst), op);
+                self.pipe_start(key, dom, req, None, Arc::new(src), Arc::new(dst), op)?;
                 Ok(None)
             }
             Request::PipeCancel { pipe } => {
@@ -246,7 +407,7 @@ impl Server {
         )))
     }
 
-    fn pipe_run(&mut self, dom: DomainId, req: u64, pipe: PipeId, op: PipeOp) -> Handled {
+    fn pipe_run(&mut self, key: u64, dom: DomainId, req: u64, pipe: PipeId, op: PipeOp) -> Handled {
         let p = self.pipes.owned(dom, pipe)?;
         if p.job.is_some() {
             return Err(err(
@@ -258,7 +419,7 @@ impl Server {
         check_overlap(&op, p.src.as_fd(), p.dst.as_fd())
             .map_err(|m| err(ErrorCode::BadRequest, m))?;
         let (src, dst) = (p.src.clone(), p.dst.clone());
-        self.pipe_start(dom, req, Some(pipe), src, dst, op);
+        self.pipe_start(key, dom, req, Some(pipe), src, dst, op)?;
         Ok(None)
     }
 
