@@ -313,12 +313,13 @@ impl Domain {
         Ok(())
     }
 
-    /// Broker-wide status.
+    /// Broker-wide status, as far as this domain's uid may see it (every
+    /// page of it).
     pub fn status(&self) -> Result<Status> {
-        match self.inner.control.request(Request::Status, &[])?.0 {
+        Status::collect(|req| match self.inner.control.request(req, &[])?.0 {
             Reply::Status(s) => Ok(s),
             other => Err(Error::broker_protocol(format!("unexpected reply {other:?}"))),
-        }
+        })
     }
 
     // ---- registry ----
