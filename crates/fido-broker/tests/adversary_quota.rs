@@ -534,3 +534,46 @@ fn a_refused_uid_sees_nothing() {
         "may not join",
     );
 }
+
+/// Finding 9's sibling in the registry: a listing grows with what others
+/// create. Alice fills the public `/net/listen/80` (every `fido run` client
+/// lists it) with 3000 long names. On d54ab9b bob's `List` failed with
+/// `Internal: reply too large` — MMNet lookups for that port failed for
+/// everyone. `ListPage` answers in bounded pages that gather into the whole
+/// listing; a bad cursor is a clear error.
+#[test]
+fn a_listing_others_filled_still_lists() {
+    let Some((alice, bob)) = users() else { return };
+    let b = broker(&issue_policy(""), 64);
+    let mut a = joined_as(&b.socket, alice, "filler");
+    let name = |i: usize| format!("{i:05}@{}", "x".repeat(120));
+    for i in 0..3000 {
+        a.ok(Request::Write {
+            path: format!("/net/listen/80/{}", name(i)),
+            value: b"1".to_vec(),
+        });
+    }
+    let mut bw = joined_as(&b.socket, bob, "lister");
+    let mut pages = 0;
+    let all = fido_proto::ListCursor::walk("/net/listen/80", |req| {
+        pages += 1;
+        match bw.request(req) {
+            Ok(Reply::KeysPage { keys, next }) => Ok((keys, next)),
+            other => Err(other),
+        }
+    })
+    .expect("every page");
+    assert_eq!(all.len(), 3000);
+    assert!(all.iter().enumerate().all(|(i, n)| *n == name(i)));
+    assert!(pages > 1, "{pages} pages");
+    let r = bw.request(Request::ListPage {
+        path: "/net/listen/80".into(),
+        cursor: Some(fido_proto::ListCursor {
+            key: "/app/elsewhere".into(),
+            inclusive: false,
+        }),
+    });
+    expect_err(r, ErrorCode::BadRequest, "outside");
+    // The broker serves everyone as before.
+    assert!(status(&mut bw).is_ok());
+}

@@ -308,12 +308,15 @@ fn print_text(out: &mut String, st: &Status, path: &std::path::Path) {
 /// MMNet statistics each process under `fido run` publishes at
 /// `/net/stats/<domain>` (JSON; see docs/NET.md), oldest domain first.
 fn net_stats(d: &mut Observer) -> Vec<Value> {
-    let mut ids: Vec<u64> = match d.ask(Request::List {
-        path: "/net/stats".into(),
-    }) {
-        Ok(Reply::Keys(k)) => k.iter().filter_map(|s| s.parse().ok()).collect(),
-        _ => Vec::new(),
-    };
+    let listed = fido_proto::ListCursor::walk("/net/stats", |req| match d.ask(req)? {
+        Reply::KeysPage { keys, next } => Ok((keys, next)),
+        other => Err(anyhow!("unexpected answer to ListPage: {other:?}")),
+    });
+    let mut ids: Vec<u64> = listed
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|s| s.parse().ok())
+        .collect();
     ids.sort_unstable();
     ids.iter()
         .filter_map(|id| {

@@ -175,6 +175,42 @@ pub enum Request {
     /// first). Answered with [`Reply::Status`]; its `next` says where the
     /// following page starts. Like `Status`, allowed before `Join`.
     StatusPage { cursor: StatusCursor },
+    /// One page of `List`: the children of `path` from `cursor` on (`None`:
+    /// the start). Answered with [`Reply::KeysPage`]. However many keys
+    /// others create under `path`, each page fits a message. Allowed before
+    /// `Join`, like `List`.
+    ListPage { path: String, cursor: Option<ListCursor> },
+}
+
+impl ListCursor {
+    /// Every child of `path`, sorted: the pages of [`Request::ListPage`],
+    /// each asked through `ask` (which returns its names and next cursor),
+    /// gathered. A broker answering with the cursor it was asked for ends
+    /// the walk instead of looping.
+    pub fn walk<E>(
+        path: &str,
+        mut ask: impl FnMut(Request) -> Result<(Vec<String>, Option<ListCursor>), E>,
+    ) -> Result<Vec<String>, E> {
+        let mut names = std::collections::BTreeSet::new();
+        let mut cursor: Option<ListCursor> = None;
+        loop {
+            let page = Request::ListPage { path: path.to_string(), cursor: cursor.clone() };
+            let (keys, next) = ask(page)?;
+            names.extend(keys);
+            match next {
+                Some(c) if cursor.as_ref() != Some(&c) => cursor = Some(c),
+                _ => return Ok(names.into_iter().collect()),
+            }
+        }
+    }
+}
+
+/// Where a page of a listing continues: the registry key its scan reached
+/// and whether that key itself is still to be looked at.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ListCursor {
+    pub key: String,
+    pub inclusive: bool,
 }
 
 /// Where a page of [`Status`] starts: the section, and the last entry of it
@@ -364,6 +400,10 @@ pub enum Reply {
     PipeCreated { pipe: PipeId, source: PipeFdKind, sink: PipeFdKind },
     /// A pipe operation ended.
     PipeDone(PipeResult),
+    /// A page of children names (key order; a name may come again on the
+    /// next page, so gather them in a set), and where the next page starts
+    /// (`None`: this was the last).
+    KeysPage { keys: Vec<String>, next: Option<ListCursor> },
 }
 
 /// The other end of a connection, as the broker vouches for it.
@@ -714,6 +754,10 @@ impl Validate for Request {
                 check_name(s)
             }
             Request::StatusPage { .. } => Ok(()),
+            Request::ListPage { path, cursor } => {
+                check_path(path)?;
+                cursor.as_ref().map_or(Ok(()), |c| check_path(&c.key))
+            }
             Request::PipeWeight { domain, weight } => {
                 check_name(domain)?;
                 if *weight == 0 || *weight > MAX_PIPE_WEIGHT {

@@ -135,6 +135,8 @@ fn client_seeds() -> Vec<ClientMsg> {
         req(47, Request::PipeWeight { domain: "web".into(), weight: 2 }),
         req(48, Request::StatusPage { cursor: StatusCursor::START }),
         req(49, Request::StatusPage { cursor: StatusCursor::Services { after: Some("echo".into()) } }),
+        req(50, Request::ListPage { path: "/net/listen/80".into(), cursor: None }),
+        req(51, Request::ListPage { path: "/a".into(), cursor: Some(ListCursor { key: "/a/b0".into(), inclusive: true }) }),
     ]
 }
 
@@ -179,6 +181,7 @@ fn broker_seeds() -> Vec<BrokerMsg> {
         BrokerMsg::Event(Event::Watch { token: 1, path: "/service/echo".into(), value: None }),
         ok(12, Reply::PipeCreated { pipe: 5, source: PipeFdKind::File, sink: PipeFdKind::Stream }),
         ok(13, Reply::PipeDone(PipeResult { moved: 4096, consumed: 4096, end: PipeEnd::Eof })),
+        ok(15, Reply::KeysPage { keys: vec!["b".into()], next: Some(ListCursor { key: "/a/b".into(), inclusive: false }) }),
         ok(14, Reply::PipeDone(PipeResult { moved: 1, consumed: 2, end: PipeEnd::Failed { errno: 32, message: "sink: EPIPE".into() } })),
     ]
 }

@@ -143,6 +143,7 @@ impl Server {
             | Request::Unmapped { .. }) => self.connection_request(key, dom, id, body, fds),
             body @ (Request::Read { .. }
             | Request::List { .. }
+            | Request::ListPage { .. }
             | Request::Write { .. }
             | Request::Delete { .. }
             | Request::Watch { .. }
@@ -167,7 +168,11 @@ impl Server {
 fn is_observation(body: &Request) -> bool {
     matches!(
         body,
-        Request::Status | Request::StatusPage { .. } | Request::Read { .. } | Request::List { .. }
+        Request::Status
+            | Request::StatusPage { .. }
+            | Request::Read { .. }
+            | Request::List { .. }
+            | Request::ListPage { .. }
     )
 }
 

@@ -4,7 +4,11 @@
 
 use super::authorization::{check_writable, is_managed_path, Viewer};
 use fido_proto::{DomainId, ErrorCode, RemoteError, Reply, Request, TxnOp};
-use fido_registry::WatchEvent;
+use fido_registry::{RegistryError, WatchEvent};
+
+/// Bytes of names one `ListPage` answer carries at most (about: the scan
+/// stops once it has reached them), well within a reply datagram.
+const LIST_PAGE_BYTES: usize = 64 * 1024;
 
 use super::{err, internal, Handled, Server, MAX_COUNTER_ADVANCE};
 
@@ -12,7 +16,7 @@ impl Server {
     /// Handles `Read`, `List`, `Write`, `Delete`, `Watch`, `Unwatch`, `Transaction`.
     pub(super) fn registry_request(&mut self, dom: DomainId, body: Request) -> Handled {
         match body {
-            body @ (Request::Read { .. } | Request::List { .. }) => {
+            body @ (Request::Read { .. } | Request::List { .. } | Request::ListPage { .. }) => {
                 self.registry_look(&self.domain_viewer(dom)?, body)
             }
             Request::Write { path, value } => self.registry_update(dom, path, Some(value)),
@@ -56,6 +60,21 @@ impl Server {
                 let base = path.trim_end_matches('/');
                 keys.retain(|k| self.may_read_key(viewer, &format!("{base}/{k}"), true));
                 Ok(Some((Reply::Keys(keys), Vec::new())))
+            }
+            Request::ListPage { path, cursor } => {
+                if !self.may_read_key(viewer, &path, true) {
+                    return Err(self.deny_read(viewer, &path));
+                }
+                let (mut keys, next) = self
+                    .reg
+                    .list_page(&path, cursor.as_ref(), LIST_PAGE_BYTES)
+                    .map_err(|e| match e {
+                        RegistryError::BadPath(p) => err(ErrorCode::BadRequest, p),
+                        e => internal("registry list", e),
+                    })?;
+                let base = path.trim_end_matches('/');
+                keys.retain(|k| self.may_read_key(viewer, &format!("{base}/{k}"), true));
+                Ok(Some((Reply::KeysPage { keys, next }, Vec::new())))
             }
             other => Err(err(
                 ErrorCode::BadRequest,
