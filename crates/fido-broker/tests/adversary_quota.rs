@@ -559,7 +559,7 @@ fn a_listing_others_filled_still_lists() {
         pages += 1;
         match bw.request(req) {
             Ok(Reply::KeysPage { keys, next }) => Ok((keys, next)),
-            other => Err(other),
+            other => Err(format!("{other:?}")),
         }
     })
     .expect("every page");

@@ -3,7 +3,6 @@
 //! (`fido status | head`) ends it quietly, and another user's `fido status`
 //! shows only what that user may see.
 
-use std::os::fd::OwnedFd;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
@@ -80,7 +79,7 @@ fn status_into_a_closed_pipe_exits_quietly() {
     for json in [false, true] {
         let (read, write) = rustix::pipe::pipe().unwrap();
         drop(read);
-        let out = status(&b.socket, json, Stdio::from(OwnedFd::from(write)));
+        let out = status(&b.socket, json, Stdio::from(write));
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(out.status.success(), "json {json}: {:?} {err}", out.status);
         assert!(!err.contains("panicked"), "json {json}: {err}");
@@ -144,4 +143,25 @@ fn another_users_status_shows_only_its_own() {
         "{text}"
     );
     drop(root_domain);
+}
+
+/// `fido demo | head`: on d54ab9b the demo panicked at its first line once
+/// the reader had gone. Now it runs to the end (and cleans up) quietly.
+#[test]
+fn demo_into_a_closed_pipe_runs_to_the_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let (read, write) = rustix::pipe::pipe().unwrap();
+    drop(read);
+    let mut cmd = Command::new(FIDO);
+    cmd.args(["demo", "--seconds", "1"])
+        .env("FIDO_BROKER", dir.path().join("no-broker/broker.sock"))
+        .env("TMPDIR", dir.path())
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .stdout(Stdio::from(write))
+        .stderr(Stdio::piped());
+    let out = cmd.output().expect("running fido demo");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{:?} {err}", out.status);
+    assert!(!err.contains("panicked"), "{err}");
 }
