@@ -82,6 +82,37 @@ impl RegAccount {
         (overlay, (keys, bytes))
     }
 
+    /// `other`'s usage (keys, bytes) once `overlay` (another domain's batch) applied.
+    pub(crate) fn simulate_other(&self, other: DomainId, overlay: &Overlay) -> (u64, u64) {
+        let (mut keys, mut bytes) = self.usage(other);
+        if keys == 0 {
+            return (0, 0);
+        }
+        for k in overlay.keys() {
+            if let Some((o, len)) = self.owner.get(k) {
+                if *o == other {
+                    keys -= 1;
+                    bytes -= len;
+                }
+            }
+        }
+        (keys, bytes)
+    }
+
+    /// Whose charge is `key` (the domain that wrote it last), if anyone's.
+    pub(crate) fn owner(&self, key: &str) -> Option<DomainId> {
+        self.owner.get(key).map(|(o, _)| *o)
+    }
+
+    /// The domains charged for keys at or below `path`.
+    pub(crate) fn owners_under<'a>(&'a self, path: &'a str) -> impl Iterator<Item = DomainId> + 'a {
+        self.owner
+            .range(path.to_string()..)
+            .take_while(move |(k, _)| k.starts_with(path))
+            .filter(move |(k, _)| under(k, path))
+            .map(|(_, (o, _))| *o)
+    }
+
     /// Applies what [`simulate`](Self::simulate) computed, once the registry committed it.
     pub(crate) fn commit(&mut self, overlay: Overlay) {
         for (k, new) in overlay {

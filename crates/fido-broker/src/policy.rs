@@ -28,6 +28,30 @@ pub const DEFAULT_QUOTAS: Quotas = Quotas {
     pipes: 256,
 };
 
+/// Built-in per-uid limits, used where neither `[defaults]` nor a rule says
+/// otherwise: each a fraction of what the broker has (64 of the default 1024
+/// PGVAS slots), so one uid, however many domains it starts, cannot take the
+/// broker from the others.
+pub const DEFAULT_UID_QUOTAS: UidQuotas = UidQuotas {
+    domains: 64,
+    services: 1024,
+    connections: 16_384,
+    registry_keys: 262_144,
+    registry_bytes: 256 << 20,
+    watches: 16_384,
+    pipes: 1024,
+};
+
+/// PGVAS slots kept for administrators (root and the broker's own uid): other
+/// uids' joins stop this many slots short of a full window, so the admin can
+/// always still join.
+pub const ADMIN_RESERVED_SLOTS: u32 = 8;
+
+/// Registry paths every admitted domain may read whatever its rule says: the
+/// MMNet listener announcements a `fido run` client looks up (a listener key
+/// grants nothing by itself; see docs/NET.md).
+pub const PUBLIC_READ: [&str; 1] = ["/net/listen/**"];
+
 /// Pipe weight of a domain whose rule names none.
 pub const DEFAULT_PIPE_WEIGHT: u32 = 1;
 
@@ -49,6 +73,27 @@ pub struct Quotas {
     /// Registry watches the domain holds at once.
     pub watches: u64,
     /// vPipe pipes the domain holds at once (one-shot operations count while they run).
+    pub pipes: u64,
+}
+
+/// Limits on what all live domains of one uid hold together (inclusive
+/// maxima), whichever rules admitted them; the rule of the domain asking
+/// decides the limit. Root and the broker's own uid are exempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UidQuotas {
+    /// Live domains, hence PGVAS slots.
+    pub domains: u64,
+    /// Services offered.
+    pub services: u64,
+    /// Open connections (established or pending) with one of the uid's domains at an end.
+    pub connections: u64,
+    /// Registry keys charged to the uid's domains.
+    pub registry_keys: u64,
+    /// Sum of the value lengths of those keys, in bytes.
+    pub registry_bytes: u64,
+    /// Registry watches.
+    pub watches: u64,
+    /// vPipe pipes and running one-shot operations.
     pub pipes: u64,
 }
 
@@ -122,6 +167,21 @@ impl Glob {
         false
     }
 
+    /// Could a key at or below `path` match (`path` itself, or some key
+    /// under it)? Decides whether a listing shows `path` to a reader whose
+    /// patterns reach further down.
+    pub fn matches_at_or_below(&self, path: &str) -> bool {
+        if self.matches(path) {
+            return true;
+        }
+        // Some prefix of the pattern matches `path/` exactly: the rest of
+        // the pattern can then match a continuation of it.
+        let mut s = Vec::with_capacity(path.len() + 1);
+        s.extend_from_slice(path.trim_end_matches('/').as_bytes());
+        s.push(b'/');
+        self.prefix_matches(&s)
+    }
+
     /// True if every key at or below `path` matches too (the pattern ends in
     /// `/**` and `path` matches it).
     pub fn covers_subtree(&self, path: &str) -> bool {
@@ -129,12 +189,26 @@ impl Glob {
     }
 
     fn match_bytes(&self, s: &[u8]) -> bool {
+        self.run(s, false)
+    }
+
+    /// Do the first k tokens match all of `s`, for some k?
+    fn prefix_matches(&self, s: &[u8]) -> bool {
+        self.run(s, true)
+    }
+
+    /// The matcher: with `any_prefix`, succeeds as soon as some prefix of
+    /// the pattern matches all of `s`; else only the whole pattern counts.
+    fn run(&self, s: &[u8], any_prefix: bool) -> bool {
         // cur[j]: the tokens seen so far match s[..j].
         let n = s.len();
         let mut cur = vec![false; n + 1];
         cur[0] = true;
         let mut next = vec![false; n + 1];
         for t in &self.toks {
+            if any_prefix && cur[n] {
+                return true;
+            }
             next.iter_mut().for_each(|x| *x = false);
             match *t {
                 Tok::Lit(c) => {
@@ -193,8 +267,15 @@ pub struct Rule {
     pub connect: Vec<Glob>,
     /// Registry paths the domain may write and delete (never the broker-managed subtrees).
     pub registry_write: Vec<Glob>,
+    /// Registry paths outside the managed subtrees the domain may read, list
+    /// and watch (`registry_read`; unset: `registry_write` plus
+    /// [`PUBLIC_READ`]). The managed subtrees and the owner-private keys
+    /// (`/net/stats`, `/net/conn`) are filtered by the broker apart.
+    pub registry_read: Vec<Glob>,
     /// The domain's quotas (the rule's own, else `[defaults]`, else built-in).
     pub quotas: Quotas,
+    /// Limits on all domains of the domain's uid together (`per_uid_*`).
+    pub per_uid: UidQuotas,
     /// The domain's share of the pipe engine relative to other domains
     /// (`pipe_weight`, 1..=10000, default 1); `fido pipe weight` changes it live.
     pub pipe_weight: u32,
@@ -226,6 +307,18 @@ impl Rule {
     /// May write the key `path`?
     pub fn may_write(&self, path: &str) -> bool {
         self.registry_write.iter().any(|g| g.matches(path))
+    }
+
+    /// May read the key `path` (outside the managed subtrees)?
+    pub fn may_read(&self, path: &str) -> bool {
+        self.registry_read.iter().any(|g| g.matches(path))
+    }
+
+    /// May read `path` or some key below it (a listing shows it)?
+    pub fn may_read_at_or_below(&self, path: &str) -> bool {
+        self.registry_read
+            .iter()
+            .any(|g| g.matches_at_or_below(path))
     }
 
     /// May delete `path` and its subtree? Either a pattern covers the whole
@@ -324,7 +417,9 @@ impl Policy {
                 offer: all("*"),
                 connect: all("*"),
                 registry_write: all("/**"),
+                registry_read: all("/**"),
                 quotas: DEFAULT_QUOTAS,
+                per_uid: DEFAULT_UID_QUOTAS,
                 pipe_weight: DEFAULT_PIPE_WEIGHT,
                 net: true,
             }],
@@ -364,6 +459,28 @@ impl Policy {
             }
             Some(i) => Ok(i),
         }
+    }
+
+    /// The rule that decides what a peer that has not joined (a `fido
+    /// status`, which needs no PGVAS slot) may see: the rule a label-less
+    /// join of this uid and gid would get, else the first rule with labels
+    /// that would admit it under some label. `None`: the peer could never
+    /// join, so it may see nothing.
+    pub fn observer_rule(&self, uid: u32, gid: u32) -> Option<usize> {
+        for (i, r) in self.rules.iter().enumerate() {
+            let ids = (r.uids.is_empty() || r.uids.contains(&uid))
+                && (r.gids.is_empty() || r.gids.contains(&gid));
+            if !ids {
+                continue;
+            }
+            if r.labels.is_empty() {
+                return r.join.then_some(i);
+            }
+            if r.join {
+                return Some(i);
+            }
+        }
+        None
     }
 }
 
@@ -407,6 +524,42 @@ struct RawQuotas {
     registry_bytes: Option<Size>,
     watches: Option<u64>,
     pipes: Option<u64>,
+    per_uid_domains: Option<u64>,
+    per_uid_services: Option<u64>,
+    per_uid_connections: Option<u64>,
+    per_uid_registry_keys: Option<u64>,
+    per_uid_registry_bytes: Option<Size>,
+    per_uid_watches: Option<u64>,
+    per_uid_pipes: Option<u64>,
+}
+
+/// The `per_uid_*` keys of `[defaults]` or of a rule.
+#[derive(Default)]
+struct RawUidQuotas {
+    per_uid_domains: Option<u64>,
+    per_uid_services: Option<u64>,
+    per_uid_connections: Option<u64>,
+    per_uid_registry_keys: Option<u64>,
+    per_uid_registry_bytes: Option<Size>,
+    per_uid_watches: Option<u64>,
+    per_uid_pipes: Option<u64>,
+}
+
+impl RawUidQuotas {
+    fn over(&self, base: UidQuotas) -> Result<UidQuotas, String> {
+        Ok(UidQuotas {
+            domains: self.per_uid_domains.unwrap_or(base.domains),
+            services: self.per_uid_services.unwrap_or(base.services),
+            connections: self.per_uid_connections.unwrap_or(base.connections),
+            registry_keys: self.per_uid_registry_keys.unwrap_or(base.registry_keys),
+            registry_bytes: match &self.per_uid_registry_bytes {
+                Some(s) => s.bytes("per_uid_registry_bytes")?,
+                None => base.registry_bytes,
+            },
+            watches: self.per_uid_watches.unwrap_or(base.watches),
+            pipes: self.per_uid_pipes.unwrap_or(base.pipes),
+        })
+    }
 }
 
 #[derive(Deserialize)]
@@ -431,6 +584,7 @@ struct RawRule {
     connect: Vec<String>,
     #[serde(default)]
     registry_write: Vec<String>,
+    registry_read: Option<Vec<String>>,
     arena_bytes: Option<Size>,
     connections: Option<u64>,
     registry_keys: Option<u64>,
@@ -440,6 +594,13 @@ struct RawRule {
     pipe_weight: Option<u32>,
     #[serde(default = "yes")]
     net: bool,
+    per_uid_domains: Option<u64>,
+    per_uid_services: Option<u64>,
+    per_uid_connections: Option<u64>,
+    per_uid_registry_keys: Option<u64>,
+    per_uid_registry_bytes: Option<Size>,
+    per_uid_watches: Option<u64>,
+    per_uid_pipes: Option<u64>,
 }
 
 fn yes() -> bool {
@@ -497,6 +658,17 @@ fn globs(what: &str, rule: &str, list: &[String]) -> Result<Vec<Glob>, String> {
 impl RawPolicy {
     fn resolve(self, source: &str) -> Result<Policy, String> {
         let defaults = self.defaults.over(DEFAULT_QUOTAS)?;
+        let d = &self.defaults;
+        let uid_defaults = RawUidQuotas {
+            per_uid_domains: d.per_uid_domains,
+            per_uid_services: d.per_uid_services,
+            per_uid_connections: d.per_uid_connections,
+            per_uid_registry_keys: d.per_uid_registry_keys,
+            per_uid_registry_bytes: d.per_uid_registry_bytes.clone(),
+            per_uid_watches: d.per_uid_watches,
+            per_uid_pipes: d.per_uid_pipes,
+        }
+        .over(DEFAULT_UID_QUOTAS)?;
         let mut rules = Vec::with_capacity(self.rules.len());
         for (i, r) in self.rules.into_iter().enumerate() {
             let name = match &r.name {
@@ -511,13 +683,39 @@ impl RawPolicy {
             for g in &r.groups {
                 gids.push(lookup_group(g).map_err(|e| format!("rule {name}: {e}"))?);
             }
-            for p in &r.registry_write {
-                if !p.starts_with('/') {
+            for (what, list) in [
+                ("registry_write", &r.registry_write),
+                (
+                    "registry_read",
+                    r.registry_read.as_ref().unwrap_or(&Vec::new()),
+                ),
+            ] {
+                if let Some(p) = list.iter().find(|p| !p.starts_with('/')) {
                     return Err(format!(
-                        "rule {name}: registry_write pattern {p:?} must start with '/'"
+                        "rule {name}: {what} pattern {p:?} must start with '/'"
                     ));
                 }
             }
+            let registry_read = match &r.registry_read {
+                Some(list) => list.clone(),
+                None => r
+                    .registry_write
+                    .iter()
+                    .cloned()
+                    .chain(PUBLIC_READ.iter().map(|p| p.to_string()))
+                    .collect(),
+            };
+            let per_uid = RawUidQuotas {
+                per_uid_domains: r.per_uid_domains,
+                per_uid_services: r.per_uid_services,
+                per_uid_connections: r.per_uid_connections,
+                per_uid_registry_keys: r.per_uid_registry_keys,
+                per_uid_registry_bytes: r.per_uid_registry_bytes.clone(),
+                per_uid_watches: r.per_uid_watches,
+                per_uid_pipes: r.per_uid_pipes,
+            }
+            .over(uid_defaults)
+            .map_err(|e| format!("rule {name}: {e}"))?;
             let quotas = RawQuotas {
                 arena_bytes: r.arena_bytes.clone(),
                 connections: r.connections,
@@ -525,6 +723,7 @@ impl RawPolicy {
                 registry_bytes: r.registry_bytes.clone(),
                 watches: r.watches,
                 pipes: r.pipes,
+                ..RawQuotas::default()
             }
             .over(defaults)
             .map_err(|e| format!("rule {name}: {e}"))?;
@@ -540,6 +739,8 @@ impl RawPolicy {
                 offer: globs("offer", &name, &r.offer)?,
                 connect: globs("connect", &name, &r.connect)?,
                 registry_write: globs("registry_write", &name, &r.registry_write)?,
+                registry_read: globs("registry_read", &name, &registry_read)?,
+                per_uid,
                 uids,
                 gids,
                 join: r.join,
@@ -825,6 +1026,73 @@ mod tests {
         let e = Policy::parse("[[rule]]\nregistry_write = [\"app/**\"]\n", "x").unwrap_err();
         assert!(e.contains("must start with"), "{e}");
         assert!(Policy::parse("", "empty").unwrap().rules.is_empty());
+    }
+
+    #[test]
+    fn per_uid_limits_and_read_lists() {
+        let p = Policy::parse(
+            r#"
+            [defaults]
+            per_uid_domains = 8
+            per_uid_registry_bytes = "1MiB"
+
+            [[rule]]
+            name = "a"
+            uids = [1000]
+            registry_write = ["/app/a/**"]
+            per_uid_services = 5
+
+            [[rule]]
+            name = "b"
+            uids = [1001]
+            registry_write = ["/app/b/**"]
+            registry_read = ["/shared/*"]
+            "#,
+            "t",
+        )
+        .unwrap();
+        let (a, b) = (&p.rules[0], &p.rules[1]);
+        assert_eq!(a.per_uid.domains, 8);
+        assert_eq!(a.per_uid.services, 5);
+        assert_eq!(a.per_uid.registry_bytes, 1 << 20);
+        assert_eq!(b.per_uid.services, DEFAULT_UID_QUOTAS.services);
+        assert_eq!(b.per_uid.watches, DEFAULT_UID_QUOTAS.watches);
+        // Unset: what it writes, plus the public MMNet listener keys.
+        assert!(a.may_read("/app/a/x") && a.may_read("/net/listen/80/k"));
+        assert!(!a.may_read("/app/b/x") && !a.may_read("/net/stats/3"));
+        assert!(a.may_read_at_or_below("/app") && a.may_read_at_or_below("/net"));
+        assert!(!a.may_read_at_or_below("/app/b"));
+        // Set: exactly that.
+        assert!(b.may_read("/shared/x") && !b.may_read("/app/b/x"));
+        assert!(!b.may_read_at_or_below("/net"));
+        assert!(Policy::parse("[[rule]]\nper_uid_domain = 1\n", "t").is_err());
+        assert!(Policy::parse("[[rule]]\nregistry_read = [\"x\"]\n", "t").is_err());
+    }
+
+    #[test]
+    fn observers_get_the_rule_a_join_would() {
+        let p = Policy::parse(
+            "[[rule]]\nuids = [5]\njoin = false\n[[rule]]\nuids = [6]\nlabels = [\"x\"]\n[[rule]]\nuids = [7]\n",
+            "t",
+        )
+        .unwrap();
+        assert_eq!(p.observer_rule(5, 0), None, "join = false");
+        assert_eq!(p.observer_rule(6, 0), Some(1), "admitted under some label");
+        assert_eq!(p.observer_rule(7, 0), Some(2));
+        assert_eq!(p.observer_rule(8, 0), None, "no rule");
+    }
+
+    #[test]
+    fn matches_at_or_below() {
+        let g = |p: &str| Glob::new(p).unwrap();
+        assert!(g("/app/*/x").matches_at_or_below("/app"));
+        assert!(g("/app/*/x").matches_at_or_below("/app/q"));
+        assert!(g("/app/*/x").matches_at_or_below("/app/q/x"));
+        assert!(!g("/app/*/x").matches_at_or_below("/app/q/y"));
+        assert!(!g("/app/*").matches_at_or_below("/app/q/y"));
+        assert!(g("/a**").matches_at_or_below("/ab/c"));
+        assert!(!g("/app/**").matches_at_or_below("/apple"));
+        assert!(g("/**").matches_at_or_below("/"));
     }
 
     #[test]

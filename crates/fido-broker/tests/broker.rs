@@ -138,7 +138,11 @@ fn join_assigns_increasing_ids_and_distinct_slots() {
 fn bad_arenas_and_requests_before_join_are_refused() {
     let b = TestBroker::start();
     let mut a = b.client();
-    assert_eq!(a.err_code(Request::Status), ErrorCode::NotJoined);
+    // Only looking (Status, Read, List) is allowed before Join (issue #16:
+    // `fido status` needs no slot); anything that acts is not.
+    assert_eq!(a.err_code(Request::Offer { service: "x".into() }), ErrorCode::NotJoined);
+    assert_eq!(a.err_code(Request::Write { path: "/x".into(), value: vec![] }), ErrorCode::NotJoined);
+    assert!(matches!(a.request(Request::Status), Ok(Reply::Status(_))));
 
     let join = |len| Request::Join {
         name: "x".into(),

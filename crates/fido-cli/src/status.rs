@@ -1,35 +1,144 @@
-//! `fido status`: joins as a short-lived domain and prints the broker's view.
+//! `fido status`: asks the broker for its view without joining (no PGVAS
+//! slot, no arena: it works however full the broker is) and prints it.
+//!
+//! The broker shows each asker what its uid may see (root and the broker's
+//! uid: everything); the answer comes in pages, all of which are fetched.
+//! Output goes out in one write at the end; a reader that goes away early
+//! (`fido status | head`) ends the command quietly.
 
-use std::path::PathBuf;
+use std::fmt::Write as _;
+use std::io::Write as _;
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
-use anyhow::Context as _;
-use fido::{Domain, JoinOptions, Status};
+use anyhow::{anyhow, bail, Context as _};
+use fido::Status;
+use fido_proto::{BrokerMsg, ClientMsg, RemoteError, Reply, Request};
+use rustix::event::{poll, PollFd, PollFlags, Timespec};
+use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
 use serde_json::{json, Value};
 
 use fido_demo::pipeline::counters_json;
 use fido_demo::text::table;
 
+/// How long one answer may take before the broker counts as unresponsive.
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
+
 pub fn run(json_out: bool, socket: Option<PathBuf>) -> anyhow::Result<()> {
     let path = socket.unwrap_or_else(fido::default_broker_path);
-    let opts = JoinOptions::new("fido-status")
-        .broker(&path)
-        .arena_len(1 << 20)
-        .ring_entries(2);
-    let d = Domain::join(opts).with_context(|| format!("no broker at {}", path.display()))?;
-    let st = d.status().context("asking the broker for its status")?;
-    let net = net_stats(&d);
-    let me = d.id();
-    // Leave explicitly: the broker records a clean departure at once.
-    let _ = d.leave();
+    let mut broker = Observer::connect(&path)?;
+    let st = Status::collect(|req| match broker.ask(req)? {
+        Reply::Status(s) => Ok(s),
+        other => Err(anyhow!("unexpected answer to Status: {other:?}")),
+    })
+    .with_context(|| format!("asking the broker at {} for its status", path.display()))?;
+    let net = net_stats(&mut broker);
+    let mut out = String::new();
     if json_out {
         let mut v = to_json(&st);
         v["net"] = Value::Array(net);
-        println!("{}", serde_json::to_string_pretty(&v)?);
+        out = serde_json::to_string_pretty(&v)? + "\n";
     } else {
-        print_text(&st, &path, me);
-        print_net(&net);
+        print_text(&mut out, &st, &path);
+        print_net(&mut out, &net);
     }
-    Ok(())
+    write_stdout(&out)
+}
+
+/// Writes `text` to standard output; a reader that went away (`EPIPE`) is
+/// not an error: the command ends quietly, as `head` expects.
+pub fn write_stdout(text: &str) -> anyhow::Result<()> {
+    let mut stdout = std::io::stdout().lock();
+    match stdout
+        .write_all(text.as_bytes())
+        .and_then(|()| stdout.flush())
+    {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        r => r.context("writing to standard output"),
+    }
+}
+
+/// A connection to the broker that never joins: it may ask only what looks
+/// (`Status`, `StatusPage`, `Read`, `List`), as far as its uid may see.
+struct Observer {
+    sock: OwnedFd,
+    next_id: u64,
+    buf: Vec<u8>,
+}
+
+impl Observer {
+    fn connect(path: &Path) -> anyhow::Result<Observer> {
+        let sock = rustix::net::socket_with(
+            AddressFamily::UNIX,
+            SocketType::SEQPACKET,
+            SocketFlags::CLOEXEC,
+            None,
+        )
+        .context("socket")?;
+        let addr = SocketAddrUnix::new(path)
+            .with_context(|| format!("broker address {}", path.display()))?;
+        rustix::net::connect(&sock, &addr).map_err(|e| {
+            anyhow!(
+                "no broker at {}: {}",
+                path.display(),
+                std::io::Error::from(e)
+            )
+        })?;
+        Ok(Observer {
+            sock,
+            next_id: 1,
+            buf: vec![0; fido_proto::MAX_MESSAGE],
+        })
+    }
+
+    /// Sends `body` and waits for its answer; the broker's refusal (`Denied`,
+    /// `Quota`, ...) comes back as the error, with its code and message.
+    fn ask(&mut self, body: Request) -> anyhow::Result<Reply> {
+        let id = self.next_id;
+        self.next_id += 1;
+        let frame = fido_proto::encode(&ClientMsg::Request { id, body })?;
+        fido_proto::wire::send_blocking(self.sock.as_fd(), &frame, &[]).map_err(|e| {
+            anyhow!(
+                "the broker closed the connection: {}",
+                std::io::Error::from(e)
+            )
+        })?;
+        let deadline = Instant::now() + ANSWER_TIMEOUT;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                bail!("the broker did not answer within {ANSWER_TIMEOUT:?}");
+            }
+            let ts = Timespec {
+                tv_sec: left.as_secs() as i64,
+                tv_nsec: left.subsec_nanos() as i64,
+            };
+            let mut fds = [PollFd::new(&self.sock, PollFlags::IN)];
+            match poll(&mut fds, Some(&ts)) {
+                Ok(0) | Err(rustix::io::Errno::INTR) => continue,
+                Ok(_) => {}
+                Err(e) => return Err(std::io::Error::from(e).into()),
+            }
+            let (len, truncated) = match fido_proto::wire::recv(self.sock.as_fd(), &mut self.buf)
+                .map_err(std::io::Error::from)?
+            {
+                fido_proto::wire::Recv::Eof => bail!("the broker closed the connection"),
+                fido_proto::wire::Recv::WouldBlock => continue,
+                fido_proto::wire::Recv::Msg { len, truncated, .. } => (len, truncated),
+            };
+            if truncated {
+                bail!("the broker's answer was truncated");
+            }
+            match fido_proto::decode::<BrokerMsg>(&self.buf[..len])? {
+                BrokerMsg::Reply { id: got, body } if got == id => {
+                    return body.map_err(|e: RemoteError| anyhow!(e));
+                }
+                // Events are for domains; an observer has none to get.
+                _ => continue,
+            }
+        }
+    }
 }
 
 pub fn to_json(st: &Status) -> Value {
@@ -75,9 +184,10 @@ fn human_bytes(b: u64) -> String {
     }
 }
 
-fn print_text(st: &Status, path: &std::path::Path, me: u64) {
-    println!("broker: pid {} on {}", st.broker_pid, path.display());
-    println!(
+fn print_text(out: &mut String, st: &Status, path: &std::path::Path) {
+    let _ = writeln!(out, "broker: pid {} on {}", st.broker_pid, path.display());
+    let _ = writeln!(
+        out,
         "\ndomains ({}; counters are what each domain last published):",
         st.domains.len()
     );
@@ -88,11 +198,7 @@ fn print_text(st: &Status, path: &std::path::Path, me: u64) {
             let c = &d.counters;
             vec![
                 d.domain.to_string(),
-                if d.domain == me {
-                    format!("{} (this query)", d.name)
-                } else {
-                    d.name.clone()
-                },
+                d.name.clone(),
                 d.pid.to_string(),
                 d.slot.to_string(),
                 human_bytes(d.arena_len),
@@ -107,31 +213,28 @@ fn print_text(st: &Status, path: &std::path::Path, me: u64) {
             ]
         })
         .collect();
-    print!(
-        "{}",
-        table(
-            &[
-                "id",
-                "name",
-                "pid",
-                "slot",
-                "arena",
-                "msgs sent/recv",
-                "bytes sent/recv",
-                "copied",
-                "doorbells rung/suppressed"
-            ],
-            &rows
-        )
-    );
-    println!("\nservices ({}):", st.services.len());
+    out.push_str(&table(
+        &[
+            "id",
+            "name",
+            "pid",
+            "slot",
+            "arena",
+            "msgs sent/recv",
+            "bytes sent/recv",
+            "copied",
+            "doorbells rung/suppressed",
+        ],
+        &rows,
+    ));
+    let _ = writeln!(out, "\nservices ({}):", st.services.len());
     let rows: Vec<Vec<String>> = st
         .services
         .iter()
         .map(|(s, d)| vec![s.clone(), d.to_string()])
         .collect();
-    print!("{}", table(&["service", "domain"], &rows));
-    println!("\nconnections ({}):", st.connections.len());
+    out.push_str(&table(&["service", "domain"], &rows));
+    let _ = writeln!(out, "\nconnections ({}):", st.connections.len());
     let rows: Vec<Vec<String>> = st
         .connections
         .iter()
@@ -144,7 +247,7 @@ fn print_text(st: &Status, path: &std::path::Path, me: u64) {
             ]
         })
         .collect();
-    print!("{}", table(&["conn", "service", "client", "server"], &rows));
+    out.push_str(&table(&["conn", "service", "client", "server"], &rows));
     if let Some(e) = &st.pipe_engine {
         let cap = match e.capacity {
             Some(c) => format!(
@@ -154,7 +257,8 @@ fn print_text(st: &Status, path: &std::path::Path, me: u64) {
             ),
             None => "unlimited".into(),
         };
-        println!(
+        let _ = writeln!(
+            out,
             "\npipe engine: capacity {cap}, {}, {} lanes; domains with pipes ({}):",
             if e.work_conserving {
                 "work-conserving"
@@ -185,30 +289,30 @@ fn print_text(st: &Status, path: &std::path::Path, me: u64) {
                 ]
             })
             .collect();
-        print!(
-            "{}",
-            table(
-                &[
-                    "domain",
-                    "name",
-                    "weight",
-                    "throughput",
-                    "moved",
-                    "credits (B)",
-                    "pipes",
-                    "running"
-                ],
-                &rows
-            )
-        );
+        out.push_str(&table(
+            &[
+                "domain",
+                "name",
+                "weight",
+                "throughput",
+                "moved",
+                "credits (B)",
+                "pipes",
+                "running",
+            ],
+            &rows,
+        ));
     }
 }
 
 /// MMNet statistics each process under `fido run` publishes at
 /// `/net/stats/<domain>` (JSON; see docs/NET.md), oldest domain first.
-fn net_stats(d: &Domain) -> Vec<Value> {
-    let mut ids: Vec<u64> = d
-        .list("/net/stats")
+fn net_stats(d: &mut Observer) -> Vec<Value> {
+    let listed = fido_proto::ListCursor::walk("/net/stats", |req| match d.ask(req)? {
+        Reply::KeysPage { keys, next } => Ok((keys, next)),
+        other => Err(anyhow!("unexpected answer to ListPage: {other:?}")),
+    });
+    let mut ids: Vec<u64> = listed
         .unwrap_or_default()
         .iter()
         .filter_map(|s| s.parse().ok())
@@ -216,7 +320,12 @@ fn net_stats(d: &Domain) -> Vec<Value> {
     ids.sort_unstable();
     ids.iter()
         .filter_map(|id| {
-            let raw = d.read(&format!("/net/stats/{id}")).ok()??;
+            let raw = match d.ask(Request::Read {
+                path: format!("/net/stats/{id}"),
+            }) {
+                Ok(Reply::Value(v)) => v?,
+                _ => return None,
+            };
             let mut v: Value = serde_json::from_slice(&raw).ok()?;
             v["domain"] = json!(id);
             Some(v)
@@ -224,8 +333,8 @@ fn net_stats(d: &Domain) -> Vec<Value> {
         .collect()
 }
 
-fn print_net(net: &[Value]) {
-    println!("\nnet: processes under `fido run` ({}):", net.len());
+fn print_net(out: &mut String, net: &[Value]) {
+    let _ = writeln!(out, "\nnet: processes under `fido run` ({}):", net.len());
     let rows: Vec<Vec<String>> = net
         .iter()
         .map(|v| {
@@ -244,21 +353,18 @@ fn print_net(net: &[Value]) {
             ]
         })
         .collect();
-    print!(
-        "{}",
-        table(
-            &[
-                "domain",
-                "name",
-                "pid",
-                "accelerated",
-                "plain (local)",
-                "bytes sent/recv",
-                "doorbells"
-            ],
-            &rows
-        )
-    );
+    out.push_str(&table(
+        &[
+            "domain",
+            "name",
+            "pid",
+            "accelerated",
+            "plain (local)",
+            "bytes sent/recv",
+            "doorbells",
+        ],
+        &rows,
+    ));
     let open: Vec<Vec<String>> = net
         .iter()
         .flat_map(|v| {
@@ -282,21 +388,18 @@ fn print_net(net: &[Value]) {
                 })
         })
         .collect();
-    println!("\naccelerated connections open ({}):", open.len());
-    print!(
-        "{}",
-        table(
-            &[
-                "pid",
-                "side",
-                "local",
-                "peer",
-                "sent",
-                "received",
-                "doorbells",
-                "arming"
-            ],
-            &open
-        )
-    );
+    let _ = writeln!(out, "\naccelerated connections open ({}):", open.len());
+    out.push_str(&table(
+        &[
+            "pid",
+            "side",
+            "local",
+            "peer",
+            "sent",
+            "received",
+            "doorbells",
+            "arming",
+        ],
+        &open,
+    ));
 }

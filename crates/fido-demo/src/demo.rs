@@ -13,6 +13,24 @@
 //! latency under full load is shown too, apart, since it measures the queues
 //! rather than the transport.
 
+/// `println!` that does not panic when the reader went away (`fido demo |
+/// head`): the demo runs to the end, cleans up, and what no one reads is
+/// dropped.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($arg)*);
+    }};
+}
+
+/// `print!`, likewise.
+macro_rules! say_raw {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = write!(std::io::stdout(), $($arg)*);
+    }};
+}
+
 use std::time::Duration;
 
 use anyhow::bail;
@@ -73,11 +91,11 @@ pub fn run(a: DemoArgs) -> anyhow::Result<bool> {
     let default = fido::default_broker_path();
     let mut embedded = None;
     let broker = if proc::broker_reachable(&default) {
-        println!("broker: existing, at {}", default.display());
+        say!("broker: existing, at {}", default.display());
         default
     } else {
         let b = EmbeddedBroker::start("fido-demo-")?;
-        println!(
+        say!(
             "broker: embedded (no broker at {}), at {}",
             default.display(),
             b.socket().display()
@@ -91,7 +109,7 @@ pub fn run(a: DemoArgs) -> anyhow::Result<bool> {
         .chain((1..a.hops).map(|i| format!("fwd{i}")))
         .chain(std::iter::once("sink".to_string()))
         .collect();
-    println!(
+    say!(
         "fido demo: {} processes ({}), {} hop{}, {} messages, {:.1} s measured after {:.2} s warm-up",
         a.hops + 1,
         names.join(" → "),
@@ -116,7 +134,7 @@ pub fn run(a: DemoArgs) -> anyhow::Result<bool> {
         min_pings: 100,
         max_pings: 100_000,
     };
-    println!(
+    say!(
         "  throughput: {:.1} s at full load (after {:.2} s warm-up); then latency: one message in flight for {:.2} s (at least {} messages)",
         duration.as_secs_f64(),
         warmup.as_secs_f64(),
@@ -132,7 +150,7 @@ pub fn run(a: DemoArgs) -> anyhow::Result<bool> {
 
     print_fido(&out, spec.ring_entries);
 
-    println!("\nsame pipeline over Unix stream sockets (every hop copies into and out of the kernel)...");
+    say!("\nsame pipeline over Unix stream sockets (every hop copies into and out of the kernel)...");
     let uds = uds::launch(&spec, Some(&pings));
     proc::check_interrupt()?;
     let s = out.sink();
@@ -179,8 +197,8 @@ pub fn run(a: DemoArgs) -> anyhow::Result<bool> {
     if let Err(e) = &uds {
         eprintln!("fido demo: the uds comparison failed: {e:#}");
     }
-    println!();
-    print!(
+    say!();
+    say_raw!(
         "{}",
         table(
             &[
@@ -195,18 +213,18 @@ pub fn run(a: DemoArgs) -> anyhow::Result<bool> {
             &rows
         )
     );
-    println!("(fido / uds: above 1 means fido moves more for GB/s and msgs/s; below 1 means fido is quicker for latency)");
+    say!("(fido / uds: above 1 means fido moves more for GB/s and msgs/s; below 1 means fido is quicker for latency)");
     let sndbuf = uds
         .as_ref()
         .ok()
         .map(|u| u.source().u(&["sndbuf"]))
         .unwrap_or(0);
-    println!(
+    say!(
         "(throughput: the source sends as fast as the pipeline takes messages, each transport holding as many in flight as it allows: fido up to {} messages per hop (its ring), uds what a socket buffer holds ({} per hop, SO_SNDBUF))",
         spec.ring_entries,
         bytes_str(sndbuf),
     );
-    println!(
+    say!(
         "(latency: one message in flight, end to end through {} hop{}: from the source stamping a message it has just written to the sink having read and checked every byte; the source sends the next when the sink has acknowledged it, and that way back is not counted; same host clock; fido {} and uds {} messages)",
         a.hops,
         if a.hops == 1 { "" } else { "s" },
@@ -215,7 +233,7 @@ pub fn run(a: DemoArgs) -> anyhow::Result<bool> {
     );
     if let Ok(u) = &uds {
         let us = u.sink();
-        println!(
+        say!(
             "(under full load a message also waits in the queues: latency p50 fido {} behind up to {} messages per hop, uds {} behind a socket buffer per hop; a measure of the queues, not of the transport)",
             dur_ns(s.f(&["p50_ns"])),
             spec.ring_entries,
@@ -223,7 +241,7 @@ pub fn run(a: DemoArgs) -> anyhow::Result<bool> {
         );
     }
 
-    println!("\nchecks:");
+    say!("\nchecks:");
     let mut checks = out.checks();
     match &uds {
         Ok(u) => checks.extend(
@@ -234,16 +252,16 @@ pub fn run(a: DemoArgs) -> anyhow::Result<bool> {
         Err(e) => checks.push(("uds comparison".into(), false, format!("{e:#}"))),
     }
     for (what, ok, detail) in &checks {
-        println!("  [{}] {what}: {detail}", if *ok { " ok " } else { "FAIL" });
+        say!("  [{}] {what}: {detail}", if *ok { " ok " } else { "FAIL" });
     }
     let ok = checks.iter().all(|(_, ok, _)| *ok);
     let pids: Vec<String> = out.roles.iter().map(|r| r.pid.to_string()).collect();
-    println!("demo pids (all exited and reaped): {}", pids.join(" "));
+    say!("demo pids (all exited and reaped): {}", pids.join(" "));
     if let Ok(u) = &uds {
         let pids: Vec<String> = u.roles.iter().map(|r| r.pid.to_string()).collect();
-        println!("uds pids (all exited and reaped): {}", pids.join(" "));
+        say!("uds pids (all exited and reaped): {}", pids.join(" "));
     }
-    println!("result: {}", if ok { "PASS" } else { "FAIL" });
+    say!("result: {}", if ok { "PASS" } else { "FAIL" });
     Ok(ok)
 }
 
@@ -265,7 +283,7 @@ fn bytes_str(n: u64) -> String {
 
 fn print_fido(out: &Outcome, ring_entries: u32) {
     let s = out.sink();
-    println!(
+    say!(
         "\nfido (shared memory, {} mode): per domain, measured window",
         s.v["address_mode"].as_str().unwrap_or("?").to_lowercase()
     );
@@ -286,7 +304,7 @@ fn print_fido(out: &Outcome, ring_entries: u32) {
             ]
         })
         .collect();
-    print!(
+    say_raw!(
         "{}",
         table(
             &[
@@ -303,13 +321,13 @@ fn print_fido(out: &Outcome, ring_entries: u32) {
             &rows
         )
     );
-    println!(
+    say!(
         "sink latency (source→sink), one message in flight: p50 {}  p99 {}  over {} messages",
         dur_ns(s.f(&["ping_p50_ns"])),
         dur_ns(s.f(&["ping_p99_ns"])),
         s.u(&["ping_samples"])
     );
-    println!(
+    say!(
         "sink latency (source→sink), full load, queueing behind up to {ring_entries} messages per hop: p50 {}  p99 {}  over {} messages",
         dur_ns(s.f(&["p50_ns"])),
         dur_ns(s.f(&["p99_ns"])),

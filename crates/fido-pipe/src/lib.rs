@@ -396,12 +396,12 @@ impl Client {
 
     /// The broker's status, including the pipe engine's per-domain figures.
     pub fn status(&self) -> Result<Status> {
-        match self.inner.request(Request::Status, &[])? {
+        Status::collect(|req| match self.inner.request(req, &[])? {
             (Reply::Status(s), _) => Ok(s),
             (other, _) => Err(Error::Protocol(format!(
                 "unexpected answer to Status: {other:?}"
             ))),
-        }
+        })
     }
 
     fn notify(&self, body: Request) {

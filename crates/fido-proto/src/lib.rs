@@ -171,6 +171,62 @@ pub enum Request {
     /// (every live domain of that name). Administrators only (the broker's
     /// uid or root).
     PipeWeight { domain: String, weight: u32 },
+    /// One page of `Status`, from `cursor` on (`Status` alone asks for the
+    /// first). Answered with [`Reply::Status`]; its `next` says where the
+    /// following page starts. Like `Status`, allowed before `Join`.
+    StatusPage { cursor: StatusCursor },
+    /// One page of `List`: the children of `path` from `cursor` on (`None`:
+    /// the start). Answered with [`Reply::KeysPage`]. However many keys
+    /// others create under `path`, each page fits a message. Allowed before
+    /// `Join`, like `List`.
+    ListPage { path: String, cursor: Option<ListCursor> },
+}
+
+impl ListCursor {
+    /// Every child of `path`, sorted: the pages of [`Request::ListPage`],
+    /// each asked through `ask` (which returns its names and next cursor),
+    /// gathered. A broker answering with the cursor it was asked for ends
+    /// the walk instead of looping.
+    pub fn walk<E>(
+        path: &str,
+        mut ask: impl FnMut(Request) -> Result<(Vec<String>, Option<ListCursor>), E>,
+    ) -> Result<Vec<String>, E> {
+        let mut names = std::collections::BTreeSet::new();
+        let mut cursor: Option<ListCursor> = None;
+        loop {
+            let page = Request::ListPage { path: path.to_string(), cursor: cursor.clone() };
+            let (keys, next) = ask(page)?;
+            names.extend(keys);
+            match next {
+                Some(c) if cursor.as_ref() != Some(&c) => cursor = Some(c),
+                _ => return Ok(names.into_iter().collect()),
+            }
+        }
+    }
+}
+
+/// Where a page of a listing continues: the registry key its scan reached
+/// and whether that key itself is still to be looked at.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ListCursor {
+    pub key: String,
+    pub inclusive: bool,
+}
+
+/// Where a page of [`Status`] starts: the section, and the last entry of it
+/// the previous page carried (`None`: the section's start). Pages are not a
+/// snapshot: what changes between them may be seen twice or not at all.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum StatusCursor {
+    Domains { after: Option<DomainId> },
+    Services { after: Option<String> },
+    Connections { after: Option<ConnId> },
+    Pipes { after: Option<DomainId> },
+}
+
+impl StatusCursor {
+    /// The first page.
+    pub const START: StatusCursor = StatusCursor::Domains { after: None };
 }
 
 /// A pipe's identity, unique for the lifetime of the broker.
@@ -344,6 +400,10 @@ pub enum Reply {
     PipeCreated { pipe: PipeId, source: PipeFdKind, sink: PipeFdKind },
     /// A pipe operation ended.
     PipeDone(PipeResult),
+    /// A page of children names (key order; a name may come again on the
+    /// next page, so gather them in a set), and where the next page starts
+    /// (`None`: this was the last).
+    KeysPage { keys: Vec<String>, next: Option<ListCursor> },
 }
 
 /// The other end of a connection, as the broker vouches for it.
@@ -412,6 +472,37 @@ pub struct Status {
     /// Pipe engine settings and per-domain pipe figures.
     pub pipe_engine: Option<PipeEngineStatus>,
     pub pipes: Vec<PipeDomainStatus>,
+    /// Where the next page starts (ask with [`Request::StatusPage`]);
+    /// `None`: this was the last.
+    pub next: Option<StatusCursor>,
+}
+
+impl Status {
+    /// Appends the entries of the page that follows this one and takes its `next`.
+    pub fn absorb(&mut self, page: Status) {
+        self.domains.extend(page.domains);
+        self.services.extend(page.services);
+        self.connections.extend(page.connections);
+        self.pipes.extend(page.pipes);
+        self.pipe_engine = page.pipe_engine.or(self.pipe_engine.take());
+        self.next = page.next;
+    }
+
+    /// The whole status: the first page (`Request::Status`) and every page
+    /// after it (`Request::StatusPage`), each asked through `ask`. A broker
+    /// answering a page with the cursor it was asked for ends the walk
+    /// instead of looping.
+    pub fn collect<E>(mut ask: impl FnMut(Request) -> Result<Status, E>) -> Result<Status, E> {
+        let mut st = ask(Request::Status)?;
+        while let Some(cursor) = st.next.take() {
+            let page = ask(Request::StatusPage { cursor: cursor.clone() })?;
+            if page.next.as_ref() == Some(&cursor) {
+                break;
+            }
+            st.absorb(page);
+        }
+        Ok(st)
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -659,6 +750,14 @@ impl Validate for Request {
             | Request::PipeCancel { .. }
             | Request::PipeDestroy { .. } => Ok(()),
             Request::PipeRun { op, .. } | Request::PipeOnce { op } => op.validate(),
+            Request::StatusPage { cursor: StatusCursor::Services { after: Some(s) } } => {
+                check_name(s)
+            }
+            Request::StatusPage { .. } => Ok(()),
+            Request::ListPage { path, cursor } => {
+                check_path(path)?;
+                cursor.as_ref().map_or(Ok(()), |c| check_path(&c.key))
+            }
             Request::PipeWeight { domain, weight } => {
                 check_name(domain)?;
                 if *weight == 0 || *weight > MAX_PIPE_WEIGHT {

@@ -133,6 +133,10 @@ fn client_seeds() -> Vec<ClientMsg> {
         req(45, Request::PipeCancel { pipe: 1 }),
         req(46, Request::PipeDestroy { pipe: 1 }),
         req(47, Request::PipeWeight { domain: "web".into(), weight: 2 }),
+        req(48, Request::StatusPage { cursor: StatusCursor::START }),
+        req(49, Request::StatusPage { cursor: StatusCursor::Services { after: Some("echo".into()) } }),
+        req(50, Request::ListPage { path: "/net/listen/80".into(), cursor: None }),
+        req(51, Request::ListPage { path: "/a".into(), cursor: Some(ListCursor { key: "/a/b0".into(), inclusive: true }) }),
     ]
 }
 
@@ -164,6 +168,7 @@ fn broker_seeds() -> Vec<BrokerMsg> {
                 connections: vec![ConnStatus { conn: 77, service: "echo".into(), client: 3, server: 2 }],
                 pipe_engine: Some(PipeEngineStatus { capacity: Some(1 << 30), calibrated: true, work_conserving: true, lanes: 4 }),
                 pipes: vec![PipeDomainStatus { domain: 2, weight: 2, credits: -4096, bytes_per_s: 1 << 20, bytes_total: 1 << 30, pipes: 1, running: 1 }],
+                next: Some(StatusCursor::Connections { after: Some(77) }),
             }),
         ),
         BrokerMsg::Reply { id: 10, body: Err(RemoteError::new(ErrorCode::NoSuchService, "no echo")) },
@@ -176,6 +181,7 @@ fn broker_seeds() -> Vec<BrokerMsg> {
         BrokerMsg::Event(Event::Watch { token: 1, path: "/service/echo".into(), value: None }),
         ok(12, Reply::PipeCreated { pipe: 5, source: PipeFdKind::File, sink: PipeFdKind::Stream }),
         ok(13, Reply::PipeDone(PipeResult { moved: 4096, consumed: 4096, end: PipeEnd::Eof })),
+        ok(15, Reply::KeysPage { keys: vec!["b".into()], next: Some(ListCursor { key: "/a/b".into(), inclusive: false }) }),
         ok(14, Reply::PipeDone(PipeResult { moved: 1, consumed: 2, end: PipeEnd::Failed { errno: 32, message: "sink: EPIPE".into() } })),
     ]
 }

@@ -28,7 +28,7 @@ use std::path::Path;
 
 use rusqlite::{Connection, OptionalExtension, TransactionBehavior};
 
-pub use fido_proto::TxnOp;
+pub use fido_proto::{ListCursor, TxnOp};
 use fido_proto::{check_path, MAX_TXN_OPS, MAX_VALUE};
 
 /// Version of the on-disk schema, kept in SQLite's `user_version`. A database
@@ -197,6 +197,24 @@ impl Registry {
     /// (keys `/a/b/c` → `list("/a") == ["b"]`). `list("/")` lists top-level
     /// names. A path with no children (or no such key) lists as empty.
     pub fn list(&self, path: &str) -> Result<Vec<String>, RegistryError> {
+        let (names, _) = self.list_page(path, None, usize::MAX)?;
+        let sorted: BTreeSet<String> = names.into_iter().collect();
+        Ok(sorted.into_iter().collect())
+    }
+
+    /// One page of [`list`](Self::list): the children of `path` met from
+    /// `from` on (`None`: the start), until their names add up to
+    /// `max_bytes`, and where the next page starts (`None`: this was the
+    /// last). Names come in key order, not sorted, and a child that is both
+    /// a key and a directory may come twice, once on each of two pages; a
+    /// caller gathering pages puts them in a set. A cursor from outside the
+    /// subtree of `path` is refused.
+    pub fn list_page(
+        &self,
+        path: &str,
+        from: Option<&ListCursor>,
+        max_bytes: usize,
+    ) -> Result<(Vec<String>, Option<ListCursor>), RegistryError> {
         checked(path)?;
         let (lo, hi) = subtree_bounds(path);
         // Skip-scan: find the smallest key below `path`, take its next
@@ -207,17 +225,25 @@ impl Registry {
         let mut after = self.conn.prepare_cached(
             "SELECT path FROM keys WHERE path > ?1 AND path < ?2 ORDER BY path LIMIT 1",
         )?;
-        let mut from = self.conn.prepare_cached(
+        let mut from_stmt = self.conn.prepare_cached(
             "SELECT path FROM keys WHERE path >= ?1 AND path < ?2 ORDER BY path LIMIT 1",
         )?;
         // Names are collected in a set: a child that is both a key and a
         // directory ("c" and "c/x") is met twice, with siblings such as "c+x"
         // (which sort between "c" and "c/") in between.
         let mut names = BTreeSet::new();
-        let mut cursor = lo.clone();
-        let mut inclusive = false;
+        let mut order = Vec::new();
+        let mut bytes = 0usize;
+        let (mut cursor, mut inclusive) = match from {
+            None => (lo.clone(), false),
+            Some(c) if c.key.starts_with(&lo) && c.key < hi => (c.key.clone(), c.inclusive),
+            Some(c) => return Err(RegistryError::BadPath(format!("list cursor {:?} outside {path}", c.key))),
+        };
         loop {
-            let stmt = if inclusive { &mut from } else { &mut after };
+            if bytes >= max_bytes {
+                return Ok((order, Some(ListCursor { key: cursor, inclusive })));
+            }
+            let stmt = if inclusive { &mut from_stmt } else { &mut after };
             let key: Option<String> = stmt.query_row((&cursor, &hi), |r| r.get(0)).optional()?;
             let Some(key) = key else { break };
             let rest = &key[lo.len()..];
@@ -225,7 +251,10 @@ impl Registry {
                 // The child is itself a key: continue right after it (its own
                 // subtree, if any, is found and skipped on the next round).
                 None => {
-                    names.insert(rest.to_owned());
+                    if names.insert(rest.to_owned()) {
+                        bytes += rest.len() + 1;
+                        order.push(rest.to_owned());
+                    }
                     cursor = key;
                     inclusive = false;
                 }
@@ -233,13 +262,16 @@ impl Registry {
                 // `lo + name + "/..."`, i.e. `lo + name + "0"` ('0' follows '/').
                 Some(i) => {
                     let name = &rest[..i];
-                    names.insert(name.to_owned());
+                    if names.insert(name.to_owned()) {
+                        bytes += name.len() + 1;
+                        order.push(name.to_owned());
+                    }
                     cursor = format!("{lo}{name}0");
                     inclusive = true;
                 }
             }
         }
-        Ok(names.into_iter().collect())
+        Ok((order, None))
     }
 
     /// Prefix watch: fires for any write or delete of `prefix` itself or of any

@@ -196,6 +196,44 @@ fn list_many_children() {
     assert_eq!(r.list("/big").unwrap(), expected);
 }
 
+/// Pages of a listing, however small, gather into exactly the listing
+/// (children that are keys, directories or both, and the names sorting
+/// between "c" and "c/"), each page bounded; a cursor from elsewhere is
+/// refused.
+#[test]
+fn list_pages_gather_into_the_listing() {
+    let mut r = reg();
+    for k in [
+        "/p/c", "/p/c/deep/er", "/p/c+x", "/p/c-y/z", "/p/c.z", "/p/c0", "/p/b/1", "/p/b/2", "/p/d",
+    ] {
+        r.write(k, b"").unwrap();
+    }
+    for i in 0..300 {
+        r.write(&format!("/p/n{i:03}/x"), b"").unwrap();
+    }
+    let all = r.list("/p").unwrap();
+    for max in [1, 2, 7, 100, 1 << 20] {
+        let mut got = std::collections::BTreeSet::new();
+        let mut cursor = None;
+        let mut pages = 0;
+        loop {
+            let (names, next) = r.list_page("/p", cursor.as_ref(), max).unwrap();
+            let bytes: usize = names.iter().map(|n| n.len() + 1).sum();
+            assert!(bytes < max + 8, "page of {bytes} bytes over {max}");
+            got.extend(names);
+            pages += 1;
+            match next {
+                Some(c) => cursor = Some(c),
+                None => break,
+            }
+        }
+        assert_eq!(got.into_iter().collect::<Vec<_>>(), all, "max {max}");
+        assert!(max > 100 || pages > 10, "max {max}: {pages} pages");
+    }
+    let elsewhere = fido_registry::ListCursor { key: "/q/x".into(), inclusive: false };
+    assert!(r.list_page("/p", Some(&elsewhere), 10).is_err());
+}
+
 #[test]
 fn persistence_across_reopen() {
     let dir = tempfile::tempdir().unwrap();

@@ -313,12 +313,13 @@ impl Domain {
         Ok(())
     }
 
-    /// Broker-wide status.
+    /// Broker-wide status, as far as this domain's uid may see it (every
+    /// page of it).
     pub fn status(&self) -> Result<Status> {
-        match self.inner.control.request(Request::Status, &[])?.0 {
+        Status::collect(|req| match self.inner.control.request(req, &[])?.0 {
             Reply::Status(s) => Ok(s),
             other => Err(Error::broker_protocol(format!("unexpected reply {other:?}"))),
-        }
+        })
     }
 
     // ---- registry ----
@@ -333,11 +334,13 @@ impl Domain {
         self.inner.control.request(Request::Write { path: path.into(), value: value.to_vec() }, &[])?;
         Ok(())
     }
+    /// Names of the children of `path`, sorted (every page of them: a
+    /// directory others filled with keys never makes the answer too large).
     pub fn list(&self, path: &str) -> Result<Vec<String>> {
-        match self.inner.control.request(Request::List { path: path.into() }, &[])?.0 {
-            Reply::Keys(k) => Ok(k),
+        fido_proto::ListCursor::walk(path, |req| match self.inner.control.request(req, &[])?.0 {
+            Reply::KeysPage { keys, next } => Ok((keys, next)),
             other => Err(Error::broker_protocol(format!("unexpected reply {other:?}"))),
-        }
+        })
     }
     /// Deletes a key and its subtree.
     pub fn delete(&self, path: &str) -> Result<()> {

@@ -204,6 +204,15 @@ impl Server {
         {
             return Err(self.deny(dom, format!("may not offer service {service:?}")));
         }
+        self.check_uid_quota(
+            dom,
+            "services offered",
+            |s, uid| {
+                let offered = s.services.values().filter(|d| s.uid_of(**d) == Some(uid));
+                offered.count() as u64
+            },
+            |q| q.services,
+        )?;
         if let Some(owner) = self.services.get(&service) {
             return Err(err(
                 ErrorCode::ServiceTaken,

@@ -4,7 +4,7 @@
 
 use std::os::fd::OwnedFd;
 
-use fido_proto::{ClientMsg, DomainId, ErrorCode, GoneReason, ProtoError, Reply, Request};
+use fido_proto::{ClientMsg, DomainId, ErrorCode, GoneReason, ProtoError, Request, StatusCursor};
 
 use super::{err, Handled, Server};
 
@@ -45,6 +45,9 @@ impl Server {
                     resume,
                 },
             ) => self.join(key, name, label, arena_len, resume, fds),
+            // Looking needs no PGVAS slot: `fido status` works however full
+            // the window is.
+            (None, body) if is_observation(&body) => self.observe(key, body, fds),
             (Some(d), Request::Join { .. }) => Err(err(
                 ErrorCode::AlreadyJoined,
                 format!("this socket already joined as domain {d}"),
@@ -95,6 +98,22 @@ impl Server {
         }
     }
 
+    /// A request that only looks, from a client that has not joined.
+    fn observe(&mut self, key: u64, body: Request, fds: Vec<OwnedFd>) -> Handled {
+        if !fds.is_empty() {
+            return Err(err(
+                ErrorCode::BadDescriptor,
+                format!("this request carries no descriptors, got {}", fds.len()),
+            ));
+        }
+        let viewer = self.client_viewer(key)?;
+        match body {
+            Request::Status => self.status_request(&viewer, StatusCursor::START),
+            Request::StatusPage { cursor } => self.status_request(&viewer, cursor),
+            body => self.registry_look(&viewer, body),
+        }
+    }
+
     /// A request of joined domain `dom`, routed by family.
     fn request(
         &mut self,
@@ -124,12 +143,16 @@ impl Server {
             | Request::Unmapped { .. }) => self.connection_request(key, dom, id, body, fds),
             body @ (Request::Read { .. }
             | Request::List { .. }
+            | Request::ListPage { .. }
             | Request::Write { .. }
             | Request::Delete { .. }
             | Request::Watch { .. }
             | Request::Unwatch { .. }
             | Request::Transaction { .. }) => self.registry_request(dom, body),
-            Request::Status => Ok(Some((Reply::Status(self.status()), Vec::new()))),
+            Request::Status => self.status_request(&self.domain_viewer(dom)?, StatusCursor::START),
+            Request::StatusPage { cursor } => {
+                self.status_request(&self.domain_viewer(dom)?, cursor)
+            }
             body @ (Request::PipeCreate
             | Request::PipeRun { .. }
             | Request::PipeOnce { .. }
@@ -138,6 +161,19 @@ impl Server {
             | Request::PipeWeight { .. }) => self.pipe_request(key, dom, id, body, fds),
         }
     }
+}
+
+/// Requests a client may make before (or without) joining: they only look,
+/// as far as its uid may see.
+fn is_observation(body: &Request) -> bool {
+    matches!(
+        body,
+        Request::Status
+            | Request::StatusPage { .. }
+            | Request::Read { .. }
+            | Request::List { .. }
+            | Request::ListPage { .. }
+    )
 }
 
 /// Connect and Accept carry doorbells, PipeCreate and PipeOnce the pipe's

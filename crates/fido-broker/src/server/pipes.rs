@@ -280,7 +280,15 @@ impl Server {
                 format!("too many pipes: this domain holds {held} (limit {limit})"),
             ));
         }
-        Ok(())
+        self.check_uid_quota(
+            dom,
+            "pipes",
+            |s, uid| {
+                let doms = s.domains.iter().filter(|(_, d)| d.uid == uid);
+                doms.map(|(id, _)| s.pipes.held(*id)).sum()
+            },
+            |q| q.pipes,
+        )
     }
 
     #[allow(clippy::too_many_arguments)]
