@@ -66,7 +66,7 @@ impl Server {
         Ok(Some((Reply::Ok, Vec::new())))
     }
 
-    fn watch(&mut self, dom: DomainId, token: u64, prefix: String) -> Handled {
+    pub(super) fn watch(&mut self, dom: DomainId, token: u64, prefix: String) -> Handled {
         let limit = self.domains.get(&dom).map_or(0, |d| d.rule.quotas.watches);
         let held = self.reg.watch_count(dom) as u64;
         // Re-using a token replaces that watch: it does not add one.
