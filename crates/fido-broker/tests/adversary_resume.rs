@@ -341,6 +341,49 @@ fn a_huge_resume_is_refused_at_once_and_others_are_served() {
     assert_eq!(answer[0], "ok", "{answer:?}");
 }
 
+/// A domain's resume record goes when the domain goes: one that left, and
+/// one that did not come back within the grace period after a restart, can
+/// no longer be resumed, secret or not. (Same uid throughout: no users needed.)
+#[test]
+fn a_domain_that_left_or_stayed_away_cannot_be_resumed() {
+    let mut b = TestBroker::start_with(|c| {
+        c.heartbeat = Duration::from_millis(50);
+        c.heartbeat_misses = 4;
+    });
+    let mut gone = b.client();
+    let (gone_id, gone_slot) = gone.join("leaver");
+    let mut away = b.client();
+    let (away_id, away_slot) = away.join("away");
+    assert_eq!(gone.request(Request::Leave), Ok(Reply::Ok));
+    let bare = |domain, slot, secret| Resume {
+        domain,
+        slot,
+        services: vec![],
+        mapped: vec![],
+        connections: vec![],
+        watches: vec![],
+        secret,
+    };
+    b.restart();
+    let r = b
+        .client()
+        .join_with("leaver", Some(bare(gone_id, gone_slot, gone.secret())));
+    assert_eq!(r.unwrap_err().code, fido_proto::ErrorCode::Denied);
+    // The grace period is one heartbeat timeout (200 ms); wait it out,
+    // with a live domain beating so that the broker ticks.
+    let mut live = b.client();
+    live.join("live");
+    let end = Instant::now() + Duration::from_millis(600);
+    while Instant::now() < end {
+        live.heartbeat();
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let r = b
+        .client()
+        .join_with("away", Some(bare(away_id, away_slot, away.secret())));
+    assert_eq!(r.unwrap_err().code, fido_proto::ErrorCode::Denied);
+}
+
 // ----- the children's side ----------------------------------------------------------
 
 /// An arena already holding `bytes` at offset 0: (rw, ro).
