@@ -240,7 +240,7 @@ impl Server {
             watches: rule.quotas.watches,
             mappings: u64::from(self.cfg.geometry.slots),
         };
-        resume::check_resume(&self.recorded, who.uid, r, &limits).map_err(|e| {
+        resume::check_resume(&self.recorded, who.uid, r, &limits).inspect_err(|e| {
             tracing::warn!(
                 domain = r.domain,
                 pid = who.pid,
@@ -250,7 +250,6 @@ impl Server {
                 "resume refused: {}",
                 e.message
             );
-            e
         })
     }
 
