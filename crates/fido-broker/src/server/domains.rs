@@ -511,6 +511,20 @@ impl Server {
                 "resumed mapping not on record; ignored"
             );
         }
+        // Grants recorded for this domain that it no longer reports: it
+        // unmapped them while the broker was down. Their records go.
+        let stale: Vec<u32> = self
+            .recorded
+            .mappings
+            .range((id, 0, 0)..=(id, u32::MAX, DomainId::MAX))
+            .filter(|(_, slot, owner)| !a.mapped.contains(&(*slot, *owner)))
+            .map(|(_, slot, _)| *slot)
+            .collect();
+        for slot in stale {
+            if let Err(e) = self.reg.private_delete(&mapping_key(id, slot)) {
+                tracing::warn!(domain = id, slot, error = %e, "could not delete the mapping record");
+            }
+        }
         for (slot, owner) in a.mapped {
             self.resume_mapping(id, slot, owner);
         }
@@ -572,6 +586,9 @@ impl Server {
                     holder = s.owner,
                     "resumed mapping conflicts; ignored"
                 );
+                if let Err(e) = self.reg.private_delete(&mapping_key(id, slot)) {
+                    tracing::warn!(domain = id, slot, error = %e, "could not delete the mapping record");
+                }
                 return;
             }
             None => {
