@@ -31,6 +31,18 @@ use rustix::fs::{MemfdFlags, Mode, OFlags, SealFlags};
 
 type TestBroker = fido_test_support::TestBroker<Defaults>;
 
+/// Held while this process runs a child and while a broker restarts. A
+/// child holds copies of all our descriptors until it execs, the state
+/// directory's lock among them (a flock belongs to the open file, not the
+/// descriptor): a broker restarting in that window would find its state
+/// directory still locked.
+static FORKING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn restart(b: &mut TestBroker) {
+    let _g = FORKING.lock().unwrap_or_else(|e| e.into_inner());
+    b.restart();
+}
+
 /// Alice may hold this many connections; bob's forged ones once filled it.
 const ALICE_CONNECTIONS: u64 = 8;
 /// What alice keeps in her arena, for nobody else's eyes.
@@ -77,6 +89,8 @@ fn broker(alice: User, bob: User) -> TestBroker {
 }
 
 fn users() -> Option<(User, User)> {
+    // test_user runs `id` (and maybe `useradd`): children too.
+    let _g = FORKING.lock().unwrap_or_else(|e| e.into_inner());
     Some((test_user("fido-test-a")?, test_user("fido-test-b")?))
 }
 
@@ -92,6 +106,8 @@ struct Kid {
 impl Kid {
     fn spawn(user: User, socket: &Path) -> Kid {
         let exe = std::env::current_exe().unwrap();
+        // spawn() returns once the child has exec'ed (or failed to).
+        let _g = FORKING.lock().unwrap_or_else(|e| e.into_inner());
         let mut child = Command::new("setpriv")
             .arg(format!("--reuid={}", user.uid))
             .arg(format!("--regid={}", user.gid))
@@ -202,9 +218,20 @@ fn forged_resume_neither_reads_an_arena_nor_charges_another_user() {
     assert_eq!(grant[..2], ["err", "Denied"], "{grant:?}");
 
     // Alice's connection quota is hers: she still connects to her service.
-    alice.join("cli", "alice-client");
+    let (c_id, c_slot, _) = alice.join("cli", "alice-client");
     let link = alice.run("link srv cli alice-svc");
     assert_eq!(link[0], "ok", "alice's own connect failed: {link:?}");
+    let conn = &link[1];
+
+    // Nor can bob act on alice's connection by naming its id, or have a
+    // grant by unmapping what he never mapped.
+    for cmd in ["close", "refuse", "accept"] {
+        let answer = bob.run(&format!("{cmd} own {conn}"));
+        assert_eq!(answer[..2], ["err", "NoSuchConnection"], "{cmd}: {answer:?}");
+    }
+    assert_eq!(bob.run(&format!("unmapped own {c_slot} {c_id}")), ["ok"]);
+    let grant = bob.run(&format!("grant own {c_slot}"));
+    assert_eq!(grant[..2], ["err", "Denied"], "{grant:?}");
 
     // The broker keeps no trace of the forgery.
     let mut root = b.client();
@@ -238,7 +265,7 @@ fn after_a_restart_only_alice_resumes_alice() {
     let conn: u64 = conn[1].parse().unwrap();
     let (bob_id, bob_slot, _) = bob.join("own", "bob-own");
 
-    b.restart();
+    restart(&mut b);
 
     // Bob takes alice's id and slot: without her secret, and even with it
     // (say it leaked) from the wrong uid.
@@ -302,7 +329,7 @@ fn a_huge_resume_is_refused_at_once_and_others_are_served() {
     let mut bob = Kid::spawn(bob_u, &b.socket());
     let (a_id, a_slot, a_secret) = alice.join("srv", "alice-server");
     let (bob_id, _, _) = bob.join("own", "bob-own");
-    b.restart();
+    restart(&mut b);
     let mut root = b.client();
     root.join("root");
 
@@ -364,7 +391,7 @@ fn a_domain_that_left_or_stayed_away_cannot_be_resumed() {
         watches: vec![],
         secret,
     };
-    b.restart();
+    restart(&mut b);
     let r = b
         .client()
         .join_with("leaver", Some(bare(gone_id, gone_slot, gone.secret())));
@@ -428,7 +455,9 @@ fn answer_err(e: &fido_proto::RemoteError) -> String {
 /// Entry point of the re-executed children; a no-op in a normal run.
 ///
 /// Commands, one per stdin line (`C` names one of this child's clients):
-/// `join C NAME HEX` (the arena starts with HEX), `offer C SERVICE`, `link SERVER CLIENT SERVICE`, `grant C SLOT`,
+/// `join C NAME HEX` (the arena starts with HEX), `offer C SERVICE`,
+/// `link SERVER CLIENT SERVICE`, `grant C SLOT`, `close C CONN`,
+/// `refuse C CONN`, `accept C CONN`, `unmapped C SLOT OWNER`,
 /// `resume C ID SLOT SECRET MAPPED CONNS` (see [`resume_cmd`]).
 #[test]
 fn child_main() {
@@ -502,6 +531,33 @@ fn child_main() {
                     (Ok(Reply::Connected { conn, .. }), Some(_)) => format!("ok {conn}"),
                     (Err(e), _) => answer_err(&e),
                     (other, _) => panic!("{other:?}"),
+                }
+            }
+            "close" | "refuse" | "accept" | "unmapped" => {
+                let raw = clients.get_mut(w[1]).unwrap();
+                let n: u64 = w[2].parse().unwrap();
+                let (body, bells) = match w[0] {
+                    "close" => (Request::Close { conn: n }, vec![]),
+                    "refuse" => (
+                        Request::Refuse {
+                            conn: n,
+                            reason: "no".into(),
+                        },
+                        vec![],
+                    ),
+                    "accept" => (Request::Accept { conn: n, block: BLOCK }, vec![bell(), bell()]),
+                    _ => (
+                        Request::Unmapped {
+                            slot: n as u32,
+                            owner: w[3].parse().unwrap(),
+                        },
+                        vec![],
+                    ),
+                };
+                let fds: Vec<_> = bells.iter().map(|b| b.as_fd()).collect();
+                match raw.request_fds(body, &fds).0 {
+                    Ok(_) => "ok".into(),
+                    Err(e) => answer_err(&e),
                 }
             }
             "grant" => {
