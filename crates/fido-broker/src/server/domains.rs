@@ -115,7 +115,9 @@ pub(super) struct Joiner {
 
 impl Server {
     /// Handles `Join`: checks the arena, lets the policy decide, picks the
-    /// domain's id and slot (fresh, or its old ones on resume) and records it.
+    /// domain's id and slot and records it. Fresh: a new id, the lowest free
+    /// slot, and a resume secret issued and recorded. Resume: the old id and
+    /// slot, once the resume proved itself against the record.
     pub(super) fn join(
         &mut self,
         key: u64,
