@@ -75,7 +75,14 @@ pub fn world() -> Recorded {
             },
         );
     }
-    for (mapper, slot, owner) in [(1, 1, 2), (2, 0, 1), (1, 2, 3), (3, 3, 4), (4, 0, 1), (5, 0, 1)] {
+    for (mapper, slot, owner) in [
+        (1, 1, 2),
+        (2, 0, 1),
+        (1, 2, 3),
+        (3, 3, 4),
+        (4, 0, 1),
+        (5, 0, 1),
+    ] {
         w.mappings.insert((mapper, slot, owner));
     }
     w
@@ -136,18 +143,26 @@ pub fn resume_from(data: &[u8]) -> (u32, Resume) {
         _ => ResumeSecret(std::array::from_fn(|_| b.byte())),
     };
     let n = b.count();
-    let services = (0..n).map(|_| SERVICES[usize::from(b.byte() % 3)].to_string()).collect();
+    let services = (0..n)
+        .map(|_| SERVICES[usize::from(b.byte() % 3)].to_string())
+        .collect();
     let n = b.count();
     let mapped = (0..n).map(|_| (u32::from(b.byte() % 6), b.id())).collect();
     let n = b.count();
     let connections = (0..n)
         .map(|_| {
             let conn = 8 + u64::from(b.byte() % 10);
-            (conn, b.id(), SERVICES[usize::from(b.byte() % 3)].to_string())
+            (
+                conn,
+                b.id(),
+                SERVICES[usize::from(b.byte() % 3)].to_string(),
+            )
         })
         .collect();
     let n = b.count();
-    let watches = (0..n).map(|_| (u64::from(b.byte()), "/app".to_string())).collect();
+    let watches = (0..n)
+        .map(|_| (u64::from(b.byte()), "/app".to_string()))
+        .collect();
     let resume = Resume {
         domain,
         slot,
@@ -175,8 +190,15 @@ pub fn check(data: &[u8]) {
         && r.mapped.len() as u64 <= LIMITS.mappings;
     let a = match result {
         Err(e) => {
-            assert!(!(proven && within), "a proven resume within limits was refused: {e}");
-            let want = if proven { ErrorCode::Quota } else { ErrorCode::Denied };
+            assert!(
+                !(proven && within),
+                "a proven resume within limits was refused: {e}"
+            );
+            let want = if proven {
+                ErrorCode::Quota
+            } else {
+                ErrorCode::Denied
+            };
             assert_eq!(e.code, want, "{e}");
             return;
         }
@@ -197,7 +219,10 @@ pub fn check(data: &[u8]) {
     for (slot, owner) in &dropped {
         assert!(!world.mappings.contains(&(r.domain, *slot, *owner)));
     }
-    assert_eq!(admitted.union(&dropped).copied().collect::<BTreeSet<_>>(), claims);
+    assert_eq!(
+        admitted.union(&dropped).copied().collect::<BTreeSet<_>>(),
+        claims
+    );
 
     // Connections: each admitted one is recorded with this domain as an end,
     // the other end the peer it named, the same service; and comes with the
@@ -207,7 +232,11 @@ pub fn check(data: &[u8]) {
         assert!(seen.insert(*conn), "connection {conn} admitted twice");
         assert_eq!(world.conns.get(conn), Some(rec));
         assert!(rec.client == r.domain || rec.server == r.domain);
-        let peer = if rec.client == r.domain { rec.server } else { rec.client };
+        let peer = if rec.client == r.domain {
+            rec.server
+        } else {
+            rec.client
+        };
         assert!(
             r.connections
                 .iter()
@@ -216,7 +245,10 @@ pub fn check(data: &[u8]) {
         );
     }
     for (conn, _) in &a.unrecorded_connections {
-        assert!(seen.insert(*conn), "connection {conn} both admitted and dropped");
+        assert!(
+            seen.insert(*conn),
+            "connection {conn} both admitted and dropped"
+        );
     }
     let claimed: BTreeSet<u64> = r.connections.iter().map(|(c, _, _)| *c).collect();
     assert_eq!(seen, claimed);

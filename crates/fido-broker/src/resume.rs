@@ -117,8 +117,7 @@ pub fn new_secret() -> std::io::Result<ResumeSecret> {
     let mut bytes = [0u8; 32];
     let mut filled = 0;
     while filled < bytes.len() {
-        match rustix::rand::getrandom(&mut bytes[filled..], rustix::rand::GetRandomFlags::empty())
-        {
+        match rustix::rand::getrandom(&mut bytes[filled..], rustix::rand::GetRandomFlags::empty()) {
             Ok(n) => filled += n,
             Err(rustix::io::Errno::INTR) => {}
             Err(e) => return Err(e.into()),
@@ -167,9 +166,7 @@ pub fn check_resume(
         )));
     }
     if !same_hash(&hash_secret(&r.secret), &rec.secret_hash) {
-        return Err(denied(format!(
-            "wrong resume secret for domain {id}"
-        )));
+        return Err(denied(format!("wrong resume secret for domain {id}")));
     }
     if rec.slot != r.slot {
         return Err(denied(format!(

@@ -227,7 +227,11 @@ fn forged_resume_neither_reads_an_arena_nor_charges_another_user() {
     // grant by unmapping what he never mapped.
     for cmd in ["close", "refuse", "accept"] {
         let answer = bob.run(&format!("{cmd} own {conn}"));
-        assert_eq!(answer[..2], ["err", "NoSuchConnection"], "{cmd}: {answer:?}");
+        assert_eq!(
+            answer[..2],
+            ["err", "NoSuchConnection"],
+            "{cmd}: {answer:?}"
+        );
     }
     assert_eq!(bob.run(&format!("unmapped own {c_slot} {c_id}")), ["ok"]);
     let grant = bob.run(&format!("grant own {c_slot}"));
@@ -294,7 +298,11 @@ fn after_a_restart_only_alice_resumes_alice() {
         &format!("{c_slot}:{c_id}"),
         &format!("{conn}:{c_id}:alice-svc"),
     ));
-    assert_eq!(answer[..3], ["ok", &a_id.to_string(), &a_slot.to_string()], "{answer:?}");
+    assert_eq!(
+        answer[..3],
+        ["ok", &a_id.to_string(), &a_slot.to_string()],
+        "{answer:?}"
+    );
     let answer = alice.run(&resume_cmd(
         "cli2",
         c_id,
@@ -303,7 +311,11 @@ fn after_a_restart_only_alice_resumes_alice() {
         &format!("{a_slot}:{a_id}"),
         &format!("{conn}:{a_id}:alice-svc"),
     ));
-    assert_eq!(answer[..3], ["ok", &c_id.to_string(), &c_slot.to_string()], "{answer:?}");
+    assert_eq!(
+        answer[..3],
+        ["ok", &c_id.to_string(), &c_slot.to_string()],
+        "{answer:?}"
+    );
     let mut root = b.client();
     root.join("root");
     match root.request(Request::Status) {
@@ -359,7 +371,10 @@ fn a_huge_resume_is_refused_at_once_and_others_are_served() {
     let both: u64 = answer[2].parse::<u64>().unwrap();
     assert!(both < 1500, "a refused resume took {both} ms");
     let t = Instant::now();
-    assert!(matches!(root.request(Request::Status), Ok(Reply::Status(_))));
+    assert!(matches!(
+        root.request(Request::Status),
+        Ok(Reply::Status(_))
+    ));
     assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
     assert!(started.elapsed() < Duration::from_secs(20));
 
@@ -428,8 +443,12 @@ fn filled_arena(bytes: &[u8]) -> (OwnedFd, OwnedFd) {
     )
     .unwrap();
     let path = format!("/proc/self/fd/{}", fd.as_raw_fd());
-    let ro = rustix::fs::open(path.as_str(), OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty())
-        .unwrap();
+    let ro = rustix::fs::open(
+        path.as_str(),
+        OFlags::RDONLY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .unwrap();
     (fd, ro)
 }
 
@@ -545,7 +564,13 @@ fn child_main() {
                         },
                         vec![],
                     ),
-                    "accept" => (Request::Accept { conn: n, block: BLOCK }, vec![bell(), bell()]),
+                    "accept" => (
+                        Request::Accept {
+                            conn: n,
+                            block: BLOCK,
+                        },
+                        vec![bell(), bell()],
+                    ),
                     _ => (
                         Request::Unmapped {
                             slot: n as u32,
@@ -601,7 +626,11 @@ fn child_main() {
                     w[6].split(',')
                         .map(|c| {
                             let f: Vec<&str> = c.split(':').collect();
-                            (f[0].parse().unwrap(), f[1].parse().unwrap(), f[2].to_string())
+                            (
+                                f[0].parse().unwrap(),
+                                f[1].parse().unwrap(),
+                                f[2].to_string(),
+                            )
                         })
                         .collect()
                 };

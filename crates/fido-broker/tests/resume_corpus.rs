@@ -24,7 +24,11 @@ fn resume_corpus_replays_cleanly() {
             .unwrap_or_else(|_| panic!("corpus input {} violates the property", path.display()));
         n += 1;
     }
-    assert!(n >= seeds().len(), "corpus missing at {}", corpus_dir().display());
+    assert!(
+        n >= seeds().len(),
+        "corpus missing at {}",
+        corpus_dir().display()
+    );
 }
 
 /// Hand-written inputs (see `resume_from` for the byte layout: uid choice,
@@ -77,7 +81,10 @@ fn seeds_reach_each_outcome() {
     assert_eq!(outcome(&seeds[6]).unwrap_err().code, ErrorCode::Quota);
     let ok = outcome(&seeds[7]).unwrap();
     assert_eq!(ok.services.len(), 3);
-    assert!(!ok.mapped.is_empty() && !ok.unrecorded_mappings.is_empty(), "{ok:?}");
+    assert!(
+        !ok.mapped.is_empty() && !ok.unrecorded_mappings.is_empty(),
+        "{ok:?}"
+    );
     assert_eq!(ok.connections.len(), 1, "{ok:?}");
     assert_eq!(ok.unrecorded_connections.len(), 2, "{ok:?}");
 }

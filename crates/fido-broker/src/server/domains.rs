@@ -42,7 +42,10 @@ pub(crate) fn load_recorded(reg: &Registry) -> Recorded {
     match reg.private_list("resume/domain/") {
         Ok(rows) => {
             for (key, value) in rows {
-                let id = key.rsplit('/').next().and_then(|s| s.parse::<DomainId>().ok());
+                let id = key
+                    .rsplit('/')
+                    .next()
+                    .and_then(|s| s.parse::<DomainId>().ok());
                 match (id, DomainRecord::decode(&value)) {
                     (Some(id), Some(rec)) => {
                         out.domains.insert(id, rec);
@@ -230,12 +233,7 @@ impl Server {
 
     /// A resume must prove itself against what the broker recorded (see
     /// [`resume::check_resume`]); a refusal is logged with who tried.
-    fn prove_resume(
-        &self,
-        who: &Joiner,
-        rule: &Rule,
-        r: &Resume,
-    ) -> Result<Admitted, RemoteError> {
+    fn prove_resume(&self, who: &Joiner, rule: &Rule, r: &Resume) -> Result<Admitted, RemoteError> {
         let limits = Limits {
             services: MAX_RESUMED_SERVICES,
             connections: rule.quotas.connections,
@@ -878,7 +876,10 @@ impl Server {
             .filter(|id| !self.domains.contains_key(id))
             .collect();
         for id in absent {
-            tracing::info!(domain = id, "domain did not come back after the broker restart");
+            tracing::info!(
+                domain = id,
+                "domain did not come back after the broker restart"
+            );
             self.forget_record(id);
         }
         self.recorded.conns.clear();
