@@ -17,6 +17,7 @@
 
 mod account;
 pub mod policy;
+pub mod resume;
 mod server;
 mod sys;
 
@@ -174,6 +175,9 @@ pub struct Broker {
     pending_policy: Arc<std::sync::Mutex<Option<Policy>>>,
     registry: fido_registry::Registry,
     reserved: BTreeMap<u32, DomainId>,
+    /// What resuming domains are checked against (read before the live-state
+    /// subtrees are cleared).
+    recorded: resume::Recorded,
     _lock: File,
 }
 
@@ -221,6 +225,7 @@ impl Broker {
         // Remember which slot each domain held before a restart, so resuming
         // domains get theirs back (fresh joins avoid them for a grace period).
         let reserved = previous_slots(&registry, config.geometry.slots);
+        let recorded = server::load_recorded(&registry);
         for subtree in server::MANAGED {
             registry
                 .delete(subtree)
@@ -249,6 +254,7 @@ impl Broker {
             pending_policy: Arc::default(),
             registry,
             reserved,
+            recorded,
             _lock: lock,
         })
     }
@@ -285,6 +291,7 @@ impl Broker {
             pending_policy,
             registry,
             reserved,
+            recorded,
             _lock,
         } = self;
         let socket = config.socket.clone();
@@ -292,7 +299,9 @@ impl Broker {
             event: reload,
             pending: pending_policy,
         };
-        let result = server::Server::new(config, listener, shutdown, reload, registry, reserved)
+        let result = server::Server::new(
+            config, listener, shutdown, reload, registry, reserved, recorded,
+        )
             .and_then(|s| s.run());
         remove_socket_if_ours(&socket, socket_id);
         tracing::info!(socket = %socket.display(), "broker stopped");

@@ -909,6 +909,7 @@ fn restart_with_resume_keeps_id_and_slot() {
             mapped: vec![(cslot, cid)],
             connections: vec![(l.conn, cid, "svc".into())],
             watches: vec![(5, "/app".into())],
+            secret: server.secret(),
         }),
     );
     match r {
@@ -925,6 +926,7 @@ fn restart_with_resume_keeps_id_and_slot() {
             mapped: vec![(sslot, sid)],
             connections: vec![(l.conn, sid, "svc".into())],
             watches: vec![],
+            secret: client.secret(),
         }),
     );
     assert!(
@@ -932,20 +934,23 @@ fn restart_with_resume_keeps_id_and_slot() {
         "{r:?}"
     );
 
-    // Resuming a live id again is refused.
+    // Resuming a live id again is refused: with its proof (a second process
+    // of the same domain) as already joined, without it as denied.
+    let dup_resume = |secret| Resume {
+        domain: sid,
+        slot: sslot,
+        services: vec![],
+        mapped: vec![],
+        connections: vec![],
+        watches: vec![],
+        secret,
+    };
     let mut dup = b.client();
-    let r = dup.join_with(
-        "dup",
-        Some(Resume {
-            domain: sid,
-            slot: 7,
-            services: vec![],
-            mapped: vec![],
-            connections: vec![],
-            watches: vec![],
-        }),
-    );
+    let r = dup.join_with("dup", Some(dup_resume(server.secret())));
     assert_eq!(r.unwrap_err().code, ErrorCode::AlreadyJoined);
+    let mut dup = b.client();
+    let r = dup.join_with("dup", Some(dup_resume(client.secret())));
+    assert_eq!(r.unwrap_err().code, ErrorCode::Denied);
 
     match fresh.request(Request::Status) {
         Ok(Reply::Status(s)) => {
@@ -1025,6 +1030,7 @@ fn resumed_connection_whose_peer_never_returns_is_reported() {
             mapped: vec![],
             connections: vec![(l.conn, cid, "svc".into())],
             watches: vec![],
+            secret: server.secret(),
         }),
     );
     assert!(matches!(r, Ok(Reply::Joined { .. })), "{r:?}");

@@ -52,9 +52,10 @@ fn join_as(raw: &mut Raw, name: &str, label: Option<&str>, len: u64) -> Result<R
         &[ro.as_fd()],
     );
     assert!(fds.is_empty());
-    if let Ok(Reply::Joined { domain, slot, .. }) = &r {
+    if let Ok(Reply::Joined { domain, slot, resume_secret, .. }) = &r {
         raw.domain = Some(*domain);
         raw.slot = Some(*slot);
+        raw.resume_secret = Some(*resume_secret);
         raw.arena = Some(rw);
     }
     r
@@ -543,6 +544,7 @@ fn resumed_connections_are_checked_against_the_policy() {
             mapped: vec![(cslot, cid)],
             connections: conns.clone(),
             watches: vec![],
+            secret: server.secret(),
         }),
     );
     assert!(matches!(r, Ok(Reply::Joined { .. })), "{r:?}");
@@ -556,6 +558,7 @@ fn resumed_connections_are_checked_against_the_policy() {
             mapped: vec![(sslot, sid)],
             connections: conns.iter().map(|(c, _, s)| (*c, sid, s.clone())).collect(),
             watches: vec![],
+            secret: client.secret(),
         }),
     );
     assert!(matches!(r, Ok(Reply::Joined { .. })), "{r:?}");

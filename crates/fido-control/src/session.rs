@@ -5,7 +5,7 @@
 use crate::error::{ControlError, ProtocolError, Result};
 use crate::pending::{Answer, Pending, Slot};
 use crate::transport::{Connect, Received, Transport};
-use fido_proto::{BrokerMsg, ClientMsg, DomainId, ErrorCode, Event, PgvasGeometry, Reply, Request};
+use fido_proto::{BrokerMsg, ClientMsg, DomainId, ErrorCode, Event, PgvasGeometry, Reply, Request, ResumeSecret};
 use parking_lot::{Condvar, Mutex};
 use std::collections::HashMap;
 use std::os::fd::OwnedFd;
@@ -61,6 +61,9 @@ pub struct Joined {
     /// How often the session sends a heartbeat (the broker's figure, kept
     /// within 10 ms ..= 60 s).
     pub heartbeat: Duration,
+    /// What proves this domain when it resumes after a broker restart
+    /// ([`fido_proto::Resume::secret`]).
+    pub resume_secret: ResumeSecret,
 }
 
 /// What the session needs from its owner. The reader thread calls it; it holds
@@ -511,11 +514,12 @@ fn exchange_join(
         match receive(transport, &mut buf, JOIN_POLL)? {
             Some((BrokerMsg::Reply { id: rid, body }, _)) if rid == id => {
                 return match body {
-                    Ok(Reply::Joined { domain, slot, geometry, heartbeat_ms }) => Ok(Joined {
+                    Ok(Reply::Joined { domain, slot, geometry, heartbeat_ms, resume_secret }) => Ok(Joined {
                         domain,
                         slot,
                         geometry,
                         heartbeat: Duration::from_millis(heartbeat_ms.clamp(10, 60_000)),
+                        resume_secret,
                     }),
                     Ok(other) => Err(ProtocolError::UnexpectedReply { request: "Join", reply: format!("{other:?}") }.into()),
                     Err(e) => Err(ControlError::Refused(e)),

@@ -7,6 +7,7 @@ use fido_control::{
 };
 use fido_proto::{
     BrokerMsg, ClientMsg, ErrorCode, Event, GoneReason, PgvasGeometry, RemoteError, Reply, Request,
+    ResumeSecret,
 };
 use parking_lot::{Condvar, Mutex};
 use std::collections::VecDeque;
@@ -179,7 +180,7 @@ impl FakeBroker {
     fn accept_join(&self, heartbeat_ms: u64) -> Request {
         let (id, join, _) = self.expect_request();
         assert!(matches!(join, Request::Join { .. }), "first message must be a Join, got {join:?}");
-        self.reply(id, Ok(Reply::Joined { domain: 7, slot: 3, geometry: PgvasGeometry::DEFAULT, heartbeat_ms }));
+        self.reply(id, Ok(Reply::Joined { domain: 7, slot: 3, geometry: PgvasGeometry::DEFAULT, heartbeat_ms, resume_secret: ResumeSecret([1; 32]) }));
         join
     }
 
@@ -441,7 +442,7 @@ fn over_a_socketpair_descriptors_travel_and_leave_is_answered() {
         s.spawn(|| {
             let (id, _, fds) = broker.expect_request();
             assert_eq!(fds.len(), 1, "the Join's descriptor came along");
-            broker.reply(id, Ok(Reply::Joined { domain: 1, slot: 1, geometry: PgvasGeometry::DEFAULT, heartbeat_ms: 1000 }));
+            broker.reply(id, Ok(Reply::Joined { domain: 1, slot: 1, geometry: PgvasGeometry::DEFAULT, heartbeat_ms: 1000, resume_secret: ResumeSecret([1; 32]) }));
         });
         Session::join(connector, join_request("pair"), vec![arena], Options::default()).unwrap()
     });

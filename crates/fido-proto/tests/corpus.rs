@@ -80,6 +80,7 @@ fn client_seeds() -> Vec<ClientMsg> {
                     mapped: vec![(5, 10), (6, 11)],
                     connections: vec![(77, 10, "echo".into())],
                     watches: vec![(1, "/service".into()), (2, "/".into())],
+                    secret: ResumeSecret([0x5a; 32]),
                 }),
             },
         ),
@@ -144,7 +145,7 @@ fn broker_seeds() -> Vec<BrokerMsg> {
     let ok = |id, r| BrokerMsg::Reply { id, body: Ok(r) };
     vec![
         ok(1, Reply::Ok),
-        ok(2, Reply::Joined { domain: 3, slot: 1, geometry: PgvasGeometry::DEFAULT, heartbeat_ms: 500 }),
+        ok(2, Reply::Joined { domain: 3, slot: 1, geometry: PgvasGeometry::DEFAULT, heartbeat_ms: 500, resume_secret: ResumeSecret([7; 32]) }),
         ok(3, Reply::Connected { conn: 77, peer: peer(), block: block() }),
         ok(4, Reply::Grant { owner: 2, slot: 3, arena_len: 1 << 20 }),
         ok(5, Reply::Value(None)),

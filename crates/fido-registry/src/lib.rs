@@ -48,6 +48,10 @@ CREATE TABLE IF NOT EXISTS counters (
     name  TEXT PRIMARY KEY NOT NULL,
     value INTEGER NOT NULL
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS private (
+    key   TEXT PRIMARY KEY NOT NULL,
+    value BLOB NOT NULL
+) WITHOUT ROWID;
 ";
 
 /// Deleting a key deletes the key itself and everything strictly below it.
@@ -416,6 +420,46 @@ impl Registry {
         let value = result?;
         restore?;
         Ok(value as u64)
+    }
+
+    // ----- the broker's private records ------------------------------------------
+    //
+    // A table apart from `keys`: no registry path reaches it, so no Read, List,
+    // Watch, Transaction or usage sum of any client ever sees it. The broker
+    // keeps there what it must remember across restarts and must not show
+    // (what proves a domain's identity). Keys are the broker's own, never a
+    // client's; they are bound as SQL parameters.
+
+    /// Sets private record `key` to `value`.
+    pub fn private_put(&mut self, key: &str, value: &[u8]) -> Result<(), RegistryError> {
+        self.conn
+            .prepare_cached("INSERT INTO private(key, value) VALUES (?1, ?2) ON CONFLICT(key) DO UPDATE SET value = excluded.value")?
+            .execute((key, value))?;
+        Ok(())
+    }
+
+    /// Removes private record `key`, if there is one.
+    pub fn private_delete(&mut self, key: &str) -> Result<(), RegistryError> {
+        self.conn.prepare_cached("DELETE FROM private WHERE key = ?1")?.execute([key])?;
+        Ok(())
+    }
+
+    /// Removes every private record whose key starts with `prefix` (an exact
+    /// key is its own prefix).
+    pub fn private_delete_prefix(&mut self, prefix: &str) -> Result<(), RegistryError> {
+        self.conn
+            .prepare_cached("DELETE FROM private WHERE substr(key, 1, length(?1)) = ?1")?
+            .execute([prefix])?;
+        Ok(())
+    }
+
+    /// Every private record whose key starts with `prefix`, in key order.
+    pub fn private_list(&self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>, RegistryError> {
+        let mut stmt = self
+            .conn
+            .prepare_cached("SELECT key, value FROM private WHERE substr(key, 1, length(?1)) = ?1 ORDER BY key")?;
+        let rows = stmt.query_map([prefix], |r| Ok((r.get(0)?, r.get(1)?)))?;
+        Ok(rows.collect::<Result<Vec<_>, _>>()?)
     }
 }
 

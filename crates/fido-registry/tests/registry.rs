@@ -708,3 +708,31 @@ fn usage_counts_keys_and_bytes() {
     r.delete("/dom/1/a").unwrap();
     assert_eq!(r.usage("/dom/1").unwrap(), (1, 3));
 }
+
+/// The broker's private records live apart from the key tree: no path
+/// reaches them (read, list, watch, usage), they survive a reopen, and
+/// prefix deletes stop at the prefix.
+#[test]
+fn private_records_are_out_of_every_paths_reach() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("r.sqlite");
+    {
+        let mut r = Registry::open(&db).unwrap();
+        r.watch(1, 1, "/").unwrap();
+        r.private_put("resume/domain/1", b"secret-hash").unwrap();
+        r.private_put("resume/domain/12", b"other").unwrap();
+        r.private_put("resume/map/1/3", b"2").unwrap();
+        r.private_put("resume/map/12/3", b"2").unwrap();
+        assert!(r.list("/").unwrap().is_empty());
+        assert_eq!(r.usage("/").unwrap(), (0, 0));
+        assert_eq!(r.read("/resume/domain/1").unwrap(), None);
+        let events = r.write("/app/x", b"v").unwrap();
+        assert_eq!(events.len(), 1, "only the key write is watched");
+    }
+    let mut r = Registry::open(&db).unwrap();
+    r.private_delete("resume/domain/1").unwrap();
+    r.private_delete_prefix("resume/map/1/").unwrap();
+    let left: Vec<String> = r.private_list("resume/").unwrap().into_iter().map(|(k, _)| k).collect();
+    assert_eq!(left, ["resume/domain/12", "resume/map/12/3"]);
+    assert_eq!(r.private_list("resume/domain/").unwrap(), [("resume/domain/12".to_string(), b"other".to_vec())]);
+}

@@ -11,7 +11,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use fido_proto::{BrokerMsg, ClientMsg, DomainId, ErrorCode, Event, RemoteError, Reply, Request, Resume, RingBlock};
+use fido_proto::{BrokerMsg, ClientMsg, DomainId, ErrorCode, Event, RemoteError, Reply, Request, Resume, ResumeSecret, RingBlock};
 use rustix::event::{PollFd, PollFlags};
 use rustix::fs::{MemfdFlags, Mode, OFlags, SealFlags};
 use rustix::net::{
@@ -157,6 +157,8 @@ pub struct Raw {
     stash: VecDeque<Received>,
     pub domain: Option<DomainId>,
     pub slot: Option<u32>,
+    /// The secret from the last `Joined`, for a later resume.
+    pub resume_secret: Option<ResumeSecret>,
     /// The owner's rw arena descriptor, kept alive while joined.
     pub arena: Option<OwnedFd>,
 }
@@ -177,6 +179,7 @@ impl Raw {
             stash: VecDeque::new(),
             domain: None,
             slot: None,
+            resume_secret: None,
             arena: None,
         }
     }
@@ -327,12 +330,18 @@ impl Raw {
             },
             &[ro.as_fd()],
         );
-        if let Ok(Reply::Joined { domain, slot, .. }) = &r {
+        if let Ok(Reply::Joined { domain, slot, resume_secret, .. }) = &r {
             self.domain = Some(*domain);
             self.slot = Some(*slot);
+            self.resume_secret = Some(*resume_secret);
             self.arena = Some(rw);
         }
         r
+    }
+
+    /// The resume secret this client's last join was given.
+    pub fn secret(&self) -> ResumeSecret {
+        self.resume_secret.expect("joined: the broker issued a resume secret")
     }
 
     pub fn join(&mut self, name: &str) -> (DomainId, u32) {

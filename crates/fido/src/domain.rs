@@ -10,7 +10,7 @@ use std::sync::OnceLock;
 use crate::control::Control;
 use crate::error::{Error, InvalidArgument, Result};
 use fido_control::Handler;
-use fido_proto::{ConnId, Counters, DomainId, Event, GoneReason, Reply, Request, Resume, Status, TxnOp};
+use fido_proto::{ConnId, Counters, DomainId, Event, GoneReason, Reply, Request, Resume, ResumeSecret, Status, TxnOp};
 use fido_ring::WaitStrategy;
 use crate::local_domain::LocalDomain;
 use fido_shm::{AddressMode, AddressSpace, Arena, Buf, ModeRequest, UnplacedArena};
@@ -194,6 +194,8 @@ struct Watcher {
 pub(crate) struct DomainInner {
     pub(crate) id: DomainId,
     pub(crate) slot: u32,
+    /// What proves this domain to a restarted broker (from its first Joined).
+    resume_secret: ResumeSecret,
     /// The arena, address space and broker line, shared with the channels.
     pub(crate) local: Arc<LocalDomain>,
     pub(crate) control: Arc<Control>,
@@ -234,6 +236,7 @@ impl Domain {
         let inner = Arc::new(DomainInner {
             id: domain,
             slot,
+            resume_secret: joined.resume_secret,
             conns: Arc::new(Connections::new(local.clone())),
             local,
             control,
@@ -430,6 +433,7 @@ impl Handler for DomainInner {
             mapped: self.local.mapped.lock().iter().map(|(s, m)| (*s, m.owner)).collect(),
             connections: conns.iter().filter(|c| c.is_open()).map(|c| (c.conn, c.peer.domain, c.service.clone())).collect(),
             watches: self.watches.lock().iter().map(|(t, w)| (*t, w.prefix.clone())).collect(),
+            secret: self.resume_secret,
         };
         let join = Request::Join {
             name: self.opts.name.clone(),

@@ -44,11 +44,8 @@ impl Server {
             Request::Close { conn } => self.close(dom, conn),
             Request::GrantSlot { slot } => self.grant_slot(dom, slot),
             Request::Unmapped { slot, owner } => {
-                if let Some(s) = self.slots.get_mut(&slot).filter(|s| s.owner == owner) {
-                    s.mappers.remove(&dom);
-                    if let Some(d) = self.domains.get_mut(&dom) {
-                        d.maps.remove(&slot);
-                    }
+                if self.slots.get(&slot).is_some_and(|s| s.owner == owner) {
+                    self.remove_mapping(dom, slot);
                     self.maybe_free(slot);
                 }
                 Ok(Some((Reply::Ok, Vec::new())))
@@ -92,6 +89,9 @@ impl Server {
         };
         let owner = s.owner;
         let live = s.live;
+        // Only mappings the broker itself granted are in `mappers` (accept,
+        // GrantSlot, a resume checked against the record), never a caller's
+        // own claim.
         let already = s.mappers.contains(&dom);
         let holders: Vec<DomainId> = s.mappers.iter().copied().collect();
         let reachable = if live {
@@ -118,11 +118,8 @@ impl Server {
             .as_ref()
             .ok_or_else(|| internal("slot has no arena", slot))?;
         let fd = sys::dup(arena.as_fd()).map_err(|e| internal("dup", e))?;
-        s.mappers.insert(dom);
         let arena_len = s.len;
-        if let Some(d) = self.domains.get_mut(&dom) {
-            d.maps.insert(slot);
-        }
+        self.add_mapping(dom, slot);
         if !live {
             // Say first that the owner is dead, so the requester unmaps
             // the arena once it is done with it.

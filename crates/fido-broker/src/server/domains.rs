@@ -10,10 +10,99 @@ use std::time::Instant;
 
 use fido_proto::{
     ConnId, Counters, DomainId, ErrorCode, Event, GoneReason, PeerInfo, RemoteError, Reply, Resume,
+    ResumeSecret,
 };
+use fido_registry::Registry;
 
 use crate::policy::Rule;
+use crate::resume::{self, Admitted, DomainRecord, Limits, Recorded, RecordedConn};
 use crate::sys;
+
+/// Most services one resume may re-offer (the protocol's own bound).
+const MAX_RESUMED_SERVICES: u64 = 4096;
+
+/// Private-record keys: a domain's proof of identity, and each arena mapping
+/// the broker granted (`map/<mapper>/<slot>` = owner).
+fn domain_record_key(id: DomainId) -> String {
+    format!("resume/domain/{id}")
+}
+fn mappings_key_prefix(mapper: DomainId) -> String {
+    format!("resume/map/{mapper}/")
+}
+fn mapping_key(mapper: DomainId, slot: u32) -> String {
+    format!("resume/map/{mapper}/{slot}")
+}
+
+/// What the previous broker run recorded: domain records and mappings from
+/// the private table, connections from the `/connection` keys (which only
+/// the broker writes). Read at startup, before the live-state subtrees are
+/// cleared. Entries that do not parse are skipped (and said so).
+pub(crate) fn load_recorded(reg: &Registry) -> Recorded {
+    let mut out = Recorded::default();
+    match reg.private_list("resume/domain/") {
+        Ok(rows) => {
+            for (key, value) in rows {
+                let id = key
+                    .rsplit('/')
+                    .next()
+                    .and_then(|s| s.parse::<DomainId>().ok());
+                match (id, DomainRecord::decode(&value)) {
+                    (Some(id), Some(rec)) => {
+                        out.domains.insert(id, rec);
+                    }
+                    _ => tracing::warn!(key, "unreadable domain record skipped"),
+                }
+            }
+        }
+        Err(e) => tracing::warn!(error = %e, "could not read the domain records"),
+    }
+    match reg.private_list("resume/map/") {
+        Ok(rows) => {
+            for (key, value) in rows {
+                let mut parts = key.trim_start_matches("resume/map/").split('/');
+                let mapper = parts.next().and_then(|s| s.parse::<DomainId>().ok());
+                let slot = parts.next().and_then(|s| s.parse::<u32>().ok());
+                let owner = std::str::from_utf8(&value)
+                    .ok()
+                    .and_then(|s| s.parse::<DomainId>().ok());
+                match (mapper, slot, owner) {
+                    (Some(m), Some(s), Some(o)) => {
+                        out.mappings.insert((m, s, o));
+                    }
+                    _ => tracing::warn!(key, "unreadable mapping record skipped"),
+                }
+            }
+        }
+        Err(e) => tracing::warn!(error = %e, "could not read the mapping records"),
+    }
+    let read = |path: String| {
+        reg.read(&path)
+            .ok()
+            .flatten()
+            .and_then(|v| String::from_utf8(v).ok())
+    };
+    for child in reg.list("/connection").unwrap_or_default() {
+        let name = child.rsplit('/').next().unwrap_or(&child);
+        let Ok(conn) = name.parse::<ConnId>() else {
+            continue;
+        };
+        let base = format!("/connection/{conn}");
+        let service = read(format!("{base}/service"));
+        let client = read(format!("{base}/client")).and_then(|s| s.parse().ok());
+        let server = read(format!("{base}/server")).and_then(|s| s.parse().ok());
+        if let (Some(service), Some(client), Some(server)) = (service, client, server) {
+            out.conns.insert(
+                conn,
+                RecordedConn {
+                    service,
+                    client,
+                    server,
+                },
+            );
+        }
+    }
+    out
+}
 
 use super::{err, internal, Conn, Domain, Handled, Server, Slot};
 
@@ -29,7 +118,9 @@ pub(super) struct Joiner {
 
 impl Server {
     /// Handles `Join`: checks the arena, lets the policy decide, picks the
-    /// domain's id and slot (fresh, or its old ones on resume) and records it.
+    /// domain's id and slot and records it. Fresh: a new id, the lowest free
+    /// slot, and a resume secret issued and recorded. Resume: the old id and
+    /// slot, once the resume proved itself against the record.
     pub(super) fn join(
         &mut self,
         key: u64,
@@ -62,14 +153,22 @@ impl Server {
                 format!("arena refused: {e} (it must be a sealed memfd re-opened read-only)"),
             )
         })?;
-        let (id, slot) = match &resume {
-            None => self.fresh_identity()?,
-            Some(r) => self.resumed_identity(r)?,
+        let (id, slot, secret, admitted) = match &resume {
+            None => {
+                let (id, slot) = self.fresh_identity()?;
+                let secret = self.record_domain(&who, id, slot)?;
+                (id, slot, secret, None)
+            }
+            Some(r) => {
+                let admitted = self.prove_resume(&who, &rule, r)?;
+                let (id, slot) = self.resumed_identity(r)?;
+                (id, slot, r.secret, Some(admitted))
+            }
         };
         self.install_domain(&who, id, slot, arena, arena_len, rule);
 
-        if let Some(r) = resume {
-            self.resume(id, r);
+        if let Some(admitted) = admitted {
+            self.resume(id, admitted);
             // Connections are re-registered as they were; the policy (which
             // may have changed across the restart) decides whether they stay.
             self.enforce_connect_policy();
@@ -104,8 +203,67 @@ impl Server {
                 .as_millis()
                 .try_into()
                 .unwrap_or(u64::MAX),
+            resume_secret: secret,
         };
         Ok(Some((joined, Vec::new())))
+    }
+
+    /// Issues a fresh domain its resume secret and records what will prove
+    /// it after a restart: who joined, its slot, the secret's hash. A domain
+    /// whose record cannot be kept is not admitted.
+    fn record_domain(
+        &mut self,
+        who: &Joiner,
+        id: DomainId,
+        slot: u32,
+    ) -> Result<ResumeSecret, RemoteError> {
+        let secret = resume::new_secret().map_err(|e| internal("resume secret", e))?;
+        let record = DomainRecord {
+            uid: who.uid,
+            gid: who.gid,
+            slot,
+            secret_hash: resume::hash_secret(&secret),
+        };
+        self.reg
+            .private_put(&domain_record_key(id), &record.encode())
+            .map_err(|e| internal("recording the domain", e))?;
+        self.recorded.domains.insert(id, record);
+        Ok(secret)
+    }
+
+    /// A resume must prove itself against what the broker recorded (see
+    /// [`resume::check_resume`]); a refusal is logged with who tried.
+    fn prove_resume(&self, who: &Joiner, rule: &Rule, r: &Resume) -> Result<Admitted, RemoteError> {
+        let limits = Limits {
+            services: MAX_RESUMED_SERVICES,
+            connections: rule.quotas.connections,
+            watches: rule.quotas.watches,
+            mappings: u64::from(self.cfg.geometry.slots),
+        };
+        resume::check_resume(&self.recorded, who.uid, r, &limits).inspect_err(|e| {
+            tracing::warn!(
+                domain = r.domain,
+                pid = who.pid,
+                uid = who.uid,
+                name = who.name,
+                code = ?e.code,
+                "resume refused: {}",
+                e.message
+            );
+        })
+    }
+
+    /// Forgets what proved a domain and the mappings it was granted: it
+    /// died, left, or did not come back after a restart.
+    fn forget_record(&mut self, id: DomainId) {
+        self.recorded.domains.remove(&id);
+        if let Err(e) = self
+            .reg
+            .private_delete(&domain_record_key(id))
+            .and_then(|()| self.reg.private_delete_prefix(&mappings_key_prefix(id)))
+        {
+            tracing::warn!(domain = id, error = %e, "could not delete the domain's record");
+        }
     }
 
     /// The one descriptor of a `Join`, its arena, if its length fits a slot.
@@ -279,12 +437,35 @@ impl Server {
         }
     }
 
+    /// `mapper` now maps the arena in `slot` because the broker granted it
+    /// (an accepted connection, a `GrantSlot`): kept in memory and in the
+    /// private records, the only account a later resume is checked against.
     pub(super) fn add_mapping(&mut self, mapper: DomainId, slot: u32) {
         if let Some(s) = self.slots.get_mut(&slot) {
             s.mappers.insert(mapper);
+            let owner = s.owner;
             if let Some(d) = self.domains.get_mut(&mapper) {
                 d.maps.insert(slot);
             }
+            if let Err(e) = self
+                .reg
+                .private_put(&mapping_key(mapper, slot), owner.to_string().as_bytes())
+            {
+                tracing::warn!(mapper, slot, error = %e, "could not record the mapping");
+            }
+        }
+    }
+
+    /// `mapper` no longer maps the arena in `slot`.
+    pub(super) fn remove_mapping(&mut self, mapper: DomainId, slot: u32) {
+        if let Some(s) = self.slots.get_mut(&slot) {
+            s.mappers.remove(&mapper);
+        }
+        if let Some(d) = self.domains.get_mut(&mapper) {
+            d.maps.remove(&slot);
+        }
+        if let Err(e) = self.reg.private_delete(&mapping_key(mapper, slot)) {
+            tracing::warn!(mapper, slot, error = %e, "could not delete the mapping record");
         }
     }
 
@@ -310,22 +491,63 @@ impl Server {
 
     // ----- resume -------------------------------------------------------------
 
-    /// A resuming domain re-registers what it held before the broker
-    /// restarted: services, mappings, connections, watches. Each item is
-    /// checked again; what no longer holds is dropped (and said so).
-    fn resume(&mut self, id: DomainId, r: Resume) {
-        for service in r.services.iter().cloned().collect::<BTreeSet<_>>() {
+    /// A resuming domain, its proof checked, takes up what it held before the
+    /// broker restarted: services and watches through the same checks as
+    /// fresh requests, and the mappings and connections the broker recorded
+    /// for it (claims not on record were filtered out by the proof; they are
+    /// logged, and a connection the broker does not know is ended for the
+    /// caller).
+    fn resume(&mut self, id: DomainId, a: Admitted) {
+        for service in a.services {
             if let Err(e) = self.offer(id, service.clone()) {
                 tracing::warn!(domain = id, service, error = %e, "resumed service dropped");
             }
         }
-        for (slot, owner) in r.mapped {
+        for (slot, owner) in a.unrecorded_mappings {
+            tracing::warn!(
+                domain = id,
+                slot,
+                owner,
+                "resumed mapping not on record; ignored"
+            );
+        }
+        // Grants recorded for this domain that it no longer reports: it
+        // unmapped them while the broker was down. Their records go.
+        let stale: Vec<u32> = self
+            .recorded
+            .mappings
+            .range((id, 0, 0)..=(id, u32::MAX, DomainId::MAX))
+            .filter(|(_, slot, owner)| !a.mapped.contains(&(*slot, *owner)))
+            .map(|(_, slot, _)| *slot)
+            .collect();
+        for slot in stale {
+            if let Err(e) = self.reg.private_delete(&mapping_key(id, slot)) {
+                tracing::warn!(domain = id, slot, error = %e, "could not delete the mapping record");
+            }
+        }
+        for (slot, owner) in a.mapped {
             self.resume_mapping(id, slot, owner);
+        }
+        for (conn, peer) in a.unrecorded_connections {
+            tracing::warn!(
+                domain = id,
+                conn,
+                peer,
+                "resumed connection not on record; ended"
+            );
+            self.after_reply.push((
+                id,
+                Event::PeerGone {
+                    domain: peer,
+                    conn: Some(conn),
+                    reason: GoneReason::Revoked,
+                },
+            ));
         }
         let mut max_conn = None;
         let in_grace = Instant::now() < self.grace_end;
-        for (conn, peer, service) in r.connections {
-            if self.resume_connection(id, conn, peer, service, in_grace) {
+        for (conn, recorded) in a.connections {
+            if self.resume_connection(id, conn, recorded, in_grace) {
                 max_conn = max_conn.max(Some(conn));
             }
         }
@@ -334,25 +556,15 @@ impl Server {
                 tracing::warn!(domain = id, error = %e, "could not advance the connection counter");
             }
         }
-        let limit = self.domains.get(&id).map_or(0, |d| d.rule.quotas.watches);
-        for (token, prefix) in r.watches {
-            if self.reg.watch_count(id) as u64 >= limit {
-                tracing::warn!(
-                    domain = id,
-                    token,
-                    prefix,
-                    limit,
-                    "resumed watch over quota dropped"
-                );
-                continue;
-            }
-            if let Err(e) = self.reg.watch(id, token, &prefix) {
+        for (token, prefix) in a.watches {
+            if let Err(e) = self.watch(id, token, prefix.clone()) {
                 tracing::warn!(domain = id, token, prefix, error = %e, "resumed watch dropped");
             }
         }
     }
 
-    /// `id` says it maps `owner`'s arena in `slot`.
+    /// `id` was granted `owner`'s arena in `slot` before the restart (the
+    /// broker's record says so): it still maps it, so the slot stays pinned.
     fn resume_mapping(&mut self, id: DomainId, slot: u32, owner: DomainId) {
         if slot >= self.cfg.geometry.slots {
             tracing::warn!(
@@ -374,6 +586,9 @@ impl Server {
                     holder = s.owner,
                     "resumed mapping conflicts; ignored"
                 );
+                if let Err(e) = self.reg.private_delete(&mapping_key(id, slot)) {
+                    tracing::warn!(domain = id, slot, error = %e, "could not delete the mapping record");
+                }
                 return;
             }
             None => {
@@ -395,18 +610,28 @@ impl Server {
         }
     }
 
-    /// `id` says it has connection `conn` with `peer` for `service`; during
-    /// the grace period a peer that is not back yet may still come. Returns
-    /// true when the connection was registered anew (its id then moves the
-    /// connection counter).
+    /// Connection `conn`, recorded before the restart with `id` as one end,
+    /// comes back; during the grace period a peer that is not back yet may
+    /// still come. It counts against both ends' connection quotas, as a new
+    /// one would. Returns true when the connection was registered anew (its
+    /// id then moves the connection counter).
     fn resume_connection(
         &mut self,
         id: DomainId,
         conn: ConnId,
-        peer: DomainId,
-        service: String,
+        recorded: RecordedConn,
         in_grace: bool,
     ) -> bool {
+        let peer = if recorded.client == id {
+            recorded.server
+        } else {
+            recorded.client
+        };
+        let gone = |reason| Event::PeerGone {
+            domain: peer,
+            conn: Some(conn),
+            reason,
+        };
         if let Some(c) = self.conns.get(&conn) {
             if c.client == id || c.server == id {
                 self.unconfirmed.remove(&conn);
@@ -429,20 +654,20 @@ impl Server {
         }
         let peer_live = self.domains.contains_key(&peer);
         if !peer_live && (!in_grace || self.retired.contains(&peer)) {
-            self.after_reply.push((
-                id,
-                Event::PeerGone {
-                    domain: peer,
-                    conn: Some(conn),
-                    reason: GoneReason::MissedHeartbeat,
-                },
-            ));
+            self.after_reply
+                .push((id, gone(GoneReason::MissedHeartbeat)));
             return false;
         }
-        // Who is the server? The side offering the service (the resuming
-        // domain if it offers it, else the peer).
-        let i_serve = self.services.get(&service) == Some(&id) && peer != id;
-        let (client, server) = if i_serve { (peer, id) } else { (id, peer) };
+        if let Some(why) = self.over_connection_quota(id, peer) {
+            tracing::warn!(domain = id, conn, peer, "resumed connection dropped: {why}");
+            self.after_reply.push((id, gone(GoneReason::Revoked)));
+            return false;
+        }
+        let RecordedConn {
+            service,
+            client,
+            server,
+        } = recorded;
         self.conns.insert(
             conn,
             Conn {
@@ -456,6 +681,29 @@ impl Server {
         }
         self.write_conn_keys(conn);
         true
+    }
+
+    /// Why one more connection between `id` and `peer` would be over either
+    /// live end's connection quota, if it would.
+    fn over_connection_quota(&self, id: DomainId, peer: DomainId) -> Option<String> {
+        for dom in [id, peer] {
+            let Some(d) = self.domains.get(&dom) else {
+                continue;
+            };
+            let (open, limit) = (self.open_connections(dom), d.rule.quotas.connections);
+            if open >= limit {
+                return Some(format!(
+                    "domain {dom} has {open} open connections (limit {limit})"
+                ));
+            }
+            // Per uid too: a resume must not hold more than a fresh connect could.
+            if let Err(e) = self.check_uid_quota(dom, "connections", Server::uid_connections, |q| {
+                q.connections
+            }) {
+                return Some(e.message);
+            }
+        }
+        None
     }
 
     // ----- death --------------------------------------------------------------
@@ -486,6 +734,7 @@ impl Server {
             ),
         }
         self.reg.drop_owner(id);
+        self.forget_record(id);
         self.acct.forget(id);
         self.pipe_domain_gone(id);
 
@@ -611,6 +860,7 @@ impl Server {
         if now >= self.grace_end && !self.grace_over {
             self.grace_over = true;
             self.tell_mappers_of_orphans();
+            self.forget_absent_records();
         }
         if now >= self.grace_end && (!self.reserved.is_empty() || !self.unconfirmed.is_empty()) {
             self.reserved.clear();
@@ -618,6 +868,28 @@ impl Server {
                 self.settle_unconfirmed(conn);
             }
         }
+    }
+
+    /// Domains recorded before the restart that did not come back by the end
+    /// of the grace period count as dead: their records go, and so does what
+    /// was recorded before the restart (no one resumes after this).
+    fn forget_absent_records(&mut self) {
+        let absent: Vec<DomainId> = self
+            .recorded
+            .domains
+            .keys()
+            .copied()
+            .filter(|id| !self.domains.contains_key(id))
+            .collect();
+        for id in absent {
+            tracing::info!(
+                domain = id,
+                "domain did not come back after the broker restart"
+            );
+            self.forget_record(id);
+        }
+        self.recorded.conns.clear();
+        self.recorded.mappings.clear();
     }
 
     /// Arenas of domains that did not come back, still mapped by domains

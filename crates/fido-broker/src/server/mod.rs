@@ -39,7 +39,10 @@ mod pipes;
 mod registry;
 mod status;
 
+pub(crate) use domains::load_recorded;
+
 use crate::account::RegAccount;
+use crate::resume::Recorded;
 use crate::policy::Rule;
 use crate::ReloadSlot;
 use crate::{BrokerError, Config};
@@ -161,6 +164,9 @@ pub(crate) struct Server {
     /// Slots domains held before the restart (read from the registry at startup),
     /// kept for them to resume until the grace period ends.
     reserved: BTreeMap<u32, DomainId>,
+    /// What the broker recorded about domains (for their resume), and about
+    /// connections and mappings before the restart.
+    recorded: Recorded,
     /// Connections re-reported by one side only; checked when the grace period ends.
     unconfirmed: BTreeSet<ConnId>,
     grace_end: Instant,
@@ -184,6 +190,7 @@ impl Server {
         reload: ReloadSlot,
         reg: Registry,
         reserved: BTreeMap<u32, DomainId>,
+        recorded: Recorded,
     ) -> Result<Server, BrokerError> {
         let ep = epoll::create(epoll::CreateFlags::CLOEXEC).map_err(|source| BrokerError::Sys {
             what: "epoll_create",
@@ -230,6 +237,7 @@ impl Server {
             retired: HashSet::new(),
             doomed: Vec::new(),
             reserved,
+            recorded,
             unconfirmed: BTreeSet::new(),
             grace_end,
             grace_over: false,

@@ -143,7 +143,7 @@ impl Server {
         Ok(Some((Reply::Ok, Vec::new())))
     }
 
-    fn watch(&mut self, dom: DomainId, token: u64, prefix: String) -> Handled {
+    pub(super) fn watch(&mut self, dom: DomainId, token: u64, prefix: String) -> Handled {
         let viewer = self.domain_viewer(dom)?;
         if !self.may_read_key(&viewer, &prefix, true) {
             return Err(self.deny_read(&viewer, &prefix));
