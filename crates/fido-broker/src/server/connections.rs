@@ -210,14 +210,14 @@ impl Server {
                 format!("service {service:?} is already offered by domain {owner}"),
             ));
         }
+        self.reg_write_all(vec![(
+            format!("/service/{service}/domain"),
+            dom.to_string().into_bytes(),
+        )])?;
         self.services.insert(service.clone(), dom);
         if let Some(d) = self.domains.get_mut(&dom) {
             d.services.insert(service.clone());
         }
-        self.reg_write(
-            &format!("/service/{service}/domain"),
-            dom.to_string().as_bytes(),
-        );
         tracing::info!(domain = dom, service, "service offered");
         Ok(Some((Reply::Ok, Vec::new())))
     }

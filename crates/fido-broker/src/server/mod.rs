@@ -86,7 +86,10 @@ struct Client {
     uid: u32,
     gid: u32,
     domain: Option<DomainId>,
-    last_seen: Instant,
+    /// When it connected and when it was last heard from, on the broker's
+    /// awake clock ([`io::AwakeClock`]).
+    connected: std::time::Duration,
+    last_seen: std::time::Duration,
     queue: VecDeque<Outgoing>,
     queued_bytes: usize,
     want_out: bool,
@@ -174,6 +177,9 @@ pub(crate) struct Server {
     acct: RegAccount,
     /// vPipe: pipes, running transfers, the engine.
     pipes: pipes::PipeState,
+    /// Who gets in and when silence counts: the awake clock, unjoined
+    /// clients per uid, the listener's back-off.
+    intake: io::Intake,
 }
 
 impl Server {
@@ -238,6 +244,7 @@ impl Server {
             rules,
             acct: RegAccount::default(),
             pipes: pipe_state,
+            intake: io::Intake::new(),
         })
     }
 }
