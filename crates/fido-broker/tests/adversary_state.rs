@@ -571,8 +571,19 @@ fn flood(socket: &Path, count: usize) {
     let addr = rustix::net::SocketAddrUnix::new(socket).unwrap();
     let beat = fido_proto::encode(&ClientMsg::Heartbeat).unwrap();
     let mut socks: Vec<OwnedFd> = Vec::new();
+    let beat_all = |socks: &[OwnedFd]| {
+        for s in socks {
+            let _ = rustix::net::send(s, &beat, rustix::net::SendFlags::NOSIGNAL);
+        }
+    };
     let deadline = Instant::now() + Duration::from_secs(20);
+    let mut last_beat = Instant::now();
     while socks.len() < count && Instant::now() < deadline {
+        // Beat while connecting too: silent ones would be dropped as hung.
+        if last_beat.elapsed() > Duration::from_millis(300) {
+            beat_all(&socks);
+            last_beat = Instant::now();
+        }
         let s = rustix::net::socket_with(
             rustix::net::AddressFamily::UNIX,
             rustix::net::SocketType::SEQPACKET,
@@ -590,9 +601,7 @@ fn flood(socket: &Path, count: usize) {
     println!("@@ flooding");
     let end = Instant::now() + Duration::from_secs(6);
     while Instant::now() < end {
-        for s in &socks {
-            let _ = rustix::net::send(s, &beat, rustix::net::SendFlags::NOSIGNAL);
-        }
+        beat_all(&socks);
         std::thread::sleep(Duration::from_millis(300));
     }
     let held = socks
@@ -603,5 +612,9 @@ fn flood(socket: &Path, count: usize) {
         })
         .count();
     println!("@@ held {held}");
-    std::thread::sleep(Duration::from_secs(60));
+    // Keep it up until killed: the flood does not stop for root's sake.
+    loop {
+        beat_all(&socks);
+        std::thread::sleep(Duration::from_millis(300));
+    }
 }
