@@ -379,6 +379,23 @@ fn a_flood_of_unjoined_connections_starves_no_one() {
     }
 }
 
+#[test]
+fn a_refused_uid_is_answered_once_and_closed() {
+    let Some(refused) = test_user("fido-test-b") else {
+        return;
+    };
+    let b = open_broker(|_| {});
+    let mut probe = spawn_role(
+        Some(refused),
+        "refused-probe",
+        &[("FIDO_ADV_SOCKET", b.socket().display().to_string())],
+    );
+    probe.expect_line("@@ denied-then-closed", Duration::from_secs(30));
+    let ms: u64 = probe.expect_line("@@ beating-closed-after-ms", Duration::from_secs(30)).parse().unwrap();
+    assert!(ms < 10_000, "a refused uid's connection stayed {ms} ms");
+    probe.wait_success(Duration::from_secs(30));
+}
+
 // ----- finding 13: a damaged or full state disk -----------------------------
 
 fn restart_fails(b: &mut TestBroker) -> String {
@@ -553,6 +570,23 @@ fn child_main() {
             rustix::fs::fcntl_lock(&f, rustix::fs::FlockOperation::NonBlockingLockShared).unwrap();
             println!("@@ locked");
             std::thread::sleep(Duration::from_secs(120));
+        }
+        "refused-probe" => {
+            let socket = PathBuf::from(env("FIDO_ADV_SOCKET"));
+            let mut c = Raw::connect(&socket);
+            let r = join(&mut c, "intruder");
+            assert!(matches!(&r, Err(e) if e.code == ErrorCode::Denied && e.message.contains("no rule matches")), "{r:?}");
+            assert!(c.wait_eof(Duration::from_secs(10)), "not closed after the refusal");
+            println!("@@ denied-then-closed");
+            let c = Raw::connect(&socket);
+            let t = Instant::now();
+            while t.elapsed() < Duration::from_secs(20) {
+                let _ = rustix::net::send(&c.sock, &fido_proto::encode(&ClientMsg::Heartbeat).unwrap(), rustix::net::SendFlags::NOSIGNAL);
+                if fido_test_support::raw::readable(c.sock.as_fd(), Duration::from_millis(200)) {
+                    break;
+                }
+            }
+            println!("@@ beating-closed-after-ms {}", t.elapsed().as_millis());
         }
         "flooder" => flood(Path::new(&env("FIDO_ADV_SOCKET")), env("FIDO_ADV_COUNT").parse().unwrap()),
         other => panic!("unknown role {other}"),

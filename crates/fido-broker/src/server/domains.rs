@@ -629,7 +629,12 @@ impl Server {
             .clients
             .iter()
             .filter(|(_, c)| {
-                !c.doomed && c.domain.is_none() && awake.saturating_sub(c.connected) > join_timeout
+                let deadline = if c.refused {
+                    join_timeout.min(super::io::REFUSED_DEADLINE)
+                } else {
+                    join_timeout
+                };
+                !c.doomed && c.domain.is_none() && awake.saturating_sub(c.connected) > deadline
             })
             .map(|(k, _)| *k)
             .collect();

@@ -7,7 +7,9 @@ use std::collections::{HashMap, VecDeque};
 use std::os::fd::{AsFd, OwnedFd};
 use std::time::{Duration, Instant};
 
-use fido_proto::{BrokerMsg, DomainId, Event, GoneReason, RemoteError, Reply};
+use fido_proto::{
+    BrokerMsg, ClientMsg, DomainId, ErrorCode, Event, GoneReason, RemoteError, Reply, Request,
+};
 use fido_registry::WatchEvent;
 use rustix::event::epoll;
 use rustix::io::Errno;
@@ -17,7 +19,7 @@ use crate::sys::Recv;
 use crate::{sys, BrokerError};
 
 use super::{
-    internal, Client, Outgoing, Server, KEY_LISTENER, KEY_PIPE, KEY_RELOAD, KEY_SHUTDOWN,
+    err, internal, Client, Outgoing, Server, KEY_LISTENER, KEY_PIPE, KEY_RELOAD, KEY_SHUTDOWN,
     MAX_BATCH, MAX_QUEUED_BYTES, MAX_QUEUED_MSGS, MAX_REPLY,
 };
 
@@ -29,6 +31,9 @@ const MAX_UNJOINED_PER_UID: usize = 64;
 /// or memory (EMFILE, ENFILE, ENOBUFS, ENOMEM), instead of failing again at
 /// once in a loop.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+/// How long a connection of a uid no rule admits may stay without sending
+/// its (refused) first request.
+pub(super) const REFUSED_DEADLINE: Duration = Duration::from_secs(2);
 /// At most one warning per this long about failing accepts (the rest are counted).
 const ACCEPT_WARN_EVERY: Duration = Duration::from_secs(5);
 
@@ -193,12 +198,10 @@ impl Server {
                 cred.gid.as_raw(),
             );
             // The socket's mode lets everyone connect; the policy decides who
-            // may do anything. Someone no rule could ever admit is closed
-            // here, before it costs a descriptor for longer than this.
-            if !self.may_ever_join(uid, gid) {
-                tracing::debug!(pid, uid, gid, "no policy rule admits this uid; connection closed");
-                continue;
-            }
+            // may do anything. Someone no rule could ever admit is only told
+            // so: its first request is answered `Denied` and it is closed (or
+            // closed after REFUSED_DEADLINE if it sends none).
+            let refused = !self.may_ever_join(uid, gid);
             if !self.unjoined_below_cap(uid) {
                 tracing::debug!(pid, uid, "too many unjoined connections of this uid; connection closed");
                 continue;
@@ -225,13 +228,14 @@ impl Server {
                 domain: None,
                 connected: now,
                 last_seen: now,
+                refused,
                 queue: VecDeque::new(),
                 queued_bytes: 0,
                 want_out: false,
                 doomed: false,
             };
             *self.intake.unjoined.entry(uid).or_default() += 1;
-            tracing::debug!(pid, uid, gid, "client connected");
+            tracing::debug!(pid, uid, gid, refused, "client connected");
             self.clients.insert(key, client);
         }
     }
@@ -243,6 +247,28 @@ impl Server {
                 && (r.uids.is_empty() || r.uids.contains(&uid))
                 && (r.gids.is_empty() || r.gids.contains(&gid))
         })
+    }
+
+    /// A message from a client no rule admits: a request is answered
+    /// `Denied` (saying why, as a refused join is); then the client is closed.
+    fn answer_refused(&mut self, key: u64, bytes: &[u8]) {
+        let Some(c) = self.clients.get(&key) else {
+            return;
+        };
+        let (pid, uid, gid) = (c.pid, c.uid, c.gid);
+        if let Ok(ClientMsg::Request { id, body }) = fido_proto::decode::<ClientMsg>(bytes) {
+            let label = match body {
+                Request::Join { label, .. } => label,
+                _ => None,
+            };
+            let msg = format!(
+                "uid {uid} (gid {gid}, label {label:?}) may not join: no rule matches (policy {})",
+                self.cfg.policy.source
+            );
+            tracing::warn!(pid, uid, gid, "denied: {msg}");
+            self.reply(key, id, Err(err(ErrorCode::Denied, msg)), Vec::new());
+        }
+        self.doom(key, GoneReason::Exited);
     }
 
     /// May `uid` hold one more unjoined connection?
@@ -324,6 +350,12 @@ impl Server {
                     fds,
                     truncated,
                 }) => {
+                    if c.refused {
+                        drop(fds);
+                        let bytes = self.buf[..len].to_vec();
+                        self.answer_refused(key, &bytes);
+                        return;
+                    }
                     c.last_seen = self.intake.clock.now();
                     let bytes = self.buf[..len].to_vec();
                     self.message(key, &bytes, fds, truncated);

@@ -90,6 +90,9 @@ struct Client {
     /// awake clock ([`io::AwakeClock`]).
     connected: std::time::Duration,
     last_seen: std::time::Duration,
+    /// No rule of the policy could admit its uid: its first request is
+    /// answered `Denied` and it is closed; nothing else is done for it.
+    refused: bool,
     queue: VecDeque<Outgoing>,
     queued_bytes: usize,
     want_out: bool,
