@@ -393,7 +393,7 @@ fn private_state_dir(state: &Path) -> Result<(), BrokerError> {
     }
     let dir = rustix::fs::open(
         state,
-        rustix::fs::OFlags::DIRECTORY | rustix::fs::OFlags::NOFOLLOW | rustix::fs::OFlags::CLOEXEC,
+        rustix::fs::OFlags::DIRECTORY | rustix::fs::OFlags::CLOEXEC,
         rustix::fs::Mode::empty(),
     )
     .map_err(|e| io_err(state)(e.into()))?;

@@ -380,6 +380,40 @@ fn a_flood_of_unjoined_connections_starves_no_one() {
 }
 
 #[test]
+fn accept_failures_back_off_instead_of_spinning() {
+    let Some(admitted) = test_user("fido-test-a") else {
+        return;
+    };
+    let dir = open_tempdir();
+    let policy = format!(
+        r#"
+        [[rule]]
+        name = "a"
+        uids = [{a}]
+        "#,
+        a = admitted.uid
+    );
+    // So few descriptors that even one uid's share of unjoined connections
+    // exhausts them: accept() fails with EMFILE while the backlog is full.
+    let (broker, socket) = broker_process(dir.path(), Some(policy), Some(40));
+    let env = [
+        ("FIDO_ADV_SOCKET", socket.display().to_string()),
+        // Past the descriptors left, within the listener's backlog (128).
+        ("FIDO_ADV_COUNT", "120".to_string()),
+    ];
+    let mut flood = spawn_role(Some(admitted), "flooder", &env);
+    flood.expect_line("@@ flooding", Duration::from_secs(60));
+    let before = cpu_ticks(broker.pid());
+    let t = Instant::now();
+    std::thread::sleep(Duration::from_secs(2));
+    let used = cpu_ticks(broker.pid()) - before;
+    let share = used as f64
+        / rustix::param::clock_ticks_per_second() as f64
+        / t.elapsed().as_secs_f64();
+    assert!(share < 0.6, "the broker spent {:.0}% of a CPU failing to accept", share * 100.0);
+}
+
+#[test]
 fn a_refused_uid_is_answered_once_and_closed() {
     let Some(refused) = test_user("fido-test-b") else {
         return;

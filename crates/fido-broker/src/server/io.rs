@@ -261,8 +261,15 @@ impl Server {
                 Request::Join { label, .. } => label,
                 _ => None,
             };
+            // The same words as a join the policy refuses.
+            let reason = match self.cfg.policy.decide(uid, gid, label.as_deref()) {
+                Err(crate::policy::JoinDenied::Forbidden(rule)) => {
+                    format!("rule {rule} says join = false")
+                }
+                _ => "no rule matches".to_string(),
+            };
             let msg = format!(
-                "uid {uid} (gid {gid}, label {label:?}) may not join: no rule matches (policy {})",
+                "uid {uid} (gid {gid}, label {label:?}) may not join: {reason} (policy {})",
                 self.cfg.policy.source
             );
             tracing::warn!(pid, uid, gid, "denied: {msg}");
