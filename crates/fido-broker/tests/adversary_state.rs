@@ -558,7 +558,38 @@ fn on_a_full_disk_joins_are_refused_and_deletes_still_work() {
     for i in 0..20 {
         a.ok(Request::Write { path: format!("/app/k{i}"), value: vec![b'v'; 2000] });
     }
+    a.ok(Request::Offer { service: "svc-before".into() });
+    let mut client = Raw::connect(b.socket());
+    join(&mut client, "client").unwrap();
     let filler = fill(&state);
+
+    // An offer that cannot be recorded is not made.
+    let r = a.request(Request::Offer { service: "svc-full".into() });
+    assert!(matches!(&r, Err(e) if e.message.contains("full")), "{r:?}");
+    // A connection that cannot be recorded is not established: it fails at
+    // Connect (no id), or its Accept fails and it stays pending, intact.
+    let bells = [bell(), bell()];
+    let connect = client.send_request(
+        Request::Connect { service: "svc-before".into(), block: BLOCK },
+        &[bells[0].as_fd(), bells[1].as_fd()],
+    );
+    let mut pending = None;
+    match a.recv_timeout(WAIT) {
+        Some((fido_proto::BrokerMsg::Event(fido_proto::Event::Incoming { conn, .. }), _)) => {
+            let server_bells = [bell(), bell()];
+            let (r, _) = a.request_fds(
+                Request::Accept { conn, block: BLOCK },
+                &[server_bells[0].as_fd(), server_bells[1].as_fd()],
+            );
+            assert!(matches!(&r, Err(e) if e.message.contains("full")), "{r:?}");
+            pending = Some(conn);
+        }
+        Some(other) => panic!("unexpected {:?}", other.0),
+        None => {
+            let (r, _) = client.wait_reply(connect);
+            assert!(matches!(&r, Err(e) if e.message.contains("full")), "{r:?}");
+        }
+    }
 
     // A join that cannot be recorded is refused, and leaves nothing behind.
     let mut late = Raw::connect(b.socket());
@@ -575,11 +606,22 @@ fn on_a_full_disk_joins_are_refused_and_deletes_still_work() {
     assert_eq!(a.request(Request::List { path: "/app".into() }), Ok(Reply::Keys(vec![])));
     let listed = a.request(Request::List { path: "/domain".into() });
     let Ok(Reply::Keys(domains)) = listed else { panic!("{listed:?}") };
-    assert_eq!(domains.len(), 1, "a refused join left keys: {domains:?}");
+    assert_eq!(domains.len(), 2, "a refused join left keys: {domains:?}");
 
     std::fs::remove_file(filler).unwrap();
     joined_id(join(&mut late, "late"));
-    drop((a, late));
+    a.ok(Request::Offer { service: "svc-full".into() });
+    if let Some(conn) = pending {
+        let server_bells = [bell(), bell()];
+        let (r, _) = a.request_fds(
+            Request::Accept { conn, block: BLOCK },
+            &[server_bells[0].as_fd(), server_bells[1].as_fd()],
+        );
+        assert_eq!(r, Ok(Reply::Ok));
+        let (r, _) = client.wait_reply(connect);
+        assert!(matches!(r, Ok(Reply::Connected { .. })), "{r:?}");
+    }
+    drop((a, late, client));
     b.stop().unwrap();
 }
 

@@ -189,11 +189,9 @@ impl Server {
         let Some(c) = self.conns.get(&conn) else {
             return;
         };
-        let (service, client, server) = (c.service.clone(), c.client, c.server);
-        let base = format!("/connection/{conn}");
-        self.reg_write(&format!("{base}/service"), service.as_bytes());
-        self.reg_write(&format!("{base}/client"), client.to_string().as_bytes());
-        self.reg_write(&format!("{base}/server"), server.to_string().as_bytes());
+        for (path, value) in conn_keys(conn, &c.service, c.client, c.server) {
+            self.reg_write(&path, &value);
+        }
     }
 
     pub(super) fn offer(&mut self, dom: DomainId, service: String) -> Handled {
@@ -270,7 +268,7 @@ impl Server {
         let conn = self
             .reg
             .next_counter("connection")
-            .map_err(|e| internal("registry counter", e))?;
+            .map_err(|e| super::registry::registry_failure("registry counter", e))?;
         let mut out = vec![arena];
         out.extend(fds);
         out.push(end0);
@@ -316,6 +314,13 @@ impl Server {
             .peer_info(dom)
             .ok_or_else(|| internal("accept", "caller has no domain"))?;
         let arena = self.arena_dup(dom)?;
+        // Its keys first: a connection whose record cannot be written (a
+        // full disk) is not established; it stays pending, as it was.
+        let keys = {
+            let p = &self.pending[&conn];
+            conn_keys(conn, &p.service, p.client, dom)
+        };
+        self.reg_write_all(keys)?;
         let p = self.pending.remove(&conn).expect("checked above");
         let client = p.client;
         self.conns.insert(
@@ -326,7 +331,6 @@ impl Server {
                 server: dom,
             },
         );
-        self.write_conn_keys(conn);
         let client_slot = self.domains.get(&client).map(|d| d.slot);
         let server_slot = self.domains.get(&dom).map(|d| d.slot);
         if let Some(s) = server_slot {
@@ -459,4 +463,19 @@ fn no_pending(conn: ConnId) -> RemoteError {
         ErrorCode::NoSuchConnection,
         format!("no pending connection {conn} addressed to you"),
     )
+}
+
+/// The registry keys recording connection `conn`, under `/connection/<conn>`.
+fn conn_keys(
+    conn: ConnId,
+    service: &str,
+    client: DomainId,
+    server: DomainId,
+) -> Vec<(String, Vec<u8>)> {
+    let base = format!("/connection/{conn}");
+    vec![
+        (format!("{base}/service"), service.as_bytes().to_vec()),
+        (format!("{base}/client"), client.to_string().into_bytes()),
+        (format!("{base}/server"), server.to_string().into_bytes()),
+    ]
 }

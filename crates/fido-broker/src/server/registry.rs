@@ -180,7 +180,7 @@ impl Server {
             let v = self
                 .reg
                 .next_counter(name)
-                .map_err(|e| internal("registry counter", e))?;
+                .map_err(|e| registry_failure("registry counter", e))?;
             if v > id {
                 return Ok(());
             }
