@@ -27,6 +27,8 @@ use super::{
 /// starting many domains together, too few to fill the broker's descriptor
 /// table. Over it, a new connection is closed at once.
 const MAX_UNJOINED_PER_UID: usize = 64;
+/// Connections accepted per wake-up of the listener.
+const MAX_ACCEPT_BATCH: usize = 64;
 /// How long the listener rests when accepting fails for want of descriptors
 /// or memory (EMFILE, ENFILE, ENOBUFS, ENOMEM), instead of failing again at
 /// once in a loop.
@@ -165,7 +167,9 @@ impl Server {
     }
 
     fn accept_all(&mut self) {
-        loop {
+        // Bounded, so a storm of connections cannot keep the loop from its
+        // clients (the listener, level-triggered, reports the rest next turn).
+        for _ in 0..MAX_ACCEPT_BATCH {
             if self.intake.paused_until.is_some() {
                 return;
             }
