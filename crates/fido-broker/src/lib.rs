@@ -28,7 +28,9 @@ pub use policy::{Glob, Policy, Quotas, Rule};
 
 use std::fs::{DirBuilder, File, OpenOptions};
 use std::os::fd::{AsFd, OwnedFd};
-use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt};
+use std::os::unix::fs::{
+    DirBuilderExt, FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt,
+};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -51,6 +53,9 @@ pub struct Config {
     pub heartbeat: Duration,
     /// A domain silent for `heartbeat * heartbeat_misses` is declared hung (default 6).
     pub heartbeat_misses: u32,
+    /// A connection that has not joined within this time is closed, whether
+    /// or not it sends heartbeats (default 10 s).
+    pub join_timeout: Duration,
     /// PGVAS geometry handed to every domain.
     pub geometry: PgvasGeometry,
     /// Who may join and do what, with per-domain quotas, and the socket
@@ -69,6 +74,7 @@ impl Config {
             state_dir: state_dir.into(),
             heartbeat: Duration::from_millis(500),
             heartbeat_misses: 6,
+            join_timeout: Duration::from_secs(10),
             geometry: PgvasGeometry::DEFAULT,
             policy: Arc::new(Policy::default_for_self()),
             pipe: PipeConfig::default(),
@@ -204,14 +210,19 @@ impl Broker {
         }
 
         let state = &config.state_dir;
-        std::fs::create_dir_all(state).map_err(io_err(state))?;
+        private_state_dir(state)?;
         let lock_path = state.join("broker.lock");
         let lock = OpenOptions::new()
             .create(true)
             .truncate(false)
             .read(true)
             .write(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
             .open(&lock_path)
+            .map_err(io_err(&lock_path))?;
+        // One made by an older broker may be 0644: anyone could flock it.
+        lock.set_permissions(std::fs::Permissions::from_mode(0o600))
             .map_err(io_err(&lock_path))?;
         match rustix::fs::flock(&lock, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
             Ok(()) => {}
@@ -375,13 +386,84 @@ impl Drop for Embedded {
     }
 }
 
+/// The state directory, created if missing, made the broker's alone: it
+/// must belong to the broker's uid (another user's directory is refused: its
+/// owner could swap or lock the files in it), and it is made `0700` (so no
+/// other user can open, lock or list anything in it, whatever the files'
+/// own modes).
+fn private_state_dir(state: &Path) -> Result<(), BrokerError> {
+    if let Some(parent) = state.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).map_err(io_err(parent))?;
+    }
+    match DirBuilder::new().mode(0o700).create(state) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(io_err(state)(e)),
+    }
+    let dir = rustix::fs::open(
+        state,
+        rustix::fs::OFlags::DIRECTORY | rustix::fs::OFlags::CLOEXEC,
+        rustix::fs::Mode::empty(),
+    )
+    .map_err(|e| io_err(state)(e.into()))?;
+    let st = rustix::fs::fstat(&dir).map_err(|e| io_err(state)(e.into()))?;
+    let me = rustix::process::geteuid().as_raw();
+    if st.st_uid != me {
+        return Err(BrokerError::Io {
+            path: state.to_path_buf(),
+            source: std::io::Error::new(
+                std::io::ErrorKind::PermissionDenied,
+                format!(
+                    "the state directory belongs to uid {}, not to the broker's uid {me}; \
+                     refusing to keep the registry where another user controls it",
+                    st.st_uid
+                ),
+            ),
+        });
+    }
+    if st.st_mode & 0o7777 != 0o700 {
+        tracing::warn!(state = %state.display(), mode = format_args!("{:o}", st.st_mode & 0o7777),
+            "state directory was open to other users; made it 0700");
+        rustix::fs::fchmod(&dir, rustix::fs::Mode::from_raw_mode(0o700))
+            .map_err(|e| io_err(state)(e.into()))?;
+    }
+    Ok(())
+}
+
+/// The socket's directory: created `0755` if missing (others must reach
+/// the socket; the socket's own mode says who may connect). An existing one
+/// must not let other users replace the socket: one writable by group or
+/// others without the sticky bit, or owned by another user than the broker's
+/// or root, is refused.
+fn socket_dir(parent: &Path) -> Result<(), BrokerError> {
+    DirBuilder::new()
+        .recursive(true)
+        .mode(0o755)
+        .create(parent)
+        .map_err(io_err(parent))?;
+    let meta = std::fs::metadata(parent).map_err(io_err(parent))?;
+    let me = rustix::process::geteuid().as_raw();
+    let open_to_others = meta.mode() & 0o022 != 0 && meta.mode() & 0o1000 == 0;
+    if (meta.uid() != me && meta.uid() != 0) || open_to_others {
+        return Err(BrokerError::Io {
+            path: parent.to_path_buf(),
+            source: std::io::Error::new(
+                std::io::ErrorKind::PermissionDenied,
+                format!(
+                    "the socket's directory (owner uid {}, mode {:o}) lets another user replace \
+                     the broker's socket; use a directory only the broker's user can write",
+                    meta.uid(),
+                    meta.mode() & 0o7777
+                ),
+            ),
+        });
+    }
+    Ok(())
+}
+
 fn bind_socket(path: &Path, policy: &Policy) -> Result<(OwnedFd, (u64, u64)), BrokerError> {
     if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
-        DirBuilder::new()
-            .recursive(true)
-            .mode(0o755)
-            .create(parent)
-            .map_err(io_err(parent))?;
+        socket_dir(parent)?;
     }
     let addr = SocketAddrUnix::new(path).map_err(sys_err("socket path"))?;
     let new_socket = || {
@@ -438,11 +520,8 @@ fn bind_socket(path: &Path, policy: &Policy) -> Result<(OwnedFd, (u64, u64)), Br
     if let Some(gid) = policy.socket_gid {
         std::os::unix::fs::lchown(path, None, Some(gid)).map_err(io_err(path))?;
     }
-    std::fs::set_permissions(
-        path,
-        std::os::unix::fs::PermissionsExt::from_mode(policy.socket_mode),
-    )
-    .map_err(io_err(path))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(policy.socket_mode))
+        .map_err(io_err(path))?;
     rustix::net::listen(&listener, 128).map_err(sys_err("listen"))?;
     let meta = std::fs::symlink_metadata(path).map_err(io_err(path))?;
     Ok((listener, (meta.dev(), meta.ino())))

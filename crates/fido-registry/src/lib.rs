@@ -76,6 +76,49 @@ pub enum RegistryError {
     /// SQLite failed (I/O error, corrupt database, disk full, ...).
     #[error("registry database error: {0}")]
     Sqlite(#[from] rusqlite::Error),
+    /// The database is damaged (corrupt, not a database, or truncated); it
+    /// is refused rather than read as an empty or partial registry.
+    #[error("registry database is damaged: {0}; move it aside to start an empty registry (ids continue past the recorded high-water marks)")]
+    Damaged(String),
+    /// A file beside the database (id high-water marks, modes) could not be
+    /// read or written.
+    #[error("registry file: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+impl RegistryError {
+    /// Did the disk (or the filesystem's quota) run out of space?
+    pub fn is_disk_full(&self) -> bool {
+        match self {
+            RegistryError::Sqlite(rusqlite::Error::SqliteFailure(e, _)) => {
+                e.code == rusqlite::ErrorCode::DiskFull
+            }
+            RegistryError::Io(e) => e.raw_os_error() == Some(28), // ENOSPC
+            _ => false,
+        }
+    }
+
+    /// Is the database damaged (found corrupt while in use)?
+    pub fn is_damage(&self) -> bool {
+        match self {
+            RegistryError::Damaged(_) => true,
+            RegistryError::Sqlite(rusqlite::Error::SqliteFailure(e, _)) => matches!(
+                e.code,
+                rusqlite::ErrorCode::DatabaseCorrupt | rusqlite::ErrorCode::NotADatabase
+            ),
+            _ => false,
+        }
+    }
+}
+
+/// A SQLite error met while opening: damage is told apart from other failures.
+fn damage(path: &Path, e: rusqlite::Error) -> RegistryError {
+    let e = RegistryError::Sqlite(e);
+    if e.is_damage() {
+        RegistryError::Damaged(format!("{}: {e}", path.display()))
+    } else {
+        e
+    }
 }
 
 /// A change to deliver to the owner of a matching watch.
@@ -105,6 +148,10 @@ pub struct TxnOutcome {
 pub struct Registry {
     conn: Connection,
     watches: Watches,
+    /// The ids' high-water marks (absent for an in-memory registry).
+    ids: Option<IdMarks>,
+    /// Space set aside so that deletes still work on a full disk.
+    reserve: Option<Reserve>,
 }
 
 impl std::fmt::Debug for Registry {
@@ -132,16 +179,72 @@ impl Registry {
     /// few commits may be lost on power failure; the database stays consistent
     /// either way. [`Registry::next_counter`] syncs fully because ids must never
     /// repeat.
+    ///
+    /// The files are the broker's alone: the database (and so its `-wal` and
+    /// `-shm`, which SQLite creates with the database's mode) and the files
+    /// next to it are made `0600`. SQLite waits for no lock (busy timeout
+    /// zero): the broker is the only writer, so a lock held by anyone else is
+    /// an error on that operation, never a stall of the broker's loop.
+    ///
+    /// A damaged database is refused ([`RegistryError::Damaged`]): one that
+    /// fails SQLite's `quick_check` or is not a database, and one that is
+    /// empty although the id high-water file (`<stem>.ids` beside it) says ids
+    /// were handed out (it was truncated). A missing database with that file
+    /// present (an operator moved a damaged one aside) starts empty, its id
+    /// counters past everything ever handed out.
     pub fn open(path: &Path) -> Result<Registry, RegistryError> {
-        let conn = Connection::open(path)?;
-        let mode: String =
-            conn.pragma_update_and_check(None, "journal_mode", "WAL", |r| r.get(0))?;
+        let ids = IdMarks::load(&path.with_extension("ids"))?;
+        match std::fs::metadata(path) {
+            Ok(meta) if meta.len() == 0 && ids.any() => {
+                return Err(RegistryError::Damaged(format!(
+                    "{} is empty, but {} records ids handed out from it: it was truncated",
+                    path.display(),
+                    ids.path.display()
+                )))
+            }
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(RegistryError::Io(e)),
+        }
+        private_file(path, true)?;
+        for suffix in ["-wal", "-shm"] {
+            let mut side = path.as_os_str().to_owned();
+            side.push(suffix);
+            private_file(Path::new(&side), false)?;
+        }
+        let damaged = |e: rusqlite::Error| damage(path, e);
+        let conn = Connection::open(path).map_err(damaged)?;
+        conn.busy_timeout(std::time::Duration::ZERO)?;
+        let mode: String = conn
+            .pragma_update_and_check(None, "journal_mode", "WAL", |r| r.get(0))
+            .map_err(damaged)?;
         if !mode.eq_ignore_ascii_case("wal") {
             // Some filesystems (network mounts) cannot do WAL; SQLite falls back
             // to a rollback journal, which is slower but just as safe.
             tracing::warn!(db = %path.display(), %mode, "registry database is not in WAL mode");
         }
-        Self::setup(conn)
+        let check: Vec<String> = conn
+            .prepare("PRAGMA quick_check(5)")
+            .and_then(|mut st| st.query_map([], |r| r.get(0))?.collect())
+            .map_err(damaged)?;
+        if check != ["ok"] {
+            return Err(RegistryError::Damaged(format!(
+                "{} fails SQLite's quick_check: {}",
+                path.display(),
+                check.join("; ")
+            )));
+        }
+        let mut reg = Self::setup(conn).map_err(|e| match e {
+            RegistryError::Sqlite(e) => damage(path, e),
+            e => e,
+        })?;
+        reg.ids = Some(ids);
+        reg.reserve = Some(Reserve::new(path.with_extension("reserve")));
+        reg.sync_counters_with_marks()?;
+        if let Some(r) = reg.reserve.as_mut() {
+            r.refill();
+        }
+        Ok(reg)
     }
 
     /// A purely in-memory registry (SQLite `:memory:`), for tests.
@@ -161,6 +264,8 @@ impl Registry {
         Ok(Registry {
             conn,
             watches: Watches::default(),
+            ids: None,
+            reserve: None,
         })
     }
 
@@ -177,6 +282,7 @@ impl Registry {
     pub fn write(&mut self, path: &str, value: &[u8]) -> Result<Vec<WatchEvent>, RegistryError> {
         checked(path)?;
         check_value(value)?;
+        self.refill_reserve();
         put(&self.conn, path, value)?;
         let mut events = Vec::new();
         self.watches.fire(path, Some(value), &mut events);
@@ -185,15 +291,37 @@ impl Registry {
 
     /// Deletes the key and its whole subtree. Returns one event per deleted key
     /// per matching watch. Deleting a missing key is `Ok(vec![])`.
+    ///
+    /// A delete frees space, so it must work on a full disk too: if SQLite
+    /// finds no room for its journal, the space reserved beside the database
+    /// is given up and the delete tried once more.
     pub fn delete(&mut self, path: &str) -> Result<Vec<WatchEvent>, RegistryError> {
         checked(path)?;
         // A single DELETE statement is atomic on its own.
-        let deleted = delete_subtree(&self.conn, path)?;
+        let deleted = match delete_subtree(&self.conn, path) {
+            Err(e) if e.is_disk_full() && self.release_reserve() => {
+                delete_subtree(&self.conn, path)?
+            }
+            other => other?,
+        };
+        self.refill_reserve();
         let mut events = Vec::new();
         for key in &deleted {
             self.watches.fire(key, None, &mut events);
         }
         Ok(events)
+    }
+
+    /// Gives up the reserved space; `false` if there was none to give.
+    fn release_reserve(&mut self) -> bool {
+        self.reserve.as_mut().is_some_and(Reserve::release)
+    }
+
+    /// Takes the reserve back once there is room again (tried now and then).
+    fn refill_reserve(&mut self) {
+        if let Some(r) = self.reserve.as_mut() {
+            r.refill_later();
+        }
     }
 
     /// Names (last component only, sorted) of the direct children of `path`,
@@ -417,9 +545,40 @@ impl Registry {
             .and_then(|mut stmt| stmt.query_row([name], |r| r.get::<_, i64>(0)));
         // Restore NORMAL even if the increment failed.
         let restore = self.conn.pragma_update(None, "synchronous", "NORMAL");
-        let value = result?;
+        let value = result? as u64;
         restore?;
-        Ok(value as u64)
+        // The id is handed out only once the high-water mark covers it, so
+        // that even a lost database never hands it out again.
+        if let Some(ids) = self.ids.as_mut() {
+            ids.cover(name, value)?;
+        }
+        Ok(value)
+    }
+
+    /// Brings the counters and their high-water marks in line at open: a
+    /// counter the database does not have (a fresh database) starts at its
+    /// mark; a counter past its mark (a state directory from before the
+    /// marks existed) raises it.
+    fn sync_counters_with_marks(&mut self) -> Result<(), RegistryError> {
+        let Some(ids) = self.ids.as_mut() else {
+            return Ok(());
+        };
+        for (name, mark) in ids.marks.clone() {
+            let mark = i64::try_from(mark).unwrap_or(i64::MAX);
+            self.conn.execute(
+                "INSERT INTO counters(name, value) VALUES (?1, ?2) ON CONFLICT(name) DO NOTHING",
+                (&name, mark),
+            )?;
+        }
+        let counters: Vec<(String, i64)> = self
+            .conn
+            .prepare("SELECT name, value FROM counters")?
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?
+            .collect::<Result<_, _>>()?;
+        for (name, value) in counters {
+            ids.cover(&name, u64::try_from(value).unwrap_or(0))?;
+        }
+        Ok(())
     }
 
     // ----- the broker's private records ------------------------------------------
@@ -461,6 +620,165 @@ impl Registry {
         let rows = stmt.query_map([prefix], |r| Ok((r.get(0)?, r.get(1)?)))?;
         Ok(rows.collect::<Result<Vec<_>, _>>()?)
     }
+}
+
+/// The id counters' high-water marks, in a small text file beside the
+/// database (`name value` lines): every id a counter ever handed out is at
+/// most its mark. Raised a block at a time, so the file is rewritten once
+/// every [`IdMarks::BLOCK`] ids, atomically (write, sync, rename).
+struct IdMarks {
+    path: std::path::PathBuf,
+    marks: std::collections::BTreeMap<String, u64>,
+}
+
+impl IdMarks {
+    const BLOCK: u64 = 1024;
+
+    fn load(path: &Path) -> Result<IdMarks, RegistryError> {
+        let text = match std::fs::read_to_string(path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+            Err(e) => return Err(RegistryError::Io(e)),
+        };
+        let mut marks = std::collections::BTreeMap::new();
+        for line in text.lines().filter(|l| !l.trim().is_empty()) {
+            let parsed = line
+                .split_once(' ')
+                .and_then(|(n, v)| Some((n.to_owned(), v.trim().parse::<u64>().ok()?)));
+            let Some((name, mark)) = parsed else {
+                return Err(RegistryError::Damaged(format!(
+                    "{}: unreadable line {line:?}",
+                    path.display()
+                )));
+            };
+            marks.insert(name, mark);
+        }
+        Ok(IdMarks {
+            path: path.to_owned(),
+            marks,
+        })
+    }
+
+    fn any(&self) -> bool {
+        self.marks.values().any(|m| *m > 0)
+    }
+
+    /// Makes sure `value` of counter `name` is at most its mark.
+    fn cover(&mut self, name: &str, value: u64) -> Result<(), RegistryError> {
+        if self.marks.get(name).is_some_and(|m| *m >= value) {
+            return Ok(());
+        }
+        let mut marks = self.marks.clone();
+        marks.insert(name.to_owned(), value.saturating_add(Self::BLOCK));
+        let text: String = marks.iter().map(|(n, v)| format!("{n} {v}\n")).collect();
+        let tmp = self.path.with_extension("ids-new");
+        let written = (|| {
+            let mut f = private_create(&tmp, true)?;
+            std::io::Write::write_all(&mut f, text.as_bytes())?;
+            f.sync_all()?;
+            std::fs::rename(&tmp, &self.path)?;
+            if let Some(dir) = self.path.parent().filter(|p| !p.as_os_str().is_empty()) {
+                std::fs::File::open(dir)?.sync_all()?;
+            }
+            Ok(())
+        })();
+        if let Err(e) = written {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(RegistryError::Io(e));
+        }
+        self.marks = marks;
+        Ok(())
+    }
+}
+
+/// A file of [`Reserve::SIZE`] bytes beside the database, given up when the
+/// disk is full so that deletes (which SQLite must journal) still succeed.
+struct Reserve {
+    path: std::path::PathBuf,
+    present: bool,
+    last_try: Option<std::time::Instant>,
+}
+
+impl Reserve {
+    const SIZE: usize = 1 << 20;
+    /// How often a missing reserve is tried again.
+    const RETRY: std::time::Duration = std::time::Duration::from_secs(10);
+
+    fn new(path: std::path::PathBuf) -> Reserve {
+        Reserve {
+            path,
+            present: false,
+            last_try: None,
+        }
+    }
+
+    /// Creates the reserve, written out (not sparse) so its blocks are taken.
+    fn refill(&mut self) {
+        self.last_try = Some(std::time::Instant::now());
+        if std::fs::metadata(&self.path).is_ok_and(|m| m.len() >= Self::SIZE as u64) {
+            self.present = true;
+            return;
+        }
+        let made = (|| {
+            let mut f = private_create(&self.path, true)?;
+            std::io::Write::write_all(&mut f, &vec![0u8; Self::SIZE])?;
+            f.sync_all()
+        })();
+        match made {
+            Ok(()) => self.present = true,
+            Err(e) => {
+                let _ = std::fs::remove_file(&self.path);
+                self.present = false;
+                tracing::warn!(file = %self.path.display(), error = %e,
+                    "could not reserve space for registry deletes on a full disk");
+            }
+        }
+    }
+
+    fn refill_later(&mut self) {
+        if !self.present && self.last_try.is_none_or(|t| t.elapsed() >= Self::RETRY) {
+            self.refill();
+        }
+    }
+
+    fn release(&mut self) -> bool {
+        if !self.present {
+            return false;
+        }
+        self.present = false;
+        self.last_try = Some(std::time::Instant::now());
+        tracing::error!(file = %self.path.display(),
+            "registry disk is full: releasing the reserved space so deletes can proceed");
+        std::fs::remove_file(&self.path).is_ok()
+    }
+}
+
+/// Opens `path` for writing, created `0600` if missing (and truncated when
+/// `truncate`); an existing file is made `0600` too.
+fn private_create(path: &Path, truncate: bool) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(truncate)
+        .mode(0o600)
+        .open(path)?;
+    f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+    Ok(f)
+}
+
+/// Makes `path` private (`0600`), creating it empty first when `create`.
+fn private_file(path: &Path, create: bool) -> Result<(), RegistryError> {
+    use std::os::unix::fs::PermissionsExt;
+    if create {
+        private_create(path, false)?;
+        return Ok(());
+    }
+    match std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(RegistryError::Io(e)),
+        _ => Ok(()),
+    }
+
 }
 
 /// In-memory watch table, indexed both ways: by prefix, so that a change costs

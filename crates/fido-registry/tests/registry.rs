@@ -736,3 +736,99 @@ fn private_records_are_out_of_every_paths_reach() {
     assert_eq!(left, ["resume/domain/12", "resume/map/12/3"]);
     assert_eq!(r.private_list("resume/domain/").unwrap(), [("resume/domain/12".to_string(), b"other".to_vec())]);
 }
+
+// ----- the database's files, damage, locks and a full disk (issue #16) -----
+
+fn file_mode(path: &std::path::Path) -> u32 {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(path).unwrap().permissions().mode() & 0o7777
+}
+
+#[test]
+fn the_files_are_private_even_if_they_were_not() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("registry.sqlite");
+    {
+        let mut r = Registry::open(&db).unwrap();
+        r.write("/a", b"secret").unwrap();
+        r.next_counter("domain").unwrap();
+        for f in [
+            "registry.sqlite",
+            "registry.sqlite-wal",
+            "registry.sqlite-shm",
+            "registry.ids",
+            "registry.reserve",
+        ] {
+            assert_eq!(file_mode(&dir.path().join(f)), 0o600, "{f}");
+        }
+    }
+    std::fs::set_permissions(&db, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let _r = Registry::open(&db).unwrap();
+    assert_eq!(file_mode(&db), 0o600);
+}
+
+#[test]
+fn a_lock_held_by_another_connection_is_an_error_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("registry.sqlite");
+    let mut r = Registry::open(&db).unwrap();
+    r.write("/a", b"1").unwrap();
+    let other = rusqlite::Connection::open(&db).unwrap();
+    other.execute_batch("BEGIN IMMEDIATE").unwrap();
+    let t = std::time::Instant::now();
+    let e = r.write("/a", b"2").expect_err("wrote through another's write lock");
+    assert!(e.to_string().contains("locked"), "{e}");
+    assert!(t.elapsed() < std::time::Duration::from_secs(1), "waited {:?}", t.elapsed());
+    other.execute_batch("ROLLBACK").unwrap();
+    r.write("/a", b"3").unwrap();
+}
+
+#[test]
+fn a_truncated_database_is_refused_and_one_moved_aside_restarts_past_its_ids() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("registry.sqlite");
+    {
+        let mut r = Registry::open(&db).unwrap();
+        for _ in 0..5 {
+            r.next_counter("domain").unwrap();
+        }
+        r.write("/k", b"v").unwrap();
+    }
+    std::fs::OpenOptions::new().write(true).open(&db).unwrap().set_len(0).unwrap();
+    let e = Registry::open(&db).expect_err("a truncated database was opened");
+    assert!(matches!(e, RegistryError::Damaged(_)) && e.to_string().contains("truncated"), "{e}");
+    std::fs::rename(&db, dir.path().join("registry.sqlite.old")).unwrap();
+    let mut r = Registry::open(&db).unwrap();
+    assert_eq!(r.read("/k").unwrap(), None);
+    assert!(r.next_counter("domain").unwrap() > 5);
+    assert_eq!(r.next_counter("conn").unwrap(), 1);
+}
+
+#[test]
+fn a_corrupt_database_or_id_file_is_refused() {
+    use std::io::{Seek, Write};
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("registry.sqlite");
+    {
+        let mut r = Registry::open(&db).unwrap();
+        for i in 0..100 {
+            r.write(&format!("/k{i}"), &[b'x'; 1000]).unwrap();
+        }
+    }
+    let mut f = std::fs::OpenOptions::new().write(true).open(&db).unwrap();
+    f.seek(std::io::SeekFrom::Start(5 * 4096)).unwrap();
+    f.write_all(&[0x5a; 4096]).unwrap();
+    drop(f);
+    let e = Registry::open(&db).expect_err("a corrupt database was opened");
+    assert!(matches!(e, RegistryError::Damaged(_)), "{e}");
+
+    std::fs::write(dir.path().join("registry.sqlite"), b"not a database at all, not at all, no").unwrap();
+    let e = Registry::open(&db).expect_err("garbage was opened");
+    assert!(matches!(e, RegistryError::Damaged(_)), "{e}");
+
+    std::fs::remove_file(&db).unwrap();
+    std::fs::write(dir.path().join("registry.ids"), b"domain twelve\n").unwrap();
+    let e = Registry::open(&db).expect_err("a garbled id file was accepted");
+    assert!(matches!(e, RegistryError::Damaged(_)), "{e}");
+}

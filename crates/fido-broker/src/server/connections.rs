@@ -186,11 +186,9 @@ impl Server {
         let Some(c) = self.conns.get(&conn) else {
             return;
         };
-        let (service, client, server) = (c.service.clone(), c.client, c.server);
-        let base = format!("/connection/{conn}");
-        self.reg_write(&format!("{base}/service"), service.as_bytes());
-        self.reg_write(&format!("{base}/client"), client.to_string().as_bytes());
-        self.reg_write(&format!("{base}/server"), server.to_string().as_bytes());
+        for (path, value) in conn_keys(conn, &c.service, c.client, c.server) {
+            self.reg_write(&path, &value);
+        }
     }
 
     pub(super) fn offer(&mut self, dom: DomainId, service: String) -> Handled {
@@ -216,14 +214,14 @@ impl Server {
                 format!("service {service:?} is already offered by domain {owner}"),
             ));
         }
+        self.reg_write_all(vec![(
+            format!("/service/{service}/domain"),
+            dom.to_string().into_bytes(),
+        )])?;
         self.services.insert(service.clone(), dom);
         if let Some(d) = self.domains.get_mut(&dom) {
             d.services.insert(service.clone());
         }
-        self.reg_write(
-            &format!("/service/{service}/domain"),
-            dom.to_string().as_bytes(),
-        );
         tracing::info!(domain = dom, service, "service offered");
         Ok(Some((Reply::Ok, Vec::new())))
     }
@@ -276,7 +274,7 @@ impl Server {
         let conn = self
             .reg
             .next_counter("connection")
-            .map_err(|e| internal("registry counter", e))?;
+            .map_err(|e| super::registry::registry_failure("registry counter", e))?;
         let mut out = vec![arena];
         out.extend(fds);
         out.push(end0);
@@ -322,6 +320,13 @@ impl Server {
             .peer_info(dom)
             .ok_or_else(|| internal("accept", "caller has no domain"))?;
         let arena = self.arena_dup(dom)?;
+        // Its keys first: a connection whose record cannot be written (a
+        // full disk) is not established; it stays pending, as it was.
+        let keys = {
+            let p = &self.pending[&conn];
+            conn_keys(conn, &p.service, p.client, dom)
+        };
+        self.reg_write_all(keys)?;
         let p = self.pending.remove(&conn).expect("checked above");
         let client = p.client;
         self.conns.insert(
@@ -332,7 +337,6 @@ impl Server {
                 server: dom,
             },
         );
-        self.write_conn_keys(conn);
         let client_slot = self.domains.get(&client).map(|d| d.slot);
         let server_slot = self.domains.get(&dom).map(|d| d.slot);
         if let Some(s) = server_slot {
@@ -465,4 +469,19 @@ fn no_pending(conn: ConnId) -> RemoteError {
         ErrorCode::NoSuchConnection,
         format!("no pending connection {conn} addressed to you"),
     )
+}
+
+/// The registry keys recording connection `conn`, under `/connection/<conn>`.
+fn conn_keys(
+    conn: ConnId,
+    service: &str,
+    client: DomainId,
+    server: DomainId,
+) -> Vec<(String, Vec<u8>)> {
+    let base = format!("/connection/{conn}");
+    vec![
+        (format!("{base}/service"), service.as_bytes().to_vec()),
+        (format!("{base}/client"), client.to_string().into_bytes()),
+        (format!("{base}/server"), server.to_string().into_bytes()),
+    ]
 }

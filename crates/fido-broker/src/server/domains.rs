@@ -165,7 +165,7 @@ impl Server {
                 (id, slot, r.secret, Some(admitted))
             }
         };
-        self.install_domain(&who, id, slot, arena, arena_len, rule);
+        self.install_domain(&who, id, slot, arena, arena_len, rule)?;
 
         if let Some(admitted) = admitted {
             self.resume(id, admitted);
@@ -301,7 +301,7 @@ impl Server {
         let id = self
             .reg
             .next_counter("domain")
-            .map_err(|e| internal("registry counter", e))?;
+            .map_err(|e| super::registry::registry_failure("registry counter", e))?;
         Ok((id, slot))
     }
 
@@ -366,7 +366,19 @@ impl Server {
         arena: OwnedFd,
         arena_len: u64,
         rule: Arc<Rule>,
-    ) {
+    ) -> Result<(), RemoteError> {
+        // Its keys first: a domain whose record cannot be written is not admitted.
+        let base = format!("/domain/{id}");
+        let mut keys = vec![
+            (format!("{base}/name"), who.name.clone().into_bytes()),
+            (format!("{base}/pid"), who.pid.to_string().into_bytes()),
+            (format!("{base}/uid"), who.uid.to_string().into_bytes()),
+            (format!("{base}/slot"), slot.to_string().into_bytes()),
+        ];
+        if let Some(l) = &who.label {
+            keys.push((format!("{base}/label"), l.clone().into_bytes()));
+        }
+        self.reg_write_all(keys)?;
         if let Some(c) = self.clients.get_mut(&who.key) {
             c.domain = Some(id);
         }
@@ -402,14 +414,7 @@ impl Server {
             rule,
         };
         self.domains.insert(id, domain);
-        let base = format!("/domain/{id}");
-        self.reg_write(&format!("{base}/name"), who.name.as_bytes());
-        self.reg_write(&format!("{base}/pid"), who.pid.to_string().as_bytes());
-        self.reg_write(&format!("{base}/uid"), who.uid.to_string().as_bytes());
-        self.reg_write(&format!("{base}/slot"), slot.to_string().as_bytes());
-        if let Some(l) = &who.label {
-            self.reg_write(&format!("{base}/label"), l.as_bytes());
-        }
+        Ok(())
     }
 
     /// Handles `Leave`: answered first, then the domain goes as if it died.
@@ -846,16 +851,47 @@ impl Server {
     // ----- heartbeats and the grace period ------------------------------------
 
     /// Periodic work: declare silent clients dead; end the post-restart grace period.
+    ///
+    /// Silence is measured on the broker's awake clock, and a client that
+    /// looks silent has its socket read first: heartbeats queued there while
+    /// the broker was not reading (stopped, stalled, busy) prove it alive.
+    /// A connection that has not joined within `join_timeout` is closed,
+    /// heartbeats or not.
     pub(super) fn tick(&mut self, now: Instant) {
         let timeout = self.cfg.heartbeat_timeout();
-        let silent: Vec<u64> = self
+        let awake = self.intake.clock.now();
+        let silent_keys = |s: &Self| -> Vec<u64> {
+            s.clients
+                .iter()
+                .filter(|(_, c)| !c.doomed && awake.saturating_sub(c.last_seen) > timeout)
+                .map(|(k, _)| *k)
+                .collect()
+        };
+        for key in silent_keys(self) {
+            self.client_ready(key, rustix::event::epoll::EventFlags::IN);
+        }
+        for key in silent_keys(self) {
+            self.doom(key, GoneReason::MissedHeartbeat);
+        }
+        let join_timeout = self.cfg.join_timeout;
+        let late: Vec<u64> = self
             .clients
             .iter()
-            .filter(|(_, c)| !c.doomed && now.duration_since(c.last_seen) > timeout)
+            .filter(|(_, c)| {
+                let deadline = if c.refused {
+                    join_timeout.min(super::io::REFUSED_DEADLINE)
+                } else {
+                    join_timeout
+                };
+                !c.doomed && c.domain.is_none() && awake.saturating_sub(c.connected) > deadline
+            })
             .map(|(k, _)| *k)
             .collect();
-        for key in silent {
-            self.doom(key, GoneReason::MissedHeartbeat);
+        for key in late {
+            if let Some(c) = self.clients.get(&key) {
+                tracing::debug!(pid = c.pid, uid = c.uid, "connection did not join in time; closed");
+            }
+            self.doom(key, GoneReason::Exited);
         }
         if now >= self.grace_end && !self.grace_over {
             self.grace_over = true;

@@ -89,7 +89,13 @@ struct Client {
     uid: u32,
     gid: u32,
     domain: Option<DomainId>,
-    last_seen: Instant,
+    /// When it connected and when it was last heard from, on the broker's
+    /// awake clock ([`io::AwakeClock`]).
+    connected: std::time::Duration,
+    last_seen: std::time::Duration,
+    /// No rule of the policy could admit its uid: its first request is
+    /// answered `Denied` and it is closed; nothing else is done for it.
+    refused: bool,
     queue: VecDeque<Outgoing>,
     queued_bytes: usize,
     want_out: bool,
@@ -180,6 +186,9 @@ pub(crate) struct Server {
     acct: RegAccount,
     /// vPipe: pipes, running transfers, the engine.
     pipes: pipes::PipeState,
+    /// Who gets in and when silence counts: the awake clock, unjoined
+    /// clients per uid, the listener's back-off.
+    intake: io::Intake,
 }
 
 impl Server {
@@ -246,6 +255,7 @@ impl Server {
             rules,
             acct: RegAccount::default(),
             pipes: pipe_state,
+            intake: io::Intake::new(),
         })
     }
 }

@@ -12,6 +12,29 @@ const LIST_PAGE_BYTES: usize = 64 * 1024;
 
 use super::{err, internal, Handled, Server, MAX_COUNTER_ADVANCE};
 
+/// A registry operation failed: the request gets an error saying why, and
+/// the operator a log line (at error: the registry is the broker's own state,
+/// and a full disk or a damaged database needs someone to act).
+pub(super) fn registry_failure(what: &str, e: fido_registry::RegistryError) -> RemoteError {
+    match &e {
+        fido_registry::RegistryError::BadPath(_)
+        | fido_registry::RegistryError::ValueTooLarge(_)
+        | fido_registry::RegistryError::TooManyOps(_) => {
+            return err(ErrorCode::BadRequest, format!("{what}: {e}"))
+        }
+        _ if e.is_disk_full() => {
+            tracing::error!(error = %e, "{what} failed: the state directory's disk is full");
+            return internal(what, format!("{e} (the broker's state disk is full)"));
+        }
+        _ if e.is_damage() => tracing::error!(
+            error = %e,
+            "{what} failed: the registry database is damaged; stop the broker and move it aside"
+        ),
+        _ => tracing::error!(error = %e, "{what} failed"),
+    }
+    internal(what, e)
+}
+
 impl Server {
     /// Handles `Read`, `List`, `Write`, `Delete`, `Watch`, `Unwatch`, `Transaction`.
     pub(super) fn registry_request(&mut self, dom: DomainId, body: Request) -> Handled {
@@ -46,7 +69,7 @@ impl Server {
                 let v = self
                     .reg
                     .read(&path)
-                    .map_err(|e| internal("registry read", e))?;
+                    .map_err(|e| registry_failure("registry read", e))?;
                 Ok(Some((Reply::Value(v), Vec::new())))
             }
             Request::List { path } => {
@@ -56,7 +79,7 @@ impl Server {
                 let mut keys = self
                     .reg
                     .list(&path)
-                    .map_err(|e| internal("registry list", e))?;
+                    .map_err(|e| registry_failure("registry list", e))?;
                 let base = path.trim_end_matches('/');
                 keys.retain(|k| self.may_read_key(viewer, &format!("{base}/{k}"), true));
                 Ok(Some((Reply::Keys(keys), Vec::new())))
@@ -70,7 +93,7 @@ impl Server {
                     .list_page(&path, cursor.as_ref(), LIST_PAGE_BYTES)
                     .map_err(|e| match e {
                         RegistryError::BadPath(p) => err(ErrorCode::BadRequest, p),
-                        e => internal("registry list", e),
+                        e => registry_failure("registry list", e),
                     })?;
                 let base = path.trim_end_matches('/');
                 keys.retain(|k| self.may_read_key(viewer, &format!("{base}/{k}"), true));
@@ -129,11 +152,11 @@ impl Server {
             TxnOp::Put { path, value } => self
                 .reg
                 .write(path, value)
-                .map_err(|e| internal("registry write", e))?,
+                .map_err(|e| registry_failure("registry write", e))?,
             TxnOp::Delete { path } => self
                 .reg
                 .delete(path)
-                .map_err(|e| internal("registry delete", e))?,
+                .map_err(|e| registry_failure("registry delete", e))?,
             TxnOp::Check { .. } | TxnOp::Read { .. } => unreachable!("built above"),
         };
         let before = self.visible_now(&events);
@@ -171,7 +194,7 @@ impl Server {
         }
         self.reg
             .watch(dom, token, &prefix)
-            .map_err(|e| internal("registry watch", e))?;
+            .map_err(|e| registry_failure("registry watch", e))?;
         Ok(Some((Reply::Ok, Vec::new())))
     }
 
@@ -199,7 +222,7 @@ impl Server {
         let out = self
             .reg
             .transact(&ops)
-            .map_err(|e| internal("registry transaction", e))?;
+            .map_err(|e| registry_failure("registry transaction", e))?;
         let before = self.visible_now(&out.events);
         if out.committed {
             self.acct.commit(overlay);
@@ -224,7 +247,30 @@ impl Server {
                 let events = self.visible_events(events, &visible);
                 self.deliver(events)
             }
-            Err(e) => tracing::warn!(path, error = %e, "registry write failed"),
+            Err(e) => tracing::error!(path, error = %e, "registry write failed"),
+        }
+    }
+
+    /// Writes broker-managed keys all together or not at all: what a request
+    /// records about itself (a join's `/domain/<id>`, an offer's `/service`)
+    /// must be there if the request succeeds, so a failed write (a full
+    /// disk, a damaged database) fails the request.
+    pub(super) fn reg_write_all(&mut self, keys: Vec<(String, Vec<u8>)>) -> Result<(), RemoteError> {
+        let ops: Vec<TxnOp> = keys
+            .into_iter()
+            .map(|(path, value)| TxnOp::Put { path, value })
+            .collect();
+        match self.reg.transact(&ops) {
+            Ok(out) => {
+                let visible = self.visible_now(&out.events);
+                let events = self.visible_events(out.events, &visible);
+                self.deliver(events);
+                Ok(())
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "registry write failed; request refused");
+                Err(registry_failure("registry write", e))
+            }
         }
     }
 
@@ -235,7 +281,7 @@ impl Server {
                 let events = self.visible_events(events, &visible);
                 self.deliver(events)
             }
-            Err(e) => tracing::warn!(path, error = %e, "registry delete failed"),
+            Err(e) => tracing::error!(path, error = %e, "registry delete failed"),
         }
     }
 
@@ -245,7 +291,7 @@ impl Server {
             let v = self
                 .reg
                 .next_counter(name)
-                .map_err(|e| internal("registry counter", e))?;
+                .map_err(|e| registry_failure("registry counter", e))?;
             if v > id {
                 return Ok(());
             }
