@@ -16,6 +16,7 @@
 //! mapped somewhere.
 
 mod account;
+pub mod netdiag;
 pub mod policy;
 mod server;
 mod sys;

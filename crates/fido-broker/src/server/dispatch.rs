@@ -136,13 +136,18 @@ impl Server {
             | Request::PipeCancel { .. }
             | Request::PipeDestroy { .. }
             | Request::PipeWeight { .. }) => self.pipe_request(key, dom, id, body, fds),
+            body @ (Request::NetOffer { .. }
+            | Request::NetWithdraw { .. }
+            | Request::NetClaim
+            | Request::NetListen
+            | Request::NetUnlisten { .. }) => self.net_request(dom, body, fds),
         }
     }
 }
 
 /// Connect and Accept carry doorbells, PipeCreate and PipeOnce the pipe's
-/// ends (Join, handled apart, its arena); on any other request descriptors
-/// are a mistake.
+/// ends, the MMNet requests sockets and segments (Join, handled apart, its
+/// arena); on any other request descriptors are a mistake.
 fn takes_descriptors(body: &Request) -> bool {
     matches!(
         body,
@@ -150,6 +155,9 @@ fn takes_descriptors(body: &Request) -> bool {
             | Request::Accept { .. }
             | Request::PipeCreate
             | Request::PipeOnce { .. }
+            | Request::NetOffer { .. }
+            | Request::NetClaim
+            | Request::NetListen
     )
 }
 

@@ -488,6 +488,7 @@ impl Server {
         self.reg.drop_owner(id);
         self.acct.forget(id);
         self.pipe_domain_gone(id);
+        self.net_domain_gone(id);
 
         for s in &d.services {
             self.services.remove(s);

@@ -35,6 +35,7 @@ mod connections;
 mod dispatch;
 mod domains;
 mod io;
+mod net;
 mod pipes;
 mod registry;
 mod status;
@@ -45,7 +46,9 @@ use crate::ReloadSlot;
 use crate::{BrokerError, Config};
 
 /// Registry subtrees the broker owns: cleared at startup, read-only to applications.
-pub(crate) const MANAGED: [&str; 3] = ["/domain", "/service", "/connection"];
+/// `/net/listen`: MMNet listeners, published by the broker from the sockets
+/// themselves (`net`).
+pub(crate) const MANAGED: [&str; 4] = ["/domain", "/service", "/connection", "/net/listen"];
 
 const KEY_LISTENER: u64 = 0;
 const KEY_SHUTDOWN: u64 = 1;
@@ -174,6 +177,8 @@ pub(crate) struct Server {
     acct: RegAccount,
     /// vPipe: pipes, running transfers, the engine.
     pipes: pipes::PipeState,
+    /// MMNet: offered segments and published listeners.
+    net: net::NetState,
 }
 
 impl Server {
@@ -238,6 +243,7 @@ impl Server {
             rules,
             acct: RegAccount::default(),
             pipes: pipe_state,
+            net: net::NetState::default(),
         })
     }
 }
