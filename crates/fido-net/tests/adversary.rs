@@ -72,6 +72,7 @@ fn echo(b: &Broker) -> PathBuf {
 struct Kid {
     child: Child,
     out: BufReader<ChildStdout>,
+    /// Held open: roles that hold on (`hold`) end when it closes.
     stdin: Option<ChildStdin>,
 }
 
@@ -83,10 +84,19 @@ impl Kid {
         let mut child = cmd.spawn().expect("spawning a child");
         let out = BufReader::new(child.stdout.take().unwrap());
         let stdin = child.stdin.take();
-        Kid { child, out, stdin }
+        Kid {
+            child,
+            out,
+            stdin,
+        }
     }
 
     /// The rest of the first line starting with `prefix`.
+    /// Closes its stdin: a role that holds on (`hold`) ends.
+    fn release(&mut self) {
+        self.stdin.take();
+    }
+
     fn line(&mut self, prefix: &str) -> String {
         let mut line = String::new();
         loop {
@@ -98,19 +108,6 @@ impl Kid {
             if let Some(rest) = line.trim_end().strip_prefix(prefix) {
                 return rest.trim().to_string();
             }
-        }
-    }
-
-    /// Closes its stdin (roles that hold on until told) and waits for it.
-    fn finish(mut self) -> std::process::ExitStatus {
-        self.stdin.take();
-        let end = Instant::now() + Duration::from_secs(60);
-        loop {
-            if let Some(st) = self.child.try_wait().unwrap() {
-                return st;
-            }
-            assert!(Instant::now() < end, "child did not finish");
-            std::thread::sleep(Duration::from_millis(10));
         }
     }
 }
@@ -298,7 +295,7 @@ fn b_a_copied_request_never_crosses_two_connections() {
 }
 
 #[test]
-fn c_deleting_or_faking_keys_costs_a_victim_nothing() {
+fn c_deleting_listener_keys_costs_a_victim_nothing() {
     let Some((alice, bob)) = users() else { return };
     let b = broker(alice, bob);
     let echo = echo(&b);
@@ -326,6 +323,7 @@ fn c_deleting_or_faking_keys_costs_a_victim_nothing() {
     c.stdout(Stdio::piped());
     let out = wait_timeout(c.spawn().unwrap(), Duration::from_secs(60));
     assert!(out.status.success(), "{out:?}");
+    deleter.release();
     let deleted = deleter.line("deleted");
     eprintln!("bob deleted {deleted} keys");
     assert_eq!(
@@ -334,6 +332,13 @@ fn c_deleting_or_faking_keys_costs_a_victim_nothing() {
         "alice's connection lost its acceleration to bob's deletions: {:?}",
         b.stats()
     );
+}
+
+#[test]
+fn c_a_fake_listener_costs_a_victim_no_wait() {
+    let Some((alice, bob)) = users() else { return };
+    let b = broker(alice, bob);
+    let echo = echo(&b);
 
     // Bob publishes a fake listener (alice's uid, his own live domain) for
     // a plain server of alice's: her client must not wait for an attach.
@@ -378,6 +383,35 @@ fn c_deleting_or_faking_keys_costs_a_victim_nothing() {
     drop(faker);
 }
 
+#[test]
+fn d_an_offer_through_the_broker_never_reaches_another_users_server() {
+    let Some((alice, bob)) = users() else { return };
+    let b = broker(alice, bob);
+    let echo = echo(&b);
+    let port = free_port();
+    let _server = Kid::spawn(preloaded(
+        &b,
+        as_user(Some(alice), &echo, &["server", &port.to_string()]),
+    ));
+    wait_port(port);
+    b.wait_listener(port);
+    // Bob offers a segment of his for his own connection to alice's server,
+    // through the broker's real handshake.
+    let mut bob_client = Kid::spawn(role(
+        Some(bob),
+        &b,
+        "offer",
+        &[("PORT", port.to_string()), ("HOLD_MS", "3000".into())],
+    ));
+    let offered = bob_client.line("offered");
+    assert!(offered.starts_with("ok"), "bob's offer: {offered}");
+    assert_eq!(
+        bob_client.line("state"),
+        "0",
+        "alice's server attached to bob's segment"
+    );
+}
+
 // ----- the children's roles -------------------------------------------------------
 
 /// Runs a role when started as a child (`FIDO_ADVERSARY_ROLE`); passes otherwise.
@@ -388,6 +422,7 @@ fn child_main() {
     };
     let env = |k: &str| std::env::var(k).unwrap_or_else(|_| panic!("{k} unset"));
     match role.as_str() {
+        "offer" => offer(env("PORT").parse().unwrap(), env("HOLD_MS").parse().unwrap()),
         "forge" => forge(env("PORT").parse().unwrap(), env("SPORT").parse().unwrap(), env("HOLD_MS").parse().unwrap()),
         "copy" => copy(&env("TARGET")),
         "delete" => delete(env("PORT").parse().unwrap()),
@@ -461,15 +496,104 @@ fn forge(port: u16, sport: u16, hold_ms: u64) {
         h
     };
     std::io::stdout().flush().unwrap();
+    watch_state(base, hold_ms);
+}
+
+/// A sealed segment with a valid header (nonce `0x5eed`) of 64 KiB rings:
+/// its descriptor and mapping.
+fn segment() -> (std::os::fd::OwnedFd, *mut u8) {
+    let ring: usize = 1 << 16;
+    let len = 4096 + 2 * ring;
+    // SAFETY: creating, sizing, sealing and mapping a memfd of our own.
+    unsafe {
+        let fd = libc::memfd_create(c"seg".as_ptr(), libc::MFD_ALLOW_SEALING);
+        assert!(fd >= 0);
+        assert_eq!(libc::ftruncate(fd, len as libc::off_t), 0);
+        assert_eq!(
+            libc::fcntl(fd, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK | libc::F_SEAL_GROW),
+            0
+        );
+        let p = libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd,
+            0,
+        );
+        assert_ne!(p, libc::MAP_FAILED);
+        let h = p as *mut u8;
+        (h as *mut u64).write(0x6669_646f_6e65_7431);
+        (h.add(8) as *mut u32).write(2);
+        (h.add(12) as *mut u32).write(ring as u32);
+        (h.add(16) as *mut u64).write(0x5eed);
+        (std::os::fd::OwnedFd::from_raw_fd(fd), h)
+    }
+}
+
+/// Watches the state word of segment header `h` for `hold_ms`; prints the
+/// highest state seen (0 pending, 1 attached by a server).
+fn watch_state(h: *mut u8, hold_ms: u64) {
     let end = Instant::now() + Duration::from_millis(hold_ms);
     let mut seen = 0u32;
     while Instant::now() < end {
         // SAFETY: reading the state word of our own mapping.
-        let s = unsafe { std::ptr::read_volatile(base.add(24) as *const u32) };
+        let s = unsafe { std::ptr::read_volatile(h.add(24) as *const u32) };
         seen = seen.max(s);
         std::thread::sleep(Duration::from_millis(5));
     }
     println!("state {seen}");
+}
+
+/// Bob: offers a segment through the broker for his own connection to
+/// `127.0.0.1:port`, connects, and reports whether a server attached.
+fn offer(port: u16, hold_ms: u64) {
+    use std::os::fd::AsFd;
+    let d = join("net-bob");
+    let (seg, h) = segment();
+    // A bound, unconnected socket (what fido-net offers with).
+    // SAFETY: a socket of our own, bound with plain calls.
+    let fd = unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0);
+        assert!(fd >= 0);
+        let mut a: libc::sockaddr_in = std::mem::zeroed();
+        a.sin_family = libc::AF_INET as libc::sa_family_t;
+        a.sin_addr.s_addr = u32::from_ne_bytes([127, 0, 0, 1]);
+        let alen = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+        assert_eq!(libc::bind(fd, &a as *const _ as *const libc::sockaddr, alen), 0);
+        std::os::fd::OwnedFd::from_raw_fd(fd)
+    };
+    let dst: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    match d.net_offer(fd.as_fd(), seg.as_fd(), dst, 1 << 16, 0x5eed) {
+        Ok(id) => println!("offered ok {id}"),
+        Err(e) => println!("offered refused ({e})"),
+    }
+    std::io::stdout().flush().unwrap();
+    let s = std::net::TcpStream::from(fd);
+    let sa = socket_addr_c(dst);
+    // SAFETY: connecting our own socket to a sockaddr_in of the size given.
+    let r = unsafe {
+        libc::connect(
+            std::os::fd::AsRawFd::as_raw_fd(&s),
+            &sa as *const _ as *const libc::sockaddr,
+            std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
+        )
+    };
+    assert_eq!(r, 0, "connect: {}", std::io::Error::last_os_error());
+    watch_state(h, hold_ms);
+    drop(s);
+}
+
+fn socket_addr_c(a: std::net::SocketAddr) -> libc::sockaddr_in {
+    let std::net::SocketAddr::V4(v4) = a else {
+        panic!("IPv4 only")
+    };
+    // SAFETY: sockaddr_in is plain data.
+    let mut s: libc::sockaddr_in = unsafe { std::mem::zeroed() };
+    s.sin_family = libc::AF_INET as libc::sa_family_t;
+    s.sin_addr.s_addr = u32::from_ne_bytes(v4.ip().octets());
+    s.sin_port = v4.port().to_be();
+    s
 }
 
 /// Bob: copies the first connection request written under `/net/conn` to
