@@ -308,6 +308,14 @@ impl Server {
         check_segment(segment.as_fd(), ring_len)?;
         let (_, netns) = socket_netns(socket.as_fd(), pid)?;
         drop(socket);
+        if netns != own_netns() && !rustix::process::geteuid().is_root() {
+            // Proving the connection would mean entering the client's
+            // namespace (setns): refuse now, so it does not wait for a claim.
+            return Err(err(
+                ErrorCode::Unavailable,
+                "MMNet across network namespaces needs a root broker",
+            ));
+        }
 
         let now = Instant::now();
         self.net.offers.retain(|_, o| now.duration_since(o.made) < OFFER_TTL && o.inode != s.inode);
@@ -369,6 +377,18 @@ impl Server {
         if candidates.is_empty() {
             return Err(err(ErrorCode::NoSuchKey, format!("no MMNet offer for {peer} -> {}", s.local)));
         }
+        // Another uid's offer is never ours: nothing to ask the kernel about.
+        let (candidates, others): (Vec<u64>, Vec<u64>) =
+            candidates.into_iter().partition(|id| self.net.offers[id].uid == uid);
+        if candidates.is_empty() {
+            return Err(err(
+                ErrorCode::NoSuchKey,
+                format!(
+                    "no MMNet offer proven for {peer} -> {}: offer {} is another uid's",
+                    s.local, others[0]
+                ),
+            ));
+        }
         let (server_ns, server_ino) = socket_netns(socket.as_fd(), pid)?;
         drop(socket);
         let rt = netlink(server_ns.as_fd(), server_ino, libc::NETLINK_ROUTE)
@@ -378,10 +398,6 @@ impl Server {
         let mut why = Vec::new();
         for id in candidates {
             let o = &self.net.offers[&id];
-            if o.uid != uid {
-                why.push(format!("offer {id} is uid {}'s, not ours", o.uid));
-                continue;
-            }
             // The namespace our peer lives in, as the kernel routes to it.
             let client_ns: OwnedFd = match route {
                 Route::Local if o.netns == server_ino => match server_ns.try_clone() {
