@@ -119,7 +119,12 @@ pub fn reply_payload(buf: &[u8], want: u16) -> Result<&[u8], i32> {
             .get(..4)
             .map(|b| i32::from_ne_bytes(b.try_into().expect("4 bytes")))
             .ok_or(libc::EBADMSG)?;
-        return Err(if code < 0 { -code } else { libc::EBADMSG });
+        // An errno is a small negative number; anything else (0, an ack
+        // where an answer was due; i32::MIN, which has no negation) is garbage.
+        return Err(match code.checked_neg() {
+            Some(e) if e > 0 => e,
+            _ => libc::EBADMSG,
+        });
     }
     if ty != want {
         return Err(libc::EBADMSG);
@@ -450,6 +455,9 @@ mod tests {
         err.copy_from_slice(&(-libc::ENOENT).to_ne_bytes());
         let reply = nl_message(NLMSG_ERROR, 0, &err, &[]);
         assert_eq!(parse_diag_reply(&reply, l, r), Ok(None));
+        // An error code without a negation (found by fuzzing) is garbage, not a panic.
+        let reply = nl_message(NLMSG_ERROR, 0, &i32::MIN.to_ne_bytes(), &[]);
+        assert!(parse_diag_reply(&reply, l, r).is_err());
         // Mapped addresses are their IPv4 selves.
         let m: SocketAddr = "[::ffff:127.0.0.1]:4000".parse().unwrap();
         assert_eq!(canonical(m), l);
