@@ -1,10 +1,11 @@
 //! Checks shared by Fido's fuzz targets and by the stable-toolchain corpus
 //! replay tests (crates/fido-proto/tests/corpus.rs,
 //! crates/fido-registry/tests/corpus.rs, crates/fido/tests/corpus.rs,
-//! crates/fido-rpc/tests/fuzz_corpus.rs, crates/fido-broker/tests/resume_corpus.rs
-//! include these files with `#[path]`).
+//! crates/fido-rpc/tests/fuzz_corpus.rs, crates/fido-broker/tests/resume_corpus.rs,
+//! crates/fido-broker/tests/net_corpus.rs include these files with `#[path]`).
 
 pub mod descriptor;
+pub mod net_request;
 pub mod proto_check;
 pub mod registry_ops;
 pub mod resume_check;

@@ -16,6 +16,7 @@
 //! mapped somewhere.
 
 mod account;
+pub mod netdiag;
 pub mod policy;
 pub mod resume;
 mod server;

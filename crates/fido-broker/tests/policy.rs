@@ -943,10 +943,11 @@ fn child_main() {
 
 /// MMNet (fido-net) acceleration follows the policy: `[net] deny` (domain
 /// names `net-<comm>`), `[net] accelerate = false` and a rule's `net = false`
-/// make the broker refuse the handshake steps — writing a connection
-/// request, claiming one — with `Denied` and a message naming MMNet, while
-/// listeners and statistics are always published (a listener key grants
-/// nothing). A reload applies to the next step at once.
+/// make the broker refuse the handshake steps — offering a segment
+/// (`NetOffer`), writing or claiming a legacy connection request — with
+/// `Denied` and a message naming MMNet, while listeners (`NetListen`: keys
+/// only the broker writes) and statistics are always published. A reload
+/// applies to the next step at once.
 #[test]
 fn net_policy_refuses_the_mmnet_handshake_and_follows_reloads() {
     let text = |net: &str, rule_net: bool| {
@@ -973,11 +974,45 @@ fn net_policy_refuses_the_mmnet_handshake_and_follows_reloads() {
     assert!(msg.contains("net-denied*"), "{msg}");
     // The allowed domain publishes; the denied one may not claim its request.
     assert!(matches!(put(&mut other, conn), Ok(Reply::Ok)));
-    assert!(matches!(put(&mut other, listen), Ok(Reply::Ok)));
     expect_err(del(&mut denied, conn), ErrorCode::Denied, "MMNet");
-    // Listeners and statistics are never refused.
-    assert!(matches!(put(&mut denied, listen), Ok(Reply::Ok)));
-    assert!(matches!(del(&mut denied, listen), Ok(Reply::Ok)));
+    // Offering a segment: refused to the denied domain, recorded for the other.
+    let offer = |raw: &mut Raw| {
+        let sock = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let dst = sock.local_addr().unwrap();
+        let client = rustix::net::socket(
+            rustix::net::AddressFamily::INET,
+            rustix::net::SocketType::STREAM,
+            None,
+        )
+        .unwrap();
+        rustix::net::bind(&client, &"127.0.0.1:0".parse::<std::net::SocketAddr>().unwrap()).unwrap();
+        let (seg, _) = arena_with(
+            4096 + 2 * 65536,
+            rustix::fs::SealFlags::SHRINK | rustix::fs::SealFlags::GROW,
+            rustix::fs::OFlags::RDWR,
+        );
+        raw.request_fds(
+            Request::NetOffer { remote: dst, ring_len: 65536, nonce: 1 },
+            &[client.as_fd(), seg.as_fd()],
+        )
+        .0
+    };
+    let msg = expect_err(offer(&mut denied), ErrorCode::Denied, "MMNet");
+    assert!(msg.contains("net-denied*"), "{msg}");
+    assert!(matches!(offer(&mut other), Ok(Reply::NetOffered { .. })));
+    // Listeners and statistics are never refused; listener keys are the
+    // broker's, written from the listening socket, not by applications.
+    expect_err(put(&mut other, listen), ErrorCode::Denied, "managed by the broker");
+    let sock = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let key = match denied.request_fds(Request::NetListen, &[sock.as_fd()]).0 {
+        Ok(Reply::NetListening { key }) => key,
+        other => panic!("{other:?}"),
+    };
+    expect_err(del(&mut denied, &key), ErrorCode::Denied, "managed by the broker");
+    assert!(matches!(
+        denied.request(Request::NetUnlisten { key }),
+        Ok(Reply::Ok)
+    ));
     assert!(matches!(put(&mut denied, "/net/stats/7"), Ok(Reply::Ok)));
 
     // Reload: a rule's `net = false` now refuses everyone it admits.

@@ -2,22 +2,23 @@
 //! (joined at the first TCP `listen` or possibly local `connect`), the
 //! registry keys of the handshake, and the published per-process statistics.
 //!
-//! Handshake (both ends confirm through the registry before any data byte):
-//! 1. A listener publishes `/net/listen/<port>/<netns>@<ip>@<domain>@<uid>@<pid>`.
+//! Handshake (the broker checks every step against the kernel; nothing here
+//! trusts a registry key another user could have written):
+//! 1. A listener hands its socket to the broker (`NetListen`), which
+//!    publishes `/net/listen/<port>/<netns>@<ip>@<domain>@<uid>@<pid>` — a
+//!    subtree only the broker writes.
 //! 2. A client whose destination is in its own namespace (loopback or a local
 //!    address) looks for a listener of that namespace; one whose route leads
 //!    straight over a veth into another namespace looks for a listener the
 //!    kernel proves lives there (`netns`). It checks the listener's domain is
 //!    alive and runs as its uid, binds its socket to learn its port, creates
-//!    the segment and writes the request
-//!    `/net/conn/<server ip>/<server port>/<client port>/<client netns>` =
-//!    `<pid> <memfd> <nonce> <ring_len>` — all before its SYN leaves.
-//! 3. The server's `accept` finds the request for the accepted 4-tuple (its
-//!    own namespace's directly; another namespace's only when the kernel
-//!    proves its route to the peer leads there), maps the segment from
-//!    `/proc/<pid>/fd/<memfd>`, checks magic and nonce, claims the request by
-//!    deleting it (the step the broker's `net` policy may refuse) and marks
-//!    the segment attached. No request: plain TCP.
+//!    the segment and offers it with the socket (`NetOffer`) — all before its
+//!    SYN leaves.
+//! 3. The server's `accept` hands the accepted socket to the broker
+//!    (`NetClaim`), which gives it the segment only if the offering socket
+//!    is, by sock_diag, the other end of this very connection, of the same
+//!    uid; it checks magic and nonce and marks the segment attached. No
+//!    offer: plain TCP.
 //!
 //! This module only speaks to the broker; connections, their state and the
 //! statistics live above it (`conn`, `table`, `stats`).
@@ -159,24 +160,14 @@ fn policy_refusal(e: &fido::Error) -> Option<String> {
     }
 }
 
-/// Publishes a listening socket. Returns the key.
-///
-/// Key: `/net/listen/<port>/<netns>@<ip>@<domain>@<uid>@<pid>` — the netns
-/// (inode) scopes loopback and same-namespace matches; the pid lets a client
-/// in another namespace ask the kernel whether its route leads there.
-pub fn publish_listener(ip: &str, port: u16) -> Option<String> {
+/// Publishes listening socket `fd` (the broker writes its key from what
+/// the kernel says about the socket). Returns the key.
+pub fn publish_listener(fd: i32, ip: &str, port: u16) -> Option<String> {
     let d = domain()?;
-    let key = format!(
-        "/net/listen/{}/{}@{}@{}@{}@{}",
-        port,
-        netns(),
-        ip,
-        d.id(),
-        euid(),
-        std::process::id()
-    );
-    match d.write(&key, std::process::id().to_string().as_bytes()) {
-        Ok(()) => Some(key),
+    // SAFETY: `fd` is the program's listening socket, open for this call.
+    let sock = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+    match d.net_listen(sock) {
+        Ok(key) => Some(key),
         Err(e) => {
             match policy_refusal(&e) {
                 Some(why) => debug!("listen on {ip}:{port}: not published: {why}"),
@@ -189,7 +180,7 @@ pub fn publish_listener(ip: &str, port: u16) -> Option<String> {
 
 pub fn withdraw(key: &str) {
     if let Some(d) = domain() {
-        let _ = d.delete(key);
+        let _ = d.net_unlisten(key);
     }
 }
 
@@ -245,114 +236,43 @@ pub fn find_listener(ip: &str, v4: bool, port: u16, local: bool) -> Option<Targe
     None
 }
 
-/// The request key: `/net/conn/<server ip>/<server port>/<client port>/<client netns>`.
-/// Both ends see the same addresses and ports (no NAT between namespaces of
-/// one host); the client's namespace tells same-namespace requests (read
-/// directly) from cross-namespace ones (verified through the kernel).
-pub fn request_key(sip: &str, sport: u16, cport: u16, cns: u64) -> String {
-    format!("/net/conn/{sip}/{sport}/{cport}/{cns}")
-}
-
-/// Writes the request; `Err(reason)` when refused.
-pub fn write_request(key: &str, memfd: i32, nonce: u64, ring_len: usize) -> Result<(), String> {
+/// Offers segment `memfd` for the connection socket `fd` (bound) is about
+/// to open to `remote`; returns the offer's id, `Err(reason)` when refused.
+pub fn offer(
+    fd: i32,
+    memfd: i32,
+    remote: std::net::SocketAddr,
+    nonce: u64,
+    ring_len: usize,
+) -> Result<u64, String> {
     let Some(d) = domain() else {
         return Err("no broker".into());
     };
-    d.write(
-        key,
-        format!("{} {} {} {}", std::process::id(), memfd, nonce, ring_len).as_bytes(),
-    )
-    .map_err(|e| policy_refusal(&e).unwrap_or_else(|| e.to_string()))
-}
-
-pub fn delete_key(key: &str) {
-    if let Some(d) = domain() {
-        let _ = d.delete(key);
-    }
-}
-
-/// The server claims a request before it attaches: deleting it through the
-/// broker is the step the `net` policy can refuse. `Err(reason)` if refused.
-pub fn claim(key: &str) -> Result<(), String> {
-    let Some(d) = domain() else {
-        return Err("no broker".into());
+    // SAFETY: the program's socket and our memfd, both open for this call.
+    let (sock, seg) = unsafe {
+        (
+            std::os::fd::BorrowedFd::borrow_raw(fd),
+            std::os::fd::BorrowedFd::borrow_raw(memfd),
+        )
     };
-    d.delete(key)
+    d.net_offer(sock, seg, remote, ring_len as u64, nonce)
         .map_err(|e| policy_refusal(&e).unwrap_or_else(|| e.to_string()))
 }
 
-pub struct Request {
-    pub pid: u32,
-    pub memfd: i32,
-    pub nonce: u64,
-    pub ring_len: usize,
+/// Withdraws an offer nobody claimed (the client gave up or closed).
+pub fn withdraw_offer(offer: u64) {
+    if let Some(d) = domain() {
+        let _ = d.net_withdraw(offer);
+    }
 }
 
-fn parse_request(v: &[u8]) -> Option<Request> {
-    let s = std::str::from_utf8(v).ok()?;
-    let mut it = s.split(' ');
-    let r = Request {
-        pid: it.next()?.parse().ok()?,
-        memfd: it.next()?.parse().ok()?,
-        nonce: it.next()?.parse().ok()?,
-        ring_len: it.next()?.parse().ok()?,
+/// The server's claim of its client's segment for accepted socket `fd`.
+/// `Err(reason)`: no offer the broker could prove is this connection's.
+pub fn claim(fd: i32) -> Result<fido::NetClaim, String> {
+    let Some(d) = domain() else {
+        return Err("no broker".into());
     };
-    (r.pid > 0 && r.memfd >= 0 && crate::config::valid_ring_len(r.ring_len)).then_some(r)
-}
-
-/// The client's request for the connection accepted with local `sip:sport`
-/// from `peer:cport`, if any, with its key. `same`: the peer address is in
-/// our namespace (loopback or local), so the request must come from our
-/// namespace and is read directly (the 4-tuple is unique in a namespace).
-/// Otherwise a request counts only when the kernel proves our route to
-/// `peer` leads straight into that client's namespace — so a pair of
-/// namespaces reusing the same addresses can never hand us its segment.
-/// Several proven candidates (cannot happen with a direct veth) or none:
-/// `None`, plain TCP.
-pub fn read_request(
-    sip: &str,
-    sport: u16,
-    peer: &str,
-    cport: u16,
-    same: bool,
-) -> Option<(String, Request)> {
-    let d = domain()?;
-    let me = netns();
-    if same {
-        let key = request_key(sip, sport, cport, me);
-        let r = parse_request(&d.read(&key).ok()??)?;
-        if crate::netns::ns_of(r.pid) != Some(me) {
-            debug!("request {key}: pid {} is not in our namespace", r.pid);
-            return None;
-        }
-        return Some((key, r));
-    }
-    let dir = format!("/net/conn/{sip}/{sport}/{cport}");
-    let names = d.list(&dir).ok()?;
-    if names.is_empty() {
-        return None;
-    }
-    let peer_ip: std::net::IpAddr = peer.parse().ok()?;
-    let mut found: Option<(String, Request)> = None;
-    for n in names {
-        let Ok(ns) = n.parse::<u64>() else { continue };
-        if ns == me {
-            continue;
-        }
-        let k = format!("{dir}/{n}");
-        let Some(r) = d.read(&k).ok().flatten().and_then(|v| parse_request(&v)) else {
-            continue;
-        };
-        match crate::netns::leads_to(peer_ip, r.pid, ns) {
-            Ok(()) => {
-                if found.is_some() {
-                    debug!("{dir}: several proven requests: ambiguous, plain TCP");
-                    return None;
-                }
-                found = Some((k, r));
-            }
-            Err(why) => debug!("request {k} is not our peer's: {why}"),
-        }
-    }
-    found
+    // SAFETY: the accepted socket, open for this call.
+    let sock = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+    d.net_claim(sock).map_err(|e| e.to_string())
 }

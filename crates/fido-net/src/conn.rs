@@ -131,8 +131,8 @@ pub struct Conn {
     pub local_refs: AtomicU32,
     /// Client: the segment's memfd, kept until the fate is decided (-1 after).
     pub memfd: AtomicI32,
-    /// Client: the registry key of the request (deleted if never attached).
-    pub request_key: Option<String>,
+    /// Client: the broker's id of its offer (withdrawn if never attached).
+    pub offer: Option<u64>,
     /// Set when the segment was found corrupt: the connection was reset.
     pub broken: AtomicBool,
     /// The peer's `doorbells_sent` when our last wait for its in-flight
@@ -240,7 +240,7 @@ impl Conn {
         me: usize,
         nonblock: bool,
         memfd: i32,
-        request_key: Option<String>,
+        offer: Option<u64>,
         connected: bool,
         local: String,
         peer: String,
@@ -254,7 +254,7 @@ impl Conn {
             nonblock: AtomicBool::new(nonblock),
             local_refs: AtomicU32::new(0),
             memfd: AtomicI32::new(memfd),
-            request_key,
+            offer,
             broken: AtomicBool::new(false),
             stuck_at: AtomicU64::new(u64::MAX),
             connected: AtomicBool::new(connected),

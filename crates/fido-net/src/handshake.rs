@@ -1,11 +1,13 @@
 //! Setting up acceleration of one TCP connection, and learning its fate.
 //!
-//! The client, before its SYN leaves, binds, makes the segment and writes
-//! its request in the registry (`prepare_connect`); the server, at accept,
-//! maps the segment, claims the request and marks the segment attached
-//! (`attach`); the client, before its first byte, waits (bounded) for that
-//! mark or abandons the segment (`decide`) — one CAS on the segment's state
-//! decides for both ends. The protocol's registry keys are `broker`'s.
+//! The client, before its SYN leaves, binds, makes the segment and offers
+//! it to the broker with its socket (`prepare_connect`); the server, at
+//! accept, claims it with the accepted socket — the broker hands it over only
+//! when the kernel shows the offering socket is this connection's other end
+//! — maps it and marks it attached (`attach`); the client, before its first
+//! byte, waits (bounded) for that mark or abandons the segment (`decide`) —
+//! one CAS on the segment's state decides for both ends. The broker requests
+//! are `broker`'s.
 //! `active`/`attached` give the connection behind a descriptor to the data
 //! path and the waits once its fate allows the ring.
 //!
@@ -19,11 +21,12 @@ use crate::sys::{debug, errno, guard, set_errno};
 use crate::{broker, config, real, seg, sockopt, stats, table};
 use libc::{c_int, c_void, sockaddr, socklen_t};
 use std::sync::atomic::Ordering;
+use std::os::fd::IntoRawFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Prepares acceleration of a connect to a co-located listener: binds, makes
-/// the segment and writes the request. `None`: stay plain TCP.
+/// the segment and offers it. `None`: stay plain TCP.
 pub fn prepare_connect(fd: c_int, dst: &Addr, same: bool) -> Option<Arc<Conn>> {
     if broker::find_listener(&dst.ip, dst.v4, dst.port, same).is_none() {
         debug!(
@@ -70,9 +73,15 @@ pub fn prepare_connect(fd: c_int, dst: &Addr, same: bool) -> Option<Arc<Conn>> {
         }
         local = sock_name(fd, false)?;
     }
+    let remote = std::net::SocketAddr::new(dst.ip.parse().ok()?, dst.port);
     let rl = config::ring_len();
     // SAFETY: creating an anonymous memfd.
-    let memfd = unsafe { libc::memfd_create(c"fido-net".as_ptr(), libc::MFD_CLOEXEC) };
+    let memfd = unsafe {
+        libc::memfd_create(
+            c"fido-net".as_ptr(),
+            libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+        )
+    };
     if memfd < 0 {
         return None;
     }
@@ -82,6 +91,14 @@ pub fn prepare_connect(fd: c_int, dst: &Addr, same: bool) -> Option<Arc<Conn>> {
     };
     // SAFETY: sizing our own memfd.
     if unsafe { libc::ftruncate(memfd, seg::seg_len(rl) as libc::off_t) } != 0 {
+        cleanup(memfd);
+        return None;
+    }
+    // Sealed at its size: the server maps it, and a file that shrank under
+    // a mapping would fault there (the broker insists on these seals).
+    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+    // SAFETY: sealing our own memfd (libc's fcntl: not a program descriptor).
+    if unsafe { real::fcntl(memfd, libc::F_ADD_SEALS, seals as libc::c_ulong) } != 0 {
         cleanup(memfd);
         return None;
     }
@@ -98,23 +115,25 @@ pub fn prepare_connect(fd: c_int, dst: &Addr, same: bool) -> Option<Arc<Conn>> {
     segm.side(seg::CLIENT)
         .pid
         .store(std::process::id(), Ordering::Relaxed);
-    let key = broker::request_key(&dst.ip, dst.port, local.port, broker::netns());
+    let offer = match broker::offer(fd, memfd, remote, nonce, rl) {
+        Ok(id) => id,
+        Err(why) => {
+            debug!("connect fd {fd}: request refused ({why}): plain TCP");
+            stats::count_plain();
+            cleanup(memfd);
+            return None;
+        }
+    };
     debug!(
-        "connect fd {fd} {}:{} -> {}:{}: requesting {key}",
+        "connect fd {fd} {}:{} -> {}:{}: offered (offer {offer})",
         local.ip, local.port, dst.ip, dst.port
     );
-    if let Err(why) = broker::write_request(&key, memfd, nonce, rl) {
-        debug!("connect fd {fd}: request refused ({why}): plain TCP");
-        stats::count_plain();
-        cleanup(memfd);
-        return None;
-    }
     Some(Arc::new(Conn::new(
         segm,
         seg::CLIENT,
         fd_nonblock(fd),
         memfd,
-        Some(key),
+        Some(offer),
         false,
         format!("{}:{}", local.ip, local.port),
         format!("{}:{}", dst.ip, dst.port),
@@ -128,49 +147,35 @@ pub fn attach(nfd: c_int, flags: c_int) {
     let Some(peer) = sock_name(nfd, true) else {
         return;
     };
-    let same = if peer.loopback {
-        true
-    } else {
-        match in_our_netns(&peer.ip) {
-            Some(s) => s,
-            None => return,
-        }
-    };
+    // A peer neither in our namespace nor behind a direct veth cannot be
+    // under fido on this host: not worth a broker round trip.
+    if !peer.loopback && in_our_netns(&peer.ip).is_none() {
+        return;
+    }
     let Some(local) = sock_name(nfd, false) else {
         return;
     };
-    let Some((key, req)) = broker::read_request(&local.ip, local.port, &peer.ip, peer.port, same)
-    else {
-        debug!(
-            "accept fd {nfd}: no request for {}:{} <- {}:{}",
-            local.ip, local.port, peer.ip, peer.port
-        );
-        stats::count_plain();
-        return;
+    let claim = match broker::claim(nfd) {
+        Ok(c) => c,
+        Err(why) => {
+            debug!(
+                "accept fd {nfd}: no offer for {}:{} <- {}:{} ({why})",
+                local.ip, local.port, peer.ip, peer.port
+            );
+            stats::count_plain();
+            return;
+        }
     };
-    let path = format!("/proc/{}/fd/{}\0", req.pid, req.memfd);
-    // SAFETY: opening a NUL-terminated path.
-    let mfd = unsafe {
-        libc::open(
-            path.as_ptr() as *const libc::c_char,
-            libc::O_RDWR | libc::O_CLOEXEC,
-        )
-    };
-    if mfd < 0 {
-        debug!(
-            "accept fd {nfd}: cannot open {}: {}",
-            path.trim_end_matches('\0'),
-            std::io::Error::last_os_error()
-        );
-        return;
-    }
+    let ring_len = claim.ring_len as usize;
+    let mfd = claim.segment.into_raw_fd();
     // SAFETY: fstat into a zeroed stat.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: valid out-pointer.
-    let ok = unsafe { libc::fstat(mfd, &mut st) } == 0
-        && st.st_size as usize == seg::seg_len(req.ring_len);
+    let ok = config::valid_ring_len(ring_len)
+        && unsafe { libc::fstat(mfd, &mut st) } == 0
+        && st.st_size as usize == seg::seg_len(ring_len);
     let segm = if ok {
-        seg::Segment::map(mfd, req.ring_len).ok()
+        seg::Segment::map(mfd, ring_len).ok()
     } else {
         None
     };
@@ -179,14 +184,14 @@ pub fn attach(nfd: c_int, flags: c_int) {
     }
     // SAFETY: our own descriptor (the mapping stays).
     unsafe { real::close(mfd) };
-    let Some(segm) = segm.filter(|s| s.validate(req.nonce)) else {
+    let Some(segm) = segm.filter(|s| s.validate(claim.nonce)) else {
         debug!("accept fd {nfd}: segment rejected");
         return;
     };
-    // Claim the request through the broker: the step the `net` policy
-    // can refuse. Refused: abandon at once (one CAS decides for both ends),
-    // so the client does not wait for an attach that never comes.
-    if let Err(why) = broker::claim(&key) {
+    // The `net` policy refuses this server acceleration: abandon at once
+    // (one CAS decides for both ends), so the client does not wait for an
+    // attach that never comes.
+    if let Some(why) = claim.refusal {
         debug!("accept fd {nfd}: {why}: plain TCP");
         let _ = segm.hdr().state.compare_exchange(
             seg::PENDING,
@@ -230,7 +235,10 @@ pub fn attach(nfd: c_int, flags: c_int) {
     ));
     sockopt::take_over(nfd, &c.tcp_opts);
     table::insert(nfd, c);
-    debug!("accept fd {nfd}: attached {key}");
+    debug!(
+        "accept fd {nfd}: attached {}:{} <- {}:{}",
+        local.ip, local.port, peer.ip, peer.port
+    );
     stats::count_accelerated();
 }
 
@@ -317,8 +325,8 @@ pub fn decide(c: &Conn) -> bool {
                         c.local, c.peer, limit
                     );
                     stats::count_plain();
-                    if let Some(k) = &c.request_key {
-                        broker::delete_key(k);
+                    if let Some(o) = c.offer {
+                        broker::withdraw_offer(o);
                     }
                     seg::ABANDONED
                 }

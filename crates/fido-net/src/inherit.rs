@@ -135,8 +135,8 @@ fn prepare(mut kind: Kind, loads: bool) -> (Option<String>, Undo) {
                     surv[0]
                 );
                 stats::count_plain();
-                if let Some(k) = &c.request_key {
-                    broker::delete_key(k);
+                if let Some(o) = c.offer {
+                    broker::withdraw_offer(o);
                 }
                 continue;
             }
@@ -905,7 +905,7 @@ pub fn adopt() {
     for (fd, ino) in listeners {
         if same_socket(fd, ino) && config::enabled() {
             if let Some(a) = sock_name(fd, false) {
-                if let Some(key) = broker::publish_listener(&a.ip, a.port) {
+                if let Some(key) = broker::publish_listener(fd, &a.ip, a.port) {
                     table::add_listener(fd, key);
                 }
             }

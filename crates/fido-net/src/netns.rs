@@ -296,13 +296,6 @@ pub fn nsid_of(pid: u32, ino: u64) -> Option<i32> {
         .filter(|&n| n >= 0)
 }
 
-/// Network namespace inode of `pid` (`None` if it is gone).
-pub fn ns_of(pid: u32) -> Option<u64> {
-    std::fs::metadata(format!("/proc/{pid}/ns/net"))
-        .ok()
-        .map(|m| std::os::unix::fs::MetadataExt::ino(&m))
-}
-
 /// Does the route to `dst` lead straight into the namespace `ino` of `pid`?
 pub fn leads_to(dst: IpAddr, pid: u32, ino: u64) -> Result<(), String> {
     match route(dst) {

@@ -30,7 +30,7 @@ pub unsafe fn listen(fd: c_int, backlog: c_int) -> c_int {
         guard((), || {
             if is_tcp_stream(fd) {
                 if let Some(a) = sock_name(fd, false) {
-                    if let Some(key) = broker::publish_listener(&a.ip, a.port) {
+                    if let Some(key) = broker::publish_listener(fd, &a.ip, a.port) {
                         table::add_listener(fd, key);
                     }
                 }
@@ -76,8 +76,8 @@ pub unsafe fn connect(fd: c_int, addr: *const sockaddr, len: socklen_t) -> c_int
         // Refused, unreachable, ...: forget it; the socket is the kernel's.
         if let Some((c, _)) = table::remove(fd) {
             c.release(fd);
-            if let Some(k) = &c.request_key {
-                broker::delete_key(k);
+            if let Some(o) = c.offer {
+                broker::withdraw_offer(o);
             }
             // The holder count went to 0 on a socket that never carried data.
         }
@@ -110,8 +110,8 @@ fn forget_fd(fd: c_int) {
         if last {
             stats::count_closed(&c);
             if c.me == seg::CLIENT && c.state() == seg::PENDING {
-                if let Some(k) = &c.request_key {
-                    broker::delete_key(k);
+                if let Some(o) = c.offer {
+                    broker::withdraw_offer(o);
                 }
             }
             c.release(fd);

@@ -13,7 +13,7 @@ use fido_test_support::mmnet::*;
 use fido_test_support::wait::*;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 const T: Duration = Duration::from_secs(60);
 
@@ -187,8 +187,8 @@ fn namespace_pairs_with_identical_addresses_never_share_segments() {
 
     // Now force the collision: both clients bind source port 40000, so the
     // two connections have the same 4-tuple. The first pair's server is
-    // stopped, so its client's request waits in the registry while the
-    // second pair's server accepts and finds *two* requests for its tuple.
+    // stopped, so its client's offer waits in the broker while the second
+    // pair's server accepts and the broker finds *two* offers for its tuple.
     let sport = "40000";
     // SAFETY: stopping and resuming our own child.
     unsafe { libc::kill(_s1.0.id() as i32, libc::SIGSTOP) };
@@ -198,17 +198,25 @@ fn namespace_pairs_with_identical_addresses_never_share_segments() {
         &echo,
         &["client", &port.to_string(), "300000", "10.231.8.2", sport],
     );
+    // Its debug output says when the offer is made (offers live in the
+    // broker, not in the registry).
+    c1.env("FIDO_NET_DEBUG", "1");
     c1.stdout(Stdio::piped()).stderr(Stdio::piped());
-    let c1 = c1.spawn().unwrap();
-    let dir = format!("/net/conn/10.231.8.2/{port}/{sport}");
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while b.list(&dir).is_empty() {
-        assert!(
-            Instant::now() < deadline,
-            "the first request never appeared"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let mut c1 = c1.spawn().unwrap();
+    let (offered, seen) = std::sync::mpsc::channel();
+    let err1 = c1.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(err1).lines().map_while(Result::ok) {
+            if line.contains("offered") {
+                let _ = offered.send(());
+            }
+        }
+    });
+    assert!(
+        seen.recv_timeout(Duration::from_secs(20)).is_ok(),
+        "the first offer was never made"
+    );
     let mut c2 = in_ns(
         Some(&b),
         &p2.a,

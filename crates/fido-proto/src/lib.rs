@@ -198,6 +198,26 @@ pub enum Request {
     /// others create under `path`, each page fits a message. Allowed before
     /// `Join`, like `List`.
     ListPage { path: String, cursor: Option<ListCursor> },
+    /// MMNet: the client of a TCP connection offers its segment before its
+    /// SYN leaves. Descriptors: the client's TCP socket (bound, so its local
+    /// address is known; the broker records its identity and drops it) and
+    /// the segment (a memfd sealed against shrinking and growing). `remote`
+    /// is the address it is about to connect to. Answered with
+    /// [`Reply::NetOffered`].
+    NetOffer { remote: std::net::SocketAddr, ring_len: u64, nonce: u64 },
+    /// MMNet: the client withdraws an offer nobody claimed (it gave up waiting).
+    NetWithdraw { offer: u64 },
+    /// MMNet: the server of an accepted TCP connection asks for its client's
+    /// offer. Descriptor: the accepted socket. Answered with
+    /// [`Reply::NetClaimed`] and the segment, when the kernel shows the
+    /// offer's socket is the other end of this very connection.
+    NetClaim,
+    /// MMNet: publish a listening TCP socket (descriptor: the socket) under
+    /// `/net/listen`, which only the broker writes. Answered with
+    /// [`Reply::NetListening`].
+    NetListen,
+    /// MMNet: withdraw a listener this domain published.
+    NetUnlisten { key: String },
 }
 
 impl ListCursor {
@@ -425,6 +445,14 @@ pub enum Reply {
     /// next page, so gather them in a set), and where the next page starts
     /// (`None`: this was the last).
     KeysPage { keys: Vec<String>, next: Option<ListCursor> },
+    /// MMNet: the offer was recorded under this id (for `NetWithdraw`).
+    NetOffered { offer: u64 },
+    /// MMNet: the client's offer for the claimed connection; one descriptor,
+    /// its segment. `refusal`: the `net` policy refuses this server
+    /// acceleration — it must abandon the segment at once (plain TCP).
+    NetClaimed { ring_len: u64, nonce: u64, refusal: Option<String> },
+    /// MMNet: the listener was published under this registry key.
+    NetListening { key: String },
 }
 
 /// The other end of a connection, as the broker vouches for it.
@@ -783,6 +811,14 @@ impl Validate for Request {
                 check_path(path)?;
                 cursor.as_ref().map_or(Ok(()), |c| check_path(&c.key))
             }
+            Request::NetOffer { remote, .. } => {
+                if remote.port() == 0 {
+                    return Err(ProtoError::Invalid("MMNet offer: remote port 0"));
+                }
+                Ok(())
+            }
+            Request::NetUnlisten { key } => check_path(key),
+            Request::NetWithdraw { .. } | Request::NetClaim | Request::NetListen => Ok(()),
             Request::PipeWeight { domain, weight } => {
                 check_name(domain)?;
                 if *weight == 0 || *weight > MAX_PIPE_WEIGHT {
@@ -820,6 +856,12 @@ impl Validate for BrokerMsg {
             | BrokerMsg::Event(Event::Incoming { block, peer, .. }) => {
                 check_name(&peer.name)?;
                 check_block(block)
+            }
+            BrokerMsg::Reply { body: Ok(Reply::NetListening { key }), .. } => check_path(key),
+            BrokerMsg::Reply { body: Ok(Reply::NetClaimed { refusal: Some(r), .. }), .. }
+                if r.len() > MAX_PATH =>
+            {
+                Err(ProtoError::Invalid("MMNet refusal (too long)"))
             }
             BrokerMsg::Event(Event::Watch { path, value, .. }) => {
                 check_path(path)?;

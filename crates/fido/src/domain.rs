@@ -15,8 +15,8 @@ use fido_ring::WaitStrategy;
 use crate::local_domain::LocalDomain;
 use fido_shm::{AddressMode, AddressSpace, Arena, Buf, ModeRequest, UnplacedArena};
 use parking_lot::{Condvar, Mutex};
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::collections::{HashMap, VecDeque};
-use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Weak};
@@ -211,6 +211,20 @@ pub(crate) struct DomainInner {
     this: OnceLock<Weak<DomainInner>>,
 }
 
+/// A client's segment handed to the server of its connection ([`Domain::net_claim`]).
+#[derive(Debug)]
+pub struct NetClaim {
+    /// The segment (memfd, read-write).
+    pub segment: OwnedFd,
+    /// Ring bytes per direction, as the client offered.
+    pub ring_len: u64,
+    /// The nonce the client wrote in the segment's header.
+    pub nonce: u64,
+    /// Set when the `net` policy refuses this server acceleration: abandon
+    /// the segment at once (both ends then speak plain TCP).
+    pub refusal: Option<String>,
+}
+
 impl Domain {
     /// Joins the broker: creates and seals the arena, registers, reserves the
     /// PGVAS window and places the arena in the slot the broker assigned.
@@ -369,6 +383,63 @@ impl Domain {
             return Err(e);
         }
         Ok(Watch { token, rx, domain: Arc::downgrade(&self.inner) })
+    }
+
+    // ---- MMNet (fido-net's co-location handshake, checked by the broker) ----
+
+    /// Offers the segment `segment` (a memfd sealed against shrinking and
+    /// growing, `ring_len` bytes per direction, header nonce `nonce`) for the
+    /// connection TCP socket `socket` (bound, not yet connected) is about to
+    /// open to `remote`. Returns the offer's id (for [`Domain::net_withdraw`]).
+    pub fn net_offer(
+        &self,
+        socket: BorrowedFd<'_>,
+        segment: BorrowedFd<'_>,
+        remote: std::net::SocketAddr,
+        ring_len: u64,
+        nonce: u64,
+    ) -> Result<u64> {
+        let fds = [rustix::io::fcntl_dupfd_cloexec(socket, 0)?, rustix::io::fcntl_dupfd_cloexec(segment, 0)?];
+        match self.inner.control.request(Request::NetOffer { remote, ring_len, nonce }, &fds)?.0 {
+            Reply::NetOffered { offer } => Ok(offer),
+            other => Err(Error::broker_protocol(format!("unexpected reply {other:?}"))),
+        }
+    }
+
+    /// Withdraws an offer of this domain that nobody claimed.
+    pub fn net_withdraw(&self, offer: u64) -> Result<()> {
+        self.inner.control.request(Request::NetWithdraw { offer }, &[])?;
+        Ok(())
+    }
+
+    /// Claims the offer of the client of accepted TCP socket `socket`: the
+    /// broker hands over the segment only if the kernel shows the offering
+    /// socket is the other end of this connection.
+    pub fn net_claim(&self, socket: BorrowedFd<'_>) -> Result<NetClaim> {
+        let fds = [rustix::io::fcntl_dupfd_cloexec(socket, 0)?];
+        let (reply, mut got) = self.inner.control.request(Request::NetClaim, &fds)?;
+        match reply {
+            Reply::NetClaimed { ring_len, nonce, refusal } if got.len() == 1 => {
+                Ok(NetClaim { segment: got.pop().expect("one descriptor"), ring_len, nonce, refusal })
+            }
+            other => Err(Error::broker_protocol(format!("unexpected reply {other:?} with {} descriptors", got.len()))),
+        }
+    }
+
+    /// Publishes listening TCP socket `socket` (the broker writes the key
+    /// under `/net/listen`, from what the kernel says about the socket).
+    pub fn net_listen(&self, socket: BorrowedFd<'_>) -> Result<String> {
+        let fds = [rustix::io::fcntl_dupfd_cloexec(socket, 0)?];
+        match self.inner.control.request(Request::NetListen, &fds)?.0 {
+            Reply::NetListening { key } => Ok(key),
+            other => Err(Error::broker_protocol(format!("unexpected reply {other:?}"))),
+        }
+    }
+
+    /// Withdraws a listener this domain published.
+    pub fn net_unlisten(&self, key: &str) -> Result<()> {
+        self.inner.control.request(Request::NetUnlisten { key: key.into() }, &[])?;
+        Ok(())
     }
 
     /// Leaves the broker now. Open channels report `PeerGone` to their peers.

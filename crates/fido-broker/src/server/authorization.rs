@@ -580,7 +580,7 @@ pub(super) fn check_writable(path: &str) -> Result<(), RemoteError> {
         return Err(err(
             ErrorCode::Denied,
             format!(
-                "{path} is managed by the broker (/domain, /service, /connection are read-only)"
+                "{path} is managed by the broker (/domain, /service, /connection, /net/listen are read-only)"
             ),
         ));
     }

@@ -159,6 +159,11 @@ impl Server {
             | Request::PipeCancel { .. }
             | Request::PipeDestroy { .. }
             | Request::PipeWeight { .. }) => self.pipe_request(key, dom, id, body, fds),
+            body @ (Request::NetOffer { .. }
+            | Request::NetWithdraw { .. }
+            | Request::NetClaim
+            | Request::NetListen
+            | Request::NetUnlisten { .. }) => self.net_request(dom, body, fds),
         }
     }
 }
@@ -177,8 +182,8 @@ fn is_observation(body: &Request) -> bool {
 }
 
 /// Connect and Accept carry doorbells, PipeCreate and PipeOnce the pipe's
-/// ends (Join, handled apart, its arena); on any other request descriptors
-/// are a mistake.
+/// ends, the MMNet requests sockets and segments (Join, handled apart, its
+/// arena); on any other request descriptors are a mistake.
 fn takes_descriptors(body: &Request) -> bool {
     matches!(
         body,
@@ -186,6 +191,9 @@ fn takes_descriptors(body: &Request) -> bool {
             | Request::Accept { .. }
             | Request::PipeCreate
             | Request::PipeOnce { .. }
+            | Request::NetOffer { .. }
+            | Request::NetClaim
+            | Request::NetListen
     )
 }
 

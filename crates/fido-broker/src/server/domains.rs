@@ -742,6 +742,7 @@ impl Server {
         self.forget_record(id);
         self.acct.forget(id);
         self.pipe_domain_gone(id);
+        self.net_domain_gone(id);
 
         for s in &d.services {
             self.services.remove(s);

@@ -35,6 +35,7 @@ mod connections;
 mod dispatch;
 mod domains;
 mod io;
+mod net;
 mod pipes;
 mod registry;
 mod status;
@@ -48,7 +49,9 @@ use crate::ReloadSlot;
 use crate::{BrokerError, Config};
 
 /// Registry subtrees the broker owns: cleared at startup, read-only to applications.
-pub(crate) const MANAGED: [&str; 3] = ["/domain", "/service", "/connection"];
+/// `/net/listen`: MMNet listeners, published by the broker from the sockets
+/// themselves (`net`).
+pub(crate) const MANAGED: [&str; 4] = ["/domain", "/service", "/connection", "/net/listen"];
 
 const KEY_LISTENER: u64 = 0;
 const KEY_SHUTDOWN: u64 = 1;
@@ -189,6 +192,8 @@ pub(crate) struct Server {
     /// Who gets in and when silence counts: the awake clock, unjoined
     /// clients per uid, the listener's back-off.
     intake: io::Intake,
+    /// MMNet: offered segments and published listeners.
+    net: net::NetState,
 }
 
 impl Server {
@@ -256,6 +261,7 @@ impl Server {
             acct: RegAccount::default(),
             pipes: pipe_state,
             intake: io::Intake::new(),
+            net: net::NetState::default(),
         })
     }
 }
