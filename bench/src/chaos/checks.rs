@@ -279,7 +279,8 @@ impl Fleet {
     }
 
     /// Files the stopped broker left in its state directory besides the lock
-    /// and the registry, and its socket if still there.
+    /// and the registry's own (the database, its id marks and its reserve for
+    /// a full disk: docs/OPERATIONS.md), and its socket if still there.
     pub(super) fn state_files(&self) -> Vec<String> {
         let mut state_files: Vec<String> = std::fs::read_dir(&self.state)
             .map(|d| {
@@ -288,7 +289,10 @@ impl Fleet {
                     .collect()
             })
             .unwrap_or_default();
-        state_files.retain(|n| n != "broker.lock" && !n.starts_with("registry.sqlite"));
+        state_files.retain(|n| {
+            !matches!(n.as_str(), "broker.lock" | "registry.ids" | "registry.reserve")
+                && !n.starts_with("registry.sqlite")
+        });
         if self.socket.exists() {
             state_files.push(self.socket.display().to_string());
         }

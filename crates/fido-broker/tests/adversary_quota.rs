@@ -408,7 +408,7 @@ fn non_owners_see_only_what_is_theirs() {
         value: b"1 2 3 4".to_vec(),
     });
     a.ok(Request::Write {
-        path: "/net/listen/80/1@127.0.0.1@9@9@9".into(),
+        path: "/net/pub/80/1@127.0.0.1@9@9@9".into(),
         value: b"9".to_vec(),
     });
 
@@ -449,7 +449,7 @@ fn non_owners_see_only_what_is_theirs() {
         assert!(keys(raw, "/net/stats").is_empty(), "{what}");
         assert!(keys(raw, "/net/conn").is_empty(), "{what}");
         assert_eq!(
-            keys(raw, "/net/listen/80"),
+            keys(raw, "/net/pub/80"),
             vec!["1@127.0.0.1@9@9@9".to_string()]
         );
         assert!(
@@ -479,18 +479,19 @@ fn non_owners_see_only_what_is_theirs() {
         ErrorCode::Denied,
         "may not read",
     );
-    // Bob's watch on /net sees public listener keys, not alice's stats.
+    // Bob's watch on /net sees keys he may read (under /net/**, which the
+    // policy lets every user write and so read), not alice's stats.
     a.ok(Request::Write {
         path: format!("/net/stats/{aid}"),
         value: b"{\"pid\":2}".to_vec(),
     });
     a.ok(Request::Write {
-        path: "/net/listen/81/1@127.0.0.1@9@9@9".into(),
+        path: "/net/pub/81/1@127.0.0.1@9@9@9".into(),
         value: b"9".to_vec(),
     });
     let (ev, _) = bw.event_where(|e| matches!(e, Event::Watch { .. }));
     assert!(
-        matches!(&ev, Event::Watch { path, .. } if path == "/net/listen/81/1@127.0.0.1@9@9@9"),
+        matches!(&ev, Event::Watch { path, .. } if path == "/net/pub/81/1@127.0.0.1@9@9@9"),
         "the stats write was not shown to bob: {ev:?}"
     );
 
@@ -528,6 +529,9 @@ fn a_refused_uid_sees_nothing() {
         ErrorCode::Denied,
         "no rule matches",
     );
+    // A uid no rule admits is answered once and closed (adversary_state.rs):
+    // it asks again on a new connection.
+    let mut raw = client_as(&b.socket, stranger);
     expect_err(
         raw.request(Request::List { path: "/".into() }),
         ErrorCode::Denied,
@@ -536,8 +540,10 @@ fn a_refused_uid_sees_nothing() {
 }
 
 /// Finding 9's sibling in the registry: a listing grows with what others
-/// create. Alice fills the public `/net/listen/80` (every `fido run` client
-/// lists it) with 3000 long names. On d54ab9b bob's `List` failed with
+/// create. Alice fills a directory bob may read (`/net/pub/80`: under
+/// `/net/**`, which the policy lets every user write) with 3000 long
+/// names. (`/net/listen`, which every `fido run` client lists, is written by
+/// the broker alone now, one key per listening socket a domain holds.) On d54ab9b bob's `List` failed with
 /// `Internal: reply too large` — MMNet lookups for that port failed for
 /// everyone. `ListPage` answers in bounded pages that gather into the whole
 /// listing; a bad cursor is a clear error.
@@ -549,13 +555,13 @@ fn a_listing_others_filled_still_lists() {
     let name = |i: usize| format!("{i:05}@{}", "x".repeat(120));
     for i in 0..3000 {
         a.ok(Request::Write {
-            path: format!("/net/listen/80/{}", name(i)),
+            path: format!("/net/pub/80/{}", name(i)),
             value: b"1".to_vec(),
         });
     }
     let mut bw = joined_as(&b.socket, bob, "lister");
     let mut pages = 0;
-    let all = fido_proto::ListCursor::walk("/net/listen/80", |req| {
+    let all = fido_proto::ListCursor::walk("/net/pub/80", |req| {
         pages += 1;
         match bw.request(req) {
             Ok(Reply::KeysPage { keys, next }) => Ok((keys, next)),
@@ -567,7 +573,7 @@ fn a_listing_others_filled_still_lists() {
     assert!(all.iter().enumerate().all(|(i, n)| *n == name(i)));
     assert!(pages > 1, "{pages} pages");
     let r = bw.request(Request::ListPage {
-        path: "/net/listen/80".into(),
+        path: "/net/pub/80".into(),
         cursor: Some(fido_proto::ListCursor {
             key: "/app/elsewhere".into(),
             inclusive: false,
