@@ -1,8 +1,9 @@
 //! Checks shared by Fido's fuzz targets and by the stable-toolchain corpus
 //! replay tests (crates/fido-proto/tests/corpus.rs,
 //! crates/fido-registry/tests/corpus.rs, crates/fido/tests/corpus.rs,
-//! crates/fido-rpc/tests/fuzz_corpus.rs include these files with `#[path]`).
+//! crates/fido-rpc/tests/fuzz_corpus.rs, crates/fido-broker/tests/fuzz_corpus.rs include these files with `#[path]`).
 
+pub mod broker_session;
 pub mod descriptor;
 pub mod proto_check;
 pub mod registry_ops;

@@ -129,7 +129,7 @@ impl Server {
         }
     }
 
-    fn client_ready(&mut self, key: u64, flags: epoll::EventFlags) {
+    pub(super) fn client_ready(&mut self, key: u64, flags: epoll::EventFlags) {
         if flags.contains(epoll::EventFlags::OUT) {
             self.flush(key);
         }
