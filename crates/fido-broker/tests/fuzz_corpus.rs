@@ -306,18 +306,34 @@ fn known_findings() -> Vec<(&'static str, Vec<u8>)> {
             .join(BOB)
             .join(MALLORY)
     };
-    vec![(
-        // Issue #16 finding 1: bob joins with a forged resume claiming he
-        // maps alice's slot, then GrantSlot hands him alice's arena.
-        "resume-forged-mapping-grant",
-        joined()
-            .offer(ALICE, 0)
-            .op(Op::Client, &[2])
-            .op(
-                Op::Resume,
-                &[4, 250, 5, 1, 0, 1, 1, 1, 1, 1, 1, 1, 0, 0, 1, 7, 7],
-            )
-            .op(Op::Grant, &[4, 1])
-            .0,
-    )]
+    vec![
+        (
+            // Issue #16 finding 1: bob joins with a forged resume claiming he
+            // maps alice's slot, then GrantSlot hands him alice's arena.
+            "resume-forged-mapping-grant",
+            joined()
+                .offer(ALICE, 0)
+                .op(Op::Client, &[2])
+                .op(
+                    Op::Resume,
+                    &[4, 250, 5, 1, 0, 1, 1, 1, 1, 1, 1, 1, 0, 0, 1, 7, 7],
+                )
+                .op(Op::Grant, &[4, 1])
+                .0,
+        ),
+        (
+            // A sibling: a forged resume naming one connection twice, to a
+            // domain that is not live; the second mention "confirms" it, so
+            // it outlives the grace period with a dead end.
+            "resume-self-confirmed-connection",
+            joined()
+                .op(Op::Client, &[2])
+                .op(
+                    Op::Resume,
+                    &[4, 250, 5, 0, 0, 2, 5, 201, 2, 5, 201, 2, 0, 0, 1, 7, 7],
+                )
+                .op(Op::Status, &[ROOT])
+                .0,
+        ),
+    ]
 }
