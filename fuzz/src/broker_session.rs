@@ -18,7 +18,8 @@
 //! reads, writes, lists, deletes, watches, runs transactions in the registry;
 //! creates, runs, cancels, destroys pipes (with pipes, sockets and memfds);
 //! sets pipe weights; asks for the status; publishes counters; leaves;
-//! disconnects; sends a heartbeat, or raw bytes; time passes.
+//! disconnects; sends a heartbeat, or raw bytes; time passes; the policy is
+//! reloaded (to a narrower one, or back).
 //!
 //! The oracle, after every step ([`Session::step`] panics on a violation):
 //! - the broker's own invariants ([`Harness::check_invariants`]: clients,
@@ -88,6 +89,38 @@ uids = [1002]
 offer = ["bob-*"]
 connect = ["bob-*"]
 registry_write = ["/app/bob/**", "/net/**"]
+"#;
+
+/// What a reload may switch to: the same rules, narrower (so the static
+/// checks below, written for [`POLICY`], stay sound): alice connects only to
+/// `alice-db` and no longer writes `/net`, bob's uid is refused (his domains
+/// are evicted). Quotas unchanged: usage above a lowered quota is kept.
+pub const NARROW_POLICY: &str = r#"
+[defaults]
+connections = 3
+registry_keys = 6
+registry_bytes = 600
+watches = 2
+pipes = 2
+
+[[rule]]
+name = "root"
+uids = [0]
+offer = ["root-*"]
+connect = ["*"]
+registry_write = ["/**"]
+
+[[rule]]
+name = "alice"
+uids = [1001]
+offer = ["alice-*"]
+connect = ["alice-db"]
+registry_write = ["/app/alice/**"]
+
+[[rule]]
+name = "bob"
+uids = [1002]
+join = false
 "#;
 
 const SLOTS: u32 = 6;
@@ -342,14 +375,18 @@ fn block(inp: &mut Input) -> RingBlock {
     }
 }
 
-/// Parsed once: every session shares it.
-fn policy() -> Arc<Policy> {
-    static POLICY_PARSED: OnceLock<Arc<Policy>> = OnceLock::new();
-    POLICY_PARSED
-        .get_or_init(|| {
-            Arc::new(Policy::parse(POLICY, "broker_session").expect("the session's policy parses"))
-        })
-        .clone()
+/// Parsed once: every session shares them.
+fn policy(narrow: bool) -> Arc<Policy> {
+    static PARSED: OnceLock<[Arc<Policy>; 2]> = OnceLock::new();
+    let parsed = PARSED.get_or_init(|| {
+        let parse =
+            |text, name| Arc::new(Policy::parse(text, name).expect("the session's policies parse"));
+        [
+            parse(POLICY, "broker_session"),
+            parse(NARROW_POLICY, "broker_session_narrow"),
+        ]
+    });
+    parsed[usize::from(narrow)].clone()
 }
 
 /// What a run of `data` did, for the replay's figures.
@@ -421,9 +458,10 @@ enum Op {
     PipeOnce,
     PipeEnd,
     PipeWeight,
+    Reload,
 }
 
-const OPS: [Op; 30] = [
+const OPS: [Op; 31] = [
     Op::Client,
     Op::Join,
     Op::Resume,
@@ -454,6 +492,7 @@ const OPS: [Op; 30] = [
     Op::PipeOnce,
     Op::PipeEnd,
     Op::PipeWeight,
+    Op::Reload,
 ];
 
 impl Session {
@@ -461,7 +500,7 @@ impl Session {
     /// (`Unavailable`), and a session starts faster.
     fn new(pipe_engine: bool) -> Session {
         let mut cfg = Config::new("/nonexistent/fido-fuzz.sock", "/nonexistent/fido-fuzz");
-        cfg.policy = policy();
+        cfg.policy = policy(false);
         cfg.geometry = PgvasGeometry {
             slots: SLOTS,
             ..PgvasGeometry::DEFAULT
@@ -501,6 +540,14 @@ impl Session {
             }
             return self.check(None);
         }
+        if let Op::Reload = op {
+            let narrow = inp.bool();
+            if tracing() {
+                eprintln!("step {}: policy reloaded (narrow: {narrow})", self.steps);
+            }
+            self.h.reload((*policy(narrow)).clone());
+            return self.check(None);
+        }
         let c = usize::from(inp.u8()) % self.clients.len();
         if tracing() {
             eprintln!(
@@ -509,7 +556,7 @@ impl Session {
             );
         }
         match op {
-            Op::Client => unreachable!("handled above"),
+            Op::Client | Op::Reload => unreachable!("handled above"),
             Op::Join => self.join(c, inp, None),
             Op::Resume => {
                 let resume = self.forged_resume(c, inp);

@@ -137,6 +137,7 @@ enum Op {
     PipeOnce,
     PipeEnd,
     PipeWeight,
+    Reload,
 }
 
 /// Client indices in the session, in the order they connected.
@@ -277,6 +278,28 @@ fn seeds() -> Vec<(&'static str, Vec<u8>)> {
                 .op(Op::PipeWeight, &[ROOT, 0, 1, 5, 0])
                 .op(Op::PipeWeight, &[ALICE, 0, 1, 5, 0])
                 .op(Op::Tick, &[0, 5])
+                .0,
+        ),
+        (
+            // A narrower policy: bob is evicted, alice's connection to
+            // alice-web revoked, her /net writes refused; then back.
+            "reload",
+            joined()
+                .offer(ALICE, 0)
+                .offer(ALICE, 1)
+                .offer(BOB, 2)
+                .op(Op::Client, &[1])
+                .join(4)
+                .connect(4, 1)
+                .accept(ALICE)
+                .op(Op::Write, &[ALICE, 7, 2])
+                .op(Op::Reload, &[1])
+                .op(Op::Write, &[ALICE, 7, 2])
+                .connect(4, 1)
+                .op(Op::Status, &[ROOT])
+                .op(Op::Reload, &[0])
+                .op(Op::Client, &[2])
+                .join(5)
                 .0,
         ),
         (
