@@ -17,7 +17,7 @@
 #   fuzz-replay  scripts/fuzz-replay.sh: every corpus through the libFuzzer+ASan
 #                build of its target (nightly, or stable + RUSTC_BOOTSTRAP=1)
 #
-# Knobs: FIDO_CI_CARGO_ARGS (default "--workspace --features fido/tokio"; e.g. "-p fido-shm -p fido-ring"
+# Knobs: FIDO_CI_CARGO_ARGS (default "--workspace --features fido/tokio,fido-broker/fuzz-hooks"; e.g. "-p fido-shm -p fido-ring"
 # while a crate does not build), FIDO_CI_FUZZ=0 skips fuzz-replay,
 # FIDO_CI_SKIP_DEPS=1 skips deps; FIDO_CI_{BUILD,TEST,LOOM,FUZZ}_LIMIT set the
 # per-step time limits in seconds (defaults 2400/1500/600/1500: generous, the
@@ -30,8 +30,9 @@ cd "$(dirname "$0")/.."
 if [[ -x "$HOME/.cargo/bin/cargo" ]]; then export PATH="$HOME/.cargo/bin:$PATH"; fi
 target_dir="${CARGO_TARGET_DIR:-$PWD/target}"
 # The tokio flavour is behind a feature: build and test with it on, in both
-# steps, so the test step reuses the build.
-read -r -a cargo_args <<<"${FIDO_CI_CARGO_ARGS:---workspace --features fido/tokio}"
+# steps, so the test step reuses the build. fido-broker's fuzz hooks likewise:
+# its tests turn them on (tests/fuzz_corpus.rs replays the broker_session corpus).
+read -r -a cargo_args <<<"${FIDO_CI_CARGO_ARGS:---workspace --features fido/tokio,fido-broker/fuzz-hooks}"
 
 passed=0 failed=0
 failed_steps=()

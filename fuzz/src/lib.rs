@@ -2,8 +2,10 @@
 //! replay tests (crates/fido-proto/tests/corpus.rs,
 //! crates/fido-registry/tests/corpus.rs, crates/fido/tests/corpus.rs,
 //! crates/fido-rpc/tests/fuzz_corpus.rs, crates/fido-broker/tests/resume_corpus.rs,
-//! crates/fido-broker/tests/net_corpus.rs include these files with `#[path]`).
+//! crates/fido-broker/tests/net_corpus.rs, crates/fido-broker/tests/fuzz_corpus.rs
+//! include these files with `#[path]`).
 
+pub mod broker_session;
 pub mod descriptor;
 pub mod net_request;
 pub mod proto_check;

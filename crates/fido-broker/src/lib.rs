@@ -22,6 +22,10 @@ pub mod resume;
 mod server;
 mod sys;
 
+/// In-process driving of the broker for its stateful fuzz target.
+#[cfg(feature = "fuzz-hooks")]
+pub use server::harness;
+
 /// The pipe engine's settings, part of [`Config`] (the engine itself is the
 /// `fido-pipe-engine` crate; the broker owns its requests, quotas and replies).
 pub use fido_pipe_engine::{Capacity, PipeConfig};

@@ -34,6 +34,8 @@ mod authorization;
 mod connections;
 mod dispatch;
 mod domains;
+#[cfg(feature = "fuzz-hooks")]
+pub mod harness;
 mod io;
 mod net;
 mod pipes;
