@@ -365,13 +365,16 @@ impl Default for NetPolicy {
     }
 }
 
-/// Is this registry operation a step of the fido-net (MMNet) handshake that
-/// the `net` policy gates? Writing a connection request (`/net/conn/…`, the
-/// client) and claiming one (deleting it, the server, just before it
-/// attaches). Listeners (`/net/listen/…`) are published and withdrawn
-/// whatever the policy says — a listener key grants nothing by itself — so
-/// that a reload that allows acceleration applies to listening sockets
-/// opened while it was refused; statistics (`/net/stats/…`) only report.
+/// Is this registry operation one the `net` policy gates? Writes and deletes
+/// under `/net/conn/…`, where fido-net once put its connection requests. The
+/// handshake itself now goes through the broker (`NetOffer`, `NetClaim`,
+/// checked in `server/net.rs`) and nothing reads these keys any more; they
+/// stay refused to a domain the policy refuses acceleration, so such a
+/// program publishes nothing about its connections there. Listeners
+/// (`NetListen`) are published whatever the policy says — a listener grants
+/// nothing by itself — so that a reload that allows acceleration applies to
+/// listening sockets opened while it was refused; statistics (`/net/stats/…`)
+/// only report.
 pub fn is_net_handshake(path: &str, _delete: bool) -> bool {
     path.starts_with("/net/conn/")
 }

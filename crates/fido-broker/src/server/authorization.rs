@@ -428,7 +428,7 @@ impl Server {
 /// Who asks to see something (a `Status`, a registry read, a watch): a
 /// joined domain, or a peer that has not joined (`fido status` needs no PGVAS
 /// slot). An administrator sees everything; anyone else what its rule and
-/// its uid allow (see docs/SECURITY.md, "what a non-owner may see").
+/// its uid allow (see docs/SECURITY.md §3.4, "Who sees what").
 pub(super) struct Viewer {
     pub(super) uid: u32,
     pub(super) admin: bool,
