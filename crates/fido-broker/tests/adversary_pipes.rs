@@ -10,17 +10,18 @@
 //! broker runs on a thread of this process, so its threads (the engine's
 //! io_uring workers included) are this process's.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use fido_broker::Policy;
 use fido_proto::{PipeEnd, PipeOp, PipeResult, Reply, Request};
+use fido_test_support::child::{role_command, RoleChild};
 use fido_test_support::raw::*;
 use fido_test_support::users::{test_user, User};
 use fido_test_support::Defaults;
@@ -115,7 +116,7 @@ fn stalled_operations_cost_the_broker_no_threads() {
     let b = broker_for(alice, bob);
     let (threads_before, workers_before) = threads();
     let work = dir_for(alice);
-    let mut staller = Kid::spawn(alice, "stall", &b.socket, &[("FIDO_ADV_DIR", work.path())]);
+    let mut staller = kid(alice, "stall", &b.socket, &[("FIDO_ADV_DIR", work.path())]);
     let started: usize = staller.line("@@ stalled").parse().unwrap();
     assert_eq!(started, 5 * STALLED_PER_KIND);
     // Give the kernel time to start workers for them, if it would.
@@ -128,13 +129,13 @@ fn stalled_operations_cost_the_broker_no_threads() {
 
     // Bob's transfers are not held up by alice's.
     let bob_dir = dir_for(bob);
-    let mut mover = Kid::spawn(bob, "mover", &b.socket, &[("FIDO_ADV_DIR", bob_dir.path())]);
+    let mut mover = kid(bob, "mover", &b.socket, &[("FIDO_ADV_DIR", bob_dir.path())]);
     let moved = mover.line("@@ moved");
     assert_eq!(
         moved,
         "file-to-socket=8388608 socket-to-socket=4194304 socket-to-file=4194304"
     );
-    mover.wait_success();
+    mover.wait_success(KID_TIMEOUT);
     let (threads_after, workers_after) = threads();
     eprintln!("threads after bob's transfers: {threads_after} (io_uring workers {workers_after})");
 
@@ -153,7 +154,7 @@ fn stalled_operations_cost_the_broker_no_threads() {
     // Alice's operations are still pending, not failed; they end when she leaves.
     staller.close_stdin();
     assert_eq!(staller.line("@@ replies"), "0");
-    staller.wait_success();
+    staller.wait_success(KID_TIMEOUT);
 }
 
 // ----- finding 12: the caller's limits ------------------------------------------
@@ -167,9 +168,9 @@ fn the_engine_keeps_to_the_callers_file_size_limit() {
     };
     let b = broker_for(alice, bob);
     let work = dir_for(alice);
-    let mut kid = Kid::spawn(alice, "fsize", &b.socket, &[("FIDO_ADV_DIR", work.path())]);
+    let mut kid = kid(alice, "fsize", &b.socket, &[("FIDO_ADV_DIR", work.path())]);
     assert_eq!(kid.line("@@ fsize"), "ok");
-    kid.wait_success();
+    kid.wait_success(KID_TIMEOUT);
     for name in ["from-socket", "from-file"] {
         let len = std::fs::metadata(work.path().join(name)).unwrap().len();
         assert_eq!(len, 4096, "{name}: {len} bytes, past alice's RLIMIT_FSIZE");
@@ -193,12 +194,12 @@ fn the_engine_writes_with_the_callers_credentials() {
     if let Some(fs) = &reserved {
         env.push(("FIDO_ADV_RESERVED", &fs.dir));
     }
-    let mut kid = Kid::spawn(alice, "creds", &b.socket, &env);
+    let mut kid = kid(alice, "creds", &b.socket, &env);
     assert_eq!(kid.line("@@ setuid"), "ok");
     if reserved.is_some() {
         assert_eq!(kid.line("@@ reserved"), "ok");
     }
-    kid.wait_success();
+    kid.wait_success(KID_TIMEOUT);
     for name in ["suid-splice", "suid-copy"] {
         let mode = std::fs::metadata(work.path().join(name)).unwrap().mode();
         assert_eq!(
@@ -257,83 +258,18 @@ impl Drop for ReservedFs {
 
 // ----- children under other uids ------------------------------------------------
 
-struct Kid {
-    child: Child,
-    out: BufReader<ChildStdout>,
-    stdin: Option<ChildStdin>,
-}
+/// How long a child gets to finish its role.
+const KID_TIMEOUT: Duration = Duration::from_secs(60);
 
-impl Kid {
-    /// This test binary again, in `role`, as `user`, through setpriv.
-    fn spawn(user: User, role: &str, socket: &Path, env: &[(&str, &Path)]) -> Kid {
-        let exe = std::env::current_exe().unwrap();
-        let mut cmd = Command::new("setpriv");
-        cmd.arg(format!("--reuid={}", user.uid))
-            .arg(format!("--regid={}", user.gid))
-            .arg("--clear-groups")
-            .arg(&exe)
-            .args([
-                "--exact",
-                "child_main",
-                "--nocapture",
-                "--test-threads=1",
-                "-q",
-            ])
-            .env("FIDO_ADV_ROLE", role)
-            .env("FIDO_ADV_SOCKET", socket)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit());
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
-        let mut child = cmd.spawn().expect("setpriv (util-linux) must be installed");
-        let out = BufReader::new(child.stdout.take().unwrap());
-        let stdin = child.stdin.take();
-        Kid { child, out, stdin }
+/// This test binary again, in `role`, as `user`, through setpriv.
+fn kid(user: User, role: &str, socket: &Path, env: &[(&str, &Path)]) -> RoleChild {
+    let mut cmd = role_command(Some(user));
+    cmd.env("FIDO_ADV_ROLE", role)
+        .env("FIDO_ADV_SOCKET", socket);
+    for (k, v) in env {
+        cmd.env(k, v);
     }
-
-    fn line(&mut self, prefix: &str) -> String {
-        let mut line = String::new();
-        loop {
-            line.clear();
-            if self.out.read_line(&mut line).unwrap() == 0 {
-                let st = self.child.wait().unwrap();
-                panic!("child exited ({st}) before printing {prefix:?}");
-            }
-            if let Some(rest) = line.trim_end().strip_prefix(prefix) {
-                return rest.trim().to_string();
-            }
-        }
-    }
-
-    fn close_stdin(&mut self) {
-        self.stdin.take();
-    }
-
-    fn wait_success(&mut self) {
-        let end = Instant::now() + Duration::from_secs(60);
-        loop {
-            if let Some(st) = self.child.try_wait().unwrap() {
-                assert!(st.success(), "child failed: {st}");
-                return;
-            }
-            if Instant::now() > end {
-                let _ = self.child.kill();
-                panic!("child did not finish");
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-}
-
-impl Drop for Kid {
-    fn drop(&mut self) {
-        if self.child.try_wait().ok().flatten().is_none() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
+    RoleChild::spawn(cmd)
 }
 
 /// The children's side: what each role does as its user.

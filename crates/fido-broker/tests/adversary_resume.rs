@@ -14,16 +14,16 @@
 //! over stdin (see [`child_main`] for the commands) and reads `@@` answers.
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, Write};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fido_broker::Policy;
 use fido_proto::{Event, Reply, Request, Resume, ResumeSecret};
+use fido_test_support::child::{role_command, RoleChild};
 use fido_test_support::raw::*;
 use fido_test_support::users::{test_user, User};
 use fido_test_support::Defaults;
@@ -97,49 +97,27 @@ fn users() -> Option<(User, User)> {
 // ----- the parent's side -----------------------------------------------------------
 
 /// One user's process, driven over stdin.
-struct Kid {
-    child: Child,
-    out: BufReader<ChildStdout>,
-    stdin: ChildStdin,
-}
+struct Kid(RoleChild);
 
 impl Kid {
     fn spawn(user: User, socket: &Path) -> Kid {
-        let exe = std::env::current_exe().unwrap();
+        let mut cmd = role_command(Some(user));
+        cmd.env("FIDO_ADVERSARY_SOCKET", socket);
         // spawn() returns once the child has exec'ed (or failed to).
         let _g = FORKING.lock().unwrap_or_else(|e| e.into_inner());
-        let mut child = Command::new("setpriv")
-            .arg(format!("--reuid={}", user.uid))
-            .arg(format!("--regid={}", user.gid))
-            .arg("--clear-groups")
-            .arg(&exe)
-            .args([
-                "--exact",
-                "child_main",
-                "--nocapture",
-                "--test-threads=1",
-                "-q",
-            ])
-            .env("FIDO_ADVERSARY_SOCKET", socket)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("setpriv (util-linux) must be installed");
-        let out = BufReader::new(child.stdout.take().unwrap());
-        let stdin = child.stdin.take().unwrap();
-        Kid { child, out, stdin }
+        Kid(RoleChild::spawn(cmd))
     }
 
     /// Runs one command in the child; its answer, split into words.
     fn run(&mut self, cmd: &str) -> Vec<String> {
-        writeln!(self.stdin, "{cmd}").unwrap();
-        self.stdin.flush().unwrap();
+        let stdin = self.0.stdin.as_mut().expect("stdin held open");
+        writeln!(stdin, "{cmd}").unwrap();
+        stdin.flush().unwrap();
         let mut line = String::new();
         loop {
             line.clear();
-            if self.out.read_line(&mut line).unwrap() == 0 {
-                let st = self.child.wait().unwrap();
+            if self.0.out.read_line(&mut line).unwrap() == 0 {
+                let st = self.0.child.wait().unwrap();
                 panic!("child exited ({st}) while running {cmd:?}");
             }
             if let Some(rest) = line.trim_end().strip_prefix("@@ ") {
@@ -158,13 +136,6 @@ impl Kid {
 
     fn join(&mut self, client: &str, name: &str) -> (u64, u32, String) {
         self.join_filled(client, name, "00")
-    }
-}
-
-impl Drop for Kid {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 

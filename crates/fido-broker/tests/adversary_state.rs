@@ -19,6 +19,7 @@ use fido_broker::{Broker, Config, Policy};
 use fido_proto::{ClientMsg, ErrorCode, Reply, Request};
 use fido_test_support::raw::*;
 use fido_test_support::users::{test_user, User};
+use fido_test_support::child::{as_user, role_command};
 use fido_test_support::{ChildProc, Defaults};
 
 type TestBroker = fido_test_support::TestBroker<Defaults>;
@@ -51,11 +52,7 @@ fn open_broker(tweak: impl FnOnce(&mut Config)) -> TestBroker {
 
 /// Runs `sh -c script` as `user`; did it succeed?
 fn sh_as(user: User, script: &str) -> bool {
-    Command::new("setpriv")
-        .arg(format!("--reuid={}", user.uid))
-        .arg(format!("--regid={}", user.gid))
-        .arg("--clear-groups")
-        .args(["sh", "-c", script])
+    as_user(Some(user), Path::new("sh"), ["-c", script])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .status()
@@ -65,28 +62,12 @@ fn sh_as(user: User, script: &str) -> bool {
 
 /// This test binary in `role` (as `user`, or as ourselves), its lines read by the caller.
 fn spawn_role(user: Option<User>, role: &str, env: &[(&str, String)]) -> ChildProc {
-    let exe = std::env::current_exe().unwrap();
-    let mut cmd = match user {
-        Some(u) => {
-            let mut c = Command::new("setpriv");
-            c.arg(format!("--reuid={}", u.uid))
-                .arg(format!("--regid={}", u.gid))
-                .arg("--clear-groups")
-                .arg(&exe);
-            c
-        }
-        None => Command::new(&exe),
-    };
-    cmd.args(["--exact", "child_main", "--nocapture", "--test-threads=1", "-q"])
-        .env("FIDO_ADV_ROLE", role)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit());
+    let mut cmd = role_command(user);
+    cmd.env("FIDO_ADV_ROLE", role);
     for (k, v) in env {
         cmd.env(k, v);
     }
-    let mut child = cmd.spawn().unwrap();
-    let out = std::io::BufReader::new(child.stdout.take().unwrap());
-    ChildProc { child, out }
+    ChildProc::start(cmd)
 }
 
 /// A broker in a child process (so it can be stopped or limited), with the

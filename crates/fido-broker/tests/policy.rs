@@ -6,16 +6,16 @@
 //! see [`child_main`]). Without root they print why and pass vacuously.
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::os::fd::AsFd;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fido_test_support::raw::*;
 use fido_test_support::users::{test_user, User};
+use fido_test_support::child::{role_command, RoleChild};
 use fido_test_support::Defaults;
 use fido_broker::Policy;
 use fido_proto::{BrokerMsg, ErrorCode, Event, RemoteError, Reply, Request, TxnOp};
@@ -635,81 +635,17 @@ fn no_matching_rule_or_join_false_is_denied() {
 
 // ----- across uids (root only) ----------------------------------------------------
 
-struct Kid {
-    child: Child,
-    out: BufReader<ChildStdout>,
-    stdin: Option<ChildStdin>,
-}
+/// How long a child gets to finish its role.
+const KID_TIMEOUT: Duration = Duration::from_secs(30);
 
-impl Kid {
-    /// This test binary again, in `role`, as `user`, through setpriv.
-    fn spawn(user: User, role: &str, socket: &Path, env: &[(&str, String)]) -> Kid {
-        let exe = std::env::current_exe().unwrap();
-        let mut cmd = Command::new("setpriv");
-        cmd.arg(format!("--reuid={}", user.uid))
-            .arg(format!("--regid={}", user.gid))
-            .arg("--clear-groups")
-            .arg(&exe)
-            .args([
-                "--exact",
-                "child_main",
-                "--nocapture",
-                "--test-threads=1",
-                "-q",
-            ])
-            .env("FIDO_POLICY_ROLE", role)
-            .env("FIDO_POLICY_SOCKET", socket)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit());
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
-        let mut child = cmd.spawn().expect("setpriv (util-linux) must be installed");
-        let out = BufReader::new(child.stdout.take().unwrap());
-        let stdin = child.stdin.take();
-        Kid { child, out, stdin }
+/// This test binary again, in `role`, as `user`, through setpriv.
+fn kid(user: User, role: &str, socket: &Path, env: &[(&str, String)]) -> RoleChild {
+    let mut cmd = role_command(Some(user));
+    cmd.env("FIDO_POLICY_ROLE", role).env("FIDO_POLICY_SOCKET", socket);
+    for (k, v) in env {
+        cmd.env(k, v);
     }
-
-    fn line(&mut self, prefix: &str) -> String {
-        let mut line = String::new();
-        loop {
-            line.clear();
-            if self.out.read_line(&mut line).unwrap() == 0 {
-                let st = self.child.wait().unwrap();
-                panic!(
-                    "child exited ({st}) before printing {prefix:?} — if it could not \
-                     run at all, check that {} is readable and executable by other users",
-                    std::env::current_exe().unwrap().display()
-                );
-            }
-            if let Some(rest) = line.trim_end().strip_prefix(prefix) {
-                return rest.trim().to_string();
-            }
-        }
-    }
-
-    fn wait_success(&mut self) {
-        let end = Instant::now() + Duration::from_secs(30);
-        loop {
-            if let Some(st) = self.child.try_wait().unwrap() {
-                assert!(st.success(), "child failed: {st}");
-                return;
-            }
-            if Instant::now() > end {
-                let _ = self.child.kill();
-                panic!("child did not finish");
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-}
-
-impl Drop for Kid {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+    RoleChild::spawn(cmd)
 }
 
 #[test]
@@ -752,9 +688,9 @@ fn denied_domain_gets_no_grant_and_no_doorbell_across_uids() {
         service: "other-ok".into(),
     });
 
-    let mut server = Kid::spawn(ua, "server", &b.socket(), &[]);
+    let mut server = kid(ua, "server", &b.socket(), &[]);
     let slot_a = server.line("@@ ready slot=");
-    let mut client = Kid::spawn(ub, "client", &b.socket(), &[("FIDO_POLICY_SLOT", slot_a)]);
+    let mut client = kid(ub, "client", &b.socket(), &[("FIDO_POLICY_SLOT", slot_a)]);
     client.line("@@ denied-ok");
 
     // The one connection B may make reaches us; accept it.
@@ -778,12 +714,12 @@ fn denied_domain_gets_no_grant_and_no_doorbell_across_uids() {
     );
     assert_eq!(r, Ok(Reply::Ok));
     client.line("@@ allowed-ok");
-    client.wait_success();
+    client.wait_success(KID_TIMEOUT);
 
     // A never saw an Incoming: B's connect to svc-echo was stopped at the broker.
     drop(server.stdin.take());
     assert_eq!(server.line("@@ incoming="), "0");
-    server.wait_success();
+    server.wait_success(KID_TIMEOUT);
     // A's denied connect never reached us either (B's exit shows up as PeerGone).
     while let Some((m, _)) = root.recv_timeout(Duration::from_millis(100)) {
         assert!(
@@ -809,9 +745,9 @@ fn default_policy_admits_only_the_brokers_uid() {
         return;
     };
     let b = broker_with(None);
-    let mut outsider = Kid::spawn(ua, "outsider", &b.socket(), &[]);
+    let mut outsider = kid(ua, "outsider", &b.socket(), &[]);
     outsider.line("@@ join-denied");
-    outsider.wait_success();
+    outsider.wait_success(KID_TIMEOUT);
     let mut root = b.client();
     join_as(&mut root, "root", None, ARENA_LEN).unwrap();
     root.ok(Request::Offer {

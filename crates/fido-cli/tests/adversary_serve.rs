@@ -13,46 +13,28 @@
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::unix::fs::PermissionsExt;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdout, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use fido_test_support::child::{role_command, RoleChild};
 use fido_test_support::users::{test_user, User};
 
 const FIDO: &str = env!("CARGO_BIN_EXE_fido");
 const ROLE: &str = "FIDO_ADVERSARY_ROLE";
 
-/// A running process, killed and reaped when dropped.
+/// A running server, killed and reaped when dropped; its stdout held open.
 struct Proc {
     child: Child,
-    out: Option<BufReader<ChildStdout>>,
+    _out: BufReader<ChildStdout>,
 }
 
 impl Drop for Proc {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-    }
-}
-
-impl Proc {
-    /// The rest of the next stdout line starting with `prefix`.
-    fn line(&mut self, prefix: &str) -> String {
-        let out = self.out.as_mut().expect("stdout piped");
-        let mut l = String::new();
-        loop {
-            l.clear();
-            if out.read_line(&mut l).unwrap() == 0 {
-                let st = self.child.wait().unwrap();
-                panic!("child exited ({st}) before printing {prefix:?}");
-            }
-            if let Some(rest) = l.trim_end().strip_prefix(prefix) {
-                return rest.trim().to_string();
-            }
-        }
     }
 }
 
@@ -86,37 +68,17 @@ fn start_cmd(mut cmd: Command) -> (Proc, SocketAddr) {
                 .ok()
         })
         .unwrap_or_else(|| panic!("no address announced: {line:?}"));
-    (
-        Proc {
-            child,
-            out: Some(out),
-        },
-        addr,
-    )
+    (Proc { child, _out: out }, addr)
 }
 
 /// This test binary again, as `user`, in `role` (see [`child_main`]).
-fn as_user(user: User, role: &str, env: &[(&str, String)]) -> Proc {
-    let mut cmd = Command::new(std::env::current_exe().unwrap());
-    cmd.args([
-        "--exact",
-        "child_main",
-        "--nocapture",
-        "--test-threads=1",
-        "-q",
-    ])
-    .env(ROLE, role)
-    .uid(user.uid)
-    .gid(user.gid)
-    .stdin(Stdio::null())
-    .stdout(Stdio::piped())
-    .stderr(Stdio::inherit());
+fn as_user(user: User, role: &str, env: &[(&str, String)]) -> RoleChild {
+    let mut cmd = role_command(Some(user));
+    cmd.env(ROLE, role);
     for (k, v) in env {
         cmd.env(k, v);
     }
-    let mut child = cmd.spawn().unwrap();
-    let out = Some(BufReader::new(child.stdout.take().unwrap()));
-    Proc { child, out }
+    RoleChild::spawn(cmd)
 }
 
 /// A site for the attacks: `top/` holds a root-only secret next to DIR

@@ -20,14 +20,15 @@
 //! vacuously. Children are this test binary again in a role (`child_main`).
 
 use fido::{Domain, JoinOptions};
+use fido_test_support::child::{as_user, role_command, RoleChild};
 use fido_test_support::mmnet::*;
 use fido_test_support::users::{test_user, User};
 use fido_test_support::wait::*;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::os::fd::FromRawFd;
 use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 const ROLE: &str = "FIDO_ADVERSARY_ROLE";
@@ -68,85 +69,9 @@ fn echo(b: &Broker) -> PathBuf {
     p
 }
 
-/// A child process whose stdout lines are read by prefix.
-struct Kid {
-    child: Child,
-    out: BufReader<ChildStdout>,
-    /// Held open: roles that hold on (`hold`) end when it closes.
-    stdin: Option<ChildStdin>,
-}
-
-impl Kid {
-    fn spawn(mut cmd: Command) -> Kid {
-        cmd.stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit());
-        let mut child = cmd.spawn().expect("spawning a child");
-        let out = BufReader::new(child.stdout.take().unwrap());
-        let stdin = child.stdin.take();
-        Kid {
-            child,
-            out,
-            stdin,
-        }
-    }
-
-    /// The rest of the first line starting with `prefix`.
-    /// Closes its stdin: a role that holds on (`hold`) ends.
-    fn release(&mut self) {
-        self.stdin.take();
-    }
-
-    fn line(&mut self, prefix: &str) -> String {
-        let mut line = String::new();
-        loop {
-            line.clear();
-            if self.out.read_line(&mut line).unwrap() == 0 {
-                let st = self.child.wait().unwrap();
-                panic!("child exited ({st}) before printing {prefix:?}");
-            }
-            if let Some(rest) = line.trim_end().strip_prefix(prefix) {
-                return rest.trim().to_string();
-            }
-        }
-    }
-}
-
-impl Drop for Kid {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// `prog args` as `user` (through setpriv), or as root with `user` `None`.
-fn as_user(user: Option<User>, prog: &Path, args: &[&str]) -> Command {
-    match user {
-        None => {
-            let mut c = Command::new(prog);
-            c.args(args);
-            c
-        }
-        Some(u) => {
-            let mut c = Command::new("setpriv");
-            c.arg(format!("--reuid={}", u.uid))
-                .arg(format!("--regid={}", u.gid))
-                .arg("--clear-groups")
-                .arg(prog)
-                .args(args);
-            c
-        }
-    }
-}
-
 /// This test binary in `role` as `user`, with `env`.
 fn role(user: Option<User>, b: &Broker, role: &str, env: &[(&str, String)]) -> Command {
-    let exe = std::env::current_exe().unwrap();
-    let mut c = as_user(
-        user,
-        &exe,
-        &["--exact", "child_main", "--nocapture", "--test-threads=1", "-q"],
-    );
+    let mut c = role_command(user);
     c.env(ROLE, role).env("FIDO_BROKER", &b.socket);
     for (k, v) in env {
         c.env(k, v);
@@ -179,16 +104,16 @@ fn a_forged_request_never_hands_a_connection_to_another_user() {
     let echo = echo(&b);
     let (port, sport) = (free_port(), free_port());
     // The server: root, under fido run.
-    let _server = Kid::spawn(preloaded(
+    let _server = RoleChild::spawn(preloaded(
         &b,
-        as_user(None, &echo, &["server", &port.to_string()]),
+        as_user(None, &echo, ["server", &port.to_string()]),
     ));
     wait_port(port);
     b.wait_listener(port);
 
     // Bob pre-writes requests for the 4-tuple alice's client will use,
     // naming a segment of his.
-    let mut forger = Kid::spawn(role(
+    let mut forger = RoleChild::spawn(role(
         Some(bob),
         &b,
         "forge",
@@ -202,7 +127,7 @@ fn a_forged_request_never_hands_a_connection_to_another_user() {
 
     // Alice, a plain client (no preload), says hello from that port.
     let msg = b"alice: session please".to_vec();
-    let mut client = Kid::spawn(role(
+    let mut client = RoleChild::spawn(role(
         Some(alice),
         &b,
         "client",
@@ -233,7 +158,7 @@ fn b_a_copied_request_never_crosses_two_connections() {
     // Alice's two servers under fido run; the first accepts late, so her
     // first client's request is pending when the second server accepts.
     let server = |port: u16, delay: &str| {
-        Kid::spawn(preloaded(
+        RoleChild::spawn(preloaded(
             &b,
             role(
                 Some(alice),
@@ -253,11 +178,11 @@ fn b_a_copied_request_never_crosses_two_connections() {
     // Bob copies the first request he sees onto the 4-tuple of alice's
     // second (plain) client towards her second server.
     let target = format!("/net/conn/127.0.0.1/{p2}/{sport2}/{}", netns_inode());
-    let mut copier = Kid::spawn(role(Some(bob), &b, "copy", &[("TARGET", target)]));
+    let mut copier = RoleChild::spawn(role(Some(bob), &b, "copy", &[("TARGET", target)]));
     copier.line("watching");
 
     let secret = b"alice-1: the secret".to_vec();
-    let mut c1 = Kid::spawn(preloaded(
+    let mut c1 = RoleChild::spawn(preloaded(
         &b,
         role(
             Some(alice),
@@ -268,7 +193,7 @@ fn b_a_copied_request_never_crosses_two_connections() {
     ));
     let copied = copier.line("copy");
     let hello = b"alice-2: hello".to_vec();
-    let mut c2 = Kid::spawn(role(
+    let mut c2 = RoleChild::spawn(role(
         Some(alice),
         &b,
         "client",
@@ -302,28 +227,28 @@ fn c_deleting_listener_keys_costs_a_victim_nothing() {
 
     // Bob deletes every listener key of the port as soon as it appears.
     let port = free_port();
-    let mut deleter = Kid::spawn(role(
+    let mut deleter = RoleChild::spawn(role(
         Some(bob),
         &b,
         "delete",
         &[("PORT", port.to_string())],
     ));
     deleter.line("deleting");
-    let _server = Kid::spawn(preloaded(
+    let _server = RoleChild::spawn(preloaded(
         &b,
-        as_user(Some(alice), &echo, &["server", &port.to_string()]),
+        as_user(Some(alice), &echo, ["server", &port.to_string()]),
     ));
     wait_port(port);
     // Long enough for bob to see and delete the listener key.
     std::thread::sleep(Duration::from_millis(500));
     let mut c = preloaded(
         &b,
-        as_user(Some(alice), &echo, &["client", &port.to_string(), "100000"]),
+        as_user(Some(alice), &echo, ["client", &port.to_string(), "100000"]),
     );
     c.stdout(Stdio::piped());
     let out = wait_timeout(c.spawn().unwrap(), Duration::from_secs(60));
     assert!(out.status.success(), "{out:?}");
-    deleter.release();
+    deleter.close_stdin();
     let deleted = deleter.line("deleted");
     eprintln!("bob deleted {deleted} keys");
     assert_eq!(
@@ -343,14 +268,14 @@ fn c_a_fake_listener_costs_a_victim_no_wait() {
     // Bob publishes a fake listener (alice's uid, his own live domain) for
     // a plain server of alice's: her client must not wait for an attach.
     let plain_port = free_port();
-    let _plain = Kid::spawn(as_user(
+    let _plain = RoleChild::spawn(as_user(
         Some(alice),
         &echo,
-        &["server", &plain_port.to_string()],
+        ["server", &plain_port.to_string()],
     ));
     wait_port(plain_port);
     let faker = {
-        let mut k = Kid::spawn(role(
+        let mut k = RoleChild::spawn(role(
             Some(bob),
             &b,
             "fake-listener",
@@ -371,7 +296,7 @@ fn c_a_fake_listener_costs_a_victim_no_wait() {
         as_user(
             Some(alice),
             &echo,
-            &["client", &plain_port.to_string(), "1000"],
+            ["client", &plain_port.to_string(), "1000"],
         ),
     );
     c.stdout(Stdio::piped());
@@ -391,15 +316,15 @@ fn d_an_offer_through_the_broker_never_reaches_another_users_server() {
     let b = broker(alice, bob);
     let echo = echo(&b);
     let port = free_port();
-    let _server = Kid::spawn(preloaded(
+    let _server = RoleChild::spawn(preloaded(
         &b,
-        as_user(Some(alice), &echo, &["server", &port.to_string()]),
+        as_user(Some(alice), &echo, ["server", &port.to_string()]),
     ));
     wait_port(port);
     b.wait_listener(port);
     // Bob offers a segment of his for his own connection to alice's server,
     // through the broker's real handshake.
-    let mut bob_client = Kid::spawn(role(
+    let mut bob_client = RoleChild::spawn(role(
         Some(bob),
         &b,
         "offer",

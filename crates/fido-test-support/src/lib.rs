@@ -28,5 +28,5 @@ pub mod users;
 pub mod wait;
 
 pub use broker::{Defaults, Preset, TestBroker};
-pub use child::ChildProc;
+pub use child::{ChildProc, RoleChild};
 pub use wait::eventually;
