@@ -84,23 +84,7 @@ fn client_as(socket: &Path, user: User) -> Raw {
 }
 
 fn join(raw: &mut Raw, name: &str) -> Result<Reply, RemoteError> {
-    let (rw, ro) = arena(ARENA_LEN);
-    let (r, fds) = raw.request_fds(
-        Request::Join {
-            name: name.into(),
-            label: None,
-            arena_len: ARENA_LEN,
-            resume: None,
-        },
-        &[ro.as_fd()],
-    );
-    assert!(fds.is_empty());
-    if let Ok(Reply::Joined { domain, slot, .. }) = &r {
-        raw.domain = Some(*domain);
-        raw.slot = Some(*slot);
-        raw.arena = Some(rw);
-    }
-    r
+    raw.join_labelled(name, None, ARENA_LEN)
 }
 
 fn joined_as(socket: &Path, user: User, name: &str) -> Raw {

@@ -90,22 +90,7 @@ fn broker_process(dir: &Path, policy: Option<String>, nofile: Option<u64>) -> (C
 }
 
 fn join(raw: &mut Raw, name: &str) -> Result<Reply, fido_proto::RemoteError> {
-    let (rw, ro) = arena(ARENA_LEN);
-    let (r, _) = raw.request_fds(
-        Request::Join {
-            name: name.into(),
-            label: None,
-            arena_len: ARENA_LEN,
-            resume: None,
-        },
-        &[ro.as_fd()],
-    );
-    if let Ok(Reply::Joined { domain, slot, .. }) = &r {
-        raw.domain = Some(*domain);
-        raw.slot = Some(*slot);
-        raw.arena = Some(rw);
-    }
-    r
+    raw.join_labelled(name, None, ARENA_LEN)
 }
 
 fn joined_id(r: Result<Reply, fido_proto::RemoteError>) -> u64 {

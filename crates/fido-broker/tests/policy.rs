@@ -41,24 +41,7 @@ fn broker_with(p: Option<Arc<Policy>>) -> TestBroker {
 }
 
 fn join_as(raw: &mut Raw, name: &str, label: Option<&str>, len: u64) -> Result<Reply, RemoteError> {
-    let (rw, ro) = arena(len);
-    let (r, fds) = raw.request_fds(
-        Request::Join {
-            name: name.into(),
-            label: label.map(Into::into),
-            arena_len: len,
-            resume: None,
-        },
-        &[ro.as_fd()],
-    );
-    assert!(fds.is_empty());
-    if let Ok(Reply::Joined { domain, slot, resume_secret, .. }) = &r {
-        raw.domain = Some(*domain);
-        raw.slot = Some(*slot);
-        raw.resume_secret = Some(*resume_secret);
-        raw.arena = Some(rw);
-    }
-    r
+    raw.join_labelled(name, label, len)
 }
 
 fn expect_err(r: Result<Reply, RemoteError>, code: ErrorCode, needle: &str) -> String {

@@ -320,12 +320,37 @@ impl Raw {
     }
 
     pub fn join_with(&mut self, name: &str, resume: Option<Resume>) -> Result<Reply, RemoteError> {
-        let (rw, ro) = arena(ARENA_LEN);
-        let (r, _) = self.request_fds(
+        self.join_request(name, Some("test"), ARENA_LEN, resume).0
+    }
+
+    /// Joins as `name` with `label` and an arena of `arena_len` bytes; a
+    /// join's answer carries no descriptors (asserted).
+    pub fn join_labelled(
+        &mut self,
+        name: &str,
+        label: Option<&str>,
+        arena_len: u64,
+    ) -> Result<Reply, RemoteError> {
+        let (r, fds) = self.join_request(name, label, arena_len, None);
+        assert!(fds.is_empty(), "a join answered with descriptors: {r:?}");
+        r
+    }
+
+    /// Sends a `Join` with a fresh arena; on `Joined`, records the domain,
+    /// slot and resume secret and keeps the arena.
+    fn join_request(
+        &mut self,
+        name: &str,
+        label: Option<&str>,
+        arena_len: u64,
+        resume: Option<Resume>,
+    ) -> (Result<Reply, RemoteError>, Vec<OwnedFd>) {
+        let (rw, ro) = arena(arena_len);
+        let (r, fds) = self.request_fds(
             Request::Join {
                 name: name.into(),
-                label: Some("test".into()),
-                arena_len: ARENA_LEN,
+                label: label.map(Into::into),
+                arena_len,
                 resume,
             },
             &[ro.as_fd()],
@@ -336,7 +361,7 @@ impl Raw {
             self.resume_secret = Some(*resume_secret);
             self.arena = Some(rw);
         }
-        r
+        (r, fds)
     }
 
     /// The resume secret this client's last join was given.
