@@ -1,8 +1,8 @@
 //! The broker's MMNet request path on untrusted input (issue #16): the
 //! `NetOffer`/`NetWithdraw`/`NetClaim`/`NetListen`/`NetUnlisten` requests as
 //! decoded from a domain, and the kernel answers the broker parses to check
-//! them (`fido_broker::netdiag`: sock_diag, route, link and namespace-id
-//! replies). The first byte picks what the rest is:
+//! them (`fido_netlink`, the broker's `netdiag`: sock_diag, route, link and
+//! namespace-id replies). The first byte picks what the rest is:
 //!
 //! - 0: a `ClientMsg`; an accepted MMNet request re-encodes to the same
 //!   message and passes its own validation again;
@@ -16,7 +16,7 @@
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
-use fido_broker::netdiag;
+use fido_netlink as netlink;
 use fido_proto::{ClientMsg, Request};
 
 fn addr(bytes: &[u8], v4: bool, port: u16) -> SocketAddr {
@@ -72,11 +72,11 @@ pub fn check(data: &[u8]) -> bool {
             let local = addr(&rest[..16], v4, lport);
             let remote = addr(&rest[16..32], v4, rport);
             let reply = &rest[38..];
-            match netdiag::parse_diag_reply(reply, local, remote) {
+            match netlink::parse_diag_reply(reply, local, remote) {
                 Ok(Some(_)) => {
                     // Taken as a socket: the reply names exactly this
                     // 4-tuple (family, ports, addresses), as the request did.
-                    let want = netdiag::diag_request_body(local, remote).expect("same family");
+                    let want = netlink::diag_request_body(local, remote).expect("same family");
                     let p = &reply[16..];
                     assert_eq!(p[0], want[0]);
                     assert_eq!(p[4..8], want[8..12]);
@@ -85,14 +85,17 @@ pub fn check(data: &[u8]) -> bool {
                 Ok(None) | Err(_) => false,
             }
         }
-        2 => !matches!(netdiag::parse_route_reply(rest), netdiag::RouteAnswer::Other),
-        3 => netdiag::parse_link_reply(rest).is_some(),
-        4 => netdiag::parse_nsid_reply(rest).is_some(),
+        2 => !matches!(
+            netlink::parse_route_reply(rest),
+            netlink::RouteAnswer::Other
+        ),
+        3 => netlink::parse_link_reply(rest).is_some(),
+        4 => netlink::parse_nsid_reply(rest).is_some(),
         _ => {
             let want = u16::from_ne_bytes([mode, mode]);
-            if let Ok(p) = netdiag::reply_payload(rest, want) {
+            if let Ok(p) = netlink::reply_payload(rest, want) {
                 assert!(p.len() <= rest.len());
-                for (_, v) in netdiag::attrs(p, (mode % 32) as usize) {
+                for (_, v) in netlink::attrs(p, (mode % 32) as usize) {
                     assert!(v.len() <= p.len());
                 }
                 return true;
