@@ -429,8 +429,12 @@ fn ignore_sigpipe() {
     });
 }
 
+/// One step's kind. A program's opcode byte is an index into [`OPS`], which
+/// lists them in this order, so `op as u8` is the byte that picks `op` (the
+/// seed builders of crates/fido-broker/tests/fuzz_corpus.rs rely on it).
 #[derive(Clone, Copy, Debug)]
-enum Op {
+#[repr(u8)]
+pub enum Op {
     Client,
     Join,
     Resume,
@@ -464,7 +468,7 @@ enum Op {
     Reload,
 }
 
-const OPS: [Op; 31] = [
+pub const OPS: [Op; 31] = [
     Op::Client,
     Op::Join,
     Op::Resume,

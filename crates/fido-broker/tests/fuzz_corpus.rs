@@ -15,6 +15,7 @@ use std::path::{Path, PathBuf};
 #[path = "../../../fuzz/src/broker_session.rs"]
 #[allow(dead_code)]
 mod broker_session;
+use broker_session::{Op, OPS};
 
 fn corpus_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus/broker_session")
@@ -52,6 +53,15 @@ fn seeds_pass() {
 /// Inputs that showed a broker bug (fuzz/findings/broker_session/, see
 /// fuzz/README.md): forged resumes of issue #16 that got bob alice's arena,
 /// confirmed a made-up connection, or pinned a slot. Fixed; they must stay so.
+/// The seed builders write `op as u8` as the opcode: that must be `op`'s
+/// index in the session's table.
+#[test]
+fn opcodes_are_indices_into_the_step_table() {
+    for (i, op) in OPS.iter().enumerate() {
+        assert_eq!(*op as usize, i, "{op:?}");
+    }
+}
+
 #[test]
 fn findings_pass() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/findings/broker_session");
@@ -102,42 +112,6 @@ impl Default for Program {
     }
 }
 
-#[allow(dead_code)]
-#[repr(u8)]
-#[derive(Clone, Copy)]
-enum Op {
-    Client,
-    Join,
-    Resume,
-    Offer,
-    Withdraw,
-    Connect,
-    Accept,
-    Refuse,
-    Close,
-    Grant,
-    Unmapped,
-    Write,
-    Delete,
-    Read,
-    List,
-    Watch,
-    Unwatch,
-    Txn,
-    Status,
-    Counters,
-    Leave,
-    Disconnect,
-    Heartbeat,
-    Raw,
-    Tick,
-    PipeCreate,
-    PipeRun,
-    PipeOnce,
-    PipeEnd,
-    PipeWeight,
-    Reload,
-}
 
 /// Client indices in the session, in the order they connected.
 const ROOT: u8 = 0;
