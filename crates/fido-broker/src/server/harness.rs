@@ -16,7 +16,7 @@
 //! consistent (clients ↔ domains ↔ slots ↔ mappers ↔ services ↔ connections
 //! ↔ pipes) and no domain is over a quota.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap};
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -123,20 +123,7 @@ impl Harness {
         let refused = !s.may_ever_join(uid, gid);
         s.clients.insert(
             key,
-            Client {
-                sock: broker_end,
-                pid,
-                uid,
-                gid,
-                domain: None,
-                connected: now,
-                last_seen: now,
-                refused,
-                queue: VecDeque::new(),
-                queued_bytes: 0,
-                want_out: false,
-                doomed: false,
-            },
+            Client::accepted(broker_end, (pid, uid, gid), now, refused),
         );
         self.ends.insert(key, client_end);
         Ok(key)

@@ -3,7 +3,7 @@
 //! events (queued, bounded, for a client whose socket is full), and dooming
 //! and reaping clients that went away.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::os::fd::{AsFd, OwnedFd};
 use std::time::{Duration, Instant};
 
@@ -63,8 +63,10 @@ impl AwakeClock {
         let real = Instant::now();
         let step = real.saturating_duration_since(self.last);
         if step > self.max_step {
-            tracing::info!(stalled_ms = step.as_millis() as u64,
-                "the broker did not run for a while; that time is not held against clients");
+            tracing::info!(
+                stalled_ms = step.as_millis() as u64,
+                "the broker did not run for a while; that time is not held against clients"
+            );
         }
         self.now += step.min(self.max_step);
         self.last = real;
@@ -214,7 +216,11 @@ impl Server {
             // closed after REFUSED_DEADLINE if it sends none).
             let refused = !self.may_ever_join(uid, gid);
             if !self.unjoined_below_cap(uid) {
-                tracing::debug!(pid, uid, "too many unjoined connections of this uid; connection closed");
+                tracing::debug!(
+                    pid,
+                    uid,
+                    "too many unjoined connections of this uid; connection closed"
+                );
                 continue;
             }
             // Big enough for any control message as one datagram (the kernel caps it).
@@ -231,20 +237,7 @@ impl Server {
                 continue;
             }
             let now = self.intake.clock.now();
-            let client = Client {
-                sock,
-                pid,
-                uid,
-                gid,
-                domain: None,
-                connected: now,
-                last_seen: now,
-                refused,
-                queue: VecDeque::new(),
-                queued_bytes: 0,
-                want_out: false,
-                doomed: false,
-            };
+            let client = Client::accepted(sock, (pid, uid, gid), now, refused);
             *self.intake.unjoined.entry(uid).or_default() += 1;
             tracing::debug!(pid, uid, gid, refused, "client connected");
             self.clients.insert(key, client);
@@ -312,7 +305,10 @@ impl Server {
         let _ = epoll::delete(&self.epoll, &self.listener);
         self.intake.paused_until = Some(now + ACCEPT_BACKOFF);
         let intake = &mut self.intake;
-        if intake.last_warning.is_none_or(|t| now.duration_since(t) >= ACCEPT_WARN_EVERY) {
+        if intake
+            .last_warning
+            .is_none_or(|t| now.duration_since(t) >= ACCEPT_WARN_EVERY)
+        {
             tracing::warn!(error = %e, clients = self.clients.len(),
                 failures_since_last_warning = intake.unwarned_failures,
                 "accept failed; not accepting for {} ms", ACCEPT_BACKOFF.as_millis());

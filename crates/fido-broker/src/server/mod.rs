@@ -45,8 +45,8 @@ mod status;
 pub(crate) use domains::load_recorded;
 
 use crate::account::RegAccount;
-use crate::resume::Recorded;
 use crate::policy::Rule;
+use crate::resume::Recorded;
 use crate::ReloadSlot;
 use crate::{BrokerError, Config};
 
@@ -105,6 +105,32 @@ struct Client {
     queued_bytes: usize,
     want_out: bool,
     doomed: bool,
+}
+
+impl Client {
+    /// A client just accepted on `sock` with its `SO_PEERCRED` identity, at
+    /// `now` on the awake clock; `refused`: no rule could admit its uid.
+    fn accepted(
+        sock: OwnedFd,
+        (pid, uid, gid): (i32, u32, u32),
+        now: std::time::Duration,
+        refused: bool,
+    ) -> Client {
+        Client {
+            sock,
+            pid,
+            uid,
+            gid,
+            domain: None,
+            connected: now,
+            last_seen: now,
+            refused,
+            queue: VecDeque::new(),
+            queued_bytes: 0,
+            want_out: false,
+            doomed: false,
+        }
+    }
 }
 
 struct Domain {
