@@ -17,6 +17,7 @@
 
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 
+pub mod guest;
 pub mod wire;
 
 /// Version of the control protocol. A peer speaking another version is refused
