@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! line 0  magic
-//! line 1  entries
+//! line 1  entries, flags (u64 at byte 8: FLAG_OTHER_KERNEL)
 //! line 2  data_prod   (descriptors I published)  + data_bell  (u32 at byte 8)
 //! line 3  data_cons   (peer descriptors I consumed)
 //! line 4  data_sleep  (I sleep waiting for descriptors)
@@ -39,6 +39,11 @@ use std::ptr::NonNull;
 /// an older peer is refused: a version-2 consumer would not see a version-3
 /// producer's marks as anything, and a version-2 producer never writes them).
 pub const BLOCK_MAGIC: u64 = u64::from_le_bytes(*b"FIDORNG3");
+/// Block flag: the owner runs under another kernel than its peer may (a VM
+/// guest): a futex on its words cannot wake it or be woken by it, so neither
+/// side sleeps on one; both sleep on their doorbells.
+pub const FLAG_OTHER_KERNEL: u64 = 1;
+
 /// `state` value while the owner keeps the connection open.
 pub const STATE_OPEN: u64 = 1;
 /// `state` value once the owner closed the connection gracefully.
@@ -54,10 +59,17 @@ struct ProdLine {
     bell: AtomicU32,
 }
 
+/// The ring size and the owner's flags.
+#[repr(C, align(64))]
+struct EntriesLine {
+    entries: AtomicU64,
+    flags: AtomicU64,
+}
+
 #[repr(C)]
 struct Header {
     magic: Line,
-    entries: Line,
+    entries: EntriesLine,
     data_prod: ProdLine,
     data_cons: Line,
     data_sleep: Line,
@@ -152,12 +164,22 @@ impl LocalBlock {
     /// for anything else, and must stay mapped for as long as the returned
     /// handle or any copy of it is used.
     pub unsafe fn init(base: NonNull<u8>, len: usize, entries: u32) -> Result<LocalBlock, BlockError> {
+        // SAFETY: forwarded; the caller's guarantee.
+        unsafe { Self::init_with_flags(base, len, entries, 0) }
+    }
+
+    /// [`init`](Self::init) with the owner's flags ([`FLAG_OTHER_KERNEL`]).
+    ///
+    /// # Safety
+    /// As for [`init`](Self::init).
+    pub unsafe fn init_with_flags(base: NonNull<u8>, len: usize, entries: u32, flags: u64) -> Result<LocalBlock, BlockError> {
         check_geometry(base, len, entries)?;
         // SAFETY: the caller guarantees `len` writable bytes at `base`; we checked
         // `len >= block_len(entries)`.
         unsafe { std::ptr::write_bytes(base.as_ptr(), 0, block_len(entries)) };
         let block = LocalBlock { base, entries };
-        block.header().entries.0.store(entries as u64, Ordering::Relaxed);
+        block.header().entries.entries.store(entries as u64, Ordering::Relaxed);
+        block.header().entries.flags.store(flags, Ordering::Relaxed);
         block.header().state.0.store(STATE_OPEN, Ordering::Relaxed);
         // Magic last, with Release: a peer that sees the magic sees the rest.
         block.header().magic.0.store(BLOCK_MAGIC, Ordering::Release);
@@ -264,11 +286,18 @@ impl PeerBlock {
         check_geometry(base, len, entries)?;
         let block = PeerBlock { base, entries };
         if block.header().magic.0.load(Ordering::Acquire) != BLOCK_MAGIC
-            || block.header().entries.0.load(Ordering::Relaxed) != entries as u64
+            || block.header().entries.entries.load(Ordering::Relaxed) != entries as u64
         {
             return Err(BlockError::NotInitialised);
         }
         Ok(block)
+    }
+
+    /// True when the peer said it runs under another kernel
+    /// ([`FLAG_OTHER_KERNEL`]): do not sleep on its futex words. Read once at
+    /// open; a peer that lies only slows its own connection.
+    pub fn other_kernel(&self) -> bool {
+        self.header().entries.flags.load(Ordering::Relaxed) & FLAG_OTHER_KERNEL != 0
     }
 
     fn header(&self) -> &Header {

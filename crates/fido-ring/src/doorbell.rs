@@ -12,6 +12,12 @@
 //! ring is `send(MSG_DONTWAIT | MSG_NOSIGNAL)`, non-blocking per call whatever
 //! flags the shared ring end carries: a full queue already means "rung", a
 //! vanished peer is reported by the liveness socket, not by the doorbell.
+//!
+//! A domain inside a virtual machine cannot hold a host socket: there a ring
+//! end is a doorbell *register* of a device ([`RingEnd::Register`]; the
+//! ivshmem doorbell turns the write into a byte on the host socket), and its
+//! wait ends are the eventfds its device's interrupts are delivered to, which
+//! [`drain`] and [`block_on`] handle like sockets.
 
 use rustix::event::{poll, PollFd, PollFlags, Timespec};
 use rustix::io::Errno;
@@ -19,7 +25,58 @@ use rustix::net::{
     recv, send, socketpair, AddressFamily, RecvFlags, SendFlags, SocketFlags, SocketType,
 };
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::Arc;
 use std::time::Duration;
+
+/// A device register that rings a peer when written (inside a VM guest: the
+/// ivshmem doorbell's BAR0 register, reached through VFIO). Implementations
+/// must never block and never fail for a full or vanished peer, like [`ring`].
+pub trait RingRegister: Send + Sync + 'static {
+    /// Writes `value` (which names the peer and its vector) to the register.
+    fn ring(&self, value: u32) -> std::io::Result<()>;
+}
+
+/// What we ring a peer's doorbell through.
+#[derive(Clone)]
+pub enum RingEnd {
+    /// The ring end of the peer's doorbell socket pair (the host's doorbells).
+    Socket(Arc<OwnedFd>),
+    /// A doorbell register and the value that rings this peer (a VM guest).
+    Register { register: Arc<dyn RingRegister>, value: u32 },
+}
+
+impl std::fmt::Debug for RingEnd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RingEnd::Socket(fd) => f.debug_tuple("Socket").field(fd).finish(),
+            RingEnd::Register { value, .. } => f.debug_struct("Register").field("value", value).finish_non_exhaustive(),
+        }
+    }
+}
+
+impl RingEnd {
+    /// A socket ring end.
+    pub fn socket(fd: OwnedFd) -> RingEnd {
+        RingEnd::Socket(Arc::new(fd))
+    }
+
+    /// Rings the peer. Never blocks; see [`ring`].
+    #[inline]
+    pub fn ring(&self) -> std::io::Result<()> {
+        match self {
+            RingEnd::Socket(fd) => ring(fd.as_fd()),
+            RingEnd::Register { register, value } => register.ring(*value),
+        }
+    }
+
+    /// The socket, where this ring end is one (tests and diagnostics).
+    pub fn as_socket(&self) -> Option<BorrowedFd<'_>> {
+        match self {
+            RingEnd::Socket(fd) => Some(fd.as_fd()),
+            RingEnd::Register { .. } => None,
+        }
+    }
+}
 
 /// The two ends of a fresh doorbell.
 #[derive(Debug)]
@@ -51,8 +108,16 @@ pub fn new_doorbell() -> std::io::Result<Doorbell> {
 /// liveness socket reports — neither is an error here. A send interrupted by
 /// a signal queued nothing, so it is tried again: taking it for a ring would
 /// leave a sleeper that asked to be woken asleep.
+///
+/// A ring end that is not a socket is one of our own eventfds (a VM guest
+/// wakes its own waiter through the eventfd its interrupt is delivered to):
+/// it is written, non-blocking as created, and a saturated counter already
+/// means "rung".
 pub fn ring(bell: BorrowedFd<'_>) -> std::io::Result<()> {
-    ring_with(|| send(bell, &[1u8], SendFlags::DONTWAIT | SendFlags::NOSIGNAL))
+    ring_with(|| match send(bell, &[1u8], SendFlags::DONTWAIT | SendFlags::NOSIGNAL) {
+        Err(Errno::NOTSOCK) => rustix::io::write(bell, &1u64.to_ne_bytes()),
+        other => other,
+    })
 }
 
 /// [`ring`]'s decision, over any `send` (tests inject interruptions here).
@@ -69,10 +134,13 @@ fn ring_with(mut send_one: impl FnMut() -> Result<usize, Errno>) -> std::io::Res
 
 /// Consumes pending rings on a wait end (non-blocking, one system call). A
 /// flood larger than the buffer leaves rings behind, which only cost the
-/// waiter a spurious wake-up later.
+/// waiter a spurious wake-up later. A wait end that is not a socket (a VM
+/// guest's eventfd, which is non-blocking) is read instead.
 pub fn drain(bell: BorrowedFd<'_>) {
     let mut buf = [0u8; 256];
-    let _ = recv(bell, &mut buf, RecvFlags::DONTWAIT);
+    if let Err(Errno::NOTSOCK) = recv(bell, &mut buf, RecvFlags::DONTWAIT) {
+        let _ = rustix::io::read(bell, &mut buf[..8]);
+    }
 }
 
 /// What woke a blocked waiter.

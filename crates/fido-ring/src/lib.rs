@@ -27,19 +27,17 @@ pub mod protocol;
 mod sync;
 pub mod wait;
 
-pub use block::{block_len, BlockError, LocalBlock, PeerBlock};
+pub use block::{block_len, BlockError, LocalBlock, PeerBlock, FLAG_OTHER_KERNEL};
 pub use desc::{inline_area, Descriptor, Segment, FLAG_INLINE, FLAG_SG_LIST, INLINE_BYTES, INLINE_SEGMENTS, MAX_SEGMENTS};
 pub use wait::{quick_spin, wait_until, SleepSite, WaitOutcome, WaitStrategy};
 
 use protocol::Wake;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::sync::Arc;
 
 /// Wakes a peer the way its sleep word asked: `bell` is our own bell word
 /// beside the index we just published, `socket` the ring end of its doorbell.
 /// The common case (nobody sleeps) is decided inline; the rest is not.
 #[inline]
-fn wake(how: Wake, bell: &sync::AtomicU32, socket: BorrowedFd<'_>) -> std::io::Result<Notify> {
+fn wake(how: Wake, bell: &sync::AtomicU32, socket: &doorbell::RingEnd) -> std::io::Result<Notify> {
     match how {
         Wake::None => Ok(Notify::Suppressed),
         _ => wake_sleeper(how, bell, socket),
@@ -47,7 +45,7 @@ fn wake(how: Wake, bell: &sync::AtomicU32, socket: BorrowedFd<'_>) -> std::io::R
 }
 
 #[cold]
-fn wake_sleeper(how: Wake, bell: &sync::AtomicU32, socket: BorrowedFd<'_>) -> std::io::Result<Notify> {
+fn wake_sleeper(how: Wake, bell: &sync::AtomicU32, socket: &doorbell::RingEnd) -> std::io::Result<Notify> {
     match how {
         Wake::None => Ok(Notify::Suppressed),
         Wake::Futex => {
@@ -56,17 +54,17 @@ fn wake_sleeper(how: Wake, bell: &sync::AtomicU32, socket: BorrowedFd<'_>) -> st
             Ok(Notify::Rung)
         }
         Wake::Socket => {
-            doorbell::ring(socket)?;
+            socket.ring()?;
             Ok(Notify::Rung)
         }
     }
 }
 
 /// Wakes a peer however it sleeps (for state changes, e.g. a close).
-fn wake_any(bell: &sync::AtomicU32, socket: BorrowedFd<'_>) {
+fn wake_any(bell: &sync::AtomicU32, socket: &doorbell::RingEnd) {
     protocol::bump(bell);
     futex::wake_all(bell);
-    let _ = doorbell::ring(socket);
+    let _ = socket.ring();
 }
 
 /// A peer broke the ring protocol. The connection is unusable; nothing outside
@@ -101,11 +99,11 @@ pub struct TxRing {
     prod: u64,
     rel_cons: u64,
     last_rung: u64,
-    peer_data_bell: Arc<OwnedFd>,
+    peer_data_bell: doorbell::RingEnd,
 }
 
 impl TxRing {
-    pub fn new(local: LocalBlock, peer: PeerBlock, peer_data_bell: Arc<OwnedFd>) -> TxRing {
+    pub fn new(local: LocalBlock, peer: PeerBlock, peer_data_bell: doorbell::RingEnd) -> TxRing {
         TxRing { local, peer, prod: 0, rel_cons: 0, last_rung: 0, peer_data_bell }
     }
 
@@ -149,7 +147,7 @@ impl TxRing {
     #[inline]
     pub fn publish(&mut self) -> std::io::Result<Notify> {
         let how = protocol::publish(self.local.data_prod(), self.prod, self.peer.data_sleep(), &mut self.last_rung);
-        wake(how, self.local.data_bell(), self.peer_data_bell.as_fd())
+        wake(how, self.local.data_bell(), &self.peer_data_bell)
     }
 
     /// Takes the next cookie the peer released, if any.
@@ -195,14 +193,14 @@ impl TxRing {
     }
 
     /// The ring end of the peer's data doorbell.
-    pub fn peer_data_bell(&self) -> BorrowedFd<'_> {
-        self.peer_data_bell.as_fd()
+    pub fn peer_data_bell(&self) -> &doorbell::RingEnd {
+        &self.peer_data_bell
     }
 
     /// Wakes the peer's data waiter unconditionally, however it sleeps (to make
     /// it look at the connection state, e.g. after we closed it).
     pub fn wake_peer(&self) {
-        wake_any(self.local.data_bell(), self.peer_data_bell.as_fd());
+        wake_any(self.local.data_bell(), &self.peer_data_bell);
     }
 
     /// The peer's release bell (its memory, read-only here): where we sleep on
@@ -332,16 +330,16 @@ pub struct Releaser {
     /// (it only grows), so the room it implies is never more than there is.
     reaped: u64,
     last_rung: u64,
-    peer_space_bell: Arc<OwnedFd>,
+    peer_space_bell: doorbell::RingEnd,
 }
 
 impl Releaser {
     /// Wakes the peer's space waiter unconditionally, however it sleeps.
     pub fn wake_peer(&self) {
-        wake_any(self.local.space_bell(), self.peer_space_bell.as_fd());
+        wake_any(self.local.space_bell(), &self.peer_space_bell);
     }
 
-    pub fn new(local: LocalBlock, peer: PeerBlock, peer_space_bell: Arc<OwnedFd>) -> Releaser {
+    pub fn new(local: LocalBlock, peer: PeerBlock, peer_space_bell: doorbell::RingEnd) -> Releaser {
         Releaser { local, peer, prod: 0, reaped: 0, last_rung: 0, peer_space_bell }
     }
 
@@ -370,7 +368,7 @@ impl Releaser {
         let how = protocol::publish(self.local.rel_prod(), self.prod, self.peer.space_sleep(), &mut self.last_rung);
         // A doorbell error is the waiter's problem (its liveness socket
         // reports its departure); the release itself is published.
-        Ok(wake(how, self.local.space_bell(), self.peer_space_bell.as_fd()).unwrap_or(Notify::Rung))
+        Ok(wake(how, self.local.space_bell(), &self.peer_space_bell).unwrap_or(Notify::Rung))
     }
 }
 

@@ -1,4 +1,6 @@
 use super::*;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::Arc;
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::ptr::NonNull;
 use std::sync::atomic::Ordering;
@@ -51,7 +53,7 @@ fn connect(pair: &Pair, entries: u32) -> (Side, Side) {
     let (pa, pb) = unsafe { (PeerBlock::open(pair.a, len, entries).unwrap(), PeerBlock::open(pair.b, len, entries).unwrap()) };
     // Ring ends go to the ring/releaser that wakes the other side; wait ends stay.
     let bells: Vec<doorbell::Doorbell> = (0..4).map(|_| doorbell::new_doorbell().unwrap()).collect();
-    let ring_end = |i: usize| Arc::new(bells[i].ring.try_clone().unwrap());
+    let ring_end = |i: usize| doorbell::RingEnd::socket(bells[i].ring.try_clone().unwrap());
     let wait_end = |i: usize| Arc::new(bells[i].wait.try_clone().unwrap());
     let a = Side {
         tx: TxRing::new(la, pb, ring_end(2)),
