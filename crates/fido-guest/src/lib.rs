@@ -78,7 +78,11 @@ pub struct Guest {
     port_path: PathBuf,
     welcome: Welcome,
     link: link::Link,
-    doorbell: vfio::VfioDoorbell,
+    /// The doorbell device; `None` only in this crate's unit tests, which
+    /// exercise the link without hardware.
+    doorbell: Option<vfio::VfioDoorbell>,
+    /// Its BAR0 doorbell register.
+    register: Arc<dyn RingRegister>,
     /// Index = MSI-X vector; vector 0 is reserved.
     vectors: Mutex<Vec<Vector>>,
     /// Random per process: what makes a ring token ours.
@@ -87,7 +91,10 @@ pub struct Guest {
 
 impl std::fmt::Debug for Guest {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Guest").field("port", &self.port_path).field("welcome", &self.welcome).finish_non_exhaustive()
+        f.debug_struct("Guest")
+            .field("port", &self.port_path)
+            .field("welcome", &self.welcome)
+            .finish_non_exhaustive()
     }
 }
 
@@ -110,12 +117,20 @@ impl Guest {
             .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
             .open(port)
             .map_err(|e| match e.raw_os_error() {
-                Some(libc::EBUSY) => GuestError::Port(format!("{} is open in another process (one Fido guest per VM)", port.display())),
+                Some(libc::EBUSY) => GuestError::Port(format!(
+                    "{} is open in another process (one Fido guest per VM)",
+                    port.display()
+                )),
                 _ => GuestError::Port(format!("opening {}: {e}", port.display())),
             })?;
         let port_fd = OwnedFd::from(file);
-        rustix::fs::flock(&port_fd, rustix::fs::FlockOperation::NonBlockingLockExclusive)
-            .map_err(|_| GuestError::Port(format!("{} is locked by another process", port.display())))?;
+        rustix::fs::flock(
+            &port_fd,
+            rustix::fs::FlockOperation::NonBlockingLockExclusive,
+        )
+        .map_err(|_| {
+            GuestError::Port(format!("{} is locked by another process", port.display()))
+        })?;
         let link = link::Link::new(port_fd)?;
         let welcome = link.hello()?;
         check_welcome(&welcome)?;
@@ -124,11 +139,16 @@ impl Guest {
         arena.expect_ivshmem()?;
         let arena_bar = arena.bar_len(IVSHMEM_MEMORY_BAR)?;
         if arena_bar < welcome.arena_len {
-            return Err(GuestError::Device(format!("own arena BAR is {arena_bar} bytes, the supervisor announced {}", welcome.arena_len)));
+            return Err(GuestError::Device(format!(
+                "own arena BAR is {arena_bar} bytes, the supervisor announced {}",
+                welcome.arena_len
+            )));
         }
         let bell_device = PciDevice::open(&welcome.doorbell)?;
         bell_device.expect_ivshmem()?;
-        let eventfds = (0..welcome.vectors).map(|_| vfio::vector_eventfd()).collect::<std::io::Result<Vec<_>>>()?;
+        let eventfds = (0..welcome.vectors)
+            .map(|_| vfio::vector_eventfd())
+            .collect::<std::io::Result<Vec<_>>>()?;
         let doorbell = vfio::VfioDoorbell::open(&bell_device, &eventfds)?;
         let own = doorbell.own_peer()?;
         if own != u32::from(welcome.own_peer) {
@@ -137,8 +157,24 @@ impl Guest {
                 welcome.own_peer
             )));
         }
-        let vectors = eventfds.into_iter().enumerate().map(|(v, installed)| Vector { installed, in_use: v == 0 }).collect();
-        Ok(Arc::new(Guest { port_path: port.to_owned(), welcome, link, doorbell, vectors: Mutex::new(vectors), ring_key: random_key() }))
+        let vectors = eventfds
+            .into_iter()
+            .enumerate()
+            .map(|(v, installed)| Vector {
+                installed,
+                in_use: v == 0,
+            })
+            .collect();
+        let register: Arc<dyn RingRegister> = doorbell.register().clone();
+        Ok(Arc::new(Guest {
+            port_path: port.to_owned(),
+            welcome,
+            link,
+            doorbell: Some(doorbell),
+            register,
+            vectors: Mutex::new(vectors),
+            ring_key: random_key(),
+        }))
     }
 
     pub fn welcome(&self) -> &Welcome {
@@ -157,7 +193,10 @@ impl Guest {
         device.expect_ivshmem()?;
         let (fd, bar_len) = device.open_bar(IVSHMEM_MEMORY_BAR, true)?;
         if bar_len < self.welcome.arena_len {
-            return Err(GuestError::Device(format!("own arena BAR is {bar_len} bytes, expected {}", self.welcome.arena_len)));
+            return Err(GuestError::Device(format!(
+                "own arena BAR is {bar_len} bytes, expected {}",
+                self.welcome.arena_len
+            )));
         }
         Ok((fd, self.welcome.arena_len))
     }
@@ -168,7 +207,9 @@ impl Guest {
     /// `Reconnected` / `BrokerDown`. After the supervisor closed and reopened
     /// the port, a connect says `Hello` again and insists on the same devices.
     pub fn connector(self: &Arc<Self>) -> Arc<dyn fido_control::Connect> {
-        Arc::new(GuestConnector { guest: self.clone() })
+        Arc::new(GuestConnector {
+            guest: self.clone(),
+        })
     }
 
     /// A fresh own doorbell on a free MSI-X vector (1..vectors). `wait` and
@@ -187,14 +228,22 @@ impl Guest {
             Some(v) => v,
             None => {
                 reclaim_vectors(&mut vectors);
-                vectors.iter().position(|v| !v.in_use).ok_or(GuestError::NoFreeVector(self.welcome.vectors))?
+                vectors
+                    .iter()
+                    .position(|v| !v.in_use)
+                    .ok_or(GuestError::NoFreeVector(self.welcome.vectors))?
             }
         };
         let fresh = vfio::vector_eventfd()?;
-        self.doorbell.set_vector_eventfds(free as u16, &[fresh.as_fd()])?;
+        if let Some(device) = &self.doorbell {
+            device.set_vector_eventfds(free as u16, &[fresh.as_fd()])?;
+        }
         let wait = rustix::io::fcntl_dupfd_cloexec(&fresh, 0).map_err(std::io::Error::from)?;
         let ring = rustix::io::fcntl_dupfd_cloexec(&fresh, 0).map_err(std::io::Error::from)?;
-        vectors[free] = Vector { installed: fresh, in_use: true };
+        vectors[free] = Vector {
+            installed: fresh,
+            in_use: true,
+        };
         Ok(Doorbell { wait, ring })
     }
 
@@ -202,25 +251,36 @@ impl Guest {
     /// the link transport sends for a descriptor), or `None` for anything else.
     pub fn bell_vector(&self, fd: BorrowedFd<'_>) -> Option<u16> {
         let vectors = self.vectors.lock();
-        vectors.iter().enumerate().skip(1).find(|(_, v)| v.in_use && same_file(v.installed.as_fd(), fd)).map(|(i, _)| i as u16)
+        vectors
+            .iter()
+            .enumerate()
+            .skip(1)
+            .find(|(_, v)| v.in_use && same_file(v.installed.as_fd(), fd))
+            .map(|(i, _)| i as u16)
     }
 
     /// Turns a ring-end descriptor the link transport produced for a peer's
     /// doorbell into a register ring (value `(peer << 16) | vector`).
     pub fn ring_end(&self, fd: OwnedFd) -> Result<RingEnd, GuestError> {
-        let (peer, vector) = ring_token::read(self.ring_key, &fd).ok_or(GuestError::NotARingToken)?;
-        Ok(RingEnd::Register { register: self.register(), value: (u32::from(peer) << 16) | u32::from(vector) })
+        let (peer, vector) =
+            ring_token::read(self.ring_key, &fd).ok_or(GuestError::NotARingToken)?;
+        Ok(RingEnd::Register {
+            register: self.register(),
+            value: (u32::from(peer) << 16) | u32::from(vector),
+        })
     }
 
     /// The doorbell register: writing `(peer << 16) | vector` rings that peer.
     pub fn register(&self) -> Arc<dyn RingRegister> {
-        self.doorbell.register().clone()
+        self.register.clone()
     }
 
     /// Whether the doorbell register is mapped (one store per ring) rather
     /// than written with `pwrite` (a system call per ring).
     pub fn register_is_mapped(&self) -> bool {
-        self.doorbell.register().is_mapped()
+        self.doorbell
+            .as_ref()
+            .is_some_and(|d| d.register().is_mapped())
     }
 
     /// Our ivshmem peer id as the device reports it.
@@ -230,13 +290,20 @@ impl Guest {
 
     /// A peer's arena hot-plugged under root port `root`: its BAR opened
     /// read-only, once the device is there (up to `timeout`).
-    pub fn open_peer_arena(&self, root: &str, len: u64, timeout: Duration) -> Result<OwnedFd, GuestError> {
+    pub fn open_peer_arena(
+        &self,
+        root: &str,
+        len: u64,
+        timeout: Duration,
+    ) -> Result<OwnedFd, GuestError> {
         let port = PciDevice::open(root)?;
         let device = port.wait_for_child(IVSHMEM_MEMORY_BAR, timeout)?;
         device.expect_ivshmem()?;
         let (fd, bar_len) = device.open_bar(IVSHMEM_MEMORY_BAR, false)?;
         if bar_len < len {
-            return Err(GuestError::Device(format!("peer arena under {root} is {bar_len} bytes, the handle says {len}")));
+            return Err(GuestError::Device(format!(
+                "peer arena under {root} is {bar_len} bytes, the handle says {len}"
+            )));
         }
         Ok(fd)
     }
@@ -253,6 +320,36 @@ impl Guest {
     pub(crate) fn ring_token_key(&self) -> u64 {
         self.ring_key
     }
+}
+
+/// A guest over `port` (any stream: tests use a socket pair) with no
+/// devices: the link's tests, without hardware.
+#[cfg(test)]
+pub(crate) fn guest_without_devices(
+    port: OwnedFd,
+    vectors: u16,
+    register: Arc<dyn RingRegister>,
+) -> Result<Arc<Guest>, GuestError> {
+    let link = link::Link::new(port)?;
+    let welcome = link.hello()?;
+    check_welcome(&welcome)?;
+    let vectors = (0..vectors)
+        .map(|v| {
+            Ok(Vector {
+                installed: vfio::vector_eventfd()?,
+                in_use: v == 0,
+            })
+        })
+        .collect::<std::io::Result<Vec<_>>>()?;
+    Ok(Arc::new(Guest {
+        port_path: "test-link".into(),
+        welcome,
+        link,
+        doorbell: None,
+        register,
+        vectors: Mutex::new(vectors),
+        ring_key: random_key(),
+    }))
 }
 
 struct GuestConnector {
@@ -272,13 +369,20 @@ impl fido_control::Connect for GuestConnector {
 /// Checks what `decode_host` cannot: that every address is a full PCI address
 /// (they are joined to sysfs paths).
 fn check_welcome(w: &Welcome) -> Result<(), GuestError> {
-    for addr in std::iter::once(&w.arena).chain(std::iter::once(&w.doorbell)).chain(w.ports.iter()) {
+    for addr in std::iter::once(&w.arena)
+        .chain(std::iter::once(&w.doorbell))
+        .chain(w.ports.iter())
+    {
         if !pci::is_pci_address(addr) {
-            return Err(GuestError::Link(format!("the Welcome names {addr:?}, not a PCI address")));
+            return Err(GuestError::Link(format!(
+                "the Welcome names {addr:?}, not a PCI address"
+            )));
         }
     }
     if w.arena == w.doorbell {
-        return Err(GuestError::Link("the Welcome names one device as both arena and doorbell".into()));
+        return Err(GuestError::Link(
+            "the Welcome names one device as both arena and doorbell".into(),
+        ));
     }
     Ok(())
 }
@@ -287,7 +391,9 @@ fn check_welcome(w: &Welcome) -> Result<(), GuestError> {
 /// as its device node under `dev`.
 pub(crate) fn detect_in(ports: &Path, dev: &Path) -> Option<PathBuf> {
     for entry in std::fs::read_dir(ports).ok()?.flatten() {
-        let Ok(name) = std::fs::read_to_string(entry.path().join("name")) else { continue };
+        let Ok(name) = std::fs::read_to_string(entry.path().join("name")) else {
+            continue;
+        };
         if name.trim_end_matches('\n') == PORT_NAME {
             let node = entry.file_name();
             let node = node.to_str()?;
@@ -306,7 +412,16 @@ fn same_file(a: BorrowedFd<'_>, b: BorrowedFd<'_>) -> bool {
     let pid = libc::c_long::from(std::process::id() as i32);
     // SAFETY: kcmp compares two descriptor numbers of this process and
     // touches no memory; both descriptors are borrowed, so open.
-    let r = unsafe { libc::syscall(libc::SYS_kcmp, pid, pid, KCMP_FILE, a.as_raw_fd() as libc::c_long, b.as_raw_fd() as libc::c_long) };
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_kcmp,
+            pid,
+            pid,
+            KCMP_FILE,
+            a.as_raw_fd() as libc::c_long,
+            b.as_raw_fd() as libc::c_long,
+        )
+    };
     r == 0
 }
 
@@ -314,10 +429,18 @@ fn same_file(a: BorrowedFd<'_>, b: BorrowedFd<'_>) -> bool {
 /// of this process but our own copy refers to their eventfd.
 fn reclaim_vectors(vectors: &mut [Vector]) {
     let ours: Vec<i32> = vectors.iter().map(|v| v.installed.as_raw_fd()).collect();
-    let Ok(dir) = std::fs::read_dir("/proc/self/fd") else { return };
+    let Ok(dir) = std::fs::read_dir("/proc/self/fd") else {
+        return;
+    };
     let mut eventfds = Vec::new();
     for entry in dir.flatten() {
-        let Some(n) = entry.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else { continue };
+        let Some(n) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<i32>().ok())
+        else {
+            continue;
+        };
         if ours.contains(&n) {
             continue;
         }
@@ -355,14 +478,27 @@ mod tests {
     #[test]
     fn the_port_is_found_by_name() {
         let sys = tempfile::tempdir().unwrap();
-        for (node, name) in [("vport0p1", "org.other\n"), ("vport0p2", "org.fido.broker\n")] {
+        for (node, name) in [
+            ("vport0p1", "org.other\n"),
+            ("vport0p2", "org.fido.broker\n"),
+        ] {
             std::fs::create_dir(sys.path().join(node)).unwrap();
             std::fs::write(sys.path().join(node).join("name"), name).unwrap();
         }
-        assert_eq!(detect_in(sys.path(), Path::new("/dev")), Some(PathBuf::from("/dev/vport0p2")));
-        std::fs::write(sys.path().join("vport0p2").join("name"), "org.fido.broker.not\n").unwrap();
+        assert_eq!(
+            detect_in(sys.path(), Path::new("/dev")),
+            Some(PathBuf::from("/dev/vport0p2"))
+        );
+        std::fs::write(
+            sys.path().join("vport0p2").join("name"),
+            "org.fido.broker.not\n",
+        )
+        .unwrap();
         assert_eq!(detect_in(sys.path(), Path::new("/dev")), None);
-        assert_eq!(detect_in(Path::new("/nonexistent"), Path::new("/dev")), None);
+        assert_eq!(
+            detect_in(Path::new("/nonexistent"), Path::new("/dev")),
+            None
+        );
     }
 
     #[test]
@@ -382,9 +518,18 @@ mod tests {
         let held_dup = rustix::io::fcntl_dupfd_cloexec(&held, 0).unwrap();
         let dropped = vfio::vector_eventfd().unwrap();
         let mut vectors = vec![
-            Vector { installed: vfio::vector_eventfd().unwrap(), in_use: true },
-            Vector { installed: held, in_use: true },
-            Vector { installed: dropped, in_use: true },
+            Vector {
+                installed: vfio::vector_eventfd().unwrap(),
+                in_use: true,
+            },
+            Vector {
+                installed: held,
+                in_use: true,
+            },
+            Vector {
+                installed: dropped,
+                in_use: true,
+            },
         ];
         reclaim_vectors(&mut vectors);
         assert!(vectors[0].in_use, "vector 0 stays reserved");

@@ -42,7 +42,9 @@ pub fn is_pci_address(s: &str) -> bool {
         && b[4] == b':'
         && b[7] == b':'
         && b[10] == b'.'
-        && b.iter().enumerate().all(|(i, c)| matches!(i, 4 | 7 | 10) || c.is_ascii_hexdigit())
+        && b.iter()
+            .enumerate()
+            .all(|(i, c)| matches!(i, 4 | 7 | 10) || c.is_ascii_hexdigit())
 }
 
 impl PciDevice {
@@ -54,13 +56,21 @@ impl PciDevice {
     /// The device at `address` under `root` (a sysfs `devices` directory).
     pub fn open_in(root: &Path, address: &str) -> Result<PciDevice, GuestError> {
         if !is_pci_address(address) {
-            return Err(GuestError::Device(format!("{address:?} is not a PCI address")));
+            return Err(GuestError::Device(format!(
+                "{address:?} is not a PCI address"
+            )));
         }
         let dir = root.join(address);
         if !dir.join("vendor").exists() {
-            return Err(GuestError::Device(format!("no PCI device {address} (no {})", dir.display())));
+            return Err(GuestError::Device(format!(
+                "no PCI device {address} (no {})",
+                dir.display()
+            )));
         }
-        Ok(PciDevice { address: address.to_owned(), dir })
+        Ok(PciDevice {
+            address: address.to_owned(),
+            dir,
+        })
     }
 
     pub fn address(&self) -> &str {
@@ -99,7 +109,9 @@ impl PciDevice {
     /// `start end flags` in hex; an unassigned BAR reads all zeros).
     pub fn bar_len(&self, bar: usize) -> Result<u64, GuestError> {
         let text = read_small(&self.dir.join("resource"))?;
-        bar_len_from_resource(&text, bar).ok_or_else(|| GuestError::Device(format!("{}: BAR {bar} is not assigned", self.address)))
+        bar_len_from_resource(&text, bar).ok_or_else(|| {
+            GuestError::Device(format!("{}: BAR {bar} is not assigned", self.address))
+        })
     }
 
     /// Opens BAR `bar` for mapping (`resourceN`) and returns it with its length.
@@ -154,7 +166,11 @@ impl PciDevice {
         if self.driver().is_some() {
             write_sysfs(&self.dir.join("driver/unbind"), &self.address)?;
         }
-        let probe = self.dir.parent().and_then(Path::parent).map(|bus| bus.join("drivers_probe"));
+        let probe = self
+            .dir
+            .parent()
+            .and_then(Path::parent)
+            .map(|bus| bus.join("drivers_probe"));
         if let Some(probe) = probe {
             write_sysfs(&probe, &self.address)?;
         }
@@ -175,8 +191,14 @@ impl PciDevice {
         for entry in entries.flatten() {
             let name = entry.file_name();
             let Some(name) = name.to_str() else { continue };
-            if is_pci_address(name) && name.ends_with(":00.0") && entry.path().join("vendor").exists() {
-                return Some(PciDevice { address: name.to_owned(), dir: entry.path() });
+            if is_pci_address(name)
+                && name.ends_with(":00.0")
+                && entry.path().join("vendor").exists()
+            {
+                return Some(PciDevice {
+                    address: name.to_owned(),
+                    dir: entry.path(),
+                });
             }
         }
         None
@@ -195,7 +217,10 @@ impl PciDevice {
                 }
             }
             if Instant::now() >= deadline {
-                return Err(GuestError::Device(format!("no device appeared under root port {} within {timeout:?}", self.address)));
+                return Err(GuestError::Device(format!(
+                    "no device appeared under root port {} within {timeout:?}",
+                    self.address
+                )));
             }
             std::thread::sleep(HOTPLUG_POLL);
         }
@@ -252,7 +277,15 @@ mod tests {
     fn addresses_are_checked_before_they_touch_a_path() {
         assert!(is_pci_address("0000:00:04.0"));
         assert!(is_pci_address("0000:1f:1F.7"));
-        for bad in ["", "../../etc/pa", "0000:00:04", "0000/00:04.0", "0000:00:04.0/", "g000:00:04.0", "0000:00:04.00"] {
+        for bad in [
+            "",
+            "../../etc/pa",
+            "0000:00:04",
+            "0000/00:04.0",
+            "0000:00:04.0/",
+            "g000:00:04.0",
+            "0000:00:04.00",
+        ] {
             assert!(!is_pci_address(bad), "{bad:?}");
             assert!(PciDevice::open_in(Path::new("/nonexistent"), bad).is_err());
         }
@@ -268,7 +301,11 @@ mod tests {
         assert_eq!(bar_len_from_resource(text, 2), Some(64 << 20));
         assert_eq!(bar_len_from_resource(text, 5), None);
         assert_eq!(bar_len_from_resource("junk here\n", 0), None);
-        assert_eq!(bar_len_from_resource("0x10 0x0f 0x0\n", 0), None, "end before start");
+        assert_eq!(
+            bar_len_from_resource("0x10 0x0f 0x0\n", 0),
+            None,
+            "end before start"
+        );
     }
 
     /// A fake sysfs tree: a root port with a hot-plugged ivshmem device, whose
@@ -281,20 +318,31 @@ mod tests {
         std::fs::write(port.join("vendor"), "0x1b36\n").unwrap();
         std::fs::write(port.join("device"), "0x000c\n").unwrap();
         let port_dev = PciDevice::open_in(root.path(), "0000:00:10.0").unwrap();
-        assert!(port_dev.expect_ivshmem().is_err(), "a root port is not an ivshmem device");
-        assert!(port_dev.wait_for_child(IVSHMEM_MEMORY_BAR, Duration::from_millis(50)).is_err());
+        assert!(
+            port_dev.expect_ivshmem().is_err(),
+            "a root port is not an ivshmem device"
+        );
+        assert!(port_dev
+            .wait_for_child(IVSHMEM_MEMORY_BAR, Duration::from_millis(50))
+            .is_err());
         let child_dir = port.join("0000:01:00.0");
         let writer = std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(100));
             std::fs::create_dir_all(&child_dir).unwrap();
             std::fs::write(child_dir.join("device"), "0x1110\n").unwrap();
-            std::fs::write(child_dir.join("resource"), "0x0 0xff 0x0\n0x0 0x0 0x0\n0x100000 0x1fffff 0x0\n").unwrap();
+            std::fs::write(
+                child_dir.join("resource"),
+                "0x0 0xff 0x0\n0x0 0x0 0x0\n0x100000 0x1fffff 0x0\n",
+            )
+            .unwrap();
             std::fs::write(child_dir.join("resource2"), vec![0u8; 16]).unwrap();
             std::fs::write(child_dir.join("enable"), "1\n").unwrap();
             // Last: `vendor` is what makes the directory count as a device.
             std::fs::write(child_dir.join("vendor"), "0x1af4\n").unwrap();
         });
-        let child = port_dev.wait_for_child(IVSHMEM_MEMORY_BAR, Duration::from_secs(10)).unwrap();
+        let child = port_dev
+            .wait_for_child(IVSHMEM_MEMORY_BAR, Duration::from_secs(10))
+            .unwrap();
         writer.join().unwrap();
         assert_eq!(child.address(), "0000:01:00.0");
         child.expect_ivshmem().unwrap();

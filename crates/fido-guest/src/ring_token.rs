@@ -15,7 +15,10 @@ const TOKEN_LEN: usize = 12;
 /// Makes a token for ringing `vector` of ivshmem peer `peer`.
 pub(crate) fn make(key: u64, peer: u16, vector: u16) -> std::io::Result<OwnedFd> {
     use rustix::fs::{MemfdFlags, SealFlags};
-    let fd = rustix::fs::memfd_create("fido-guest-ring", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)?;
+    let fd = rustix::fs::memfd_create(
+        "fido-guest-ring",
+        MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
+    )?;
     let mut bytes = [0u8; TOKEN_LEN];
     bytes[..8].copy_from_slice(&key.to_le_bytes());
     bytes[8..10].copy_from_slice(&peer.to_le_bytes());
@@ -23,7 +26,10 @@ pub(crate) fn make(key: u64, peer: u16, vector: u16) -> std::io::Result<OwnedFd>
     if rustix::io::write(&fd, &bytes)? != TOKEN_LEN {
         return Err(std::io::Error::other("short write of a ring token"));
     }
-    rustix::fs::fcntl_add_seals(&fd, SealFlags::WRITE | SealFlags::GROW | SealFlags::SHRINK | SealFlags::SEAL)?;
+    rustix::fs::fcntl_add_seals(
+        &fd,
+        SealFlags::WRITE | SealFlags::GROW | SealFlags::SHRINK | SealFlags::SEAL,
+    )?;
     Ok(fd)
 }
 
@@ -40,7 +46,10 @@ pub(crate) fn read(key: u64, fd: impl AsFd) -> Option<(u16, u16)> {
     if n != TOKEN_LEN || bytes[..8] != key.to_le_bytes() {
         return None;
     }
-    Some((u16::from_le_bytes([bytes[8], bytes[9]]), u16::from_le_bytes([bytes[10], bytes[11]])))
+    Some((
+        u16::from_le_bytes([bytes[8], bytes[9]]),
+        u16::from_le_bytes([bytes[10], bytes[11]]),
+    ))
 }
 
 #[cfg(test)]

@@ -100,7 +100,11 @@ struct IrqSetHeader {
 }
 
 /// Calls an ioctl whose argument is an integer (or none).
-fn ioctl_value(fd: BorrowedFd<'_>, request: libc::c_ulong, value: libc::c_ulong) -> std::io::Result<libc::c_int> {
+fn ioctl_value(
+    fd: BorrowedFd<'_>,
+    request: libc::c_ulong,
+    value: libc::c_ulong,
+) -> std::io::Result<libc::c_int> {
     // SAFETY: the VFIO ioctls called through here take their argument by
     // value (an integer or a descriptor number) and touch no memory of ours.
     let r = unsafe { libc::ioctl(fd.as_raw_fd(), request, value) };
@@ -117,7 +121,11 @@ fn ioctl_value(fd: BorrowedFd<'_>, request: libc::c_ulong, value: libc::c_ulong)
 /// `request` must be one whose kernel side reads and writes at most
 /// `size_of::<T>()` bytes at the pointer (the structure's `argsz`), and `T`
 /// must accept any bytes the kernel writes (plain integers).
-unsafe fn ioctl_ptr<T>(fd: BorrowedFd<'_>, request: libc::c_ulong, arg: &mut T) -> std::io::Result<()> {
+unsafe fn ioctl_ptr<T>(
+    fd: BorrowedFd<'_>,
+    request: libc::c_ulong,
+    arg: &mut T,
+) -> std::io::Result<()> {
     // SAFETY: the caller promises the request's size; `arg` is a live,
     // exclusive borrow for the duration of the call.
     let r = unsafe { libc::ioctl(fd.as_raw_fd(), request, arg as *mut T as *mut c_void) };
@@ -155,13 +163,21 @@ impl Bar0Register {
                 // the mapped BAR (at least 256 bytes, checked at mapping) and
                 // 4-byte aligned; the pointer is to MMIO, written volatile and
                 // never turned into a reference.
-                unsafe { std::ptr::write_volatile(base.as_ptr().add(offset as usize) as *mut u32, value) };
+                unsafe {
+                    std::ptr::write_volatile(base.as_ptr().add(offset as usize) as *mut u32, value)
+                };
                 Ok(())
             }
             None => {
-                let n = rustix::io::pwrite(&self.device, &value.to_le_bytes(), self.region_offset + offset)?;
+                let n = rustix::io::pwrite(
+                    &self.device,
+                    &value.to_le_bytes(),
+                    self.region_offset + offset,
+                )?;
                 if n != 4 {
-                    return Err(std::io::Error::other("short write to the doorbell register"));
+                    return Err(std::io::Error::other(
+                        "short write to the doorbell register",
+                    ));
                 }
                 Ok(())
             }
@@ -174,7 +190,9 @@ impl Bar0Register {
                 debug_assert!(offset as usize + 4 <= len && offset % 4 == 0);
                 // SAFETY: as in `write32`: an aligned register inside the
                 // mapped BAR, read volatile, no reference made.
-                Ok(unsafe { std::ptr::read_volatile(base.as_ptr().add(offset as usize) as *const u32) })
+                Ok(unsafe {
+                    std::ptr::read_volatile(base.as_ptr().add(offset as usize) as *const u32)
+                })
             }
             None => {
                 let mut b = [0u8; 4];
@@ -229,26 +247,43 @@ impl VfioDoorbell {
     /// group, maps BAR 0, turns bus mastering on and enables `vectors` MSI-X
     /// vectors, vector `v` signalling `eventfds[v]`.
     pub fn open(device: &PciDevice, eventfds: &[OwnedFd]) -> Result<VfioDoorbell, GuestError> {
-        let vectors = u16::try_from(eventfds.len()).map_err(|_| GuestError::Device("too many vectors".into()))?;
-        let err = |what: &str, e: std::io::Error| GuestError::Device(format!("VFIO {what} ({}): {e}", device.address()));
+        let vectors = u16::try_from(eventfds.len())
+            .map_err(|_| GuestError::Device("too many vectors".into()))?;
+        let err = |what: &str, e: std::io::Error| {
+            GuestError::Device(format!("VFIO {what} ({}): {e}", device.address()))
+        };
         ensure_vfio_pci_driver();
         device.bind_to("vfio-pci")?;
         let group_no = device.iommu_group().ok_or_else(|| {
             GuestError::Device(format!("{} has no IOMMU group: boot the guest with intel_iommu=on and an emulated IOMMU (-device intel-iommu)", device.address()))
         })?;
-        let container = open_rw(Path::new("/dev/vfio/vfio")).map_err(|e| err("opening /dev/vfio/vfio", e))?;
-        let version = ioctl_value(container.as_fd(), VFIO_GET_API_VERSION, 0).map_err(|e| err("API version", e))?;
+        let container =
+            open_rw(Path::new("/dev/vfio/vfio")).map_err(|e| err("opening /dev/vfio/vfio", e))?;
+        let version = ioctl_value(container.as_fd(), VFIO_GET_API_VERSION, 0)
+            .map_err(|e| err("API version", e))?;
         if version != VFIO_API_VERSION {
-            return Err(GuestError::Device(format!("VFIO API version {version}, expected {VFIO_API_VERSION}")));
+            return Err(GuestError::Device(format!(
+                "VFIO API version {version}, expected {VFIO_API_VERSION}"
+            )));
         }
-        if ioctl_value(container.as_fd(), VFIO_CHECK_EXTENSION, VFIO_TYPE1_IOMMU).map_err(|e| err("CHECK_EXTENSION", e))? != 1 {
-            return Err(GuestError::Device("VFIO has no type1 IOMMU (is vfio_iommu_type1 loaded?)".into()));
+        if ioctl_value(container.as_fd(), VFIO_CHECK_EXTENSION, VFIO_TYPE1_IOMMU)
+            .map_err(|e| err("CHECK_EXTENSION", e))?
+            != 1
+        {
+            return Err(GuestError::Device(
+                "VFIO has no type1 IOMMU (is vfio_iommu_type1 loaded?)".into(),
+            ));
         }
         let group_path = format!("/dev/vfio/{group_no}");
-        let group = wait_open(Path::new(&group_path), GROUP_NODE_WAIT).map_err(|e| err(&format!("opening {group_path}"), e))?;
-        let mut status = GroupStatus { argsz: std::mem::size_of::<GroupStatus>() as u32, flags: 0 };
+        let group = wait_open(Path::new(&group_path), GROUP_NODE_WAIT)
+            .map_err(|e| err(&format!("opening {group_path}"), e))?;
+        let mut status = GroupStatus {
+            argsz: std::mem::size_of::<GroupStatus>() as u32,
+            flags: 0,
+        };
         // SAFETY: VFIO_GROUP_GET_STATUS reads and writes a `struct vfio_group_status` (two u32s).
-        unsafe { ioctl_ptr(group.as_fd(), VFIO_GROUP_GET_STATUS, &mut status) }.map_err(|e| err("GROUP_GET_STATUS", e))?;
+        unsafe { ioctl_ptr(group.as_fd(), VFIO_GROUP_GET_STATUS, &mut status) }
+            .map_err(|e| err("GROUP_GET_STATUS", e))?;
         if status.flags & VFIO_GROUP_FLAGS_VIABLE == 0 {
             return Err(GuestError::Device(format!(
                 "IOMMU group {group_no} of {} is not viable: another device in it is bound to a host driver",
@@ -257,31 +292,61 @@ impl VfioDoorbell {
         }
         let mut container_fd: libc::c_int = container.as_raw_fd();
         // SAFETY: VFIO_GROUP_SET_CONTAINER reads one int (the container's descriptor number).
-        unsafe { ioctl_ptr(group.as_fd(), VFIO_GROUP_SET_CONTAINER, &mut container_fd) }.map_err(|e| err("GROUP_SET_CONTAINER", e))?;
-        ioctl_value(container.as_fd(), VFIO_SET_IOMMU, VFIO_TYPE1_IOMMU).map_err(|e| err("SET_IOMMU", e))?;
-        let name = std::ffi::CString::new(device.address()).map_err(|_| GuestError::Device("PCI address with a NUL".into()))?;
+        unsafe { ioctl_ptr(group.as_fd(), VFIO_GROUP_SET_CONTAINER, &mut container_fd) }
+            .map_err(|e| err("GROUP_SET_CONTAINER", e))?;
+        ioctl_value(container.as_fd(), VFIO_SET_IOMMU, VFIO_TYPE1_IOMMU)
+            .map_err(|e| err("SET_IOMMU", e))?;
+        let name = std::ffi::CString::new(device.address())
+            .map_err(|_| GuestError::Device("PCI address with a NUL".into()))?;
         // SAFETY: VFIO_GROUP_GET_DEVICE_FD reads a NUL-terminated string, which
         // `name` is and outlives the call; it returns a new descriptor or -1.
-        let raw = unsafe { libc::ioctl(group.as_raw_fd(), VFIO_GROUP_GET_DEVICE_FD, name.as_ptr()) };
+        let raw =
+            unsafe { libc::ioctl(group.as_raw_fd(), VFIO_GROUP_GET_DEVICE_FD, name.as_ptr()) };
         if raw < 0 {
             return Err(err("GROUP_GET_DEVICE_FD", std::io::Error::last_os_error()));
         }
         // SAFETY: the ioctl returned a fresh descriptor that nothing else owns.
         let device_fd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw) };
 
-        let bar0 = region_info(device_fd.as_fd(), VFIO_PCI_BAR0_REGION_INDEX).map_err(|e| err("BAR 0 region info", e))?;
-        if bar0.size < IVSHMEM_REGISTERS_LEN || bar0.flags & (VFIO_REGION_INFO_FLAG_READ | VFIO_REGION_INFO_FLAG_WRITE) != (VFIO_REGION_INFO_FLAG_READ | VFIO_REGION_INFO_FLAG_WRITE) {
-            return Err(GuestError::Device(format!("{}: BAR 0 is not a {IVSHMEM_REGISTERS_LEN}-byte register BAR", device.address())));
+        let bar0 = region_info(device_fd.as_fd(), VFIO_PCI_BAR0_REGION_INDEX)
+            .map_err(|e| err("BAR 0 region info", e))?;
+        if bar0.size < IVSHMEM_REGISTERS_LEN
+            || bar0.flags & (VFIO_REGION_INFO_FLAG_READ | VFIO_REGION_INFO_FLAG_WRITE)
+                != (VFIO_REGION_INFO_FLAG_READ | VFIO_REGION_INFO_FLAG_WRITE)
+        {
+            return Err(GuestError::Device(format!(
+                "{}: BAR 0 is not a {IVSHMEM_REGISTERS_LEN}-byte register BAR",
+                device.address()
+            )));
         }
-        let config = region_info(device_fd.as_fd(), VFIO_PCI_CONFIG_REGION_INDEX).map_err(|e| err("config region info", e))?;
-        set_command_bits(device_fd.as_fd(), config.offset, PCI_COMMAND_MEMORY | PCI_COMMAND_MASTER).map_err(|e| err("setting bus master", e))?;
+        let config = region_info(device_fd.as_fd(), VFIO_PCI_CONFIG_REGION_INDEX)
+            .map_err(|e| err("config region info", e))?;
+        set_command_bits(
+            device_fd.as_fd(),
+            config.offset,
+            PCI_COMMAND_MEMORY | PCI_COMMAND_MASTER,
+        )
+        .map_err(|e| err("setting bus master", e))?;
 
-        let mapping = if bar0.flags & VFIO_REGION_INFO_FLAG_MMAP != 0 { map_registers(device_fd.as_fd(), &bar0) } else { None };
-        let register = std::sync::Arc::new(Bar0Register { mapping, device: device_fd, region_offset: bar0.offset });
+        let mapping = if bar0.flags & VFIO_REGION_INFO_FLAG_MMAP != 0 {
+            map_registers(device_fd.as_fd(), &bar0)
+        } else {
+            None
+        };
+        let register = std::sync::Arc::new(Bar0Register {
+            mapping,
+            device: device_fd,
+            region_offset: bar0.offset,
+        });
 
-        let mut irq = IrqInfo { argsz: std::mem::size_of::<IrqInfo>() as u32, index: VFIO_PCI_MSIX_IRQ_INDEX, ..Default::default() };
+        let mut irq = IrqInfo {
+            argsz: std::mem::size_of::<IrqInfo>() as u32,
+            index: VFIO_PCI_MSIX_IRQ_INDEX,
+            ..Default::default()
+        };
         // SAFETY: VFIO_DEVICE_GET_IRQ_INFO reads and writes a `struct vfio_irq_info` (four u32s).
-        unsafe { ioctl_ptr(register.device.as_fd(), VFIO_DEVICE_GET_IRQ_INFO, &mut irq) }.map_err(|e| err("MSI-X info", e))?;
+        unsafe { ioctl_ptr(register.device.as_fd(), VFIO_DEVICE_GET_IRQ_INFO, &mut irq) }
+            .map_err(|e| err("MSI-X info", e))?;
         if irq.flags & VFIO_IRQ_INFO_EVENTFD == 0 || irq.count < u32::from(vectors) {
             return Err(GuestError::Device(format!(
                 "{}: the doorbell device has {} MSI-X vectors, the supervisor announced {vectors}",
@@ -289,9 +354,16 @@ impl VfioDoorbell {
                 irq.count
             )));
         }
-        let doorbell = VfioDoorbell { register, _group: group, _container: container, vectors };
+        let doorbell = VfioDoorbell {
+            register,
+            _group: group,
+            _container: container,
+            vectors,
+        };
         let fds: Vec<BorrowedFd<'_>> = eventfds.iter().map(|f| f.as_fd()).collect();
-        doorbell.set_vector_eventfds(0, &fds).map_err(|e| err("enabling MSI-X", e))?;
+        doorbell
+            .set_vector_eventfds(0, &fds)
+            .map_err(|e| err("enabling MSI-X", e))?;
         Ok(doorbell)
     }
 
@@ -299,7 +371,10 @@ impl VfioDoorbell {
     /// now on (each replaces the one the vector had).
     pub fn set_vector_eventfds(&self, start: u16, fds: &[BorrowedFd<'_>]) -> std::io::Result<()> {
         if fds.is_empty() || usize::from(start) + fds.len() > usize::from(self.vectors) {
-            return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "vector out of range"));
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "vector out of range",
+            ));
         }
         let header = std::mem::size_of::<IrqSetHeader>();
         let mut buf = vec![0u8; header + 4 * fds.len()];
@@ -310,7 +385,10 @@ impl VfioDoorbell {
             start: u32::from(start),
             count: fds.len() as u32,
         };
-        for (i, v) in [head.argsz, head.flags, head.index, head.start, head.count].into_iter().enumerate() {
+        for (i, v) in [head.argsz, head.flags, head.index, head.start, head.count]
+            .into_iter()
+            .enumerate()
+        {
             buf[4 * i..4 * i + 4].copy_from_slice(&v.to_ne_bytes());
         }
         for (i, fd) in fds.iter().enumerate() {
@@ -320,7 +398,13 @@ impl VfioDoorbell {
         // SAFETY: VFIO_DEVICE_SET_IRQS reads `argsz` bytes: the header and
         // `count` 32-bit descriptor numbers, exactly `buf`'s length; the
         // descriptors are borrowed, so open for the call.
-        let r = unsafe { libc::ioctl(self.register.device.as_raw_fd(), VFIO_DEVICE_SET_IRQS, buf.as_mut_ptr() as *mut c_void) };
+        let r = unsafe {
+            libc::ioctl(
+                self.register.device.as_raw_fd(),
+                VFIO_DEVICE_SET_IRQS,
+                buf.as_mut_ptr() as *mut c_void,
+            )
+        };
         if r < 0 {
             return Err(std::io::Error::last_os_error());
         }
@@ -355,7 +439,12 @@ fn ensure_vfio_pci_driver() {
 }
 
 fn open_rw(path: &Path) -> std::io::Result<OwnedFd> {
-    Ok(OpenOptions::new().read(true).write(true).custom_flags(libc::O_CLOEXEC).open(path)?.into())
+    Ok(OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(path)?
+        .into())
 }
 
 /// Opens a device node that devtmpfs may create a moment after binding.
@@ -372,7 +461,11 @@ fn wait_open(path: &Path, timeout: Duration) -> std::io::Result<OwnedFd> {
 }
 
 fn region_info(device: BorrowedFd<'_>, index: u32) -> std::io::Result<RegionInfo> {
-    let mut info = RegionInfo { argsz: std::mem::size_of::<RegionInfo>() as u32, index, ..Default::default() };
+    let mut info = RegionInfo {
+        argsz: std::mem::size_of::<RegionInfo>() as u32,
+        index,
+        ..Default::default()
+    };
     // SAFETY: VFIO_DEVICE_GET_REGION_INFO reads and writes `argsz` bytes of a
     // `struct vfio_region_info` (32 bytes, all integers); with `argsz` this
     // size the kernel writes no capability chain after it.
@@ -384,11 +477,15 @@ fn region_info(device: BorrowedFd<'_>, index: u32) -> std::io::Result<RegionInfo
 fn set_command_bits(device: BorrowedFd<'_>, config_offset: u64, bits: u16) -> std::io::Result<()> {
     let mut b = [0u8; 2];
     if rustix::io::pread(device, &mut b, config_offset + PCI_COMMAND)? != 2 {
-        return Err(std::io::Error::other("short read of the PCI command register"));
+        return Err(std::io::Error::other(
+            "short read of the PCI command register",
+        ));
     }
     let command = u16::from_le_bytes(b) | bits;
     if rustix::io::pwrite(device, &command.to_le_bytes(), config_offset + PCI_COMMAND)? != 2 {
-        return Err(std::io::Error::other("short write of the PCI command register"));
+        return Err(std::io::Error::other(
+            "short write of the PCI command register",
+        ));
     }
     Ok(())
 }
