@@ -215,6 +215,18 @@ fn run_vm(a: RunArgs) -> anyhow::Result<bool> {
         "broker": broker.display().to_string(), "started": started,
     });
     record.write(&info)?;
+    let record = std::rc::Rc::new(record);
+    let (rec, base) = (record.clone(), info.clone());
+    sup.set_reporter(move |s| {
+        let mut v = base.clone();
+        v["relay"] = json!({
+            "guest_frames": s.guest_frames, "heartbeats": s.heartbeats, "counters": s.counters,
+            "broker_frames": s.broker_frames, "plugs": s.plugs, "unplugs": s.unplugs, "refused": s.refused,
+        });
+        if let Err(e) = rec.write(&v) {
+            tracing::warn!("updating the VM record: {e}");
+        }
+    });
     eprintln!("fido vm: {}: QEMU {} running ({:.1} s to start); stop with `fido vm stop {}`", a.name, sup.qemu_pid(), t0.elapsed().as_secs_f64(), a.name);
     let ended = sup.run().map_err(|e| anyhow!("{}: {e}", a.name))?;
     let s = sup.stats();

@@ -74,7 +74,13 @@ pub struct Identity {
 /// Counters for `fido vm list` and the "no control traffic while streaming" check.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct RelayStats {
+    /// Frames from the guest, heartbeats not included.
     pub guest_frames: u64,
+    /// Heartbeats from the guest (forwarded).
+    pub heartbeats: u64,
+    /// Of `guest_frames`: the domain publishing its counters for `fido
+    /// status` (periodic, not caused by traffic).
+    pub counters: u64,
     pub broker_frames: u64,
     pub plugs: u64,
     pub unplugs: u64,
@@ -233,10 +239,7 @@ impl Relay {
                     Err(e) => self.to_guest(&HostMsg::BrokerDown { reason: e.to_string() }),
                 }
             }
-            GuestMsg::Frame { frame, bells } => {
-                self.stats.guest_frames += 1;
-                self.guest_frame(&frame, bells);
-            }
+            GuestMsg::Frame { frame, bells } => self.guest_frame(&frame, bells),
         }
     }
 
@@ -263,6 +266,7 @@ impl Relay {
         };
         let (id, body) = match msg {
             ClientMsg::Heartbeat => {
+                self.stats.heartbeats += 1;
                 if bells.is_empty() {
                     self.forward(frame.to_vec(), Vec::new());
                 }
@@ -270,6 +274,10 @@ impl Relay {
             }
             ClientMsg::Request { id, body } => (id, body),
         };
+        self.stats.guest_frames += 1;
+        if matches!(body, Request::Counters { .. }) {
+            self.stats.counters += 1;
+        }
         if needs_host_fds(&body) {
             return self.refuse(id, ErrorCode::BadRequest, "this request carries host descriptors: not available inside a VM");
         }

@@ -108,6 +108,9 @@ impl BrokerLine for UnixLine {
 /// A running VM domain.
 pub struct Supervisor {
     spec: VmSpec,
+    /// Called with the relay's counters when they changed, at most once a second.
+    reporter: Option<Box<dyn FnMut(&RelayStats)>>,
+    reported: RelayStats,
     qemu: QemuProcess,
     link: OwnedFd,
     relay: Relay,
@@ -163,7 +166,7 @@ impl Supervisor {
         let limits = Limits { connections: usize::from(spec.vectors.saturating_sub(1) / 2) };
         let devices = QemuDevices { qmp, doorbells, ports: Ports::new(spec.ports, spec.max_peer_arena) };
         let relay = Relay::new(welcome, identity, limits, Box::new(devices), Box::new(UnixLine(broker)));
-        Ok(Supervisor { spec, qemu, link, relay, stop, started: Instant::now() })
+        Ok(Supervisor { spec, reporter: None, reported: RelayStats::default(), qemu, link, relay, stop, started: Instant::now() })
     }
 
     pub fn qemu_pid(&self) -> u32 {
@@ -174,10 +177,17 @@ impl Supervisor {
         self.relay.stats
     }
 
+    /// Has `report` called with the relay's counters whenever they changed
+    /// (checked once a second): `fido vm run` keeps them in the VM's record.
+    pub fn set_reporter(&mut self, report: impl FnMut(&RelayStats) + 'static) {
+        self.reporter = Some(Box::new(report));
+    }
+
     /// Serves the VM until QEMU exits, `stop` is set, or the guest breaks its link.
     pub fn run(&mut self) -> Result<Ended, SupervisorError> {
         let mut buf = vec![0u8; 64 << 10];
         let mut next_tick = Instant::now() + TICK;
+        let mut next_report = Instant::now();
         loop {
             if let Some(status) = self.qemu.try_wait()? {
                 return Ok(Ended::QemuExited(status));
@@ -217,6 +227,15 @@ impl Supervisor {
             }
             self.flush()?;
             let _ = link_ready.1;
+            if Instant::now() >= next_report {
+                next_report = Instant::now() + Duration::from_secs(1);
+                if self.relay.stats != self.reported {
+                    self.reported = self.relay.stats;
+                    if let Some(r) = self.reporter.as_mut() {
+                        r(&self.reported);
+                    }
+                }
+            }
         }
     }
 
