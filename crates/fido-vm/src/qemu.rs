@@ -259,7 +259,10 @@ impl VmSpec {
             push(&["-global", &format!("q35-pcihost.pci-hole64-size={size}")]);
         }
         push(&["-m", &self.mem_mib.to_string(), "-smp", &self.cpus.to_string()]);
-        push(&["-nodefaults", "-nographic", "-no-user-config"]);
+        // -no-reboot: a guest that reboots (or panics, with panic=-1) ends
+        // QEMU, so the domain dies visibly instead of coming back with stale
+        // hot-plugged devices and no Fido state.
+        push(&["-nodefaults", "-nographic", "-no-user-config", "-no-reboot"]);
         // The guest's VFIO (doorbell MSI-X to eventfds) needs an IOMMU.
         push(&["-device", "intel-iommu,intremap=on"]);
         push(&[
@@ -268,11 +271,16 @@ impl VmSpec {
             "-device",
             &format!("ivshmem-plain,id=fido-arena,memdev=fido-own,addr={SLOT_ARENA:#x}"),
         ]);
+        // ioeventfd=off: a guest's ring is then written by QEMU with write()
+        // to the peer's descriptor, which may be a socket (Fido's host
+        // doorbells). With KVM, ioeventfd=on would hand it to the kernel,
+        // which takes only eventfds (and QEMU aborts on anything else); under
+        // TCG the two are the same path.
         push(&[
             "-chardev",
             &format!("socket,id=fido-bell,fd={FD_DOORBELL}"),
             "-device",
-            &format!("ivshmem-doorbell,id=fido-doorbell,chardev=fido-bell,vectors={},addr={SLOT_DOORBELL:#x}", self.vectors),
+            &format!("ivshmem-doorbell,id=fido-doorbell,chardev=fido-bell,vectors={},ioeventfd=off,addr={SLOT_DOORBELL:#x}", self.vectors),
         ]);
         push(&[
             "-device",

@@ -142,6 +142,28 @@ fn hot_plug_doorbells_and_the_guard_with_a_guest() {
     assert_eq!(got, 8, "QEMU writes an 8-byte eventfd value");
     assert!(bell.check_peers().is_empty(), "a well-behaved peer is left alone");
 
+    // The other way: a host peer rings the VM's own vector 3 by sending a
+    // byte on its ring end (a socket pair: QEMU polls and reads its end). With
+    // MSI-X enabled and the function masked (no driver here), the vector's
+    // pending bit shows it.
+    let cfg = "/sys/bus/pci/devices/0000:00:05.0/config";
+    let cap = c.run_ok(&format!("p=$(( $(od -An -tu1 -j52 -N1 {cfg}) )); while [ $p -ne 0 ]; do [ $(( $(od -An -tu1 -j$p -N1 {cfg}) )) -eq 17 ] && break; p=$(( $(od -An -tu1 -j$((p+1)) -N1 {cfg}) )); done; echo $p $(( $(od -An -tu4 -j$((p+8)) -N4 {cfg}) ))"), CMD);
+    let nums: Vec<u64> = cap.split_whitespace().map(|x| x.parse().unwrap()).collect();
+    let (msix, pba) = (nums[0], nums[1]);
+    assert_ne!(msix, 0, "no MSI-X capability");
+    c.run_ok(&format!("printf '\\300' | dd of={cfg} bs=1 seek={} count=1 conv=notrunc 2>/dev/null", msix + 3), CMD);
+    let control = c.run_ok(&format!("od -An -tu1 -j{} -N1 {cfg}", msix + 3), CMD);
+    assert_eq!(control.trim().parse::<u8>().unwrap() & 0xc0, 0xc0, "MSI-X enabled, function masked");
+    let pba_addr = bar(&mut c, "/sys/bus/pci/devices/0000:00:05.0", (pba & 7) as usize) + (pba & !7);
+    let pending = |c: &mut Console| u64::from_str_radix(c.run_ok(&format!("devmem {pba_addr:#x} 32"), CMD).trim().trim_start_matches("0x"), 16).unwrap();
+    assert_eq!(pending(&mut c), 0, "no vector pending before the ring");
+    rustix::net::send(bell.own_ring_end(3).unwrap(), &[1u8], rustix::net::SendFlags::DONTWAIT).unwrap();
+    let deadline = Instant::now() + CMD;
+    while pending(&mut c) != 1 << 3 {
+        assert!(Instant::now() < deadline, "own vector 3 never became pending");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+
     // The attack: the peer makes its ring end blocking, shrinks its buffer
     // and never reads. The guest's rings fill it and QEMU's vCPU blocks in
     // write() holding the big lock: the VM (and its QMP) freezes...
