@@ -174,8 +174,16 @@ fn hot_plug_doorbells_and_the_guard_with_a_guest() {
     qmp.set_timeout(Duration::from_secs(3));
     let frozen = matches!(qmp.execute("query-status", Value::Null), Err(QmpError::Timeout { .. }));
     assert!(frozen, "the attack did not block QEMU: the test proves nothing\n{}", c.transcript());
-    // ... until the guard cuts the peer.
+    // ... until the guard cuts the peer. Here a new peer arrives first: QEMU,
+    // frozen, cannot take its descriptor, so add_peer cuts the blocking peer
+    // while it waits, and succeeds; check_peers then reports the cut.
+    let (_wait2, ring2) = pair();
+    let t = Instant::now();
+    let id2 = bell.add_peer(ring2.as_fd()).unwrap();
+    eprintln!("add_peer during the freeze took {:.2?}", t.elapsed());
+    assert_ne!(id2, id);
     assert_eq!(bell.check_peers(), vec![id]);
+    assert_eq!(bell.peers().collect::<Vec<_>>(), vec![id2]);
     qmp.set_timeout(QMP_TIMEOUT);
     let status = qmp.execute("query-status", Value::Null).unwrap();
     assert_eq!(status["status"], "running");

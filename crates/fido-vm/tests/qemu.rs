@@ -138,7 +138,7 @@ fn qemu_starts_with_every_device_and_the_arena_seals_after_the_greeting() {
 
 /// Waits until the firmware has given every root port a bus number and
 /// checks that each prefetchable window holds a largest peer arena.
-fn wait_for_bridges(qmp: &mut Qmp) {
+fn wait_for_bridges(qmp: &mut Qmp, window: u64) {
     let deadline = std::time::Instant::now() + QMP_TIMEOUT;
     loop {
         let buses = qmp.execute("query-pci", Value::Null).unwrap();
@@ -147,7 +147,7 @@ fn wait_for_bridges(qmp: &mut Qmp) {
             for b in &bridges {
                 let w = &b["bus"]["prefetchable_range"];
                 let len = w["limit"].as_u64().unwrap() + 1 - w["base"].as_u64().unwrap();
-                assert!(len >= 2 << 20, "prefetchable window of {len} bytes: {b}");
+                assert!(len >= window, "prefetchable window of {len} bytes: {b}");
             }
             return;
         }
@@ -161,7 +161,7 @@ fn a_sealed_read_only_arena_plugs_under_its_root_port() {
     // Running (no kernel: the firmware configures the bridges, then waits
     // for a boot device), so query-pci shows what is behind each port.
     let mut vm = start(|s| s.paused = false);
-    wait_for_bridges(&mut vm.qmp);
+    wait_for_bridges(&mut vm.qmp, 2 << 20);
     let peer = memfd(2 << 20);
     rustix::io::pwrite(&peer, b"peer data", 0).unwrap();
     seal(&peer);
@@ -319,5 +319,23 @@ fn qemu_holds_only_the_listed_descriptors() {
     }
     assert!(!seen.contains(&leak), "QEMU inherited an unlisted descriptor: {seen:?}");
     assert!(seen.iter().any(|t| t.starts_with("/memfd:fido-test-arena")), "{seen:?}");
+    vm.alive();
+}
+
+#[test]
+fn the_default_ports_get_their_windows_and_take_a_largest_arena() {
+    // VmSpec::new's sizes: 8 ports of 1 GiB beside a 64 MiB arena.
+    let defaults = VmSpec::new("x", Accel::Tcg);
+    let mut vm = start(|s| {
+        s.paused = false;
+        s.ports = defaults.ports;
+        s.max_peer_arena = defaults.max_peer_arena;
+        s.arena_len = defaults.arena_len;
+    });
+    wait_for_bridges(&mut vm.qmp, 1 << 30);
+    let big = read_only(&memfd(1 << 30));
+    hotplug::plug_arena(&mut vm.qmp, 7, big.as_fd(), 1 << 30, vm.spec.max_peer_arena).unwrap();
+    let (_, bridges) = pci(&mut vm.qmp);
+    assert_eq!(bridges.iter().find(|b| b.0 == "fido-port7").unwrap().1.len(), 1);
     vm.alive();
 }
