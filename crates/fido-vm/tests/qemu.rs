@@ -103,7 +103,8 @@ fn pci(qmp: &mut Qmp) -> (Vec<RootDevice>, Vec<Bridge>) {
 
 #[test]
 fn qemu_starts_with_every_device_and_the_arena_seals_after_the_greeting() {
-    let mut vm = start(|_| {});
+    let host_port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let mut vm = start(|s| s.nic = Some(fido_vm::NicSpec::User { hostfwd: vec![(host_port, 5201)] }));
     assert_eq!(vm.qmp.version().0, 7, "QEMU 7.x expected here");
     // QEMU has mapped the arena (it greeted us): sealing it against writes
     // now leaves QEMU's shared writable mapping working.
@@ -121,6 +122,9 @@ fn qemu_starts_with_every_device_and_the_arena_seals_after_the_greeting() {
         assert_eq!((port.3, port.4.clone()), (0x000c, format!("fido-port{i}")));
     }
     assert_eq!(bridges.len(), 4);
+    assert_eq!(at(7, 0).expect("virtio-net at 00:07.0").3, 0x1000);
+    // User-mode networking listens for the forwarded port.
+    std::net::TcpStream::connect(("127.0.0.1", host_port)).expect("hostfwd port");
     // The welcome names exactly those addresses.
     let w = welcome(&vm.spec, vm.bell.own_peer());
     assert_eq!((w.arena.as_str(), w.doorbell.as_str()), ("0000:00:04.0", "0000:00:05.0"));
