@@ -102,7 +102,9 @@ struct PeerBell {
     full_once: bool,
 }
 
-/// The doorbell server of one VM.
+/// The doorbell server of one VM. Keep it as long as QEMU runs: dropping it
+/// closes the own vectors' ring ends, and once no host peer holds one either,
+/// QEMU would see end-of-file on its ends and spin on them.
 #[derive(Debug)]
 pub struct DoorbellServer {
     sock: OwnedFd,

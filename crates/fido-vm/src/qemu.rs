@@ -243,8 +243,8 @@ impl VmSpec {
         (want > default).then_some(want)
     }
 
-    /// The QEMU arguments (without the binary). `tap` says whether a tap
-    /// descriptor is inherited.
+    /// The QEMU arguments (without the binary), for the descriptor numbers
+    /// [`spawn`] gives QEMU.
     pub fn args(&self) -> Result<Vec<String>, SpecError> {
         self.check()?;
         let mut a: Vec<String> = Vec::new();
