@@ -4,10 +4,9 @@
 //! peer; and the guard frees a VM whose peer made its doorbell blocking.
 
 use fido_test_support::vm::{self, Console, BOOT_TIMEOUT};
-use fido_vm::doorbell_server::{DoorbellServer, VectorKind};
 use fido_vm::hotplug;
-use fido_vm::qemu::{spawn, Accel, VmFds, VmSpec};
-use fido_vm::qmp::{Qmp, QmpError};
+use fido_vm::qemu::{launch, Accel, VmSpec};
+use fido_vm::qmp::QmpError;
 use rustix::fs::{MemfdFlags, SealFlags};
 use rustix::net::{socketpair, AddressFamily, SocketFlags, SocketType};
 use serde_json::Value;
@@ -65,18 +64,12 @@ fn hot_plug_doorbells_and_the_guard_with_a_guest() {
     spec.ports = 2;
     spec.max_peer_arena = 2 << 20;
     spec.vectors = 8;
-    let arena = memfd(spec.arena_len);
-    let (_control, qemu_control) = pair();
-    let (qmp_end, qemu_qmp) = pair();
-    let (mut bell, qemu_bell) = DoorbellServer::new(spec.vectors, VectorKind::SocketPair).unwrap();
-    let fds = VmFds { arena: arena.try_clone().unwrap(), control: qemu_control, qmp: qemu_qmp, doorbell: qemu_bell, tap: None };
     let started = Instant::now();
-    let mut qemu = spawn(&spec, fds).unwrap();
-    let mut qmp = Qmp::connect(qmp_end, QMP_TIMEOUT).unwrap_or_else(|e| panic!("{e}: {}", qemu.stderr_tail()));
-    bell.complete_handshake(QMP_TIMEOUT).unwrap();
-    seal(&arena);
+    let launched = launch(&spec, None, QMP_TIMEOUT).unwrap_or_else(|e| panic!("{e}"));
+    let (mut qemu, mut qmp, mut bell) = (launched.qemu, launched.qmp, launched.doorbell);
     let mut c = Console::connect(spec.serial.as_ref().unwrap(), Duration::from_secs(10)).unwrap();
     c.wait_for_shell(BOOT_TIMEOUT).unwrap_or_else(|e| panic!("{e}\n{}\n{}", c.transcript(), qemu.stderr_tail()));
+    assert_eq!(launched.welcome.ports, ["0000:00:10.0", "0000:00:10.1"]);
     eprintln!("boot to shell: {:.1?}", started.elapsed());
 
     // The guest sees its own devices where the Welcome says.

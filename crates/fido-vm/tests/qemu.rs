@@ -4,7 +4,7 @@
 
 use fido_vm::doorbell_server::{DoorbellServer, VectorKind};
 use fido_vm::hotplug::{self, HotplugError, Ports};
-use fido_vm::qemu::{spawn, welcome, Accel, QemuProcess, VmFds, VmSpec};
+use fido_vm::qemu::{launch, spawn, welcome, Accel, LaunchError, QemuProcess, VmFds, VmSpec};
 use fido_vm::qmp::{Qmp, QmpError};
 use rustix::fs::{MemfdFlags, SealFlags};
 use rustix::net::{socketpair, AddressFamily, SocketFlags, SocketType};
@@ -51,22 +51,8 @@ fn start(tweak: impl FnOnce(&mut VmSpec)) -> Vm {
     spec.max_peer_arena = 2 << 20;
     spec.vectors = 8;
     tweak(&mut spec);
-    let arena = memfd(spec.arena_len);
-    let (control, qemu_control) = pair();
-    let (qmp_end, qemu_qmp) = pair();
-    let (bell, qemu_bell) = DoorbellServer::new(spec.vectors, VectorKind::SocketPair).unwrap();
-    let fds = VmFds { arena: arena.try_clone().unwrap(), control: qemu_control, qmp: qemu_qmp, doorbell: qemu_bell, tap: None };
-    let mut qemu = spawn(&spec, fds).unwrap();
-    let qmp = match Qmp::connect(qmp_end, QMP_TIMEOUT) {
-        Ok(q) => q,
-        Err(e) => {
-            let _ = qemu.wait_timeout(Duration::from_secs(2));
-            panic!("QMP: {e}; QEMU said: {}", qemu.stderr_tail());
-        }
-    };
-    let mut vm = Vm { spec, qemu, qmp, bell, arena, _control: control };
-    vm.bell.complete_handshake(QMP_TIMEOUT).unwrap();
-    vm
+    let l = launch(&spec, None, QMP_TIMEOUT).unwrap_or_else(|e| panic!("{e}"));
+    Vm { spec, qemu: l.qemu, qmp: l.qmp, bell: l.doorbell, arena: l.arena, _control: l.control }
 }
 
 impl Vm {
@@ -106,9 +92,10 @@ fn qemu_starts_with_every_device_and_the_arena_seals_after_the_greeting() {
     let host_port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let mut vm = start(|s| s.nic = Some(fido_vm::NicSpec::User { hostfwd: vec![(host_port, 5201)] }));
     assert_eq!(vm.qmp.version().0, 7, "QEMU 7.x expected here");
-    // QEMU has mapped the arena (it greeted us): sealing it against writes
-    // now leaves QEMU's shared writable mapping working.
-    seal(&vm.arena);
+    // launch sealed the arena once QEMU had mapped it; QEMU's shared
+    // writable mapping keeps working.
+    let seals = rustix::fs::fcntl_get_seals(&vm.arena).unwrap();
+    assert!(seals.contains(SealFlags::FUTURE_WRITE | SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL), "{seals:?}");
     vm.alive();
     let (root, bridges) = pci(&mut vm.qmp);
     let at = |slot, func| root.iter().find(|d| d.0 == slot && d.1 == func).cloned();
@@ -174,7 +161,9 @@ fn a_sealed_read_only_arena_plugs_under_its_root_port() {
     let port = ports.allocate(hotplug::PeerArena { slot: 5, owner: 42, len: 2 << 20 }).unwrap();
     ports.allocate(hotplug::PeerArena { slot: 6, owner: 42, len: 1 << 20 }).unwrap();
     hotplug::plug_arena(&mut vm.qmp, port, ro.as_fd(), 2 << 20, vm.spec.max_peer_arena).unwrap();
-    let other = read_only(&memfd(1 << 20));
+    let other = memfd(1 << 20);
+    seal(&other);
+    let other = read_only(&other);
     hotplug::plug_arena(&mut vm.qmp, 1, other.as_fd(), 1 << 20, vm.spec.max_peer_arena).unwrap();
     vm.alive();
     let (_, bridges) = pci(&mut vm.qmp);
@@ -189,16 +178,25 @@ fn a_sealed_read_only_arena_plugs_under_its_root_port() {
 
     // Refused before QEMU sees them: not a power of two, larger than a port,
     // a writable descriptor, a descriptor shorter than the length.
-    let odd = read_only(&memfd(3 << 20));
+    let sealed = |len| {
+        let fd = memfd(len);
+        seal(&fd);
+        read_only(&fd)
+    };
+    let odd = sealed(3 << 20);
     let e = hotplug::plug_arena(&mut vm.qmp, 2, odd.as_fd(), 3 << 20, vm.spec.max_peer_arena).unwrap_err();
     assert!(matches!(e, HotplugError::BadLength { .. }), "{e}");
-    let big = read_only(&memfd(4 << 20));
+    let big = sealed(4 << 20);
     let e = hotplug::plug_arena(&mut vm.qmp, 2, big.as_fd(), 4 << 20, vm.spec.max_peer_arena).unwrap_err();
     assert!(e.to_string().contains("larger than a port's window"), "{e}");
     let writable = memfd(1 << 20);
+    seal(&writable);
     let e = hotplug::plug_arena(&mut vm.qmp, 2, writable.as_fd(), 1 << 20, vm.spec.max_peer_arena).unwrap_err();
     assert!(matches!(e, HotplugError::BadFd(_)), "{e}");
-    let short = read_only(&memfd(4096));
+    let unsealed = read_only(&memfd(1 << 20));
+    let e = hotplug::plug_arena(&mut vm.qmp, 2, unsealed.as_fd(), 1 << 20, vm.spec.max_peer_arena).unwrap_err();
+    assert!(e.to_string().contains("not sealed"), "{e}");
+    let short = sealed(4096);
     let e = hotplug::plug_arena(&mut vm.qmp, 2, short.as_fd(), 1 << 20, vm.spec.max_peer_arena).unwrap_err();
     assert!(matches!(e, HotplugError::BadFd(_)), "{e}");
     // A port that does not exist: QEMU refuses, and everything is undone
@@ -277,6 +275,20 @@ fn a_qemu_that_refuses_the_spec_reports_why() {
 }
 
 #[test]
+fn launch_reports_why_qemu_did_not_come_up() {
+    let mut spec = VmSpec::new("refused", Accel::Tcg);
+    spec.paused = true;
+    spec.extra = vec!["-device".into(), "no-such-device-fido".into()];
+    match launch(&spec, None, QMP_TIMEOUT) {
+        Err(LaunchError::Qemu { stderr, .. }) => assert!(stderr.contains("no-such-device-fido"), "{stderr}"),
+        other => panic!("{other:?}"),
+    }
+    spec.extra.clear();
+    spec.arena_len = 3 << 20;
+    assert!(matches!(launch(&spec, None, QMP_TIMEOUT), Err(LaunchError::Spec(_))));
+}
+
+#[test]
 fn qemu_inherits_only_its_descriptors_and_dies_with_the_spawning_thread() {
     let (qmp_end, qemu_qmp) = pair();
     let (_c, qemu_control) = pair();
@@ -322,7 +334,7 @@ fn qemu_holds_only_the_listed_descriptors() {
         seen.push(target.to_string_lossy().into_owned());
     }
     assert!(!seen.contains(&leak), "QEMU inherited an unlisted descriptor: {seen:?}");
-    assert!(seen.iter().any(|t| t.starts_with("/memfd:fido-test-arena")), "{seen:?}");
+    assert!(seen.iter().any(|t| t.starts_with("/memfd:fido-vm-arena")), "{seen:?}");
     vm.alive();
 }
 
@@ -337,7 +349,9 @@ fn the_default_ports_get_their_windows_and_take_a_largest_arena() {
         s.arena_len = defaults.arena_len;
     });
     wait_for_bridges(&mut vm.qmp, 1 << 30);
-    let big = read_only(&memfd(1 << 30));
+    let big = memfd(1 << 30);
+    seal(&big);
+    let big = read_only(&big);
     hotplug::plug_arena(&mut vm.qmp, 7, big.as_fd(), 1 << 30, vm.spec.max_peer_arena).unwrap();
     let (_, bridges) = pci(&mut vm.qmp);
     assert_eq!(bridges.iter().find(|b| b.0 == "fido-port7").unwrap().1.len(), 1);
