@@ -12,6 +12,16 @@ use serde_json::{json, Value};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::time::Duration;
 
+/// Whether QEMU is installed; each test here skips, saying so, when not
+/// (scripts/install-test-deps.sh installs it).
+fn no_qemu() -> bool {
+    let missing = !fido_test_support::vm::qemu_available();
+    if missing {
+        eprintln!("SKIPPED: qemu-system-x86_64 is not installed");
+    }
+    missing
+}
+
 /// Generous: the machine is shared and loaded.
 const QMP_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -89,6 +99,9 @@ fn pci(qmp: &mut Qmp) -> (Vec<RootDevice>, Vec<Bridge>) {
 
 #[test]
 fn qemu_starts_with_every_device_and_the_arena_seals_after_the_greeting() {
+    if no_qemu() {
+        return;
+    }
     let host_port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let mut vm = start(|s| s.nic = Some(fido_vm::NicSpec::User { hostfwd: vec![(host_port, 5201)] }));
     assert_eq!(vm.qmp.version().0, 7, "QEMU 7.x expected here");
@@ -149,6 +162,9 @@ fn wait_for_bridges(qmp: &mut Qmp, window: u64) {
 
 #[test]
 fn a_sealed_read_only_arena_plugs_under_its_root_port() {
+    if no_qemu() {
+        return;
+    }
     // Running (no kernel: the firmware configures the bridges, then waits
     // for a boot device), so query-pci shows what is behind each port.
     let mut vm = start(|s| s.paused = false);
@@ -220,6 +236,9 @@ fn a_sealed_read_only_arena_plugs_under_its_root_port() {
 
 #[test]
 fn doorbell_peers_register_and_stay_non_blocking() {
+    if no_qemu() {
+        return;
+    }
     let mut vm = start(|s| s.vectors = 64);
     assert_eq!(vm.bell.vectors(), 64);
     assert!(vm.bell.own_ring_end(63).is_some() && vm.bell.own_ring_end(64).is_none());
@@ -258,6 +277,9 @@ fn doorbell_peers_register_and_stay_non_blocking() {
 
 #[test]
 fn a_qemu_that_refuses_the_spec_reports_why() {
+    if no_qemu() {
+        return;
+    }
     // QEMU rejects an unknown device; its reason comes back from stderr.
     let mut spec = VmSpec::new("refused", Accel::Tcg);
     spec.paused = true;
@@ -276,6 +298,9 @@ fn a_qemu_that_refuses_the_spec_reports_why() {
 
 #[test]
 fn launch_reports_why_qemu_did_not_come_up() {
+    if no_qemu() {
+        return;
+    }
     let mut spec = VmSpec::new("refused", Accel::Tcg);
     spec.paused = true;
     spec.extra = vec!["-device".into(), "no-such-device-fido".into()];
@@ -290,6 +315,9 @@ fn launch_reports_why_qemu_did_not_come_up() {
 
 #[test]
 fn qemu_inherits_only_its_descriptors_and_dies_with_the_spawning_thread() {
+    if no_qemu() {
+        return;
+    }
     let (qmp_end, qemu_qmp) = pair();
     let (_c, qemu_control) = pair();
     let (_bell, qemu_bell) = DoorbellServer::new(8, VectorKind::SocketPair).unwrap();
@@ -324,6 +352,9 @@ fn qemu_inherits_only_its_descriptors_and_dies_with_the_spawning_thread() {
 
 #[test]
 fn qemu_holds_only_the_listed_descriptors() {
+    if no_qemu() {
+        return;
+    }
     // std's descriptors are close-on-exec already; make one that is not.
     let (leak_r, _leak_w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::empty()).unwrap();
     let leak = format!("pipe:[{}]", rustix::fs::fstat(&leak_r).unwrap().st_ino);
@@ -340,6 +371,9 @@ fn qemu_holds_only_the_listed_descriptors() {
 
 #[test]
 fn the_default_ports_get_their_windows_and_take_a_largest_arena() {
+    if no_qemu() {
+        return;
+    }
     // VmSpec::new's sizes: 8 ports of 1 GiB beside a 64 MiB arena.
     let defaults = VmSpec::new("x", Accel::Tcg);
     let mut vm = start(|s| {
