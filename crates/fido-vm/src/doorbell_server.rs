@@ -102,7 +102,9 @@ struct PeerBell {
     full_once: bool,
 }
 
-/// The doorbell server of one VM.
+/// The doorbell server of one VM. Keep it as long as QEMU runs: dropping it
+/// closes the own vectors' ring ends, and once no host peer holds one either,
+/// QEMU would see end-of-file on its ends and spin on them.
 #[derive(Debug)]
 pub struct DoorbellServer {
     sock: OwnedFd,
@@ -113,6 +115,9 @@ pub struct DoorbellServer {
     unsent: Vec<(i64, Option<OwnedFd>)>,
     peers: BTreeMap<u16, PeerBell>,
     next_peer: u16,
+    /// Peers shut down while `add_peer` waited for QEMU (a frozen QEMU
+    /// cannot take a descriptor), reported by the next `check_peers`.
+    cut_while_waiting: Vec<u16>,
 }
 
 impl DoorbellServer {
@@ -142,7 +147,7 @@ impl DoorbellServer {
             own_ring.push(ring);
             messages.push((OWN_PEER as i64, Some(qemu_side)));
         }
-        let mut server = DoorbellServer { sock, kind, own_ring, unsent: Vec::new(), peers: BTreeMap::new(), next_peer: OWN_PEER + 1 };
+        let mut server = DoorbellServer { sock, kind, own_ring, unsent: Vec::new(), peers: BTreeMap::new(), next_peer: OWN_PEER + 1, cut_while_waiting: Vec::new() };
         let mut rest = messages.into_iter();
         let mut sent = 0;
         for (value, fd) in rest.by_ref() {
@@ -179,7 +184,7 @@ impl DoorbellServer {
                 wait_writable(&self.sock, deadline);
             }
         }
-        self.wait_taken(deadline, timeout)
+        self.wait_taken(deadline, timeout, None)
     }
 
     /// The VM's own peer id.
@@ -221,7 +226,7 @@ impl DoorbellServer {
         // Registered before waiting: if QEMU takes it late, remove_peer and
         // check_peers still know the id.
         self.peers.insert(id, PeerBell { fd: dup, full_once: false });
-        self.wait_taken(deadline, TAKE_TIMEOUT)?;
+        self.wait_taken(deadline, TAKE_TIMEOUT, Some(id))?;
         // QEMU made the description blocking while receiving it and sets
         // O_NONBLOCK again right after, in the same main-loop callback. Give
         // it that moment, then make sure.
@@ -262,8 +267,11 @@ impl DoorbellServer {
     /// and unregistered; its ids are returned so the caller drops those
     /// connections. Call it periodically (say every 100 ms to 1 s).
     pub fn check_peers(&mut self) -> Vec<u16> {
-        let mut cut = Vec::new();
+        let mut cut = std::mem::take(&mut self.cut_while_waiting);
         for (&id, bell) in self.peers.iter_mut() {
+            if cut.contains(&id) {
+                continue;
+            }
             let blocking = !is_nonblocking(&bell.fd).unwrap_or(false);
             let full = queue_nearly_full(&bell.fd);
             if blocking || (full && bell.full_once) {
@@ -306,10 +314,19 @@ impl DoorbellServer {
     }
 
     /// Waits until QEMU has read everything written to the server socket.
-    fn wait_taken(&self, deadline: Instant, timeout: Duration) -> Result<(), DoorbellError> {
+    /// Meanwhile it cuts peers whose description is blocking (but not
+    /// `adding`, which QEMU may be holding blocking for a moment): one of them
+    /// may be why QEMU does not read.
+    fn wait_taken(&mut self, deadline: Instant, timeout: Duration, adding: Option<u16>) -> Result<(), DoorbellError> {
         loop {
             if outq(&self.sock)? == 0 {
                 return Ok(());
+            }
+            for (&id, bell) in &self.peers {
+                if Some(id) != adding && !self.cut_while_waiting.contains(&id) && !is_nonblocking(&bell.fd).unwrap_or(false) {
+                    let _ = rustix::net::shutdown(&bell.fd, rustix::net::Shutdown::Both);
+                    self.cut_while_waiting.push(id);
+                }
             }
             if Instant::now() >= deadline {
                 return Err(DoorbellError::NotTaken(timeout));
