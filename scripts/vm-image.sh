@@ -4,7 +4,7 @@
 # KVM) in a few seconds. Used by the VM tests (fido-test-support's `vm::image`),
 # `fido demo --vm` and `fido-bench vm`.
 #
-#   scripts/vm-image.sh [--out DIR] [--add SRC:DST]... [--fido PATH] [--quiet]
+#   scripts/vm-image.sh [--out DIR] [--cache DIR] [--add SRC:DST]... [--fido PATH] [--quiet]
 #
 # Outputs in DIR (default ${FIDO_VM_IMAGE_DIR:-${CARGO_TARGET_DIR:-target}/vm-image}):
 #   kernel      the uncompressed vmlinux ELF extracted from Debian's bzImage
@@ -18,12 +18,14 @@
 # version, the fido binary and every --add file's content) is unchanged; the
 # kernel part (download, extraction, module selection) is cached separately,
 # keyed by the script and the kernel version, so a new fido binary only
-# repacks the initramfs.
+# repacks the initramfs. That cache (--cache, default FIDO_VM_CACHE or
+# vm-image-cache beside DIR) is shared by every image built beside it, under
+# a lock (flock), so concurrent builds wait for each other.
 #
 # Inputs:
 #   kernel   linux-image-6.1.0-*-amd64, the version Debian's linux-image-amd64
 #            depends on, fetched with `apt-get download` (.deb kept in
-#            DIR/cache); FIDO_VM_KERNEL_DEB=path.deb uses that package instead
+#            the cache); FIDO_VM_KERNEL_DEB=path.deb uses that package instead
 #            (offline builds)
 #   busybox  /bin/busybox of Debian's busybox-static (scripts/install-test-deps.sh)
 #   fido     target/release/fido (or --fido PATH); built with
@@ -50,6 +52,7 @@ die() {
 repo_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 script_path="$repo_root/scripts/vm-image.sh"
 out_dir="${FIDO_VM_IMAGE_DIR:-${CARGO_TARGET_DIR:-$repo_root/target}/vm-image}"
+cache=""
 fido_bin=""
 quiet=0
 adds=()
@@ -57,6 +60,10 @@ while [[ $# -gt 0 ]]; do
     case "$1" in
     --out)
         out_dir=${2:?--out needs a directory}
+        shift 2
+        ;;
+    --cache)
+        cache=${2:?--cache needs a directory}
         shift 2
         ;;
     --add)
@@ -89,9 +96,13 @@ if ldd "$busybox_bin" >/dev/null 2>&1; then
     die "$busybox_bin is dynamically linked; install busybox-static"
 fi
 
-mkdir -p "$out_dir/cache"
+mkdir -p "$out_dir"
 out_dir=$(cd "$out_dir" && pwd)
-cache="$out_dir/cache"
+cache=${cache:-${FIDO_VM_CACHE:-$(dirname "$out_dir")/vm-image-cache}}
+mkdir -p "$cache"
+cache=$(cd "$cache" && pwd)
+exec {cache_lock}>"$cache/lock"
+flock "$cache_lock"
 
 # Modules the guest loads (their dependencies are added from modules.dep).
 # Built in (CONFIG_*=y in Debian's config, checked below): PCIe ports and
@@ -141,6 +152,9 @@ else
                 (cd "$cache" && apt-get download -qq "$kernel_pkg=$kernel_ver" 2>&1 | grep -v '^W: Download is performed unsandboxed' >&2) || true
             fi
             [[ -f $kernel_deb ]] || die "could not download $kernel_pkg=$kernel_ver (apt-get download); set FIDO_VM_KERNEL_DEB to a linux-image-6.1.0-*-amd64 .deb"
+            for old in "$cache"/linux-image-*.deb; do
+                [[ $old == "$kernel_deb" ]] || rm -f "$old"
+            done
         fi
     else
         # No apt metadata (offline, or not Debian): the newest cached package.
@@ -174,9 +188,9 @@ kernel_key=$(printf '%s\n' "$script_hash" "$kernel_pkg_id" | sha256sum | cut -d'
         [[ -f $src ]] || die "--add: '$src' is not a file"
         echo "$add $(sha256sum "$src" | cut -d' ' -f1)"
     done
-} >"$cache/key.new"
-image_key=$(sha256sum "$cache/key.new" | cut -d' ' -f1)
-rm -f "$cache/key.new"
+} >"$out_dir/.key.new"
+image_key=$(sha256sum "$out_dir/.key.new" | cut -d' ' -f1)
+rm -f "$out_dir/.key.new"
 
 outputs=(kernel initrd.img cmdline manifest)
 have_all=1
