@@ -390,6 +390,7 @@ fi
 echo "fido-guest: shell on the console"
 while true; do
     setsid cttyhack /bin/sh -l
+    sleep 0.2 # a shell that cannot start must not spin
 done
 INIT
 chmod 755 "$root/init"

@@ -412,6 +412,11 @@ impl Console {
         }
     }
 
+    /// Sends ^C: interrupts the foreground command (after a `run` timed out).
+    pub fn interrupt(&mut self) -> io::Result<()> {
+        self.stream.write_all(&[0x03])
+    }
+
     /// Starts `cmd` in the background in the guest, its output going to
     /// `/tmp/spawn-N.log` (N returned with the pid), stdin from /dev/null.
     pub fn spawn(&mut self, cmd: &str) -> io::Result<Spawned> {
@@ -430,6 +435,13 @@ impl Console {
                 io::Error::other(format!("spawning `{cmd}`: exit {code}, output {out:?}"))
             })?;
         Ok(Spawned { pid, log })
+    }
+}
+
+impl Drop for Console {
+    fn drop(&mut self) {
+        // Ends the reader thread (its clone of the socket reads EOF).
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
     }
 }
 

@@ -150,6 +150,13 @@ fn guest_boots_with_fido_vfio_and_the_control_port() {
         std::thread::sleep(Duration::from_millis(100));
     }
     c.run_ok(&format!("kill {}", bg.pid), CMD);
+
+    // A command that outlives its timeout is an error; ^C ends it and the
+    // next command's output is still exact.
+    let err = c.run("sleep 1000", Duration::from_secs(2)).unwrap_err();
+    assert_eq!(err.kind(), std::io::ErrorKind::TimedOut, "{err}");
+    c.interrupt().unwrap();
+    assert_eq!(c.run("echo after", CMD).unwrap(), (0, "after\n".to_owned()));
     eprintln!("total {:.1?}", t0.elapsed());
 }
 
