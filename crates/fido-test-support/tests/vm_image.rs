@@ -11,6 +11,10 @@ use fido_test_support::vm::{self, BootOptions, Console};
 
 const CMD: Duration = Duration::from_secs(60);
 
+/// One guest at a time: two TCG guests (and an image build) on a 2-core
+/// machine slow each other down and blur the boot time measured.
+static ONE_GUEST: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// The guest PCI address given to the ivshmem-plain device.
 const IVSHMEM_BDF: &str = "0000:00:04.0";
 
@@ -20,6 +24,7 @@ fn guest_boots_with_fido_vfio_and_the_control_port() {
         eprintln!("SKIPPED: qemu-system-x86_64 is not installed (scripts/install-test-deps.sh installs it)");
         return;
     }
+    let _one = ONE_GUEST.lock().unwrap_or_else(|e| e.into_inner());
     let t0 = Instant::now();
     let image = vm::image();
     eprintln!(
@@ -168,6 +173,7 @@ fn added_program_runs_and_the_guest_powers_off() {
         eprintln!("SKIPPED: qemu-system-x86_64 is not installed (scripts/install-test-deps.sh installs it)");
         return;
     }
+    let _one = ONE_GUEST.lock().unwrap_or_else(|e| e.into_inner());
     let host_true = std::path::PathBuf::from("/usr/bin/true");
     let image = vm::image_with(&[(host_true, "/opt/added/true")]);
     let manifest = std::fs::read_to_string(image.dir.join("manifest")).unwrap();
