@@ -405,11 +405,13 @@ echo "root:x:0:" >"$root/etc/group"
     >"$work/initrd.img"
 
 # ---- outputs -----------------------------------------------------------------
+# The kernel is the cache's file, hard-linked where possible (66 MB per image
+# otherwise); a later cache rebuild replaces the cache's name, not this inode.
 if [[ -f $kstage/vmlinux ]]; then
-    cp "$kstage/vmlinux" "$work/kernel"
+    ln -f "$kstage/vmlinux" "$work/kernel" 2>/dev/null || cp "$kstage/vmlinux" "$work/kernel"
     kernel_kind="vmlinux (uncompressed ELF, PVH boot)"
 else
-    cp "$kstage/vmlinuz" "$work/kernel"
+    ln -f "$kstage/vmlinuz" "$work/kernel" 2>/dev/null || cp "$kstage/vmlinuz" "$work/kernel"
     kernel_kind="bzImage (vmlinux extraction failed)"
 fi
 # cryptomgr.notests: the self-tests of the crypto algorithms were 3.5 s of
