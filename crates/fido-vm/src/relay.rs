@@ -39,6 +39,9 @@ pub trait Devices {
     /// Peer bells whose holders made them blocking (they could freeze QEMU):
     /// already shut down; the relay drops their connections.
     fn hostile_peer_bells(&mut self) -> Vec<u16>;
+    /// True once since the last call if the guest closed its end of the
+    /// control port (its Fido process ended).
+    fn guest_port_closed(&mut self) -> bool;
 }
 
 /// Makes a fresh connection to the broker (a connected `SOCK_SEQPACKET`).
@@ -226,6 +229,9 @@ impl Relay {
     fn guest_msg(&mut self, msg: GuestMsg) {
         match msg {
             GuestMsg::Hello { version } if version == link::LINK_VERSION => {
+                // A Hello starts a new guest session: whatever the previous
+                // one held (its broker connection, hence its domain) ends.
+                self.reset();
                 let w = HostMsg::Welcome(self.welcome.clone());
                 self.to_guest(&w);
             }
@@ -496,6 +502,28 @@ impl Relay {
         }
     }
 
+    /// The guest's Fido process is gone (it closed the port, or a new one
+    /// said Hello): its broker connection closes, so the broker sees its
+    /// domain exit and tells its peers at once; its peers' doorbells leave
+    /// QEMU; the arenas it mapped are unplugged (nothing in the guest maps
+    /// them any more).
+    pub fn reset(&mut self) {
+        self.drop_broker();
+        for (_, c) in self.conns.drain() {
+            for id in c.peer_bells {
+                self.devices.remove_peer_bell(id);
+            }
+        }
+        self.liveness.clear();
+        let ports: Vec<u16> = self.plugged.drain().map(|(_, p)| p).collect();
+        for port in ports {
+            self.stats.unplugs += 1;
+            if let Err(e) = self.devices.unplug_arena(port) {
+                tracing::warn!(port, "unplugging an arena of a guest session that ended: {e}");
+            }
+        }
+    }
+
     /// A liveness socket hung up: the guest learns its peer is gone.
     pub fn liveness_hangup(&mut self, token: u64) {
         if self.liveness.remove(&token).is_some() {
@@ -506,6 +534,10 @@ impl Relay {
     /// Periodic work: connections whose peers made their doorbells blocking
     /// are cut (the guest sees the peer gone).
     pub fn tick(&mut self) {
+        if self.devices.guest_port_closed() {
+            tracing::info!("the guest closed its control port: its domain ends");
+            self.reset();
+        }
         let hostile = self.devices.hostile_peer_bells();
         if hostile.is_empty() {
             return;

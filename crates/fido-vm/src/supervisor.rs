@@ -28,6 +28,8 @@ use std::time::{Duration, Instant};
 const START_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long the guest may take to let go of an unplugged device.
 const UNPLUG_TIMEOUT: Duration = Duration::from_secs(10);
+/// QEMU's id of the control port device (qemu.rs gives it).
+const CONTROL_PORT_ID: &str = "fido-ctlport";
 /// How often the guard looks at the peers' doorbells.
 const TICK: Duration = Duration::from_millis(100);
 
@@ -88,6 +90,20 @@ impl Devices for QemuDevices {
 
     fn hostile_peer_bells(&mut self) -> Vec<u16> {
         self.doorbells.check_peers()
+    }
+
+    fn guest_port_closed(&mut self) -> bool {
+        if let Err(e) = self.qmp.poll_events() {
+            tracing::debug!("QMP: {e}");
+        }
+        let closed = |d: &serde_json::Value| d.get("id").and_then(|v| v.as_str()) == Some(CONTROL_PORT_ID) && d.get("open").and_then(|v| v.as_bool()) == Some(false);
+        let mut any = false;
+        while self.qmp.take_event_matching("VSERPORT_CHANGE", Duration::ZERO, closed).is_ok() {
+            any = true;
+        }
+        // Other events (the open side of the same port) are not kept.
+        self.qmp.drain_events().retain(|_| false);
+        any
     }
 }
 
