@@ -163,7 +163,7 @@ fn hot_plug_doorbells_and_the_guard_with_a_guest() {
     rustix::net::sockopt::set_socket_send_buffer_size(&ring, 4096).unwrap();
     rustix::io::ioctl_fionbio(&ring, false).unwrap();
     c.run_ok(&format!("(i=0; while [ $i -lt 200 ]; do devmem {doorbell:#x} 32 {value:#x}; i=$((i+1)); done; echo RINGS-DONE > /dev/ttyS0) >/dev/null 2>&1 &"), CMD);
-    std::thread::sleep(Duration::from_secs(5));
+    std::thread::sleep(Duration::from_secs(3));
     qmp.set_timeout(Duration::from_secs(3));
     let frozen = matches!(qmp.execute("query-status", Value::Null), Err(QmpError::Timeout { .. }));
     assert!(frozen, "the attack did not block QEMU: the test proves nothing\n{}", c.transcript());
@@ -187,5 +187,31 @@ fn hot_plug_doorbells_and_the_guard_with_a_guest() {
     }
     assert_eq!(c.run_ok("echo alive", CMD).trim(), "alive");
     drop(wait);
+
+    // The cleverer attack: the peer clears O_NONBLOCK only until QEMU's write
+    // has blocked, then sets it back. The flag looks right, but the queue
+    // stays full: the guard cuts a peer whose queue is full at two checks in
+    // a row.
+    let (_wait3, ring3) = pair();
+    rustix::net::sockopt::set_socket_send_buffer_size(&ring3, 4096).unwrap();
+    let id3 = bell.add_peer(ring3.as_fd()).unwrap();
+    rustix::io::ioctl_fionbio(&ring3, false).unwrap();
+    let value3 = (id3 as u32) << 16;
+    c.run_ok(&format!("(i=0; while [ $i -lt 200 ]; do devmem {doorbell:#x} 32 {value3:#x}; i=$((i+1)); done; echo RINGS3-DONE > /dev/ttyS0) >/dev/null 2>&1 &"), CMD);
+    std::thread::sleep(Duration::from_secs(3));
+    rustix::io::ioctl_fionbio(&ring3, true).unwrap();
+    qmp.set_timeout(Duration::from_secs(3));
+    let frozen = matches!(qmp.execute("query-status", Value::Null), Err(QmpError::Timeout { .. }));
+    assert!(frozen, "the toggling attack did not block QEMU: the test proves nothing");
+    assert!(bell.check_peers().is_empty(), "first sight of a full queue: not yet");
+    assert_eq!(bell.check_peers(), vec![id3], "full twice: cut");
+    qmp.set_timeout(QMP_TIMEOUT);
+    assert_eq!(qmp.execute("query-status", Value::Null).unwrap()["status"], "running");
+    let deadline = Instant::now() + CMD;
+    while !c.transcript().contains("RINGS3-DONE") {
+        assert!(Instant::now() < deadline, "the second ring loop never finished\n{}", c.transcript());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(bell.peers().collect::<Vec<_>>(), vec![id2]);
     assert!(qemu.try_wait().unwrap().is_none());
 }
