@@ -91,6 +91,8 @@ pub enum DoorbellError {
     NoSuchPeer(u16),
     #[error("a doorbell vector {0} does not exist")]
     NoSuchVector(u16),
+    #[error("a peer's doorbell must be a Unix stream socket (QEMU writes guest rings to it)")]
+    NotASocket,
 }
 
 /// A peer's descriptor as QEMU holds it: our duplicate of the same file
@@ -212,6 +214,12 @@ impl DoorbellServer {
     /// id the guest rings it with (vector 0). Waits until QEMU has taken the
     /// descriptor (see the guard in the module docs).
     pub fn add_peer(&mut self, ring: BorrowedFd<'_>) -> Result<u16, DoorbellError> {
+        // Only a socket: QEMU would append to a file, and a pipe has no send
+        // queue the guard can watch.
+        let stream = rustix::net::sockopt::socket_type(ring) == Ok(SocketType::STREAM);
+        if !stream || rustix::net::sockopt::socket_domain(ring) != Ok(AddressFamily::UNIX) {
+            return Err(DoorbellError::NotASocket);
+        }
         let id = self.free_id().ok_or(DoorbellError::NoFreeId)?;
         let dup = rustix::io::fcntl_dupfd_cloexec(ring, 0).map_err(io::Error::from)?;
         set_nonblocking(&dup)?;
@@ -226,7 +234,12 @@ impl DoorbellServer {
         // Registered before waiting: if QEMU takes it late, remove_peer and
         // check_peers still know the id.
         self.peers.insert(id, PeerBell { fd: dup, full_once: false });
-        self.wait_taken(deadline, TAKE_TIMEOUT, Some(id))?;
+        if let Err(e) = self.wait_taken(deadline, TAKE_TIMEOUT, Some(id)) {
+            // QEMU is not reading: forget the peer (QEMU drops it again when
+            // it reads on), so the caller is not left with an id it never got.
+            let _ = self.remove_peer(id);
+            return Err(e);
+        }
         // QEMU made the description blocking while receiving it and sets
         // O_NONBLOCK again right after, in the same main-loop callback. Give
         // it that moment, then make sure.
@@ -402,6 +415,17 @@ mod tests {
         assert_eq!(s.free_id(), Some(MAX_PEER_ID));
         s.next_peer = 1;
         assert_eq!(s.free_id(), Some(2), "1 is taken");
+    }
+
+    #[test]
+    fn only_unix_stream_sockets_are_peers() {
+        let (mut s, _q) = DoorbellServer::new(2, VectorKind::SocketPair).unwrap();
+        let (_r, w) = rustix::pipe::pipe().unwrap();
+        assert!(matches!(s.add_peer(w.as_fd()), Err(DoorbellError::NotASocket)));
+        let (a, _b) = socketpair(AddressFamily::UNIX, SocketType::DGRAM, SocketFlags::CLOEXEC, None).unwrap();
+        assert!(matches!(s.add_peer(a.as_fd()), Err(DoorbellError::NotASocket)));
+        let file = rustix::fs::memfd_create("x", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        assert!(matches!(s.add_peer(file.as_fd()), Err(DoorbellError::NotASocket)));
     }
 
     #[test]

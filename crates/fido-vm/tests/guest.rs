@@ -6,7 +6,7 @@
 use fido_test_support::vm::{self, Console, BOOT_TIMEOUT};
 use fido_vm::hotplug;
 use fido_vm::qemu::{launch, Accel, VmSpec};
-use fido_vm::qmp::QmpError;
+use fido_vm::qmp::{Qmp, QmpError};
 use rustix::fs::{MemfdFlags, SealFlags};
 use rustix::net::{socketpair, AddressFamily, SocketFlags, SocketType};
 use serde_json::Value;
@@ -45,6 +45,20 @@ fn bar(c: &mut Console, dev: &str, bar: usize) -> u64 {
     let lines = c.run_ok(&format!("cat {dev}/resource"), CMD);
     let start = lines.lines().nth(bar).unwrap().split_whitespace().next().unwrap().to_string();
     u64::from_str_radix(start.trim_start_matches("0x"), 16).unwrap()
+}
+
+/// Waits (up to a minute) until QEMU stops answering QMP within 2 s: its
+/// vCPU is blocked holding the big lock. Leaves QMP's timeout at 2 s.
+fn wait_frozen(qmp: &mut Qmp) -> bool {
+    qmp.set_timeout(Duration::from_secs(2));
+    let deadline = Instant::now() + CMD;
+    while Instant::now() < deadline {
+        if let Err(QmpError::Timeout { .. }) = qmp.execute("query-status", Value::Null) {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    false
 }
 
 #[test]
@@ -163,10 +177,7 @@ fn hot_plug_doorbells_and_the_guard_with_a_guest() {
     rustix::net::sockopt::set_socket_send_buffer_size(&ring, 4096).unwrap();
     rustix::io::ioctl_fionbio(&ring, false).unwrap();
     c.run_ok(&format!("(i=0; while [ $i -lt 200 ]; do devmem {doorbell:#x} 32 {value:#x}; i=$((i+1)); done; echo RINGS-DONE > /dev/ttyS0) >/dev/null 2>&1 &"), CMD);
-    std::thread::sleep(Duration::from_secs(5));
-    qmp.set_timeout(Duration::from_secs(3));
-    let frozen = matches!(qmp.execute("query-status", Value::Null), Err(QmpError::Timeout { .. }));
-    assert!(frozen, "the attack did not block QEMU: the test proves nothing\n{}", c.transcript());
+    assert!(wait_frozen(&mut qmp), "the attack did not block QEMU: the test proves nothing\n{}", c.transcript());
     // ... until the guard cuts the peer. Here a new peer arrives first: QEMU,
     // frozen, cannot take its descriptor, so add_peer cuts the blocking peer
     // while it waits, and succeeds; check_peers then reports the cut.
@@ -187,5 +198,29 @@ fn hot_plug_doorbells_and_the_guard_with_a_guest() {
     }
     assert_eq!(c.run_ok("echo alive", CMD).trim(), "alive");
     drop(wait);
+
+    // The cleverer attack: the peer clears O_NONBLOCK only until QEMU's write
+    // has blocked, then sets it back. The flag looks right, but the queue
+    // stays full: the guard cuts a peer whose queue is full at two checks in
+    // a row.
+    let (_wait3, ring3) = pair();
+    rustix::net::sockopt::set_socket_send_buffer_size(&ring3, 4096).unwrap();
+    let id3 = bell.add_peer(ring3.as_fd()).unwrap();
+    rustix::io::ioctl_fionbio(&ring3, false).unwrap();
+    let value3 = (id3 as u32) << 16;
+    c.run_ok(&format!("(i=0; while [ $i -lt 200 ]; do devmem {doorbell:#x} 32 {value3:#x}; i=$((i+1)); done; echo RINGS3-DONE > /dev/ttyS0) >/dev/null 2>&1 &"), CMD);
+    assert!(wait_frozen(&mut qmp), "the toggling attack did not block QEMU: the test proves nothing");
+    rustix::io::ioctl_fionbio(&ring3, true).unwrap();
+    assert!(matches!(qmp.execute("query-status", Value::Null), Err(QmpError::Timeout { .. })), "still frozen with the flag set back");
+    assert!(bell.check_peers().is_empty(), "first sight of a full queue: not yet");
+    assert_eq!(bell.check_peers(), vec![id3], "full twice: cut");
+    qmp.set_timeout(QMP_TIMEOUT);
+    assert_eq!(qmp.execute("query-status", Value::Null).unwrap()["status"], "running");
+    let deadline = Instant::now() + CMD;
+    while !c.transcript().contains("RINGS3-DONE") {
+        assert!(Instant::now() < deadline, "the second ring loop never finished\n{}", c.transcript());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(bell.peers().collect::<Vec<_>>(), vec![id2]);
     assert!(qemu.try_wait().unwrap().is_none());
 }

@@ -391,3 +391,19 @@ fn the_default_ports_get_their_windows_and_take_a_largest_arena() {
     assert_eq!(bridges.iter().find(|b| b.0 == "fido-port7").unwrap().1.len(), 1);
     vm.alive();
 }
+
+#[test]
+fn large_windows_fit_the_raised_64_bit_hole() {
+    if no_qemu() {
+        return;
+    }
+    // 16 ports of 8 GiB: over q35's default 32 GiB hole, which VmSpec raises.
+    let mut vm = start(|s| {
+        s.paused = false;
+        s.ports = 16;
+        s.max_peer_arena = 8 << 30;
+    });
+    assert!(vm.spec.args().unwrap().iter().any(|a| a.starts_with("q35-pcihost.pci-hole64-size=")));
+    wait_for_bridges(&mut vm.qmp, 8 << 30);
+    vm.alive();
+}
