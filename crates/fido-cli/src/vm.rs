@@ -22,7 +22,7 @@ use std::time::{Duration, Instant, SystemTime};
 #[derive(Subcommand)]
 pub enum VmCmd {
     /// Start a VM domain and supervise it in the foreground (Ctrl-C stops it).
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// List the VM domains you started.
     List {
         /// Print JSON lines instead of a table.
@@ -169,7 +169,7 @@ fn is_running(dir: &Path, name: &str) -> bool {
 
 pub fn run(cmd: VmCmd) -> anyhow::Result<bool> {
     match cmd {
-        VmCmd::Run(args) => run_vm(args),
+        VmCmd::Run(args) => run_vm(*args),
         VmCmd::List { json } => list(json).map(|_| true),
         VmCmd::Stop { name, timeout } => stop(&name, Duration::from_secs(timeout)).map(|_| true),
     }

@@ -177,7 +177,7 @@ impl Relay {
         self.plugged.len()
     }
 
-    fn to_guest(&mut self, msg: &HostMsg) {
+    fn send_guest(&mut self, msg: &HostMsg) {
         match link::encode_link(msg) {
             Ok(bytes) => self.outbox.extend_from_slice(&bytes),
             Err(e) => tracing::warn!("dropping a link message that does not encode: {e}"),
@@ -190,7 +190,7 @@ impl Relay {
         self.stats.refused += 1;
         let reply = BrokerMsg::Reply { id, body: Err(RemoteError::new(code, why)) };
         match fido_proto::encode(&reply) {
-            Ok(frame) => self.to_guest(&HostMsg::Frame { frame, handles: Vec::new() }),
+            Ok(frame) => self.send_guest(&HostMsg::Frame { frame, handles: Vec::new() }),
             Err(e) => tracing::warn!("cannot encode a refusal: {e}"),
         }
     }
@@ -233,7 +233,7 @@ impl Relay {
                 // one held (its broker connection, hence its domain) ends.
                 self.reset();
                 let w = HostMsg::Welcome(self.welcome.clone());
-                self.to_guest(&w);
+                self.send_guest(&w);
             }
             GuestMsg::Hello { version } => {
                 self.broken = Some(format!("guest speaks link version {version}, we speak {}", link::LINK_VERSION));
@@ -241,8 +241,8 @@ impl Relay {
             GuestMsg::Reconnect => {
                 self.drop_broker();
                 match self.ensure_broker() {
-                    Ok(()) => self.to_guest(&HostMsg::Reconnected),
-                    Err(e) => self.to_guest(&HostMsg::BrokerDown { reason: e.to_string() }),
+                    Ok(()) => self.send_guest(&HostMsg::Reconnected),
+                    Err(e) => self.send_guest(&HostMsg::BrokerDown { reason: e.to_string() }),
                 }
             }
             GuestMsg::Frame { frame, bells } => self.guest_frame(&frame, bells),
@@ -266,7 +266,7 @@ impl Relay {
             Ok(m) => m,
             Err(e) => {
                 self.stats.refused += 1;
-                self.to_guest(&HostMsg::Refused { id: None, reason: format!("undecodable frame: {e}") });
+                self.send_guest(&HostMsg::Refused { id: None, reason: format!("undecodable frame: {e}") });
                 return;
             }
         };
@@ -367,14 +367,14 @@ impl Relay {
     fn forward(&mut self, frame: Vec<u8>, fds: Vec<OwnedFd>) {
         if let Err(e) = self.ensure_broker() {
             // The guest's session sees the broker as down and retries.
-            self.to_guest(&HostMsg::BrokerDown { reason: e.to_string() });
+            self.send_guest(&HostMsg::BrokerDown { reason: e.to_string() });
             return;
         }
         let sock = self.broker.as_ref().expect("just ensured");
         if let Err(e) = wire::send_blocking(sock.as_fd(), &frame, &fds) {
             tracing::info!("broker connection lost while sending: {e}");
             self.drop_broker();
-            self.to_guest(&HostMsg::BrokerClosed);
+            self.send_guest(&HostMsg::BrokerClosed);
         }
     }
 
@@ -387,7 +387,7 @@ impl Relay {
                 Ok(wire::Recv::WouldBlock) => return,
                 Ok(wire::Recv::Eof) | Err(_) => {
                     self.drop_broker();
-                    self.to_guest(&HostMsg::BrokerClosed);
+                    self.send_guest(&HostMsg::BrokerClosed);
                     return;
                 }
                 Ok(wire::Recv::Msg { len, fds, truncated }) => {
@@ -395,7 +395,7 @@ impl Relay {
                     if truncated {
                         tracing::warn!("a truncated broker message: dropping the connection");
                         self.drop_broker();
-                        self.to_guest(&HostMsg::BrokerClosed);
+                        self.send_guest(&HostMsg::BrokerClosed);
                         return;
                     }
                     let frame = buf[..len].to_vec();
@@ -438,7 +438,7 @@ impl Relay {
             }
             _ => unsupported(fds),
         };
-        self.to_guest(&HostMsg::Frame { frame, handles });
+        self.send_guest(&HostMsg::Frame { frame, handles });
     }
 
     /// Handles for a connection's four descriptors: arena, data bell, space
@@ -527,7 +527,7 @@ impl Relay {
     /// A liveness socket hung up: the guest learns its peer is gone.
     pub fn liveness_hangup(&mut self, token: u64) {
         if self.liveness.remove(&token).is_some() {
-            self.to_guest(&HostMsg::Hangup { token });
+            self.send_guest(&HostMsg::Hangup { token });
         }
     }
 

@@ -121,11 +121,14 @@ impl BrokerLine for UnixLine {
     }
 }
 
+/// What [`Supervisor::set_reporter`] calls.
+type Reporter = Box<dyn FnMut(&RelayStats)>;
+
 /// A running VM domain.
 pub struct Supervisor {
     spec: VmSpec,
     /// Called with the relay's counters when they changed, at most once a second.
-    reporter: Option<Box<dyn FnMut(&RelayStats)>>,
+    reporter: Option<Reporter>,
     reported: RelayStats,
     qemu: QemuProcess,
     link: OwnedFd,
