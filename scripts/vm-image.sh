@@ -436,6 +436,8 @@ echo "console=ttyS0 intel_iommu=on panic=-1 quiet cryptomgr.notests" >"$work/cmd
     for add in "${adds[@]}"; do echo "added: $add"; done
 } >"$work/manifest"
 
-for f in "${outputs[@]}"; do mv -f "$work/$f" "$out_dir/$f"; done
+# rm first: the kernel may already be a hard link of the same cache file,
+# and mv refuses to move a file onto itself.
+for f in "${outputs[@]}"; do rm -f "$out_dir/$f"; mv -f "$work/$f" "$out_dir/$f"; done
 echo "$image_key" >"$out_dir/key"
 say "built $out_dir: $(stat -c %s "$out_dir/kernel") bytes kernel, $(stat -c %s "$out_dir/initrd.img") bytes initrd"
