@@ -114,8 +114,9 @@ pub const MAX_VECTORS: u16 = 256;
 /// Largest arena (the VM's own or a peer's): a PGVAS slot.
 pub const MAX_ARENA: u64 = 64 << 30;
 /// Most guest-physical space the arenas may take together (the guest's
-/// physical address width is 40 bits under TCG).
-pub const MAX_PCI_WINDOW: u64 = 256 << 30;
+/// physical address width is 40 bits under TCG: 1 TiB, RAM and the 32-bit
+/// hole included).
+pub const MAX_PCI_WINDOW: u64 = 512 << 30;
 /// Smallest own arena.
 pub const MIN_ARENA: u64 = 1 << 20;
 
