@@ -11,7 +11,8 @@
 //! - waits for its own doorbell (an MSI-X vector delivered to an eventfd) and
 //!   echoes each ring back: the host measures the round trip.
 
-use fido_proto::guest::{decode_guest, encode_link, link_len, GuestMsg, HostMsg};
+use fido_proto::guest::{decode_guest, encode_link, link_len, GuestMsg, Handle, HostMsg};
+use fido_proto::{BrokerMsg, ClientMsg, Reply, Request, Status};
 use fido_test_support::vm::{self, Console, BOOT_TIMEOUT};
 use fido_vm::doorbell_server::{DoorbellServer, VectorKind};
 use fido_vm::hotplug;
@@ -81,11 +82,14 @@ fn wait_rung(fd: BorrowedFd<'_>, timeout: Duration) -> bool {
 }
 
 /// The supervisor's end of the link: answers every Hello with the Welcome
-/// (each run of fido-guest-check opens the port afresh); returns how many
-/// Hellos it answered when QEMU closes the socket.
+/// (each run of fido-guest-check opens the port afresh) and a `Status`
+/// request with a status reply carrying `handles`, then the hang-up of every
+/// liveness handle among them; returns how many Hellos it answered when QEMU
+/// closes the socket.
 fn serve_link(
     sock: OwnedFd,
     welcome: fido_proto::guest::Welcome,
+    handles: Vec<Handle>,
 ) -> std::thread::JoinHandle<usize> {
     std::thread::spawn(move || {
         let mut s = UnixStream::from(sock);
@@ -108,6 +112,41 @@ fn serve_link(
                     hellos += 1;
                     s.write_all(&encode_link(&HostMsg::Welcome(welcome.clone())).unwrap())
                         .unwrap();
+                }
+                Ok(GuestMsg::Frame { frame, bells }) => {
+                    assert!(bells.is_empty());
+                    let Ok(ClientMsg::Request {
+                        id,
+                        body: Request::Status,
+                    }) = fido_proto::decode::<ClientMsg>(&frame)
+                    else {
+                        panic!("the guest sent {frame:?}")
+                    };
+                    let status = Status {
+                        broker_pid: 4242,
+                        domains: vec![],
+                        services: vec![],
+                        connections: vec![],
+                        pipe_engine: None,
+                        pipes: vec![],
+                        next: None,
+                    };
+                    let reply = BrokerMsg::Reply {
+                        id,
+                        body: Ok(Reply::Status(status)),
+                    };
+                    let frame = fido_proto::encode(&reply).unwrap();
+                    let msg = HostMsg::Frame {
+                        frame,
+                        handles: handles.clone(),
+                    };
+                    s.write_all(&encode_link(&msg).unwrap()).unwrap();
+                    for h in &handles {
+                        if let Handle::Liveness { token } = h {
+                            let hangup = HostMsg::Hangup { token: *token };
+                            s.write_all(&encode_link(&hangup).unwrap()).unwrap();
+                        }
+                    }
                 }
                 other => panic!("unexpected from the guest: {other:?}"),
             }
@@ -172,7 +211,24 @@ fn the_guest_side_on_a_real_guest() {
     let mut qmp = Qmp::connect(qmp_end, QMP_TIMEOUT)
         .unwrap_or_else(|e| panic!("{e}: {}", qemu.stderr_tail()));
     bell.complete_handshake(QMP_TIMEOUT).unwrap();
-    let link = serve_link(control, welcome(&spec, bell.own_peer()));
+    // Two host peers: one the guest rings directly, one it rings through a
+    // ring handle the link transport turned into a descriptor.
+    let (host_wait, host_ring) = pair();
+    let peer = bell.add_peer(host_ring.as_fd()).unwrap();
+    let (handle_wait, handle_ring) = pair();
+    let handle_peer = bell.add_peer(handle_ring.as_fd()).unwrap();
+    let handles = vec![
+        Handle::Arena {
+            port: 0,
+            len: 1 << 20,
+        },
+        Handle::Ring {
+            peer: handle_peer,
+            vector: 0,
+        },
+        Handle::Liveness { token: 7 },
+    ];
+    let link = serve_link(control, welcome(&spec, bell.own_peer()), handles);
     let mut c = Console::connect(spec.serial.as_ref().unwrap(), Duration::from_secs(10)).unwrap();
     c.wait_for_shell(BOOT_TIMEOUT)
         .unwrap_or_else(|e| panic!("{e}\n{}\n{}", c.transcript(), qemu.stderr_tail()));
@@ -184,14 +240,10 @@ fn the_guest_side_on_a_real_guest() {
     let ro = read_only(&peer_arena);
     hotplug::plug_arena(&mut qmp, 0, ro.as_fd(), 1 << 20, spec.max_peer_arena).unwrap();
 
-    // A host peer the guest rings.
-    let (host_wait, host_ring) = pair();
-    let peer = bell.add_peer(host_ring.as_fd()).unwrap();
-
     let run = c
         .spawn(&format!(
             "/bin/fido-guest-check --slot 1 --arena-expect 0=host-to-guest --arena-write 4096=guest-to-host \
-             --peer 0=1048576 --peer-write 0=GUEST-WAS-HERE --ring {peer}:0 --echo {} {peer}:0",
+             --peer 0=1048576 --peer-write 0=GUEST-WAS-HERE --ring {peer}:0 --echo {} {peer}:0 --status --hangup-wait",
             ROUNDS + WARMUP
         ))
         .unwrap();
@@ -260,6 +312,27 @@ fn the_guest_side_on_a_real_guest() {
     );
     let log = wait_log(&mut c, &run.log, "result: PASS");
     assert!(log.contains("echo: "), "{log}");
+
+    // The link transport: a request out, the reply in with its handles as
+    // descriptors — the hot-plugged arena, a ring token that rang our second
+    // peer, a liveness socket that read EOF once the hang-up came.
+    assert!(
+        log.contains("status: broker pid 4242 with 0 domains"),
+        "{log}"
+    );
+    assert!(
+        log.contains("descriptor: arena head=\"peer-arena-bytes\""),
+        "{log}"
+    );
+    let value = u32::from(handle_peer) << 16;
+    let rung = format!("descriptor: ring Register {{ value: {value}, .. }} rung");
+    assert!(log.contains(&rung), "{log}");
+    assert!(log.contains("descriptor: liveness open=true"), "{log}");
+    assert!(log.contains("liveness: 1 hung up"), "{log}");
+    assert!(
+        wait_rung(handle_wait.as_fd(), CMD),
+        "the ring handle did not ring its peer"
+    );
 
     // The link was opened once, with a Hello.
     drop(c);

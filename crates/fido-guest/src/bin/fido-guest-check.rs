@@ -8,6 +8,7 @@
 //!                  [--arena-expect OFF=TEXT] [--arena-write OFF=TEXT]
 //!                  [--peer PORT=LEN] [--peer-write PORT=TEXT]
 //!                  [--ring PEER:VECTOR] [--echo COUNT PEER:VECTOR]
+//!                  [--status] [--hangup-wait]
 //! ```
 //! Each step prints one `name: value` line; the exit status is 0 only when
 //! every step worked. Needs root (VFIO, sysfs).
@@ -23,6 +24,12 @@
 //! - `--ring PEER:VECTOR`: ring that ivshmem peer once.
 //! - `--echo COUNT PEER:VECTOR`: take a doorbell (prints its vector), then
 //!   COUNT times: wait for it (30 s at most), ring PEER:VECTOR.
+//! - `--status`: asks the broker for its status through the link (the
+//!   supervisor relays it) and prints the answer and every descriptor that
+//!   came with it as the link transport made it: an arena (its first bytes),
+//!   a ring token (rung once), a liveness socket.
+//! - `--hangup-wait`: then waits (30 s at most) until each liveness socket
+//!   reads end-of-file (the supervisor reported the peer's hang-up).
 
 use fido_guest::Guest;
 use std::os::fd::{AsFd, OwnedFd};
@@ -45,6 +52,8 @@ struct Args {
     peer_writes: Vec<(u16, String)>,
     rings: Vec<(u16, u16)>,
     echo: Option<(u64, u16, u16)>,
+    status: bool,
+    hangup_wait: bool,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -98,6 +107,8 @@ fn parse_args() -> Result<Args, String> {
                 let (p, v) = split(&val()?, ':')?;
                 args.echo = Some((count, small(&p)?, small(&v)?));
             }
+            "--status" => args.status = true,
+            "--hangup-wait" => args.hangup_wait = true,
             "-h" | "--help" => {
                 return Err(
                     "usage: see the top of crates/fido-guest/src/bin/fido-guest-check.rs".into(),
@@ -297,7 +308,123 @@ fn run(args: Args) -> Result<(), String> {
         }
         println!("echo: {count} in {:?}", started.elapsed());
     }
+    if args.status {
+        status(&guest, args.hangup_wait)?;
+    }
     println!("result: PASS");
+    Ok(())
+}
+
+/// `--status`: one request through the link transport, as the `fido`
+/// library's session would send it.
+fn status(guest: &std::sync::Arc<Guest>, hangup_wait: bool) -> Result<(), String> {
+    use fido_control::Received;
+    use fido_proto::{BrokerMsg, ClientMsg, Reply, Request};
+    let transport = guest.connector().connect().map_err(|e| e.to_string())?;
+    let frame = fido_proto::encode(&ClientMsg::Request {
+        id: 1,
+        body: Request::Status,
+    })
+    .map_err(|e| e.to_string())?;
+    transport
+        .send(&frame, &[])
+        .map_err(|e| format!("sending: {e}"))?;
+    let mut buf = vec![0u8; fido_proto::MAX_MESSAGE];
+    let deadline = Instant::now() + ECHO_WAIT;
+    let (len, fds) = loop {
+        match transport
+            .recv(
+                &mut buf,
+                Some(deadline.saturating_duration_since(Instant::now())),
+            )
+            .map_err(|e| format!("receiving: {e}"))?
+        {
+            Received::Frame {
+                len,
+                fds,
+                truncated: false,
+            } => break (len, fds),
+            Received::Frame {
+                truncated: true, ..
+            } => return Err("truncated answer".into()),
+            Received::Closed => return Err("the broker connection closed".into()),
+            Received::Idle if Instant::now() < deadline => {}
+            Received::Idle => return Err(format!("no answer within {ECHO_WAIT:?}")),
+        }
+    };
+    match fido_proto::decode::<BrokerMsg>(&buf[..len]).map_err(|e| format!("answer: {e}"))? {
+        BrokerMsg::Reply {
+            id: 1,
+            body: Ok(Reply::Status(st)),
+        } => {
+            println!(
+                "status: broker pid {} with {} domains, {} services",
+                st.broker_pid,
+                st.domains.len(),
+                st.services.len()
+            )
+        }
+        BrokerMsg::Reply {
+            id: 1,
+            body: Err(e),
+        } => println!("status: refused: {e}"),
+        other => return Err(format!("unexpected answer {other:?}")),
+    }
+    let mut liveness = Vec::new();
+    for fd in fds {
+        let stat = rustix::fs::fstat(&fd).map_err(|e| format!("fstat: {e}"))?;
+        if rustix::fs::FileType::from_raw_mode(stat.st_mode) == rustix::fs::FileType::Socket {
+            println!(
+                "descriptor: liveness open={}",
+                !fido_ring::doorbell::peer_hung_up(fd.as_fd())
+            );
+            liveness.push(fd);
+            continue;
+        }
+        let copy = fd.try_clone().map_err(|e| e.to_string())?;
+        match guest.ring_end(copy) {
+            Ok(ring) => {
+                ring.ring().map_err(|e| format!("ring: {e}"))?;
+                println!("descriptor: ring {ring:?} rung");
+            }
+            Err(_) => {
+                // An arena: a BAR file, whose size is the BAR's.
+                let len = u64::try_from(stat.st_size).unwrap_or(0);
+                if len == 0 {
+                    return Err("a descriptor that is neither socket, ring token nor arena".into());
+                }
+                let map = Mapping::new(&fd, len, false, None)?;
+                let head = map.read(0, PEEK.min(len as usize))?;
+                println!(
+                    "descriptor: arena head={:?}",
+                    String::from_utf8_lossy(&head)
+                );
+            }
+        }
+    }
+    if hangup_wait {
+        // The transport applies hang-ups as it reads the link, which a
+        // session's reader thread does all the time: do it here.
+        let deadline = Instant::now() + ECHO_WAIT;
+        while !liveness
+            .iter()
+            .all(|fd| fido_ring::doorbell::peer_hung_up(fd.as_fd()))
+        {
+            if Instant::now() >= deadline {
+                return Err(format!(
+                    "a liveness socket did not hang up within {ECHO_WAIT:?}"
+                ));
+            }
+            match transport
+                .recv(&mut buf, Some(Duration::from_millis(100)))
+                .map_err(|e| format!("receiving: {e}"))?
+            {
+                Received::Closed => return Err("the broker connection closed".into()),
+                _ => {}
+            }
+        }
+        println!("liveness: {} hung up", liveness.len());
+    }
     Ok(())
 }
 
