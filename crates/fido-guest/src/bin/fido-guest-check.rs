@@ -415,12 +415,11 @@ fn status(guest: &std::sync::Arc<Guest>, hangup_wait: bool) -> Result<(), String
                     "a liveness socket did not hang up within {ECHO_WAIT:?}"
                 ));
             }
-            match transport
+            let got = transport
                 .recv(&mut buf, Some(Duration::from_millis(100)))
-                .map_err(|e| format!("receiving: {e}"))?
-            {
-                Received::Closed => return Err("the broker connection closed".into()),
-                _ => {}
+                .map_err(|e| format!("receiving: {e}"))?;
+            if let Received::Closed = got {
+                return Err("the broker connection closed".into());
             }
         }
         println!("liveness: {} hung up", liveness.len());
