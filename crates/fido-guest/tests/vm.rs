@@ -9,7 +9,10 @@
 //!   through a writable mapping;
 //! - rings a host peer through the BAR0 register (a byte on the host's socket);
 //! - waits for its own doorbell (an MSI-X vector delivered to an eventfd) and
-//!   echoes each ring back: the host measures the round trip.
+//!   echoes each ring back: the host measures the round trip;
+//! - sends a request through the link transport and gets the reply's
+//!   handles as descriptors (arena, ring token, liveness socket + hang-up);
+//! - keeps reading a peer arena while the host unplugs it: zeros, no SIGBUS.
 
 use fido_proto::guest::{decode_guest, encode_link, link_len, GuestMsg, Handle, HostMsg};
 use fido_proto::{BrokerMsg, ClientMsg, Reply, Request, Status};
@@ -334,9 +337,28 @@ fn the_guest_side_on_a_real_guest() {
         "the ring handle did not ring its peer"
     );
 
-    // The link was opened once, with a Hello.
+    // Revocation: the peer arena is unplugged while the guest maps it. The
+    // guest then reads zeros, and does not die of SIGBUS (so the library
+    // must stop trusting a peer's memory once the supervisor announces the
+    // revocation, before the unplug — it cannot tell zeros from data).
+    let watch = c
+        .spawn("/bin/fido-guest-check --peer-watch 0=8; echo exit=$?")
+        .unwrap();
+    wait_log(&mut c, &watch.log, "peer-watch: head=");
+    let t = Instant::now();
+    hotplug::unplug(&mut qmp, 0, Duration::from_secs(30)).unwrap();
+    eprintln!("unplug took {:.2?}", t.elapsed());
+    let log = wait_log(&mut c, &watch.log, "exit=");
+    let zeros = format!("peer-watch: head={:?}", "\0".repeat(16));
+    assert!(log.contains(&zeros), "no zeros after the unplug:\n{log}");
+    assert!(
+        log.contains("peer-watch: done") && log.contains("exit=0"),
+        "{log}"
+    );
+
+    // Each run opened the link with a Hello.
     drop(c);
     drop(qmp);
     drop(qemu);
-    assert_eq!(link.join().unwrap(), 1);
+    assert_eq!(link.join().unwrap(), 2);
 }

@@ -8,7 +8,7 @@
 //!                  [--arena-expect OFF=TEXT] [--arena-write OFF=TEXT]
 //!                  [--peer PORT=LEN] [--peer-write PORT=TEXT]
 //!                  [--ring PEER:VECTOR] [--echo COUNT PEER:VECTOR]
-//!                  [--status] [--hangup-wait]
+//!                  [--status] [--hangup-wait] [--peer-watch PORT=SECONDS]
 //! ```
 //! Each step prints one `name: value` line; the exit status is 0 only when
 //! every step worked. Needs root (VFIO, sysfs).
@@ -30,6 +30,9 @@
 //!   a ring token (rung once), a liveness socket.
 //! - `--hangup-wait`: then waits (30 s at most) until each liveness socket
 //!   reads end-of-file (the supervisor reported the peer's hang-up).
+//! - `--peer-watch PORT=SECONDS`: maps the arena under root port PORT and
+//!   prints its first bytes each time they change, for SECONDS (what a guest
+//!   sees while the host writes, or unplugs, that arena).
 
 use fido_guest::Guest;
 use std::os::fd::{AsFd, OwnedFd};
@@ -54,6 +57,7 @@ struct Args {
     echo: Option<(u64, u16, u16)>,
     status: bool,
     hangup_wait: bool,
+    peer_watch: Option<(u16, u64)>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -108,6 +112,10 @@ fn parse_args() -> Result<Args, String> {
                 args.echo = Some((count, small(&p)?, small(&v)?));
             }
             "--status" => args.status = true,
+            "--peer-watch" => {
+                let (port, secs) = split(&val()?, '=')?;
+                args.peer_watch = Some((small(&port)?, num(&secs)?));
+            }
             "--hangup-wait" => args.hangup_wait = true,
             "-h" | "--help" => {
                 return Err(
@@ -307,6 +315,27 @@ fn run(args: Args) -> Result<(), String> {
             register.ring(value).map_err(|e| format!("ring: {e}"))?;
         }
         println!("echo: {count} in {:?}", started.elapsed());
+    }
+    if let Some((port, secs)) = args.peer_watch {
+        let root = w
+            .ports
+            .get(usize::from(port))
+            .ok_or_else(|| format!("no port {port}"))?;
+        let fd = guest
+            .open_peer_arena(root, 4096, Duration::from_secs(20))
+            .map_err(|e| e.to_string())?;
+        let map = Mapping::new(&fd, 4096, false, None)?;
+        let end = Instant::now() + Duration::from_secs(secs);
+        let mut last = Vec::new();
+        while Instant::now() < end {
+            let head = map.read(0, PEEK)?;
+            if head != last {
+                println!("peer-watch: head={:?}", String::from_utf8_lossy(&head));
+                last = head;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        println!("peer-watch: done");
     }
     if args.status {
         status(&guest, args.hangup_wait)?;
