@@ -592,6 +592,7 @@ pub(crate) mod tests {
     use fido_ring::doorbell::{RingEnd, RingRegister};
     use std::io::{Read, Write};
     use std::os::unix::net::UnixStream;
+    use std::time::Instant;
 
     #[test]
     fn refusals_decode_as_the_broker_would_send_them() {
@@ -638,7 +639,7 @@ pub(crate) mod tests {
             doorbell: "0000:00:05.0".into(),
             vectors: 4,
             own_peer: 1,
-            ports: vec!["0000:00:10.0".into()],
+            ports: vec!["ffff:ff:1f.7".into()], // no such device on any host
             max_peer_arena: 1 << 30,
         }
     }
@@ -947,5 +948,138 @@ pub(crate) mod tests {
             .expect("nobody answered the Hello");
         h.join().unwrap();
         assert!(err.to_string().contains("closed"), "{err}");
+    }
+
+    /// A small deterministic generator for the hostile-host tests.
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        fn below(&mut self, n: u64) -> u64 {
+            self.next() % n
+        }
+    }
+
+    /// Random bytes from the host never panic or hang the guest: each
+    /// burst ends the link (an error, then `Closed`), and a later connect
+    /// is refused instead of reading out of step.
+    #[test]
+    fn hostile_bytes_end_the_link_cleanly() {
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        for round in 0..200 {
+            let (guest, mut host, _) = guest_and_host();
+            let t = guest.connector().connect().unwrap();
+            let len = 1 + rng.below(64) as usize;
+            let mut junk: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
+            // Half the rounds: a plausible length prefix before the junk.
+            if round % 2 == 0 {
+                let body_len = junk.len() as u32;
+                junk.splice(0..0, body_len.to_le_bytes());
+            }
+            host.0.write_all(&junk).unwrap();
+            let mut buf = vec![0u8; fido_proto::MAX_MESSAGE];
+            // Whatever the junk decodes to, the answer comes promptly.
+            let started = Instant::now();
+            let first = t.recv(&mut buf, Some(Duration::from_millis(200)));
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "round {round}: recv hung"
+            );
+            if first.is_err() {
+                assert!(matches!(
+                    t.recv(&mut buf, Some(Duration::ZERO)).unwrap(),
+                    Received::Closed
+                ));
+                assert!(
+                    guest.connector().connect().is_err(),
+                    "round {round}: a broken link connected"
+                );
+            }
+        }
+    }
+
+    /// Well-formed but hostile messages (random handles, tokens, ids,
+    /// hang-ups, answers out of place) fail at most their own frame: a good
+    /// frame after them still arrives, and no liveness end leaks.
+    #[test]
+    fn hostile_messages_fail_only_their_frame() {
+        let mut rng = Rng(0x2545_f491_4f6c_dd1d);
+        let (guest, mut host, _) = guest_and_host();
+        let t = guest.connector().connect().unwrap();
+        let mut buf = vec![0u8; fido_proto::MAX_MESSAGE];
+        for round in 0..300 {
+            let handle = |rng: &mut Rng| match rng.below(4) {
+                0 => Handle::Arena {
+                    port: rng.below(3) as u16,
+                    len: 1 << rng.below(40),
+                },
+                1 => Handle::Ring {
+                    peer: rng.next() as u16,
+                    vector: rng.below(8) as u16,
+                },
+                2 => Handle::Liveness {
+                    token: rng.below(4),
+                },
+                _ => Handle::Unsupported,
+            };
+            let msg = match rng.below(6) {
+                0 | 1 => {
+                    let handles = (0..rng.below(5)).map(|_| handle(&mut rng)).collect();
+                    let frame = if rng.below(2) == 0 {
+                        fido_proto::encode(&BrokerMsg::Reply {
+                            id: rng.next(),
+                            body: Ok(fido_proto::Reply::Ok),
+                        })
+                        .unwrap()
+                    } else {
+                        (0..rng.below(32)).map(|_| rng.next() as u8).collect()
+                    };
+                    HostMsg::Frame { frame, handles }
+                }
+                2 => HostMsg::Hangup {
+                    token: rng.below(6),
+                },
+                3 => HostMsg::Refused {
+                    id: if rng.below(2) == 0 {
+                        None
+                    } else {
+                        Some(rng.next())
+                    },
+                    reason: "no".into(),
+                },
+                4 => HostMsg::Reconnected,
+                _ => HostMsg::Welcome(welcome()),
+            };
+            host.send(&msg);
+            // Drain what it produced (frames, or nothing).
+            loop {
+                match t.recv(&mut buf, Some(Duration::from_millis(20))).unwrap() {
+                    Received::Frame { .. } => {}
+                    Received::Idle => break,
+                    Received::Closed => panic!("round {round}: {msg:?} closed the connection"),
+                }
+            }
+            // The liveness table holds only ends whose partner is open:
+            // every descriptor we received is dropped, so it empties.
+            host.send(&HostMsg::Frame {
+                frame: b"good".to_vec(),
+                handles: vec![],
+            });
+            assert_eq!(recv_frame(&*t, &mut buf).0, b"good", "round {round}");
+        }
+        host.send(&HostMsg::Frame {
+            frame: b"x".to_vec(),
+            handles: vec![Handle::Liveness { token: 1000 }],
+        });
+        drop(recv_frame(&*t, &mut buf));
+        assert_eq!(
+            guest.liveness_count(),
+            1,
+            "ends of dropped liveness sockets were not pruned"
+        );
     }
 }
