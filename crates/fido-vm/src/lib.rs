@@ -10,6 +10,11 @@
 //! - [`doorbell_server`]: QEMU's ivshmem server protocol — the VM's own
 //!   interrupt vectors and the doorbells of its peers — with the guard that
 //!   keeps a hostile host peer from freezing the VM.
+//! - [`relay`]: the guest's link to the broker — the broker protocol passes
+//!   through, descriptors become handles (hot-plugged arenas, doorbell peer
+//!   ids, liveness tokens) and back.
+//! - [`supervisor`]: one VM's life — its arena, QEMU, the devices, and the
+//!   loop that serves the relay (`fido vm run`).
 //!
 //! What this crate must never do: trust what QEMU (the VM owner's process)
 //! writes on its sockets — every reply is parsed with bounds and a bad one is
@@ -21,6 +26,8 @@ pub mod doorbell_server;
 pub mod hotplug;
 pub mod qemu;
 pub mod qmp;
+pub mod relay;
+pub mod supervisor;
 
 pub use doorbell_server::{DoorbellError, DoorbellServer, VectorKind};
 pub use hotplug::{plug_arena, unplug, HotplugError, PeerArena, Ports};

@@ -197,6 +197,20 @@ impl VmSpec {
         }
     }
 
+    /// A port's prefetchable window: twice the largest arena it takes. The
+    /// firmware aligns bridge windows to far less than their size, and a
+    /// BAR must be naturally aligned: a window of twice its size always
+    /// holds an aligned one (seen here: a 1 GiB window at 0x2c4000000 could
+    /// not take a 1 GiB BAR).
+    pub fn port_window(&self) -> u64 {
+        self.max_peer_arena.saturating_mul(2)
+    }
+
+    /// Guest-physical space the arenas need: the own arena (aligned) and every port's window.
+    pub fn pci_hole64(&self) -> u64 {
+        (self.arena_len.saturating_mul(2)).saturating_add((self.ports as u64).saturating_mul(self.port_window()))
+    }
+
     /// Checks every field QEMU would otherwise abort on (a BAR that is not a
     /// power of two is an assertion failure in QEMU, not an error).
     pub fn check(&self) -> Result<(), SpecError> {
@@ -213,7 +227,7 @@ impl VmSpec {
         if self.ports > MAX_PORTS {
             return bad(format!("{} ports: at most {MAX_PORTS}", self.ports));
         }
-        if self.arena_len + self.ports as u64 * self.max_peer_arena > MAX_PCI_WINDOW {
+        if self.pci_hole64() > MAX_PCI_WINDOW {
             return bad(format!("{} ports of {} bytes and an arena of {}: over the {MAX_PCI_WINDOW}-byte PCI window", self.ports, self.max_peer_arena, self.arena_len));
         }
         if !(2..=MAX_VECTORS).contains(&self.vectors) {
@@ -283,6 +297,9 @@ impl VmSpec {
             &format!("virtserialport,id=fido-ctlport,chardev=fido-ctl,name={}", fido_proto::guest::PORT_NAME),
         ]);
         push(&["-chardev", &format!("socket,id=fido-qmp,fd={FD_QMP}"), "-mon", "chardev=fido-qmp,mode=control"]);
+        // Room for the own arena and every port's window in the 64-bit hole
+        // (q35's default of 32 GiB is too small for many large ports).
+        push(&["-global", &format!("q35-pcihost.pci-hole64-size={}", self.pci_hole64().max(32 << 30))]);
         for i in 0..self.ports {
             let (slot, func) = port_slot(i);
             let multi = if func == 0 { ",multifunction=on" } else { "" };
@@ -292,7 +309,7 @@ impl VmSpec {
                     "pcie-root-port,id={},bus=pcie.0,addr={slot:#x}.{func}{multi},chassis={},pref64-reserve={}",
                     crate::hotplug::port_id(i),
                     i + 1,
-                    self.max_peer_arena
+                    self.port_window()
                 ),
             ]);
         }
@@ -570,7 +587,7 @@ mod tests {
         assert!(s.check().is_err());
         s.name = "ok".into();
         let args = s.args().unwrap().join(" ");
-        assert!(args.contains("addr=0x10.0,multifunction=on,chassis=1,pref64-reserve=1073741824"), "{args}");
+        assert!(args.contains("addr=0x10.0,multifunction=on,chassis=1,pref64-reserve=2147483648"), "{args}");
         assert!(args.contains("id=fido-port15,bus=pcie.0,addr=0x11.7,chassis=16"), "{args}");
         let (arena, bell, ports) = welcome_devices(&s);
         assert_eq!((arena.as_str(), bell.as_str()), ("0000:00:04.0", "0000:00:05.0"));
