@@ -33,11 +33,15 @@ use std::time::{Duration, Instant};
 const SEND_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long the `Hello` and `Reconnect` exchanges may take.
 pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long a hot-plugged peer arena may take to appear (0.03–0.23 s idle).
-/// Bounded well below the broker's heartbeat window (6 × 500 ms): the wait
-/// runs on the session's reader thread, and a longer one got the domain
-/// declared hung; a device this late fails its one connection instead.
-const ARENA_APPEAR_TIMEOUT: Duration = Duration::from_millis(2500);
+/// How long a hot-plugged peer arena may take to appear (0.03–0.23 s on an
+/// idle machine; seconds on a loaded TCG guest). The wait runs on the
+/// session's reader thread, which also sends the heartbeats, so the
+/// transport sends them itself meanwhile ([`HEARTBEAT_WHILE_WAITING`]): a
+/// slow hot-plug must not get the domain declared hung by the broker.
+const ARENA_APPEAR_TIMEOUT: Duration = Duration::from_secs(20);
+/// Heartbeat period while waiting for a hot-plugged arena (the broker's
+/// window is several of its 500 ms intervals).
+const HEARTBEAT_WHILE_WAITING: Duration = Duration::from_millis(250);
 /// Bytes read from the port per system call.
 const READ_CHUNK: usize = 64 * 1024;
 
@@ -400,6 +404,15 @@ impl LinkTransport {
         !self.closed.load(Ordering::Acquire) && self.guest.link().current(self.epoch)
     }
 
+    /// Sends a broker heartbeat on this connection (while the reader thread,
+    /// which normally sends them, waits for a device). Failures surface on
+    /// the next receive, as for the session's own heartbeats.
+    fn heartbeat(&self) {
+        if let Ok(frame) = fido_proto::encode(&fido_proto::ClientMsg::Heartbeat) {
+            let _ = self.send(&frame, &[]);
+        }
+    }
+
     /// Turns the handles beside a frame into descriptors, in order, or says
     /// why one cannot be used.
     fn materialise(&self, handles: &[Handle]) -> Result<Vec<OwnedFd>, String> {
@@ -420,8 +433,15 @@ impl LinkTransport {
                             welcome.max_peer_arena
                         ));
                     }
+                    let mut heartbeat = || self.heartbeat();
                     self.guest
-                        .open_peer_arena(root, len, ARENA_APPEAR_TIMEOUT)
+                        .open_peer_arena_ticking(
+                            root,
+                            len,
+                            ARENA_APPEAR_TIMEOUT,
+                            HEARTBEAT_WHILE_WAITING,
+                            &mut heartbeat,
+                        )
                         .map_err(|e| e.to_string())?
                 }
                 Handle::Ring { peer, vector } => {
@@ -594,6 +614,7 @@ pub(crate) mod tests {
     use fido_ring::doorbell::{RingEnd, RingRegister};
     use std::io::{Read, Write};
     use std::os::unix::net::UnixStream;
+    use std::path::Path;
     use std::time::Instant;
 
     #[test]
@@ -648,6 +669,12 @@ pub(crate) mod tests {
 
     /// A guest over a socket pair whose other end the test holds.
     fn guest_and_host() -> (Arc<Guest>, Host, Arc<Recorder>) {
+        guest_and_host_in(Path::new("/nonexistent-sysfs"), welcome())
+    }
+
+    /// A guest over a socket pair whose other end the test holds, its PCI
+    /// devices listed under `sysfs`.
+    fn guest_and_host_in(sysfs: &Path, welcome: Welcome) -> (Arc<Guest>, Host, Arc<Recorder>) {
         let (ours, theirs) = UnixStream::pair().unwrap();
         theirs
             .set_read_timeout(Some(Duration::from_secs(30)))
@@ -660,13 +687,74 @@ pub(crate) mod tests {
                     version: link::LINK_VERSION
                 }
             );
-            host.send(&HostMsg::Welcome(welcome()));
+            host.send(&HostMsg::Welcome(welcome));
             host
         });
         ours.set_nonblocking(true).unwrap();
         let recorder = Arc::new(Recorder::default());
-        let guest = crate::guest_without_devices(OwnedFd::from(ours), 4, recorder.clone()).unwrap();
+        let guest =
+            crate::guest_without_devices(OwnedFd::from(ours), 4, recorder.clone(), sysfs).unwrap();
         (guest, greeter.join().unwrap(), recorder)
+    }
+
+    /// A hot-plugged arena that takes long to appear: the transport waits
+    /// for it on the reader thread and sends the session's heartbeats
+    /// meanwhile, then hands over the BAR file.
+    #[test]
+    fn a_slow_hot_plug_keeps_the_session_alive() {
+        let sys = tempfile::tempdir().unwrap();
+        let port = sys.path().join("0000:00:10.0");
+        std::fs::create_dir(&port).unwrap();
+        std::fs::write(port.join("vendor"), "0x1b36\n").unwrap();
+        std::fs::write(port.join("device"), "0x000c\n").unwrap();
+        let mut w = welcome();
+        w.ports = vec!["0000:00:10.0".into()];
+        let (guest, mut host, _) = guest_and_host_in(sys.path(), w);
+        let t = guest.connector().connect().unwrap();
+        host.send(&HostMsg::Frame {
+            frame: b"connected".to_vec(),
+            handles: vec![Handle::Arena {
+                port: 0,
+                len: 1 << 20,
+            }],
+        });
+        let receiver = std::thread::spawn(move || {
+            let mut buf = vec![0u8; 64];
+            let (frame, fds) = recv_frame(&*t, &mut buf);
+            (frame, fds)
+        });
+        let heartbeat = fido_proto::encode(&fido_proto::ClientMsg::Heartbeat).unwrap();
+        for _ in 0..3 {
+            assert_eq!(
+                host.recv(),
+                GuestMsg::Frame {
+                    frame: heartbeat.clone(),
+                    bells: vec![]
+                }
+            );
+        }
+        // The device appears (`vendor` last: it makes the directory a device).
+        let child = port.join("0000:01:00.0");
+        std::fs::create_dir(&child).unwrap();
+        std::fs::write(child.join("device"), "0x1110\n").unwrap();
+        std::fs::write(
+            child.join("resource"),
+            "0x0 0xff 0x0\n0x0 0x0 0x0\n0x100000 0x1fffff 0x0\n",
+        )
+        .unwrap();
+        std::fs::write(child.join("resource2"), b"peer-bytes").unwrap();
+        std::fs::write(child.join("enable"), "1\n").unwrap();
+        std::fs::write(child.join("vendor"), "0x1af4\n").unwrap();
+        let (frame, fds) = receiver.join().unwrap();
+        assert_eq!(frame, b"connected");
+        assert_eq!(fds.len(), 1);
+        let mut head = [0u8; 10];
+        assert_eq!(rustix::io::pread(&fds[0], &mut head, 0).unwrap(), 10);
+        assert_eq!(&head, b"peer-bytes");
+        assert!(
+            rustix::io::pwrite(&fds[0], b"x", 0).is_err(),
+            "the peer's arena opened writable"
+        );
     }
 
     fn recv_frame(t: &dyn Transport, buf: &mut [u8]) -> (Vec<u8>, Vec<OwnedFd>) {
