@@ -205,11 +205,12 @@ impl Guest {
         Ok((fd, self.welcome.arena_len))
     }
 
-    /// A `Connect` for `fido_control::Session`. The first connect uses the
-    /// broker connection the link opened with; later ones (after
-    /// `BrokerClosed`, or a second session) send `Reconnect` and wait for
-    /// `Reconnected` / `BrokerDown`. After the supervisor closed and reopened
-    /// the port, a connect says `Hello` again and insists on the same devices.
+    /// A `Connect` for `fido_control::Session`. Each connect — the first of
+    /// the process too — sends `Reconnect` and waits for `Reconnected` (a
+    /// fresh broker connection) or `BrokerDown`: the supervisor's connection
+    /// may have carried an earlier process of this VM. After the supervisor
+    /// closed and reopened the port, a connect says `Hello` again first and
+    /// insists on the same devices.
     pub fn connector(self: &Arc<Self>) -> Arc<dyn fido_control::Connect> {
         Arc::new(GuestConnector {
             guest: self.clone(),

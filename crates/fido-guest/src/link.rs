@@ -9,11 +9,12 @@
 //! pair whose other end is closed when the supervisor reports the hang-up.
 //!
 //! Connections to the broker come and go under one link: each is an *epoch*.
-//! The link's first broker connection is ready once the supervisor answered
-//! `Hello`; after `BrokerClosed` (or for a second session in the same
-//! process) a connect asks for a fresh one with `Reconnect`. A transport of an
-//! ended epoch only reports `Closed`, so a stale session can never read or
-//! write on its successor's connection.
+//! Every connect asks the supervisor for a fresh broker connection with
+//! `Reconnect` — the first one of a process too: the supervisor's connection
+//! may have served an earlier process of this VM (the port outlives
+//! processes), whose domain the broker must not see joined twice. A
+//! transport of an ended epoch only reports `Closed`, so a stale session can
+//! never read or write on its successor's connection.
 
 use crate::{Guest, GuestError};
 use fido_control::{ControlError, Received, Transport};
@@ -62,8 +63,6 @@ pub(crate) struct Link {
 struct LinkState {
     /// The current broker connection's number.
     epoch: u64,
-    /// The current broker connection exists and no transport has claimed it.
-    fresh: bool,
     /// The supervisor closed the port (read EOF): a `Hello` must come first.
     host_gone: bool,
     /// The host sent bytes that cannot be trusted: the stream is out of step
@@ -89,7 +88,6 @@ impl Link {
             wake: crate::vfio::vector_eventfd()?,
             state: Mutex::new(LinkState {
                 epoch: 0,
-                fresh: false,
                 host_gone: true,
                 broken: None,
             }),
@@ -200,7 +198,6 @@ impl Link {
         let mut st = self.state.lock();
         st.broken.get_or_insert(why.clone());
         st.epoch += 1;
-        st.fresh = false;
         io::Error::new(io::ErrorKind::InvalidData, why)
     }
 
@@ -208,7 +205,6 @@ impl Link {
     fn host_closed(&self) {
         let mut st = self.state.lock();
         st.epoch += 1;
-        st.fresh = false;
         st.host_gone = true;
     }
 
@@ -261,7 +257,6 @@ impl Link {
                     }
                     let mut st = self.state.lock();
                     st.epoch += 1;
-                    st.fresh = true;
                     st.host_gone = false;
                     return Ok(w);
                 }
@@ -279,8 +274,8 @@ impl Link {
         }
     }
 
-    /// Makes a transport for a fresh broker connection: the link's unclaimed
-    /// one, else one asked for with `Reconnect`.
+    /// Makes a transport for a fresh broker connection, asked for with
+    /// `Reconnect` (after a `Hello` first when the supervisor reopened the port).
     pub(crate) fn connect(&self, guest: &Arc<Guest>) -> fido_control::Result<Arc<dyn Transport>> {
         let mut pending = self.reader.lock();
         let (host_gone, broken) = {
@@ -303,17 +298,6 @@ impl Link {
                 return Err(ControlError::Unavailable(why));
             }
         }
-        {
-            let mut st = self.state.lock();
-            if st.fresh {
-                st.fresh = false;
-                return Ok(Arc::new(LinkTransport {
-                    guest: guest.clone(),
-                    epoch: st.epoch,
-                    closed: AtomicBool::new(false),
-                }));
-            }
-        }
         self.write_msg(&GuestMsg::Reconnect).map_err(|e| {
             ControlError::Unavailable(format!("asking for a broker connection: {e}"))
         })?;
@@ -326,7 +310,6 @@ impl Link {
                 Incoming::Msg(HostMsg::Reconnected) => {
                     let mut st = self.state.lock();
                     st.epoch += 1;
-                    st.fresh = false;
                     return Ok(Arc::new(LinkTransport {
                         guest: guest.clone(),
                         epoch: st.epoch,
@@ -588,7 +571,6 @@ impl Transport for LinkTransport {
                     let mut st = link.state.lock();
                     if st.epoch == self.epoch {
                         st.epoch += 1;
-                        st.fresh = false;
                     }
                     return Ok(Received::Closed);
                 }
@@ -672,6 +654,14 @@ pub(crate) mod tests {
         guest_and_host_in(Path::new("/nonexistent-sysfs"), welcome())
     }
 
+    /// A connect, with the host's answer to its `Reconnect` queued first.
+    fn connect(guest: &Arc<Guest>, host: &mut Host) -> Arc<dyn Transport> {
+        host.send(&HostMsg::Reconnected);
+        let t = guest.connector().connect().unwrap();
+        assert_eq!(host.recv(), GuestMsg::Reconnect);
+        t
+    }
+
     /// A guest over a socket pair whose other end the test holds, its PCI
     /// devices listed under `sysfs`.
     fn guest_and_host_in(sysfs: &Path, welcome: Welcome) -> (Arc<Guest>, Host, Arc<Recorder>) {
@@ -710,7 +700,7 @@ pub(crate) mod tests {
         let mut w = welcome();
         w.ports = vec!["0000:00:10.0".into()];
         let (guest, mut host, _) = guest_and_host_in(sys.path(), w);
-        let t = guest.connector().connect().unwrap();
+        let t = connect(&guest, &mut host);
         host.send(&HostMsg::Frame {
             frame: b"connected".to_vec(),
             handles: vec![Handle::Arena {
@@ -778,7 +768,7 @@ pub(crate) mod tests {
     #[test]
     fn frames_bells_and_handles_cross_the_link() {
         let (guest, mut host, recorder) = guest_and_host();
-        let t = guest.connector().connect().unwrap();
+        let t = connect(&guest, &mut host);
         assert!(t.passes_fds());
         let mut buf = vec![0u8; fido_proto::MAX_MESSAGE];
 
@@ -914,7 +904,7 @@ pub(crate) mod tests {
     fn broker_loss_and_reconnection() {
         let (guest, mut host, _) = guest_and_host();
         let connector = guest.connector();
-        let first = connector.connect().unwrap();
+        let first = connect(&guest, &mut host);
         let mut buf = vec![0u8; fido_proto::MAX_MESSAGE];
         host.send(&HostMsg::BrokerClosed);
         assert!(matches!(
@@ -1008,8 +998,8 @@ pub(crate) mod tests {
     /// says Hello again (and fails while nobody answers).
     #[test]
     fn a_closed_port_ends_the_connection_and_the_next_connect_says_hello() {
-        let (guest, host, _) = guest_and_host();
-        let t = guest.connector().connect().unwrap();
+        let (guest, mut host, _) = guest_and_host();
+        let t = connect(&guest, &mut host);
         let mut buf = vec![0u8; 256];
         // Half-close: the guest reads EOF but can still write its Hello.
         host.0.shutdown(std::net::Shutdown::Write).unwrap();
@@ -1062,7 +1052,7 @@ pub(crate) mod tests {
         let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
         for round in 0..200 {
             let (guest, mut host, _) = guest_and_host();
-            let t = guest.connector().connect().unwrap();
+            let t = connect(&guest, &mut host);
             let len = 1 + rng.below(64) as usize;
             let mut junk: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
             // Half the rounds: a plausible length prefix before the junk.
@@ -1099,7 +1089,7 @@ pub(crate) mod tests {
     fn hostile_messages_fail_only_their_frame() {
         let mut rng = Rng(0x2545_f491_4f6c_dd1d);
         let (guest, mut host, _) = guest_and_host();
-        let t = guest.connector().connect().unwrap();
+        let t = connect(&guest, &mut host);
         let mut buf = vec![0u8; fido_proto::MAX_MESSAGE];
         for round in 0..300 {
             let handle = |rng: &mut Rng| match rng.below(4) {

@@ -85,7 +85,8 @@ fn wait_rung(fd: BorrowedFd<'_>, timeout: Duration) -> bool {
 }
 
 /// The supervisor's end of the link: answers every Hello with the Welcome
-/// (each run of fido-guest-check opens the port afresh) and a `Status`
+/// (each run of fido-guest-check opens the port afresh), a `Reconnect`
+/// with `Reconnected`, and a `Status`
 /// request with a status reply carrying `handles`, then the hang-up of every
 /// liveness handle among them; returns how many Hellos it answered when QEMU
 /// closes the socket.
@@ -114,6 +115,10 @@ fn serve_link(
                 Ok(GuestMsg::Hello { .. }) => {
                     hellos += 1;
                     s.write_all(&encode_link(&HostMsg::Welcome(welcome.clone())).unwrap())
+                        .unwrap();
+                }
+                Ok(GuestMsg::Reconnect) => {
+                    s.write_all(&encode_link(&HostMsg::Reconnected).unwrap())
                         .unwrap();
                 }
                 Ok(GuestMsg::Frame { frame, bells }) => {
