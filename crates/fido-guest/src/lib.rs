@@ -87,6 +87,9 @@ pub struct Guest {
     vectors: Mutex<Vec<Vector>>,
     /// Random per process: what makes a ring token ours.
     ring_key: u64,
+    /// Where PCI devices are listed (`/sys/bus/pci/devices`; a fake tree in
+    /// this crate's unit tests).
+    sysfs: PathBuf,
 }
 
 impl std::fmt::Debug for Guest {
@@ -174,6 +177,7 @@ impl Guest {
             register,
             vectors: Mutex::new(vectors),
             ring_key: random_key(),
+            sysfs: PathBuf::from(pci::SYSFS_PCI_DEVICES),
         }))
     }
 
@@ -189,7 +193,7 @@ impl Guest {
     /// The VM's own arena BAR (`resource2` of `Welcome.arena`), opened
     /// read-write, and the arena's length (`Welcome.arena_len`).
     pub fn own_arena(&self) -> Result<(OwnedFd, u64), GuestError> {
-        let device = PciDevice::open(&self.welcome.arena)?;
+        let device = PciDevice::open_in(&self.sysfs, &self.welcome.arena)?;
         device.expect_ivshmem()?;
         let (fd, bar_len) = device.open_bar(IVSHMEM_MEMORY_BAR, true)?;
         if bar_len < self.welcome.arena_len {
@@ -201,11 +205,12 @@ impl Guest {
         Ok((fd, self.welcome.arena_len))
     }
 
-    /// A `Connect` for `fido_control::Session`. The first connect uses the
-    /// broker connection the link opened with; later ones (after
-    /// `BrokerClosed`, or a second session) send `Reconnect` and wait for
-    /// `Reconnected` / `BrokerDown`. After the supervisor closed and reopened
-    /// the port, a connect says `Hello` again and insists on the same devices.
+    /// A `Connect` for `fido_control::Session`. Each connect — the first of
+    /// the process too — sends `Reconnect` and waits for `Reconnected` (a
+    /// fresh broker connection) or `BrokerDown`: the supervisor's connection
+    /// may have carried an earlier process of this VM. After the supervisor
+    /// closed and reopened the port, a connect says `Hello` again first and
+    /// insists on the same devices.
     pub fn connector(self: &Arc<Self>) -> Arc<dyn fido_control::Connect> {
         Arc::new(GuestConnector {
             guest: self.clone(),
@@ -296,8 +301,30 @@ impl Guest {
         len: u64,
         timeout: Duration,
     ) -> Result<OwnedFd, GuestError> {
-        let port = PciDevice::open(root)?;
-        let device = port.wait_for_child(IVSHMEM_MEMORY_BAR, timeout)?;
+        self.open_peer_arena_ticking(root, len, timeout, Duration::MAX, &mut || {})
+    }
+
+    /// [`Guest::open_peer_arena`], calling `tick` every `every` while the
+    /// device has not appeared (the link transport keeps the broker session
+    /// alive with it).
+    pub(crate) fn open_peer_arena_ticking(
+        &self,
+        root: &str,
+        len: u64,
+        timeout: Duration,
+        every: Duration,
+        tick: &mut dyn FnMut(),
+    ) -> Result<OwnedFd, GuestError> {
+        let port = PciDevice::open_in(&self.sysfs, root)?;
+        let deadline = std::time::Instant::now() + timeout;
+        let device = loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match port.wait_for_child(IVSHMEM_MEMORY_BAR, left.min(every)) {
+                Ok(device) => break device,
+                Err(e) if left <= every => return Err(e),
+                Err(_) => tick(),
+            }
+        };
         device.expect_ivshmem()?;
         let (fd, bar_len) = device.open_bar(IVSHMEM_MEMORY_BAR, false)?;
         if bar_len < len {
@@ -329,6 +356,7 @@ pub(crate) fn guest_without_devices(
     port: OwnedFd,
     vectors: u16,
     register: Arc<dyn RingRegister>,
+    sysfs: &Path,
 ) -> Result<Arc<Guest>, GuestError> {
     let link = link::Link::new(port)?;
     let welcome = link.hello()?;
@@ -349,6 +377,7 @@ pub(crate) fn guest_without_devices(
         register,
         vectors: Mutex::new(vectors),
         ring_key: random_key(),
+        sysfs: sysfs.to_owned(),
     }))
 }
 

@@ -9,11 +9,12 @@
 //! pair whose other end is closed when the supervisor reports the hang-up.
 //!
 //! Connections to the broker come and go under one link: each is an *epoch*.
-//! The link's first broker connection is ready once the supervisor answered
-//! `Hello`; after `BrokerClosed` (or for a second session in the same
-//! process) a connect asks for a fresh one with `Reconnect`. A transport of an
-//! ended epoch only reports `Closed`, so a stale session can never read or
-//! write on its successor's connection.
+//! Every connect asks the supervisor for a fresh broker connection with
+//! `Reconnect` — the first one of a process too: the supervisor's connection
+//! may have served an earlier process of this VM (the port outlives
+//! processes), whose domain the broker must not see joined twice. A
+//! transport of an ended epoch only reports `Closed`, so a stale session can
+//! never read or write on its successor's connection.
 
 use crate::{Guest, GuestError};
 use fido_control::{ControlError, Received, Transport};
@@ -33,11 +34,15 @@ use std::time::{Duration, Instant};
 const SEND_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long the `Hello` and `Reconnect` exchanges may take.
 pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long a hot-plugged peer arena may take to appear (0.03–0.23 s idle).
-/// Bounded well below the broker's heartbeat window (6 × 500 ms): the wait
-/// runs on the session's reader thread, and a longer one got the domain
-/// declared hung; a device this late fails its one connection instead.
-const ARENA_APPEAR_TIMEOUT: Duration = Duration::from_millis(2500);
+/// How long a hot-plugged peer arena may take to appear (0.03–0.23 s on an
+/// idle machine; seconds on a loaded TCG guest). The wait runs on the
+/// session's reader thread, which also sends the heartbeats, so the
+/// transport sends them itself meanwhile ([`HEARTBEAT_WHILE_WAITING`]): a
+/// slow hot-plug must not get the domain declared hung by the broker.
+const ARENA_APPEAR_TIMEOUT: Duration = Duration::from_secs(20);
+/// Heartbeat period while waiting for a hot-plugged arena (the broker's
+/// window is several of its 500 ms intervals).
+const HEARTBEAT_WHILE_WAITING: Duration = Duration::from_millis(250);
 /// Bytes read from the port per system call.
 const READ_CHUNK: usize = 64 * 1024;
 
@@ -58,8 +63,6 @@ pub(crate) struct Link {
 struct LinkState {
     /// The current broker connection's number.
     epoch: u64,
-    /// The current broker connection exists and no transport has claimed it.
-    fresh: bool,
     /// The supervisor closed the port (read EOF): a `Hello` must come first.
     host_gone: bool,
     /// The host sent bytes that cannot be trusted: the stream is out of step
@@ -85,7 +88,6 @@ impl Link {
             wake: crate::vfio::vector_eventfd()?,
             state: Mutex::new(LinkState {
                 epoch: 0,
-                fresh: false,
                 host_gone: true,
                 broken: None,
             }),
@@ -196,7 +198,6 @@ impl Link {
         let mut st = self.state.lock();
         st.broken.get_or_insert(why.clone());
         st.epoch += 1;
-        st.fresh = false;
         io::Error::new(io::ErrorKind::InvalidData, why)
     }
 
@@ -204,7 +205,6 @@ impl Link {
     fn host_closed(&self) {
         let mut st = self.state.lock();
         st.epoch += 1;
-        st.fresh = false;
         st.host_gone = true;
     }
 
@@ -257,7 +257,6 @@ impl Link {
                     }
                     let mut st = self.state.lock();
                     st.epoch += 1;
-                    st.fresh = true;
                     st.host_gone = false;
                     return Ok(w);
                 }
@@ -275,8 +274,8 @@ impl Link {
         }
     }
 
-    /// Makes a transport for a fresh broker connection: the link's unclaimed
-    /// one, else one asked for with `Reconnect`.
+    /// Makes a transport for a fresh broker connection, asked for with
+    /// `Reconnect` (after a `Hello` first when the supervisor reopened the port).
     pub(crate) fn connect(&self, guest: &Arc<Guest>) -> fido_control::Result<Arc<dyn Transport>> {
         let mut pending = self.reader.lock();
         let (host_gone, broken) = {
@@ -299,17 +298,6 @@ impl Link {
                 return Err(ControlError::Unavailable(why));
             }
         }
-        {
-            let mut st = self.state.lock();
-            if st.fresh {
-                st.fresh = false;
-                return Ok(Arc::new(LinkTransport {
-                    guest: guest.clone(),
-                    epoch: st.epoch,
-                    closed: AtomicBool::new(false),
-                }));
-            }
-        }
         self.write_msg(&GuestMsg::Reconnect).map_err(|e| {
             ControlError::Unavailable(format!("asking for a broker connection: {e}"))
         })?;
@@ -322,7 +310,6 @@ impl Link {
                 Incoming::Msg(HostMsg::Reconnected) => {
                     let mut st = self.state.lock();
                     st.epoch += 1;
-                    st.fresh = false;
                     return Ok(Arc::new(LinkTransport {
                         guest: guest.clone(),
                         epoch: st.epoch,
@@ -400,6 +387,15 @@ impl LinkTransport {
         !self.closed.load(Ordering::Acquire) && self.guest.link().current(self.epoch)
     }
 
+    /// Sends a broker heartbeat on this connection (while the reader thread,
+    /// which normally sends them, waits for a device). Failures surface on
+    /// the next receive, as for the session's own heartbeats.
+    fn heartbeat(&self) {
+        if let Ok(frame) = fido_proto::encode(&fido_proto::ClientMsg::Heartbeat) {
+            let _ = self.send(&frame, &[]);
+        }
+    }
+
     /// Turns the handles beside a frame into descriptors, in order, or says
     /// why one cannot be used.
     fn materialise(&self, handles: &[Handle]) -> Result<Vec<OwnedFd>, String> {
@@ -420,8 +416,15 @@ impl LinkTransport {
                             welcome.max_peer_arena
                         ));
                     }
+                    let mut heartbeat = || self.heartbeat();
                     self.guest
-                        .open_peer_arena(root, len, ARENA_APPEAR_TIMEOUT)
+                        .open_peer_arena_ticking(
+                            root,
+                            len,
+                            ARENA_APPEAR_TIMEOUT,
+                            HEARTBEAT_WHILE_WAITING,
+                            &mut heartbeat,
+                        )
                         .map_err(|e| e.to_string())?
                 }
                 Handle::Ring { peer, vector } => {
@@ -568,7 +571,6 @@ impl Transport for LinkTransport {
                     let mut st = link.state.lock();
                     if st.epoch == self.epoch {
                         st.epoch += 1;
-                        st.fresh = false;
                     }
                     return Ok(Received::Closed);
                 }
@@ -594,6 +596,8 @@ pub(crate) mod tests {
     use fido_ring::doorbell::{RingEnd, RingRegister};
     use std::io::{Read, Write};
     use std::os::unix::net::UnixStream;
+    use std::path::Path;
+    use std::time::Instant;
 
     #[test]
     fn refusals_decode_as_the_broker_would_send_them() {
@@ -640,13 +644,27 @@ pub(crate) mod tests {
             doorbell: "0000:00:05.0".into(),
             vectors: 4,
             own_peer: 1,
-            ports: vec!["0000:00:10.0".into()],
+            ports: vec!["ffff:ff:1f.7".into()], // no such device on any host
             max_peer_arena: 1 << 30,
         }
     }
 
     /// A guest over a socket pair whose other end the test holds.
     fn guest_and_host() -> (Arc<Guest>, Host, Arc<Recorder>) {
+        guest_and_host_in(Path::new("/nonexistent-sysfs"), welcome())
+    }
+
+    /// A connect, with the host's answer to its `Reconnect` queued first.
+    fn connect(guest: &Arc<Guest>, host: &mut Host) -> Arc<dyn Transport> {
+        host.send(&HostMsg::Reconnected);
+        let t = guest.connector().connect().unwrap();
+        assert_eq!(host.recv(), GuestMsg::Reconnect);
+        t
+    }
+
+    /// A guest over a socket pair whose other end the test holds, its PCI
+    /// devices listed under `sysfs`.
+    fn guest_and_host_in(sysfs: &Path, welcome: Welcome) -> (Arc<Guest>, Host, Arc<Recorder>) {
         let (ours, theirs) = UnixStream::pair().unwrap();
         theirs
             .set_read_timeout(Some(Duration::from_secs(30)))
@@ -659,13 +677,74 @@ pub(crate) mod tests {
                     version: link::LINK_VERSION
                 }
             );
-            host.send(&HostMsg::Welcome(welcome()));
+            host.send(&HostMsg::Welcome(welcome));
             host
         });
         ours.set_nonblocking(true).unwrap();
         let recorder = Arc::new(Recorder::default());
-        let guest = crate::guest_without_devices(OwnedFd::from(ours), 4, recorder.clone()).unwrap();
+        let guest =
+            crate::guest_without_devices(OwnedFd::from(ours), 4, recorder.clone(), sysfs).unwrap();
         (guest, greeter.join().unwrap(), recorder)
+    }
+
+    /// A hot-plugged arena that takes long to appear: the transport waits
+    /// for it on the reader thread and sends the session's heartbeats
+    /// meanwhile, then hands over the BAR file.
+    #[test]
+    fn a_slow_hot_plug_keeps_the_session_alive() {
+        let sys = tempfile::tempdir().unwrap();
+        let port = sys.path().join("0000:00:10.0");
+        std::fs::create_dir(&port).unwrap();
+        std::fs::write(port.join("vendor"), "0x1b36\n").unwrap();
+        std::fs::write(port.join("device"), "0x000c\n").unwrap();
+        let mut w = welcome();
+        w.ports = vec!["0000:00:10.0".into()];
+        let (guest, mut host, _) = guest_and_host_in(sys.path(), w);
+        let t = connect(&guest, &mut host);
+        host.send(&HostMsg::Frame {
+            frame: b"connected".to_vec(),
+            handles: vec![Handle::Arena {
+                port: 0,
+                len: 1 << 20,
+            }],
+        });
+        let receiver = std::thread::spawn(move || {
+            let mut buf = vec![0u8; 64];
+            let (frame, fds) = recv_frame(&*t, &mut buf);
+            (frame, fds)
+        });
+        let heartbeat = fido_proto::encode(&fido_proto::ClientMsg::Heartbeat).unwrap();
+        for _ in 0..3 {
+            assert_eq!(
+                host.recv(),
+                GuestMsg::Frame {
+                    frame: heartbeat.clone(),
+                    bells: vec![]
+                }
+            );
+        }
+        // The device appears (`vendor` last: it makes the directory a device).
+        let child = port.join("0000:01:00.0");
+        std::fs::create_dir(&child).unwrap();
+        std::fs::write(child.join("device"), "0x1110\n").unwrap();
+        std::fs::write(
+            child.join("resource"),
+            "0x0 0xff 0x0\n0x0 0x0 0x0\n0x100000 0x1fffff 0x0\n",
+        )
+        .unwrap();
+        std::fs::write(child.join("resource2"), b"peer-bytes").unwrap();
+        std::fs::write(child.join("enable"), "1\n").unwrap();
+        std::fs::write(child.join("vendor"), "0x1af4\n").unwrap();
+        let (frame, fds) = receiver.join().unwrap();
+        assert_eq!(frame, b"connected");
+        assert_eq!(fds.len(), 1);
+        let mut head = [0u8; 10];
+        assert_eq!(rustix::io::pread(&fds[0], &mut head, 0).unwrap(), 10);
+        assert_eq!(&head, b"peer-bytes");
+        assert!(
+            rustix::io::pwrite(&fds[0], b"x", 0).is_err(),
+            "the peer's arena opened writable"
+        );
     }
 
     fn recv_frame(t: &dyn Transport, buf: &mut [u8]) -> (Vec<u8>, Vec<OwnedFd>) {
@@ -689,7 +768,7 @@ pub(crate) mod tests {
     #[test]
     fn frames_bells_and_handles_cross_the_link() {
         let (guest, mut host, recorder) = guest_and_host();
-        let t = guest.connector().connect().unwrap();
+        let t = connect(&guest, &mut host);
         assert!(t.passes_fds());
         let mut buf = vec![0u8; fido_proto::MAX_MESSAGE];
 
@@ -825,7 +904,7 @@ pub(crate) mod tests {
     fn broker_loss_and_reconnection() {
         let (guest, mut host, _) = guest_and_host();
         let connector = guest.connector();
-        let first = connector.connect().unwrap();
+        let first = connect(&guest, &mut host);
         let mut buf = vec![0u8; fido_proto::MAX_MESSAGE];
         host.send(&HostMsg::BrokerClosed);
         assert!(matches!(
@@ -919,8 +998,8 @@ pub(crate) mod tests {
     /// says Hello again (and fails while nobody answers).
     #[test]
     fn a_closed_port_ends_the_connection_and_the_next_connect_says_hello() {
-        let (guest, host, _) = guest_and_host();
-        let t = guest.connector().connect().unwrap();
+        let (guest, mut host, _) = guest_and_host();
+        let t = connect(&guest, &mut host);
         let mut buf = vec![0u8; 256];
         // Half-close: the guest reads EOF but can still write its Hello.
         host.0.shutdown(std::net::Shutdown::Write).unwrap();
@@ -949,5 +1028,138 @@ pub(crate) mod tests {
             .expect("nobody answered the Hello");
         h.join().unwrap();
         assert!(err.to_string().contains("closed"), "{err}");
+    }
+
+    /// A small deterministic generator for the hostile-host tests.
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        fn below(&mut self, n: u64) -> u64 {
+            self.next() % n
+        }
+    }
+
+    /// Random bytes from the host never panic or hang the guest: each
+    /// burst ends the link (an error, then `Closed`), and a later connect
+    /// is refused instead of reading out of step.
+    #[test]
+    fn hostile_bytes_end_the_link_cleanly() {
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        for round in 0..200 {
+            let (guest, mut host, _) = guest_and_host();
+            let t = connect(&guest, &mut host);
+            let len = 1 + rng.below(64) as usize;
+            let mut junk: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
+            // Half the rounds: a plausible length prefix before the junk.
+            if round % 2 == 0 {
+                let body_len = junk.len() as u32;
+                junk.splice(0..0, body_len.to_le_bytes());
+            }
+            host.0.write_all(&junk).unwrap();
+            let mut buf = vec![0u8; fido_proto::MAX_MESSAGE];
+            // Whatever the junk decodes to, the answer comes promptly.
+            let started = Instant::now();
+            let first = t.recv(&mut buf, Some(Duration::from_millis(200)));
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "round {round}: recv hung"
+            );
+            if first.is_err() {
+                assert!(matches!(
+                    t.recv(&mut buf, Some(Duration::ZERO)).unwrap(),
+                    Received::Closed
+                ));
+                assert!(
+                    guest.connector().connect().is_err(),
+                    "round {round}: a broken link connected"
+                );
+            }
+        }
+    }
+
+    /// Well-formed but hostile messages (random handles, tokens, ids,
+    /// hang-ups, answers out of place) fail at most their own frame: a good
+    /// frame after them still arrives, and no liveness end leaks.
+    #[test]
+    fn hostile_messages_fail_only_their_frame() {
+        let mut rng = Rng(0x2545_f491_4f6c_dd1d);
+        let (guest, mut host, _) = guest_and_host();
+        let t = connect(&guest, &mut host);
+        let mut buf = vec![0u8; fido_proto::MAX_MESSAGE];
+        for round in 0..300 {
+            let handle = |rng: &mut Rng| match rng.below(4) {
+                0 => Handle::Arena {
+                    port: rng.below(3) as u16,
+                    len: 1 << rng.below(40),
+                },
+                1 => Handle::Ring {
+                    peer: rng.next() as u16,
+                    vector: rng.below(8) as u16,
+                },
+                2 => Handle::Liveness {
+                    token: rng.below(4),
+                },
+                _ => Handle::Unsupported,
+            };
+            let msg = match rng.below(6) {
+                0 | 1 => {
+                    let handles = (0..rng.below(5)).map(|_| handle(&mut rng)).collect();
+                    let frame = if rng.below(2) == 0 {
+                        fido_proto::encode(&BrokerMsg::Reply {
+                            id: rng.next(),
+                            body: Ok(fido_proto::Reply::Ok),
+                        })
+                        .unwrap()
+                    } else {
+                        (0..rng.below(32)).map(|_| rng.next() as u8).collect()
+                    };
+                    HostMsg::Frame { frame, handles }
+                }
+                2 => HostMsg::Hangup {
+                    token: rng.below(6),
+                },
+                3 => HostMsg::Refused {
+                    id: if rng.below(2) == 0 {
+                        None
+                    } else {
+                        Some(rng.next())
+                    },
+                    reason: "no".into(),
+                },
+                4 => HostMsg::Reconnected,
+                _ => HostMsg::Welcome(welcome()),
+            };
+            host.send(&msg);
+            // Drain what it produced (frames, or nothing).
+            loop {
+                match t.recv(&mut buf, Some(Duration::from_millis(20))).unwrap() {
+                    Received::Frame { .. } => {}
+                    Received::Idle => break,
+                    Received::Closed => panic!("round {round}: {msg:?} closed the connection"),
+                }
+            }
+            // The liveness table holds only ends whose partner is open:
+            // every descriptor we received is dropped, so it empties.
+            host.send(&HostMsg::Frame {
+                frame: b"good".to_vec(),
+                handles: vec![],
+            });
+            assert_eq!(recv_frame(&*t, &mut buf).0, b"good", "round {round}");
+        }
+        host.send(&HostMsg::Frame {
+            frame: b"x".to_vec(),
+            handles: vec![Handle::Liveness { token: 1000 }],
+        });
+        drop(recv_frame(&*t, &mut buf));
+        assert_eq!(
+            guest.liveness_count(),
+            1,
+            "ends of dropped liveness sockets were not pruned"
+        );
     }
 }
