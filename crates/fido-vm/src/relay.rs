@@ -110,11 +110,18 @@ pub struct Relay {
     plugged: HashMap<(u32, DomainId), u16>,
     /// Liveness sockets by token.
     liveness: HashMap<u64, OwnedFd>,
+    /// Ids of requests the relay sent itself, whose answers it drops.
+    own_requests: HashSet<u64>,
+    next_own_request: u64,
     next_token: u64,
     /// The link is beyond repair (the guest broke the framing).
     broken: Option<String>,
     pub stats: RelayStats,
 }
+
+/// The relay's own request ids have the top bit set (a guest's session
+/// counts up from 1; a guest that uses such ids only loses its own answers).
+const OWN_REQUEST_IDS: u64 = 1 << 63;
 
 /// Requests a guest cannot make: they carry host descriptors.
 fn needs_host_fds(r: &Request) -> bool {
@@ -136,6 +143,8 @@ impl Relay {
             connecting: HashMap::new(),
             plugged: HashMap::new(),
             liveness: HashMap::new(),
+            own_requests: HashSet::new(),
+            next_own_request: 0,
             next_token: 1,
             broken: None,
             stats: RelayStats::default(),
@@ -259,6 +268,7 @@ impl Relay {
     fn drop_broker(&mut self) {
         self.broker = None;
         self.connecting.clear();
+        self.own_requests.clear();
     }
 
     fn guest_frame(&mut self, frame: &[u8], bells: Vec<u16>) {
@@ -407,22 +417,48 @@ impl Relay {
 
     fn broker_frame(&mut self, frame: Vec<u8>, fds: Vec<OwnedFd>) {
         let msg: Option<BrokerMsg> = fido_proto::decode(&frame).ok();
+        if let Some(BrokerMsg::Reply { id, .. }) = &msg {
+            // Answers to requests the relay made itself never reach the guest.
+            if self.own_requests.remove(id) {
+                return;
+            }
+        }
         let handles = match &msg {
             Some(BrokerMsg::Reply { id, body: Ok(Reply::Connected { conn, peer, .. }) }) if fds.len() == 4 => {
                 let vectors = self.connecting.remove(id).unwrap_or_default();
                 self.conns.entry(*conn).or_default().vectors = vectors;
-                self.connection_handles(*conn, (peer.slot, peer.domain, peer.arena_len), fds)
-            }
-            Some(BrokerMsg::Reply { id, body: Err(_) }) => {
-                self.connecting.remove(id);
-                unsupported(fds)
+                let handles = self.connection_handles(*conn, (peer.slot, peer.domain, peer.arena_len), fds);
+                if handles.contains(&Handle::Unsupported) {
+                    // The guest's connect fails on the unusable handle; the
+                    // connection ends here too, so its vectors and the
+                    // peer's side are freed.
+                    self.end_conn(*conn);
+                    self.own_request(Request::Close { conn: *conn });
+                }
+                handles
             }
             Some(BrokerMsg::Event(Event::Incoming { conn, peer, .. })) if fds.len() == 4 => {
-                self.connection_handles(*conn, (peer.slot, peer.domain, peer.arena_len), fds)
+                let handles = self.connection_handles(*conn, (peer.slot, peer.domain, peer.arena_len), fds);
+                if handles.contains(&Handle::Unsupported) {
+                    // The VM cannot take this connection (no port for the
+                    // peer's arena, no doorbell): refused here, the guest
+                    // never sees it.
+                    self.end_conn(*conn);
+                    let reason = format!("VM {}: cannot map the arena or doorbells of {} (see its supervisor's log)", self.identity.name, peer.name);
+                    self.own_request(Request::Refuse { conn: *conn, reason });
+                    return;
+                }
+                handles
             }
             Some(BrokerMsg::Reply { body: Ok(Reply::Grant { owner, slot, arena_len }), .. }) if fds.len() == 1 => {
                 let fd = fds.into_iter().next().expect("one");
                 vec![self.arena_handle((*slot, *owner, *arena_len), fd)]
+            }
+            Some(BrokerMsg::Reply { id, .. }) => {
+                // Any other answer to a Connect (refused, or malformed) ends
+                // what the relay reserved for it.
+                self.connecting.remove(id);
+                unsupported(fds)
             }
             Some(BrokerMsg::Event(Event::PeerGone { conn: Some(conn), .. })) | Some(BrokerMsg::Event(Event::Closed { conn })) => {
                 // The peer is gone: take its doorbells away from QEMU now.
@@ -439,6 +475,20 @@ impl Relay {
             _ => unsupported(fds),
         };
         self.send_guest(&HostMsg::Frame { frame, handles });
+    }
+
+    /// Sends a request of the relay's own (closing or refusing what the
+    /// guest cannot use); its answer is dropped.
+    fn own_request(&mut self, body: Request) {
+        let id = OWN_REQUEST_IDS | self.next_own_request;
+        self.next_own_request = (self.next_own_request + 1) & !OWN_REQUEST_IDS;
+        match fido_proto::encode(&ClientMsg::Request { id, body }) {
+            Ok(frame) => {
+                self.own_requests.insert(id);
+                self.forward(frame, Vec::new());
+            }
+            Err(e) => tracing::warn!("cannot encode a request of the relay's: {e}"),
+        }
     }
 
     /// Handles for a connection's four descriptors: arena, data bell, space
