@@ -611,3 +611,274 @@ impl Relay {
 fn unsupported(fds: Vec<OwnedFd>) -> Vec<Handle> {
     fds.into_iter().map(|_| Handle::Unsupported).collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use fido_proto::{PeerInfo, PgvasGeometry, RingBlock};
+    use rustix::net::{socketpair, AddressFamily, SocketFlags, SocketType};
+    use std::cell::RefCell;
+    use std::rc::Rc;
+
+    /// What the fake devices were asked to do.
+    #[derive(Default)]
+    struct Log {
+        plugged: Vec<u16>,
+        unplugged: Vec<u16>,
+        bells: Vec<u16>,
+        removed_bells: Vec<u16>,
+        fail_plug: bool,
+    }
+
+    struct FakeDevices(Rc<RefCell<Log>>, Vec<OwnedFd>);
+
+    impl Devices for FakeDevices {
+        fn plug_arena(&mut self, _fd: OwnedFd, _len: u64) -> io::Result<u16> {
+            let mut l = self.0.borrow_mut();
+            if l.fail_plug {
+                return Err(io::Error::other("no free port"));
+            }
+            let port = l.plugged.len() as u16;
+            l.plugged.push(port);
+            Ok(port)
+        }
+        fn unplug_arena(&mut self, port: u16) -> io::Result<()> {
+            self.0.borrow_mut().unplugged.push(port);
+            Ok(())
+        }
+        fn add_peer_bell(&mut self, _fd: OwnedFd) -> io::Result<u16> {
+            let mut l = self.0.borrow_mut();
+            let id = 1 + l.bells.len() as u16;
+            l.bells.push(id);
+            Ok(id)
+        }
+        fn remove_peer_bell(&mut self, id: u16) {
+            self.0.borrow_mut().removed_bells.push(id);
+        }
+        fn own_ring_end(&self, vector: u16) -> io::Result<OwnedFd> {
+            Ok(rustix::io::fcntl_dupfd_cloexec(&self.1[vector as usize % self.1.len()], 0)?)
+        }
+        fn hostile_peer_bells(&mut self) -> Vec<u16> {
+            Vec::new()
+        }
+        fn guest_port_closed(&mut self) -> bool {
+            false
+        }
+    }
+
+    /// The broker's end of the relay's connection, as a test sees it.
+    struct FakeLine(RefCell<Option<OwnedFd>>);
+
+    impl BrokerLine for FakeLine {
+        fn connect(&self) -> io::Result<OwnedFd> {
+            self.0.borrow_mut().take().ok_or_else(|| io::Error::other("one connection only"))
+        }
+    }
+
+    struct World {
+        relay: Relay,
+        log: Rc<RefCell<Log>>,
+        broker: OwnedFd,
+        arena: OwnedFd,
+    }
+
+    fn memfd(len: u64) -> OwnedFd {
+        let fd = rustix::fs::memfd_create("relay-test", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        rustix::fs::ftruncate(&fd, len).unwrap();
+        fd
+    }
+
+    fn world() -> World {
+        let (relay_end, broker) = socketpair(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC | SocketFlags::NONBLOCK, None).unwrap();
+        let log = Rc::new(RefCell::new(Log::default()));
+        let ring_ends = (0..2).map(|_| memfd(1)).collect();
+        let welcome = Welcome {
+            version: link::LINK_VERSION,
+            arena: "0000:00:04.0".into(),
+            arena_len: 1 << 20,
+            doorbell: "0000:00:05.0".into(),
+            vectors: 8,
+            own_peer: 0,
+            ports: vec!["0000:00:10.0".into(), "0000:00:10.1".into()],
+            max_peer_arena: 1 << 30,
+        };
+        let arena = memfd(1 << 20);
+        let identity = Identity { name: "vm1".into(), arena_ro: rustix::io::fcntl_dupfd_cloexec(&arena, 0).unwrap(), arena_len: 1 << 20 };
+        let relay = Relay::new(welcome, identity, Limits { connections: 3 }, Box::new(FakeDevices(log.clone(), ring_ends)), Box::new(FakeLine(RefCell::new(Some(relay_end)))));
+        World { relay, log, broker, arena }
+    }
+
+    impl World {
+        fn guest(&mut self, msg: &GuestMsg) {
+            let bytes = link::encode_link(msg).unwrap();
+            self.relay.guest_bytes(&bytes);
+        }
+        fn request(&mut self, id: u64, body: Request, bells: Vec<u16>) {
+            let frame = fido_proto::encode(&ClientMsg::Request { id, body }).unwrap();
+            self.guest(&GuestMsg::Frame { frame, bells });
+        }
+        /// What reached the broker: (request, number of descriptors).
+        fn at_broker(&mut self) -> Vec<(ClientMsg, usize)> {
+            let mut out = Vec::new();
+            let mut buf = vec![0u8; fido_proto::MAX_MESSAGE];
+            while let Ok(wire::Recv::Msg { len, fds, .. }) = wire::recv(self.broker.as_fd(), &mut buf) {
+                out.push((fido_proto::decode::<ClientMsg>(&buf[..len]).unwrap(), fds.len()));
+            }
+            out
+        }
+        fn from_broker(&mut self, msg: &BrokerMsg, fds: Vec<OwnedFd>) {
+            wire::send(self.broker.as_fd(), &fido_proto::encode(msg).unwrap(), &fds).unwrap();
+            self.relay.broker_readable();
+        }
+        /// What reached the guest, decoded.
+        fn at_guest(&mut self) -> Vec<HostMsg> {
+            let mut out = Vec::new();
+            let bytes = self.relay.outbox().to_vec();
+            self.relay.consumed_outbox(bytes.len());
+            let mut rest = &bytes[..];
+            while rest.len() >= 4 {
+                let n = link::link_len(rest[..4].try_into().unwrap()).unwrap();
+                out.push(link::decode_host(&rest[4..4 + n]).unwrap());
+                rest = &rest[4 + n..];
+            }
+            out
+        }
+        fn four_fds(&self) -> Vec<OwnedFd> {
+            let (a, b) = socketpair(AddressFamily::UNIX, SocketType::STREAM, SocketFlags::CLOEXEC, None).unwrap();
+            vec![rustix::io::fcntl_dupfd_cloexec(&self.arena, 0).unwrap(), a, b, memfd(1)]
+        }
+    }
+
+    fn peer() -> PeerInfo {
+        PeerInfo { domain: 7, name: "host-peer".into(), slot: 3, arena_len: 1 << 20, uid: 0, pid: 1 }
+    }
+
+    const BLOCK: RingBlock = RingBlock { offset: 0, len: 4096, entries: 8 };
+
+    #[test]
+    fn join_carries_the_vms_arena_and_name_whatever_the_guest_says() {
+        let mut w = world();
+        w.guest(&GuestMsg::Hello { version: link::LINK_VERSION });
+        assert!(matches!(w.at_guest()[..], [HostMsg::Welcome(_)]));
+        w.request(1, Request::Join { name: "web".into(), label: Some("admin".into()), arena_len: 1 << 20, resume: None }, vec![]);
+        let got = w.at_broker();
+        assert_eq!(got.len(), 1);
+        match &got[0] {
+            (ClientMsg::Request { body: Request::Join { label, .. }, .. }, 1) => assert_eq!(label.as_deref(), Some("vm1")),
+            other => panic!("{other:?}"),
+        }
+        // Another arena length is refused without reaching the broker.
+        w.request(2, Request::Join { name: "web".into(), label: None, arena_len: 2 << 20, resume: None }, vec![]);
+        assert!(w.at_broker().is_empty());
+        assert!(matches!(&w.at_guest()[..], [HostMsg::Frame { .. }]));
+    }
+
+    #[test]
+    fn host_descriptor_requests_and_bad_vectors_are_refused_here() {
+        let mut w = world();
+        w.request(1, Request::PipeCreate, vec![]);
+        w.request(2, Request::Connect { service: "s".into(), block: BLOCK }, vec![0, 1]);
+        w.request(3, Request::Connect { service: "s".into(), block: BLOCK }, vec![9, 1]);
+        w.request(4, Request::Connect { service: "s".into(), block: BLOCK }, vec![2, 2]);
+        w.request(5, Request::Connect { service: "s".into(), block: BLOCK }, vec![2]);
+        w.request(6, Request::Status, vec![3]);
+        assert!(w.at_broker().is_empty(), "nothing reached the broker");
+        let replies = w.at_guest();
+        assert_eq!(replies.len(), 6);
+        for r in replies {
+            let HostMsg::Frame { frame, handles } = r else { panic!("{r:?}") };
+            assert!(handles.is_empty());
+            assert!(matches!(fido_proto::decode::<BrokerMsg>(&frame).unwrap(), BrokerMsg::Reply { body: Err(_), .. }));
+        }
+        assert_eq!(w.relay.stats.refused, 6);
+    }
+
+    #[test]
+    fn a_connection_becomes_handles_and_its_vectors_are_held_until_closed() {
+        let mut w = world();
+        w.request(1, Request::Connect { service: "s".into(), block: BLOCK }, vec![1, 2]);
+        assert!(matches!(w.at_broker()[..], [(ClientMsg::Request { body: Request::Connect { .. }, .. }, 2)]));
+        // The same vectors again, while the first connect is pending: refused.
+        w.request(2, Request::Connect { service: "s".into(), block: BLOCK }, vec![2, 3]);
+        assert!(w.at_broker().is_empty());
+        w.at_guest();
+        let fds = w.four_fds();
+        w.from_broker(&BrokerMsg::Reply { id: 1, body: Ok(Reply::Connected { conn: 11, peer: peer(), block: BLOCK }) }, fds);
+        let got = w.at_guest();
+        let [HostMsg::Frame { handles, .. }] = &got[..] else { panic!("{got:?}") };
+        assert!(matches!(handles[..], [Handle::Arena { port: 0, .. }, Handle::Ring { .. }, Handle::Ring { .. }, Handle::Liveness { .. }]), "{handles:?}");
+        assert_eq!(w.relay.connections(), 1);
+        // The peer's arena is plugged once, however many connections use it.
+        w.request(3, Request::Connect { service: "s".into(), block: BLOCK }, vec![3, 4]);
+        w.at_broker();
+        let fds = w.four_fds();
+        w.from_broker(&BrokerMsg::Reply { id: 3, body: Ok(Reply::Connected { conn: 12, peer: peer(), block: BLOCK }) }, fds);
+        w.at_guest();
+        assert_eq!(w.log.borrow().plugged.len(), 1);
+        // Closing frees the vectors and takes the peer's bells from QEMU.
+        w.request(4, Request::Close { conn: 11 }, vec![]);
+        assert_eq!(w.log.borrow().removed_bells.len(), 2);
+        w.request(5, Request::Connect { service: "s".into(), block: BLOCK }, vec![1, 2]);
+        assert!(matches!(w.at_broker()[..], [_, (ClientMsg::Request { body: Request::Connect { .. }, .. }, 2)]));
+        // Unmapped unplugs the arena.
+        w.request(6, Request::Unmapped { slot: 3, owner: 7 }, vec![]);
+        assert_eq!(w.log.borrow().unplugged, vec![0]);
+    }
+
+    #[test]
+    fn a_connection_the_vm_cannot_map_is_ended_by_the_relay() {
+        let mut w = world();
+        w.log.borrow_mut().fail_plug = true;
+        // Our connect: the guest gets Unsupported, the broker a Close, and
+        // the vectors are free again.
+        w.request(1, Request::Connect { service: "s".into(), block: BLOCK }, vec![1, 2]);
+        w.at_broker();
+        let fds = w.four_fds();
+        w.from_broker(&BrokerMsg::Reply { id: 1, body: Ok(Reply::Connected { conn: 21, peer: peer(), block: BLOCK }) }, fds);
+        let got = w.at_guest();
+        let [HostMsg::Frame { handles, .. }] = &got[..] else { panic!("{got:?}") };
+        assert_eq!(handles[0], Handle::Unsupported);
+        let sent = w.at_broker();
+        assert!(matches!(sent[..], [(ClientMsg::Request { id, body: Request::Close { conn: 21 } }, 0)] if id & OWN_REQUEST_IDS != 0), "{sent:?}");
+        assert_eq!(w.relay.connections(), 0);
+        // Its answer stays with the relay.
+        let own = match sent[0].0 { ClientMsg::Request { id, .. } => id, _ => unreachable!() };
+        w.from_broker(&BrokerMsg::Reply { id: own, body: Ok(Reply::Ok) }, vec![]);
+        assert!(w.at_guest().is_empty());
+        // Someone connecting to us: refused here, the guest never hears of it.
+        let fds = w.four_fds();
+        w.from_broker(&BrokerMsg::Event(Event::Incoming { conn: 22, service: "mine".into(), peer: peer(), block: BLOCK }), fds);
+        assert!(w.at_guest().is_empty());
+        assert!(matches!(w.at_broker()[..], [(ClientMsg::Request { body: Request::Refuse { conn: 22, .. }, .. }, 0)]));
+        // The vectors were freed: the guest can use them.
+        w.request(2, Request::Connect { service: "s".into(), block: BLOCK }, vec![1, 2]);
+        assert_eq!(w.at_broker().len(), 1);
+        let _ = PgvasGeometry::DEFAULT;
+    }
+
+    #[test]
+    fn a_new_guest_session_ends_the_old_one() {
+        let mut w = world();
+        w.request(1, Request::Connect { service: "s".into(), block: BLOCK }, vec![1, 2]);
+        w.at_broker();
+        let fds = w.four_fds();
+        w.from_broker(&BrokerMsg::Reply { id: 1, body: Ok(Reply::Connected { conn: 31, peer: peer(), block: BLOCK }) }, fds);
+        w.at_guest();
+        assert!(w.relay.broker_fd().is_some());
+        w.guest(&GuestMsg::Hello { version: link::LINK_VERSION });
+        assert!(w.relay.broker_fd().is_none(), "the old session's broker connection is closed");
+        assert_eq!(w.relay.connections(), 0);
+        assert_eq!(w.log.borrow().unplugged, vec![0]);
+        assert_eq!(w.log.borrow().removed_bells.len(), 2);
+    }
+
+    #[test]
+    fn garbage_on_the_link_breaks_it_and_nothing_after_is_processed() {
+        let mut w = world();
+        w.relay.guest_bytes(&[0xff, 0xff, 0xff, 0xff, 1, 2, 3]);
+        assert!(w.relay.broken().is_some());
+        w.request(1, Request::Status, vec![]);
+        assert!(w.at_broker().is_empty());
+        assert!(w.at_guest().is_empty());
+    }
+}
