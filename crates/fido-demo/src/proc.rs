@@ -139,6 +139,11 @@ impl Kid {
         self.child.as_ref().map(|c| c.id()).unwrap_or(0)
     }
 
+    /// The helper's exit status if it has exited (it is reaped then).
+    pub fn exited(&mut self) -> Option<ExitStatus> {
+        self.child.as_mut().and_then(|c| c.try_wait().ok().flatten())
+    }
+
     /// The next non-empty stdout line, waiting until `deadline` (and failing on
     /// interrupt, EOF or the deadline).
     pub fn next_line(&mut self, deadline: Instant) -> anyhow::Result<String> {
