@@ -267,8 +267,9 @@ impl GuestVm {
             };
             // A kernel message may precede an event on its line.
             let parsed = line
-                .find("{\"event\"")
-                .and_then(|at| serde_json::from_str::<Value>(&line[at..]).ok());
+                .find('{')
+                .and_then(|at| serde_json::from_str::<Value>(&line[at..]).ok())
+                .filter(|v| v.get("event").is_some_and(Value::is_string));
             match parsed {
                 Some(v) if v["event"] == event => return Ok(v),
                 Some(v) => bail!("VM {}: expected a `{event}` event, got {v}{}", self.name, self.said()),
@@ -444,14 +445,16 @@ pub fn run(a: VmDemoArgs) -> anyhow::Result<bool> {
     // ---- TCP over virtio-net, between the same VMs.
     let tcp = run_tcp(&spec, &pings, &mut vm1, &mut vm2, &sink_tcp, &source_tcp, &vm_names);
     proc::check_interrupt()?;
-    if tcp.is_err() {
+    let powered_off = if tcp.is_err() {
         // The guests may still wait in a role; they go with their supervisors.
         drop((vm1, vm2));
+        Err(anyhow::anyhow!("stopped (killed) after the TCP comparison failed"))
     } else {
         // Their scripts are done: the guests power off.
-        vm1.finish(Duration::from_secs(60))?;
-        vm2.finish(Duration::from_secs(60))?;
-    }
+        let first = vm1.finish(Duration::from_secs(60));
+        let second = vm2.finish(Duration::from_secs(60));
+        first.and(second)
+    };
     broker.stop()?;
     dir.close().context("removing the demo's temporary directory")?;
     let elapsed = t0.elapsed();
@@ -521,12 +524,20 @@ pub fn run(a: VmDemoArgs) -> anyhow::Result<bool> {
         ),
         Err(e) => checks.push(("TCP comparison".into(), false, format!("{e:#}"))),
     }
+    checks.push((
+        "VMs powered off".into(),
+        powered_off.is_ok(),
+        match &powered_off {
+            Ok(()) => "both guests ended their scripts and powered off; their supervisors exited cleanly".into(),
+            Err(e) => format!("{e:#}"),
+        },
+    ));
     for (what, ok, detail) in &checks {
         say!("  [{}] {what}: {detail}", if *ok { " ok " } else { "FAIL" });
     }
     let ok = checks.iter().all(|(_, ok, _)| *ok);
     say!(
-        "VMs {} and {} powered off, broker stopped ({:.1} s in all)",
+        "VMs {} and {} gone, broker stopped ({:.1} s in all)",
         vm_names[0],
         vm_names[1],
         elapsed.as_secs_f64()
