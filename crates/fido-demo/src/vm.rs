@@ -18,10 +18,13 @@
 //!   forwarder connects only once its downstream listens);
 //! * the host roles (source and sink) as `fido demo` runs them.
 //!
-//! The TCP baseline uses QEMU's user-mode network (each VM's virtio-net
-//! card behind QEMU's own TCP/IP stack, a `hostfwd` from 127.0.0.1 to the
-//! guest's port and the guest reaching the host's loopback at 10.0.2.2): it
-//! needs no privilege and never touches an outside address.
+//! The TCP baseline gives each VM a virtio-net card on a tap, both taps on a
+//! Linux bridge in a network namespace the demo creates (and deletes), where
+//! the host's TCP roles run too: the fastest plain set-up, and nothing of
+//! the machine's own network is touched. That needs root; otherwise it falls
+//! back, saying so, to QEMU's user-mode network (each card behind QEMU's
+//! own TCP/IP stack, a `hostfwd` from 127.0.0.1 to the guest's port, the
+//! guest reaching the host's loopback at 10.0.2.2). Never an outside address.
 //!
 //! What it must never do: leave a VM running (each `fido vm run` child is
 //! killed and reaped on every path, QEMU dies with it), or print a figure
@@ -48,6 +51,11 @@ const GUEST_TCP_PORT: u16 = 7001;
 const HOST_FROM_GUEST: &str = "10.0.2.2";
 /// The guest's address on it (QEMU's default, where `hostfwd` delivers).
 const GUEST_ADDR: &str = "10.0.2.15/24";
+/// The bridge's subnet in the demo's network namespace: the host roles at
+/// .1, VM i at .10+i. Private, and in a namespace with no other interface.
+const BRIDGE_NET: &str = "10.77.0";
+/// The TCP sink's port on the bridge.
+const BRIDGE_SINK_PORT: u16 = 7000;
 /// Ring entries per hop, as `fido demo`.
 const RING_ENTRIES: u32 = 64;
 /// How long two VMs may take to boot together (TCG on a loaded 2-core
@@ -139,6 +147,143 @@ fn free_port() -> anyhow::Result<u16> {
     Ok(l.local_addr()?.port())
 }
 
+/// Runs `ip ARGS`, failing with its message.
+fn ip(args: &[&str]) -> anyhow::Result<()> {
+    let out = std::process::Command::new("ip")
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .context("running ip (iproute2)")?;
+    if !out.status.success() {
+        bail!("ip {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim());
+    }
+    Ok(())
+}
+
+/// A network namespace of the demo's own holding a bridge: the VMs' taps
+/// and the host's TCP roles live there, so nothing the demo does touches the
+/// machine's own network. Deleted when dropped.
+struct Netns {
+    name: String,
+}
+
+impl Netns {
+    fn create(name: &str) -> anyhow::Result<Netns> {
+        ip(&["netns", "add", name])?;
+        let ns = Netns { name: name.to_string() };
+        let bridge_addr = format!("{BRIDGE_NET}.1/24");
+        ip(&["-n", name, "link", "set", "lo", "up"])?;
+        ip(&["-n", name, "link", "add", "br0", "type", "bridge"])?;
+        ip(&["-n", name, "addr", "add", &bridge_addr, "dev", "br0"])?;
+        ip(&["-n", name, "link", "set", "br0", "up"])?;
+        Ok(ns)
+    }
+
+    /// Puts a tap QEMU made in the namespace on the bridge.
+    fn attach(&self, tap: &str) -> anyhow::Result<()> {
+        ip(&["-n", &self.name, "link", "set", tap, "master", "br0"])?;
+        ip(&["-n", &self.name, "link", "set", tap, "up"])
+    }
+
+    /// The command prefix that runs a program inside.
+    fn wrapper(&self) -> Vec<String> {
+        ["ip", "netns", "exec", &self.name].map(String::from).to_vec()
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        if let Err(e) = ip(&["netns", "del", &self.name]) {
+            eprintln!("fido demo --vm: {e:#}");
+        }
+    }
+}
+
+/// How the TCP baseline's packets travel.
+enum Net {
+    /// A tap per VM on a bridge in a namespace of our own (needs root).
+    Bridge(Netns),
+    /// QEMU's user-mode network: 127.0.0.1:`ports[i]` forwarded to VM i's
+    /// port, the sink on 127.0.0.1:`ports[2]`.
+    User { ports: [u16; 3] },
+}
+
+impl Net {
+    fn choose(run: u32) -> anyhow::Result<(Net, String)> {
+        let why_not = if !rustix::process::getuid().is_root() {
+            "not root".to_string()
+        } else {
+            match Netns::create(&format!("fido-demo-{run}")) {
+                Ok(ns) => return Ok((Net::Bridge(ns), "a tap per VM on a bridge in a network namespace of the demo's own".into())),
+                Err(e) => format!("{e:#}"),
+            }
+        };
+        let ports = [free_port()?, free_port()?, free_port()?];
+        Ok((Net::User { ports }, format!("QEMU's user-mode network (a tap on a bridge needs a network namespace: {why_not})")))
+    }
+
+    /// Where host roles run.
+    fn wrapper(&self) -> Vec<String> {
+        match self {
+            Net::Bridge(ns) => ns.wrapper(),
+            Net::User { .. } => Vec::new(),
+        }
+    }
+
+    /// VM `i`'s (0 or 1) address, `fido vm run` options and its wrapper.
+    fn vm(&self, i: usize) -> (String, Vec<String>) {
+        match self {
+            Net::Bridge(_) => (
+                format!("{BRIDGE_NET}.{}/24", 11 + i),
+                vec![
+                    "--".into(),
+                    "-netdev".into(),
+                    format!("tap,id=demo-net,ifname={},script=no,downscript=no", Self::tap(i)),
+                    "-device".into(),
+                    format!("virtio-net-pci,netdev=demo-net,mac=52:54:00:fd:00:{:02x},romfile=", i + 1),
+                ],
+            ),
+            Net::User { ports } => (GUEST_ADDR.into(), vec!["--nic".into(), format!("user:{}-{GUEST_TCP_PORT}", ports[i])]),
+        }
+    }
+
+    fn tap(i: usize) -> String {
+        format!("demotap{}", i + 1)
+    }
+
+    /// Where VM `i`'s forwarder connects (the next VM, or the sink).
+    fn downstream_of_vm(&self, i: usize) -> Endpoint {
+        Endpoint::Tcp(match (self, i) {
+            (Net::Bridge(_), 0) => format!("{BRIDGE_NET}.12:{GUEST_TCP_PORT}"),
+            (Net::Bridge(_), _) => format!("{BRIDGE_NET}.1:{BRIDGE_SINK_PORT}"),
+            (Net::User { ports }, i) => format!("{HOST_FROM_GUEST}:{}", ports[i + 1]),
+        })
+    }
+
+    /// Where the source connects (VM 1's forwarder).
+    fn source_down(&self) -> Endpoint {
+        Endpoint::Tcp(match self {
+            Net::Bridge(_) => format!("{BRIDGE_NET}.11:{GUEST_TCP_PORT}"),
+            Net::User { ports } => format!("127.0.0.1:{}", ports[0]),
+        })
+    }
+
+    /// Where the sink listens.
+    fn sink_up(&self) -> Endpoint {
+        Endpoint::Tcp(match self {
+            Net::Bridge(_) => format!("{BRIDGE_NET}.1:{BRIDGE_SINK_PORT}"),
+            Net::User { ports } => format!("127.0.0.1:{}", ports[2]),
+        })
+    }
+
+    fn describe_path(&self) -> &'static str {
+        match self {
+            Net::Bridge(_) => "its virtio-net card, a tap and a Linux bridge (in the demo's network namespace)",
+            Net::User { .. } => "its virtio-net card and QEMU's user-mode network (to 10.0.2.2 = the host's loopback, where QEMU forwards to the next VM)",
+        }
+    }
+}
+
 /// A console line, or the console closing (`None`).
 type Line = Option<String>;
 
@@ -155,20 +300,22 @@ struct GuestVm {
 }
 
 impl GuestVm {
-    /// Starts `fido vm run NAME` with the image, running `script` in the
-    /// guest, its console on a socket in `dir`, `host_port` forwarded to the
-    /// guest's TCP port.
+    /// Starts `fido vm run NAME` with the image (through `wrapper`), running
+    /// `script` in the guest, its console on a socket in `dir`, its network
+    /// as `net` says for VM `index`.
     fn boot(
         name: &str,
         image: &Image,
         script: &str,
         dir: &Path,
         broker: &Path,
-        host_port: u16,
+        net: &Net,
+        index: usize,
     ) -> anyhow::Result<GuestVm> {
         let console_path = dir.join(format!("{name}.console"));
+        let (guest_addr, net_args) = net.vm(index);
         let append = format!(
-            "{} fido.hostname={name} fido.ip={GUEST_ADDR} fido.run=\"{script}\"",
+            "{} fido.hostname={name} fido.ip={guest_addr} fido.run=\"{script}\"",
             image.cmdline
         );
         let path = |p: &Path| p.display().to_string();
@@ -186,10 +333,9 @@ impl GuestVm {
             path(&console_path),
             "--socket".into(),
             path(broker),
-            "--nic".into(),
-            format!("user:{host_port}-{GUEST_TCP_PORT}"),
         ];
-        let mut supervisor = Kid::spawn(&args, broker)?;
+        let args: Vec<String> = args.into_iter().chain(net_args).collect();
+        let mut supervisor = Kid::spawn_wrapped(&net.wrapper(), &args, Some(broker))?;
         // QEMU makes the console socket as it starts; the kernel prints
         // nothing we need for seconds after that.
         let deadline = Instant::now() + READY_TIMEOUT;
@@ -383,14 +529,13 @@ pub fn run(a: VmDemoArgs) -> anyhow::Result<bool> {
     ]);
     source_fido.extend(pings.args());
 
-    // TCP: 127.0.0.1:port1 → VM 1, :port2 → VM 2, the sink on :port3.
-    let (port1, port2, port3) = (free_port()?, free_port()?, free_port()?);
+    let (net, net_why) = Net::choose(run)?;
     let guest_listen = Endpoint::Tcp(format!("0.0.0.0:{GUEST_TCP_PORT}"));
-    let fwd1_tcp = uds::forwarder_args(&spec, &guest_listen, &Endpoint::Tcp(format!("{HOST_FROM_GUEST}:{port2}")));
-    let fwd2_tcp = uds::forwarder_args(&spec, &guest_listen, &Endpoint::Tcp(format!("{HOST_FROM_GUEST}:{port3}")));
+    let fwd1_tcp = uds::forwarder_args(&spec, &guest_listen, &net.downstream_of_vm(0));
+    let fwd2_tcp = uds::forwarder_args(&spec, &guest_listen, &net.downstream_of_vm(1));
     let tcp_ack = Endpoint::Unix(dir.path().join("ack.sock"));
-    let sink_tcp = uds::sink_args(&spec, &Endpoint::Tcp(format!("127.0.0.1:{port3}")), Some(tcp_ack.clone()));
-    let source_tcp = uds::source_args(&spec, &Endpoint::Tcp(format!("127.0.0.1:{port1}")), Some((&pings, tcp_ack)));
+    let sink_tcp = uds::sink_args(&spec, &net.sink_up(), Some(tcp_ack.clone()));
+    let source_tcp = uds::source_args(&spec, &net.source_down(), Some((&pings, tcp_ack)));
 
     say!(
         "fido demo --vm: source (host) → fwd1 (VM {}) → fwd2 (VM {}) → sink (host), {} messages, {:.1} s measured after {:.2} s warm-up",
@@ -408,8 +553,14 @@ pub fn run(a: VmDemoArgs) -> anyhow::Result<bool> {
     );
     let t0 = Instant::now();
     say!("booting the two VMs (the accelerator `fido vm run` chose is on the lines it prints)...");
-    let mut vm1 = GuestVm::boot(&vm_names[0], &image, &guest_script(&fwd1_fido, &fwd1_tcp), dir.path(), &broker_path, port1)?;
-    let mut vm2 = GuestVm::boot(&vm_names[1], &image, &guest_script(&fwd2_fido, &fwd2_tcp), dir.path(), &broker_path, port2)?;
+    say!("  TCP network: {net_why}");
+    let mut vm1 = GuestVm::boot(&vm_names[0], &image, &guest_script(&fwd1_fido, &fwd1_tcp), dir.path(), &broker_path, &net, 0)?;
+    let mut vm2 = GuestVm::boot(&vm_names[1], &image, &guest_script(&fwd2_fido, &fwd2_tcp), dir.path(), &broker_path, &net, 1)?;
+    if let Net::Bridge(ns) = &net {
+        // QEMU made its tap as it started (the consoles are up).
+        ns.attach(&Net::tap(0))?;
+        ns.attach(&Net::tap(1))?;
+    }
     let boot_by = Instant::now() + BOOT_TIMEOUT;
     vm1.expect_event("waiting", boot_by)?;
     vm2.expect_event("waiting", boot_by)?;
@@ -443,7 +594,7 @@ pub fn run(a: VmDemoArgs) -> anyhow::Result<bool> {
     proc::finish_all(vec![source, sink], Duration::from_secs(10))?;
 
     // ---- TCP over virtio-net, between the same VMs.
-    let tcp = run_tcp(&spec, &pings, &mut vm1, &mut vm2, &sink_tcp, &source_tcp, &vm_names);
+    let tcp = run_tcp(&spec, &pings, &mut vm1, &mut vm2, &sink_tcp, &source_tcp, &vm_names, &net.wrapper());
     proc::check_interrupt()?;
     let powered_off = if tcp.is_err() {
         // The guests may still wait in a role; they go with their supervisors.
@@ -456,6 +607,8 @@ pub fn run(a: VmDemoArgs) -> anyhow::Result<bool> {
         first.and(second)
     };
     broker.stop()?;
+    let net_path = net.describe_path();
+    drop(net);
     dir.close().context("removing the demo's temporary directory")?;
     let elapsed = t0.elapsed();
 
@@ -505,7 +658,8 @@ pub fn run(a: VmDemoArgs) -> anyhow::Result<bool> {
     );
     say!("(fido / TCP: above 1 means fido moves more for GB/s and msgs/s; below 1 means fido is quicker for latency)");
     say!(
-        "(fido: each guest maps its upstream's arena read-only (a hot-plugged PCI BAR) and forwards the message's pointer; doorbells are ivshmem interrupts. TCP: each guest's forwarder reads every message from one connection and writes it to the next over its virtio-net card and QEMU's user-mode network (to 10.0.2.2 = the host's loopback, where QEMU forwards to the next VM), TCP_NODELAY, kernel-tuned buffers ({} SO_SNDBUF at the source))",
+        "(fido: each guest maps its upstream's arena read-only (a hot-plugged PCI BAR) and forwards the message's pointer; doorbells are ivshmem interrupts. TCP: each guest's forwarder reads every message from one connection and writes it to the next over {}, TCP_NODELAY, kernel-tuned buffers ({} SO_SNDBUF at the source))",
+        net_path,
         tcp.as_ref().ok().map(|t| bytes_str(t.source().u(&["sndbuf"]))).unwrap_or_else(|| "-".into()),
     );
     say!(
@@ -556,9 +710,10 @@ fn run_tcp(
     sink_args: &[String],
     source_args: &[String],
     vm_names: &[String; 2],
+    wrapper: &[String],
 ) -> anyhow::Result<Outcome> {
     let ready_by = || Instant::now() + READY_TIMEOUT;
-    let mut sink = Kid::spawn_without_broker(&role(sink_args))?;
+    let mut sink = Kid::spawn_wrapped(wrapper, &role(sink_args), None)?;
     sink.expect_event("ready", ready_by())?;
     vm2.expect_event("waiting", ready_by())?;
     vm2.go()?;
@@ -566,7 +721,7 @@ fn run_tcp(
     vm1.expect_event("waiting", ready_by())?;
     vm1.go()?;
     let fwd1_ready = vm1.expect_event("ready", ready_by())?;
-    let mut source = Kid::spawn_without_broker(&role(source_args))?;
+    let mut source = Kid::spawn_wrapped(wrapper, &role(source_args), None)?;
     source.expect_event("ready", ready_by())?;
     let results_by = Instant::now() + spec.warmup + spec.duration + pings.duration + Duration::from_secs(120);
     let source_result = source.expect_event("result", results_by)?;
