@@ -22,7 +22,7 @@ use std::time::{Duration, Instant, SystemTime};
 #[derive(Subcommand)]
 pub enum VmCmd {
     /// Start a VM domain and supervise it in the foreground (Ctrl-C stops it).
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// List the VM domains you started.
     List {
         /// Print JSON lines instead of a table.
@@ -189,7 +189,7 @@ fn is_running(dir: &Path, name: &str) -> bool {
 
 pub fn run(cmd: VmCmd) -> anyhow::Result<bool> {
     match cmd {
-        VmCmd::Run(args) => run_vm(args),
+        VmCmd::Run(args) => run_vm(*args),
         VmCmd::List { json } => list(json).map(|_| true),
         VmCmd::Stop { name, timeout } => stop(&name, Duration::from_secs(timeout)).map(|_| true),
     }
@@ -352,4 +352,18 @@ fn stop(name: &str, timeout: Duration) -> anyhow::Result<()> {
     println!("stopped {name}");
     let _ = std::fs::Permissions::from_mode(0o600);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nic_takes_user_networking_with_forwards_only() {
+        assert_eq!(parse_nic("user"), Ok(NicSpec::User { hostfwd: vec![] }));
+        assert_eq!(parse_nic("user:4000-7001,4001-22"), Ok(NicSpec::User { hostfwd: vec![(4000, 7001), (4001, 22)] }));
+        for bad in ["tap", "user:4000", "user:0-7001", "user:4000-70000", "user4000-1", "user:a-b"] {
+            assert!(parse_nic(bad).is_err(), "{bad} accepted");
+        }
+    }
 }

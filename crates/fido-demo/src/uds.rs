@@ -370,3 +370,19 @@ fn read_message(up: &mut Stream, buf: &mut [u8]) -> anyhow::Result<bool> {
     }
     Ok(true)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Endpoint;
+
+    #[test]
+    fn endpoints_round_trip_and_reject_other_schemes() {
+        for s in ["unix:/tmp/x/link1.sock", "tcp:10.77.0.11:7001", "tcp:0.0.0.0:7001"] {
+            let e: Endpoint = s.parse().unwrap();
+            assert_eq!(e.to_string(), s);
+        }
+        assert_eq!("tcp:127.0.0.1:9".parse::<Endpoint>().unwrap(), Endpoint::Tcp("127.0.0.1:9".into()));
+        assert!("udp:1.2.3.4:5".parse::<Endpoint>().is_err());
+        assert!("/tmp/x".parse::<Endpoint>().is_err());
+    }
+}

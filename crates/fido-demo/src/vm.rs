@@ -594,7 +594,8 @@ pub fn run(a: VmDemoArgs) -> anyhow::Result<bool> {
     proc::finish_all(vec![source, sink], Duration::from_secs(10))?;
 
     // ---- TCP over virtio-net, between the same VMs.
-    let tcp = run_tcp(&spec, &pings, &mut vm1, &mut vm2, &sink_tcp, &source_tcp, &vm_names, &net.wrapper());
+    let host_tcp = HostRoles { sink: sink_tcp, source: source_tcp, wrapper: net.wrapper() };
+    let tcp = run_tcp(&spec, &pings, [&mut vm1, &mut vm2], &host_tcp, &vm_names);
     proc::check_interrupt()?;
     let powered_off = if tcp.is_err() {
         // The guests may still wait in a role; they go with their supervisors.
@@ -700,18 +701,24 @@ pub fn run(a: VmDemoArgs) -> anyhow::Result<bool> {
     Ok(ok)
 }
 
+/// The host's roles of the TCP pipeline and where they run.
+struct HostRoles {
+    sink: Vec<String>,
+    source: Vec<String>,
+    /// `ip netns exec NS` when they run in the demo's namespace.
+    wrapper: Vec<String>,
+}
+
 /// The TCP pipeline: the host sink, the guests' TCP forwarders (downstream
 /// first), the host source; every result collected, the host roles reaped.
 fn run_tcp(
     spec: &Spec,
     pings: &PingPhase,
-    vm1: &mut GuestVm,
-    vm2: &mut GuestVm,
-    sink_args: &[String],
-    source_args: &[String],
+    [vm1, vm2]: [&mut GuestVm; 2],
+    host: &HostRoles,
     vm_names: &[String; 2],
-    wrapper: &[String],
 ) -> anyhow::Result<Outcome> {
+    let HostRoles { sink: sink_args, source: source_args, wrapper } = host;
     let ready_by = || Instant::now() + READY_TIMEOUT;
     let mut sink = Kid::spawn_wrapped(wrapper, &role(sink_args), None)?;
     sink.expect_event("ready", ready_by())?;
