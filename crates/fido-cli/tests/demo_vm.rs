@@ -119,6 +119,10 @@ fn demo_vm_passes_beside_tcp_and_leaves_nothing_behind() {
     }
     let records: Vec<String> = files_under(&runtime).into_iter().filter(|f| f.ends_with(".json")).collect();
     assert!(records.is_empty(), "VM records left: {records:?}");
+    if let Ok(out) = Command::new("ip").args(["netns", "list"]).output() {
+        let namespaces = text(&out.stdout);
+        assert!(!namespaces.contains(&format!("fido-demo-{demo_pid}")), "network namespace left: {namespaces}");
+    }
     let tmp_left = files_under(&tmp);
     assert!(tmp_left.is_empty(), "left in TMPDIR: {tmp_left:?}");
 }

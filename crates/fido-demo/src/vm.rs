@@ -180,9 +180,19 @@ impl Netns {
         Ok(ns)
     }
 
-    /// Puts a tap QEMU made in the namespace on the bridge.
+    /// Puts a tap QEMU makes in the namespace on the bridge. QEMU makes its
+    /// network devices after its console socket, so the tap may not be
+    /// there yet: it is waited for.
     fn attach(&self, tap: &str) -> anyhow::Result<()> {
-        ip(&["-n", &self.name, "link", "set", tap, "master", "br0"])?;
+        let deadline = Instant::now() + READY_TIMEOUT;
+        loop {
+            proc::check_interrupt()?;
+            match ip(&["-n", &self.name, "link", "set", tap, "master", "br0"]) {
+                Ok(()) => break,
+                Err(e) if Instant::now() > deadline => return Err(e.context(format!("QEMU made no tap {tap}"))),
+                Err(_) => std::thread::sleep(Duration::from_millis(50)),
+            }
+        }
         ip(&["-n", &self.name, "link", "set", tap, "up"])
     }
 
