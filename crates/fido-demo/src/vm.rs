@@ -95,7 +95,10 @@ fn image_dir() -> anyhow::Result<PathBuf> {
 /// runs this binary's roles; another build may not speak them).
 fn find_image() -> anyhow::Result<Image> {
     let dir = image_dir()?;
-    let how = "build it with `scripts/vm-image.sh` from the repository (it downloads Debian's kernel package with apt-get and packs this workspace's target/release/fido), or point FIDO_VM_IMAGE_DIR at one";
+    let how = format!(
+        "build it with `bash scripts/vm-image.sh --out {}` from the repository (it downloads Debian's kernel package with apt-get and packs this workspace's target/release/fido), or point FIDO_VM_IMAGE_DIR at one",
+        dir.display()
+    );
     let (kernel, initrd, cmdline) = (dir.join("kernel"), dir.join("initrd.img"), dir.join("cmdline"));
     for f in [&kernel, &initrd, &cmdline] {
         if !f.is_file() {
