@@ -436,8 +436,10 @@ echo "console=ttyS0 intel_iommu=on panic=-1 quiet cryptomgr.notests" >"$work/cmd
     for add in "${adds[@]}"; do echo "added: $add"; done
 } >"$work/manifest"
 
-# rm first: the kernel may already be a hard link of the same cache file,
-# and mv refuses to move a file onto itself.
-for f in "${outputs[@]}"; do rm -f "$out_dir/$f"; mv -f "$work/$f" "$out_dir/$f"; done
+for f in "${outputs[@]}"; do
+    # The kernel may already be this very file (both hard links to the
+    # cache's): mv refuses to move a file onto itself, and nothing is to do.
+    if [[ $work/$f -ef $out_dir/$f ]]; then rm -f "$work/$f"; else mv -f "$work/$f" "$out_dir/$f"; fi
+done
 echo "$image_key" >"$out_dir/key"
 say "built $out_dir: $(stat -c %s "$out_dir/kernel") bytes kernel, $(stat -c %s "$out_dir/initrd.img") bytes initrd"

@@ -98,12 +98,17 @@ enum Cmd {
         /// Measured seconds.
         #[arg(long, default_value_t = 3.0)]
         seconds: f64,
-        /// Message size in bytes (at least 64).
-        #[arg(long, default_value_t = 1 << 20)]
-        size: usize,
+        /// Message size in bytes (at least 64) [default: 1 MiB; 64 KiB with --vm].
+        #[arg(long)]
+        size: Option<usize>,
         /// Hops (links); the pipeline has hops+1 processes.
-        #[arg(long, default_value_t = 3)]
+        #[arg(long, default_value_t = 3, conflicts_with = "vm")]
         hops: usize,
+        /// Both forwarders in VMs (source and sink on the host), beside the
+        /// same pipeline over virtio-net TCP (needs QEMU and the test image of
+        /// scripts/vm-image.sh; docs/VM.md).
+        #[arg(long)]
+        vm: bool,
     },
     /// Start, list and stop VM domains: QEMU guests whose programs use Fido
     /// like any other domain (docs/VM.md).
@@ -193,9 +198,22 @@ fn main() -> ExitCode {
             seconds,
             size,
             hops,
-        } => demo::run(demo::DemoArgs {
+            vm: true,
+        } => {
+            let _ = hops;
+            fido_demo::vm::run(fido_demo::vm::VmDemoArgs {
+                seconds,
+                size: size.unwrap_or(64 << 10),
+            })
+        }
+        Cmd::Demo {
             seconds,
             size,
+            hops,
+            vm: false,
+        } => demo::run(demo::DemoArgs {
+            seconds,
+            size: size.unwrap_or(1 << 20),
             hops,
         }),
     };

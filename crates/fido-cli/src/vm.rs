@@ -8,7 +8,7 @@
 
 use anyhow::{anyhow, bail, Context};
 use clap::{Args, Subcommand};
-use fido_vm::qemu::{self, Accel, VmSpec};
+use fido_vm::qemu::{self, Accel, NicSpec, VmSpec};
 use fido_vm::supervisor::{Ended, Supervisor};
 use serde_json::json;
 use std::fs::{File, OpenOptions};
@@ -79,9 +79,29 @@ pub struct RunArgs {
     /// Broker socket [default: $FIDO_BROKER, $XDG_RUNTIME_DIR/fido/broker.sock, /run/fido/broker.sock]
     #[arg(long)]
     pub socket: Option<PathBuf>,
+    /// A virtio-net card on QEMU's user-mode network: `user` or
+    /// `user:HOST-GUEST[,HOST-GUEST…]` (TCP from 127.0.0.1:HOST to the guest's
+    /// port GUEST). For the TCP baselines of `fido demo --vm`.
+    #[arg(long, hide = true, value_parser = parse_nic)]
+    pub nic: Option<NicSpec>,
     /// Further QEMU arguments (after `--`).
     #[arg(last = true)]
     pub qemu_args: Vec<String>,
+}
+
+fn parse_nic(s: &str) -> Result<NicSpec, String> {
+    let forwards = match s.strip_prefix("user") {
+        Some("") => "",
+        Some(rest) => rest.strip_prefix(':').ok_or_else(|| format!("--nic {s:?}: use user or user:HOST-GUEST,..."))?,
+        None => return Err(format!("--nic {s:?}: only user networking is offered (user or user:HOST-GUEST,...)")),
+    };
+    let mut hostfwd = Vec::new();
+    for pair in forwards.split(',').filter(|p| !p.is_empty()) {
+        let (h, g) = pair.split_once('-').ok_or_else(|| format!("--nic: {pair:?} is not HOST-GUEST"))?;
+        let port = |p: &str| p.parse::<u16>().ok().filter(|&p| p != 0).ok_or_else(|| format!("--nic: {p:?} is not a port"));
+        hostfwd.push((port(h)?, port(g)?));
+    }
+    Ok(NicSpec::User { hostfwd })
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -176,6 +196,10 @@ pub fn run(cmd: VmCmd) -> anyhow::Result<bool> {
 }
 
 fn run_vm(a: RunArgs) -> anyhow::Result<bool> {
+    if std::env::var_os(fido_demo::proc::PARENT_ENV).is_some() {
+        // Started by `fido demo --vm`: die with it (QEMU then dies with us).
+        fido_demo::proc::child_prologue()?;
+    }
     check_name(&a.name)?;
     let requested = match a.accel.as_str() {
         "auto" => None,
@@ -198,6 +222,7 @@ fn run_vm(a: RunArgs) -> anyhow::Result<bool> {
     spec.max_peer_arena = a.max_peer_arena;
     spec.vectors = a.vectors;
     spec.serial = a.console;
+    spec.nic = a.nic;
     spec.extra = a.qemu_args;
     let broker = a.socket.unwrap_or_else(fido_proto::default_broker_path);
     let stop = Arc::new(AtomicBool::new(false));
@@ -327,4 +352,18 @@ fn stop(name: &str, timeout: Duration) -> anyhow::Result<()> {
     println!("stopped {name}");
     let _ = std::fs::Permissions::from_mode(0o600);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nic_takes_user_networking_with_forwards_only() {
+        assert_eq!(parse_nic("user"), Ok(NicSpec::User { hostfwd: vec![] }));
+        assert_eq!(parse_nic("user:4000-7001,4001-22"), Ok(NicSpec::User { hostfwd: vec![(4000, 7001), (4001, 22)] }));
+        for bad in ["tap", "user:4000", "user:0-7001", "user:4000-70000", "user4000-1", "user:a-b"] {
+            assert!(parse_nic(bad).is_err(), "{bad} accepted");
+        }
+    }
 }

@@ -13,24 +13,6 @@
 //! latency under full load is shown too, apart, since it measures the queues
 //! rather than the transport.
 
-/// `println!` that does not panic when the reader went away (`fido demo |
-/// head`): the demo runs to the end, cleans up, and what no one reads is
-/// dropped.
-macro_rules! say {
-    ($($arg:tt)*) => {{
-        use std::io::Write as _;
-        let _ = writeln!(std::io::stdout(), $($arg)*);
-    }};
-}
-
-/// `print!`, likewise.
-macro_rules! say_raw {
-    ($($arg:tt)*) => {{
-        use std::io::Write as _;
-        let _ = write!(std::io::stdout(), $($arg)*);
-    }};
-}
-
 use std::time::Duration;
 
 use anyhow::bail;
@@ -46,11 +28,11 @@ pub struct DemoArgs {
     pub hops: usize,
 }
 
-fn gbps(bps: f64) -> String {
+pub(crate) fn gbps(bps: f64) -> String {
     format!("{:.2}", bps / 1e9)
 }
 
-fn dur_ns(ns: f64) -> String {
+pub(crate) fn dur_ns(ns: f64) -> String {
     if ns < 10_000.0 {
         format!("{ns:.0} ns")
     } else if ns < 1_000_000.0 {
@@ -60,7 +42,7 @@ fn dur_ns(ns: f64) -> String {
     }
 }
 
-fn size_str(n: usize) -> String {
+pub(crate) fn size_str(n: usize) -> String {
     if n >= 1 << 20 && n % (1 << 20) == 0 {
         format!("{} MiB", n >> 20)
     } else if n >= 1 << 10 && n % (1 << 10) == 0 {
@@ -265,7 +247,7 @@ pub fn run(a: DemoArgs) -> anyhow::Result<bool> {
     Ok(ok)
 }
 
-fn ratio(fido: f64, uds: f64) -> String {
+pub(crate) fn ratio(fido: f64, uds: f64) -> String {
     if uds > 0.0 {
         format!("{:.2}x", fido / uds)
     } else {
@@ -273,7 +255,7 @@ fn ratio(fido: f64, uds: f64) -> String {
     }
 }
 
-fn bytes_str(n: u64) -> String {
+pub(crate) fn bytes_str(n: u64) -> String {
     if n >= 1 << 10 {
         format!("{:.0} KiB", n as f64 / 1024.0)
     } else {
@@ -281,7 +263,7 @@ fn bytes_str(n: u64) -> String {
     }
 }
 
-fn print_fido(out: &Outcome, ring_entries: u32) {
+pub(crate) fn print_fido(out: &Outcome, ring_entries: u32) {
     let s = out.sink();
     say!(
         "\nfido (shared memory, {} mode): per domain, measured window",

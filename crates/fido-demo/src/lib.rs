@@ -25,9 +25,28 @@
 
 #![forbid(unsafe_code)]
 
+/// `println!` that does not panic when the reader went away (`fido demo |
+/// head`): the demo runs to the end, cleans up, and what no one reads is
+/// dropped.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($arg)*);
+    }};
+}
+
+/// `print!`, likewise.
+macro_rules! say_raw {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = write!(std::io::stdout(), $($arg)*);
+    }};
+}
+
 pub mod demo;
 pub mod measure;
 pub mod pipeline;
 pub mod proc;
 pub mod text;
 pub mod uds;
+pub mod vm;

@@ -466,10 +466,21 @@ impl SinkLedger {
 }
 
 /// `role=source|fwd|sink` plus its arguments (see [`launch`]), or a role of
-/// the socket pipeline (`uds-*`, see [`crate::uds`]).
+/// the socket pipeline (`stream-*`, see [`crate::uds`]). `gate=1`: first
+/// print a `waiting` event and wait for a line on stdin (roles in VMs).
 pub fn role_main(args: &[String]) -> anyhow::Result<()> {
     proc::child_prologue()?;
     let a = Args::parse(args);
+    if a.flag("gate") {
+        // A role in a VM (`fido demo --vm`) starts with the guest, before its
+        // peers exist: it says so, then waits for the demo's word on its
+        // console (any line) before it listens or connects.
+        emit(&json!({"event": "waiting", "pid": std::process::id()}))?;
+        let mut line = String::new();
+        if std::io::stdin().read_line(&mut line).context("waiting for the word to start")? == 0 {
+            bail!("the console closed before the word to start");
+        }
+    }
     if let Some(r) = crate::uds::role(&a) {
         return r;
     }
@@ -488,7 +499,11 @@ fn source(a: &Args, entries: u32) -> anyhow::Result<()> {
     let dur = Duration::from_nanos(a.num("dur_ns")?);
     let next = a.get("next")?;
     let block = (size as u64).next_power_of_two().max(64 << 10);
-    let arena = block * (entries as u64 + 8) + (16 << 20);
+    let mut arena = block * (entries as u64 + 8) + (16 << 20);
+    if a.flag("arena_pow2") {
+        // A VM maps a peer's arena as a PCI BAR, whose size is a power of two.
+        arena = arena.next_power_of_two();
+    }
     let d = join(a.get("name")?, arena, true, entries)?;
     let ch = d
         .connect(next)

@@ -107,8 +107,22 @@ impl Kid {
     }
 
     fn spawn_with(args: &[String], broker: Option<&Path>) -> anyhow::Result<Kid> {
+        Self::spawn_wrapped(&[], args, broker)
+    }
+
+    /// [`Kid::spawn`] through `wrapper` (a command that runs the rest in
+    /// place, by exec, such as `ip netns exec NS`): `wrapper... current_exe
+    /// args...`. The helper's parent is still this process.
+    pub fn spawn_wrapped(wrapper: &[String], args: &[String], broker: Option<&Path>) -> anyhow::Result<Kid> {
         let exe = std::env::current_exe().context("current_exe")?;
-        let mut cmd = Command::new(exe);
+        let mut cmd = match wrapper.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(exe);
+                c
+            }
+            None => Command::new(exe),
+        };
         if let Some(b) = broker {
             cmd.env("FIDO_BROKER", b);
         }
@@ -137,6 +151,11 @@ impl Kid {
 
     pub fn pid(&self) -> u32 {
         self.child.as_ref().map(|c| c.id()).unwrap_or(0)
+    }
+
+    /// The helper's exit status if it has exited (it is reaped then).
+    pub fn exited(&mut self) -> Option<ExitStatus> {
+        self.child.as_mut().and_then(|c| c.try_wait().ok().flatten())
     }
 
     /// The next non-empty stdout line, waiting until `deadline` (and failing on

@@ -1,6 +1,9 @@
-//! The same pipeline over Unix stream sockets, the demo's baseline: source →
+//! The same pipeline over stream sockets, the demos' baseline: source →
 //! forwarders → sink, one process each, connected by `AF_UNIX` stream
-//! sockets in a temporary directory.
+//! sockets in a temporary directory (`fido demo`, [`launch`]) or by TCP
+//! connections (`fido demo --vm`, whose forwarders run in VMs and relay over
+//! virtio-net: see [`crate::vm`]). A role is told its sockets as
+//! [`Endpoint`]s (`unix:PATH` or `tcp:HOST:PORT`).
 //!
 //! Every role does what its Fido counterpart does, so that only the transport
 //! differs: the source writes every byte of each message once
@@ -16,7 +19,9 @@
 //! on a socket of its own back to the source, which sends the next ping only
 //! then — one message in flight through every hop.
 
-use std::io::{Read as _, Write as _};
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -30,12 +35,117 @@ use crate::pipeline::{
 };
 use crate::proc::Kid;
 
-fn link(dir: &Path, i: usize) -> PathBuf {
-    dir.join(format!("link{i}.sock"))
+fn link(dir: &Path, i: usize) -> Endpoint {
+    Endpoint::Unix(dir.join(format!("link{i}.sock")))
 }
 
-fn ack_path(dir: &Path) -> PathBuf {
-    dir.join("ack.sock")
+fn ack_path(dir: &Path) -> Endpoint {
+    Endpoint::Unix(dir.join("ack.sock"))
+}
+
+/// Where a role listens or connects: `unix:PATH` or `tcp:HOST:PORT`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Endpoint {
+    Unix(PathBuf),
+    Tcp(String),
+}
+
+impl std::fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Endpoint::Unix(p) => write!(f, "unix:{}", p.display()),
+            Endpoint::Tcp(a) => write!(f, "tcp:{a}"),
+        }
+    }
+}
+
+impl std::str::FromStr for Endpoint {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> anyhow::Result<Endpoint> {
+        if let Some(p) = s.strip_prefix("unix:") {
+            Ok(Endpoint::Unix(PathBuf::from(p)))
+        } else if let Some(a) = s.strip_prefix("tcp:") {
+            Ok(Endpoint::Tcp(a.to_string()))
+        } else {
+            bail!("endpoint {s:?}: expected unix:PATH or tcp:HOST:PORT")
+        }
+    }
+}
+
+/// A connected stream socket of either family.
+pub(crate) enum Stream {
+    Unix(UnixStream),
+    Tcp(TcpStream),
+}
+
+impl Stream {
+    fn shutdown_write(&self) -> std::io::Result<()> {
+        match self {
+            Stream::Unix(s) => s.shutdown(Shutdown::Write),
+            Stream::Tcp(s) => s.shutdown(Shutdown::Write),
+        }
+    }
+
+    /// TCP: no Nagle delay (a ping is one message; waiting to fill a segment
+    /// would measure Nagle, not the transport).
+    fn tuned(self) -> std::io::Result<Stream> {
+        if let Stream::Tcp(s) = &self {
+            s.set_nodelay(true)?;
+        }
+        Ok(self)
+    }
+}
+
+impl Read for Stream {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match self {
+            Stream::Unix(s) => s.read(buf),
+            Stream::Tcp(s) => s.read(buf),
+        }
+    }
+}
+
+impl Write for Stream {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match self {
+            Stream::Unix(s) => s.write(buf),
+            Stream::Tcp(s) => s.write(buf),
+        }
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl AsFd for Stream {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        match self {
+            Stream::Unix(s) => s.as_fd(),
+            Stream::Tcp(s) => s.as_fd(),
+        }
+    }
+}
+
+/// A listening socket of either family.
+pub(crate) enum Listener {
+    Unix(UnixListener),
+    Tcp(TcpListener),
+}
+
+impl Listener {
+    pub(crate) fn bind(at: &Endpoint) -> anyhow::Result<Listener> {
+        Ok(match at {
+            Endpoint::Unix(p) => Listener::Unix(UnixListener::bind(p).with_context(|| format!("listening on {at}"))?),
+            Endpoint::Tcp(a) => Listener::Tcp(TcpListener::bind(a.as_str()).with_context(|| format!("listening on {at}"))?),
+        })
+    }
+
+    fn accept(&self) -> std::io::Result<Stream> {
+        match self {
+            Listener::Unix(l) => Ok(Stream::Unix(l.accept()?.0)),
+            Listener::Tcp(l) => Stream::Tcp(l.accept()?.0).tuned(),
+        }
+    }
 }
 
 /// Runs the socket pipeline of `spec` (its `ring_entries` and `prefix` do not
@@ -54,37 +164,24 @@ pub fn launch(spec: &Spec, pings: Option<&PingPhase>) -> anyhow::Result<Outcome>
         .prefix("fido-demo-uds-")
         .tempdir()
         .context("creating a directory for the sockets")?;
-    let base = |role: &str| -> Vec<String> {
-        let mut v = spec.launcher.clone();
-        v.extend([
-            format!("role={role}"),
-            format!("dir={}", dir.path().display()),
-            format!("size={}", spec.size),
-        ]);
-        v
-    };
+    let dir_path = dir.path();
     let ready_by = || Instant::now() + Duration::from_secs(20);
     let mut kids: Vec<(String, Kid)> = Vec::new();
 
-    let mut a = base("uds-sink");
-    a.push(format!("link={}", spec.links));
-    a.push(format!("ack={}", pings.is_some()));
+    let mut a = spec.launcher.clone();
+    a.extend(sink_args(spec, &link(dir_path, spec.links), pings.map(|_| ack_path(dir_path))));
     let mut k = Kid::spawn_without_broker(&a)?;
     k.expect_event("ready", ready_by())?;
     kids.push(("sink".into(), k));
     for i in (1..spec.links).rev() {
-        let mut a = base("uds-fwd");
-        a.push(format!("link={i}"));
+        let mut a = spec.launcher.clone();
+        a.extend(forwarder_args(spec, &link(dir_path, i), &link(dir_path, i + 1)));
         let mut k = Kid::spawn_without_broker(&a)?;
         k.expect_event("ready", ready_by())?;
         kids.push((format!("fwd{i}"), k));
     }
-    let mut a = base("uds-source");
-    a.extend([
-        format!("warm_ns={}", spec.warmup.as_nanos()),
-        format!("dur_ns={}", spec.duration.as_nanos()),
-    ]);
-    a.extend(pings.map(PingPhase::args).unwrap_or_default());
+    let mut a = spec.launcher.clone();
+    a.extend(source_args(spec, &link(dir_path, 1), pings.map(|p| (p, ack_path(dir_path)))));
     let mut k = Kid::spawn_without_broker(&a)?;
     k.expect_event("ready", ready_by())?;
     kids.push(("source".into(), k));
@@ -94,30 +191,67 @@ pub fn launch(spec: &Spec, pings: Option<&PingPhase>) -> anyhow::Result<Outcome>
     Ok(outcome)
 }
 
-/// `role=uds-source|uds-fwd|uds-sink` (reached through [`pipeline::role_main`]).
+/// The role arguments (after the launcher) of a sink that listens on `up`,
+/// and on `ack` for the source's acknowledgement socket when pings follow.
+pub fn sink_args(spec: &Spec, up: &Endpoint, ack: Option<Endpoint>) -> Vec<String> {
+    let mut a = vec!["role=stream-sink".to_string(), format!("size={}", spec.size), format!("up={up}")];
+    a.extend(ack.map(|e| format!("ack={e}")));
+    a
+}
+
+/// The role arguments of a forwarder from `up` (where it listens) to `down`.
+pub fn forwarder_args(spec: &Spec, up: &Endpoint, down: &Endpoint) -> Vec<String> {
+    vec!["role=stream-fwd".to_string(), format!("size={}", spec.size), format!("up={up}"), format!("down={down}")]
+}
+
+/// The role arguments of the source sending to `down`, with the latency
+/// phase and the sink's acknowledgement socket if given.
+pub fn source_args(spec: &Spec, down: &Endpoint, pings: Option<(&PingPhase, Endpoint)>) -> Vec<String> {
+    let mut a = vec![
+        "role=stream-source".to_string(),
+        format!("size={}", spec.size),
+        format!("down={down}"),
+        format!("warm_ns={}", spec.warmup.as_nanos()),
+        format!("dur_ns={}", spec.duration.as_nanos()),
+    ];
+    if let Some((p, ack)) = pings {
+        a.push(format!("ack={ack}"));
+        a.extend(p.args());
+    }
+    a
+}
+
+/// `role=stream-source|stream-fwd|stream-sink` (reached through [`pipeline::role_main`]).
 pub(crate) fn role(a: &Args) -> Option<anyhow::Result<()>> {
     Some(match a.get("role").ok()? {
-        "uds-source" => source(a),
-        "uds-fwd" => forwarder(a),
-        "uds-sink" => sink(a),
+        "stream-source" => source(a),
+        "stream-fwd" => forwarder(a),
+        "stream-sink" => sink(a),
         _ => return None,
     })
 }
 
-/// A connection to `path` (bound before its process said it was ready).
-fn connect(path: &Path) -> anyhow::Result<UnixStream> {
-    UnixStream::connect(path).with_context(|| format!("connecting to {}", path.display()))
+/// A connection to `at` (bound before its process said it was ready).
+fn connect(at: &Endpoint) -> anyhow::Result<Stream> {
+    let s = match at {
+        Endpoint::Unix(p) => UnixStream::connect(p).map(Stream::Unix),
+        Endpoint::Tcp(a) => TcpStream::connect(a.as_str()).map(Stream::Tcp),
+    };
+    s.and_then(Stream::tuned).with_context(|| format!("connecting to {at}"))
+}
+
+fn endpoint(a: &Args, k: &str) -> anyhow::Result<Endpoint> {
+    a.get(k)?.parse()
 }
 
 fn source(a: &Args) -> anyhow::Result<()> {
-    let dir = PathBuf::from(a.get("dir")?);
     let size: usize = a.num("size")?;
     let warm = Duration::from_nanos(a.num("warm_ns")?);
     let dur = Duration::from_nanos(a.num("dur_ns")?);
     let pings = PingPhase::from_args(a)?;
-    let mut down = connect(&link(&dir, 1))?;
+    let mut down = connect(&endpoint(a, "down")?)?;
     let mut ack = match &pings {
-        Some(_) => Some(connect(&ack_path(&dir))?),
+        Some(_) => Some(connect(&endpoint(a, "ack")?)?),
         None => None,
     };
     let sndbuf = rustix::net::sockopt::socket_send_buffer_size(&down)?;
@@ -162,7 +296,7 @@ fn source(a: &Args) -> anyhow::Result<()> {
         }
     }
     // The end: the sink sees end of stream after the last message.
-    down.shutdown(std::net::Shutdown::Write)?;
+    down.shutdown_write()?;
     let mut rest = Vec::new();
     down.read_to_end(&mut rest).context("waiting for downstream to finish")?;
     pipeline::result_json(
@@ -173,13 +307,11 @@ fn source(a: &Args) -> anyhow::Result<()> {
 }
 
 fn forwarder(a: &Args) -> anyhow::Result<()> {
-    let dir = PathBuf::from(a.get("dir")?);
     let size: usize = a.num("size")?;
-    let i: usize = a.num("link")?;
-    let listener = UnixListener::bind(link(&dir, i))?;
-    let mut down = connect(&link(&dir, i + 1))?;
+    let listener = Listener::bind(&endpoint(a, "up")?)?;
+    let mut down = connect(&endpoint(a, "down")?)?;
     emit(&json!({"event": "ready", "pid": std::process::id()}))?;
-    let (mut up, _) = listener.accept().context("accepting upstream")?;
+    let mut up = listener.accept().context("accepting upstream")?;
     let mut buf = vec![0u8; size];
     let mut window = Window::default();
     let mut forwarded = 0u64;
@@ -189,26 +321,23 @@ fn forwarder(a: &Args) -> anyhow::Result<()> {
         let op = pipeline::message_op(&buf);
         window.saw(Instant::now(), op == OP_MEASURED, size as u64);
     }
-    down.shutdown(std::net::Shutdown::Write)?;
+    down.shutdown_write()?;
     let mut rest = Vec::new();
     down.read_to_end(&mut rest).context("waiting for downstream to finish")?;
     pipeline::result_json("fwd", &window, json!({"forwarded": forwarded}))
 }
 
 fn sink(a: &Args) -> anyhow::Result<()> {
-    let dir = PathBuf::from(a.get("dir")?);
     let size: usize = a.num("size")?;
-    let i: usize = a.num("link")?;
-    let listener = UnixListener::bind(link(&dir, i))?;
-    let ack_listener = if a.flag("ack") {
-        Some(UnixListener::bind(ack_path(&dir))?)
-    } else {
-        None
+    let listener = Listener::bind(&endpoint(a, "up")?)?;
+    let ack_listener = match a.opt("ack") {
+        Some(e) => Some(Listener::bind(&e.parse()?)?),
+        None => None,
     };
     emit(&json!({"event": "ready", "pid": std::process::id()}))?;
-    let (mut up, _) = listener.accept().context("accepting upstream")?;
+    let mut up = listener.accept().context("accepting upstream")?;
     let mut ack = match &ack_listener {
-        Some(l) => Some(l.accept().context("accepting the source's acknowledgement socket")?.0),
+        Some(l) => Some(l.accept().context("accepting the source's acknowledgement socket")?),
         None => None,
     };
     let mut buf = vec![0u8; size];
@@ -228,7 +357,7 @@ fn sink(a: &Args) -> anyhow::Result<()> {
 }
 
 /// Reads one whole message; `false` at end of stream between messages.
-fn read_message(up: &mut UnixStream, buf: &mut [u8]) -> anyhow::Result<bool> {
+fn read_message(up: &mut Stream, buf: &mut [u8]) -> anyhow::Result<bool> {
     let mut got = 0;
     while got < buf.len() {
         match up.read(&mut buf[got..]) {
@@ -240,4 +369,20 @@ fn read_message(up: &mut UnixStream, buf: &mut [u8]) -> anyhow::Result<bool> {
         }
     }
     Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Endpoint;
+
+    #[test]
+    fn endpoints_round_trip_and_reject_other_schemes() {
+        for s in ["unix:/tmp/x/link1.sock", "tcp:10.77.0.11:7001", "tcp:0.0.0.0:7001"] {
+            let e: Endpoint = s.parse().unwrap();
+            assert_eq!(e.to_string(), s);
+        }
+        assert_eq!("tcp:127.0.0.1:9".parse::<Endpoint>().unwrap(), Endpoint::Tcp("127.0.0.1:9".into()));
+        assert!("udp:1.2.3.4:5".parse::<Endpoint>().is_err());
+        assert!("/tmp/x".parse::<Endpoint>().is_err());
+    }
 }

@@ -205,7 +205,7 @@ impl Supervisor {
                         Ok(0) => break, // QEMU keeps the port; a closed guest device reads nothing.
                         Ok(n) => self.relay.guest_bytes(&buf[..n]),
                         Err(rustix::io::Errno::AGAIN) | Err(rustix::io::Errno::INTR) => break,
-                        Err(e) => return Err(io::Error::from(e).into()),
+                        Err(e) => return self.link_failed(e.into()),
                     }
                     if self.relay.broken().is_some() {
                         break;
@@ -222,7 +222,9 @@ impl Supervisor {
                 self.relay.tick();
                 next_tick = Instant::now() + TICK;
             }
-            self.flush()?;
+            if let Err(e) = self.flush() {
+                return self.link_failed(e);
+            }
             let _ = link_ready.1;
             if Instant::now() >= next_report {
                 next_report = Instant::now() + Duration::from_secs(1);
@@ -234,6 +236,16 @@ impl Supervisor {
                 }
             }
         }
+    }
+
+    /// The control socket failed: when QEMU is exiting (a guest powering
+    /// off resets the socket before QEMU is reaped) that is its exit, else
+    /// the error.
+    fn link_failed(&mut self, e: io::Error) -> Result<Ended, SupervisorError> {
+        if let Some(status) = self.qemu.wait_timeout(Duration::from_secs(5))? {
+            return Ok(Ended::QemuExited(status));
+        }
+        Err(e.into())
     }
 
     /// Writes what the relay queued for the guest, as far as the link takes it.
