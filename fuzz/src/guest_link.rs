@@ -514,10 +514,9 @@ impl World {
         }
     }
 
+    /// The current broker connection's epoch, while the relay has one.
     fn epoch(&self) -> Option<u64> {
-        if self.relay.broker_fd().is_none() {
-            return None;
-        }
+        self.relay.broker_fd()?;
         self.line.borrow().ends.last().map(|(e, _)| *e)
     }
 
@@ -697,7 +696,7 @@ impl World {
                     if let Cause::Guest(Some(_)) = cause {
                         assert_eq!(vectors, bells, "a {body:?} carries other vectors than the guest named");
                     }
-                    assert!(vectors.iter().all(|&v| v >= 1 && v < VECTORS), "vectors {vectors:?} outside 1..{VECTORS}");
+                    assert!(vectors.iter().all(|v| (1..VECTORS).contains(v)), "vectors {vectors:?} outside 1..{VECTORS}");
                     assert!(vectors[0] != vectors[1], "the same vector twice: {vectors:?}");
                     let in_use = self.model.in_use();
                     if let Request::Connect { .. } = body {
