@@ -471,6 +471,13 @@ impl World {
         let before_dev = (self.dev.borrow().ports.clone(), self.dev.borrow().bells.clone());
         let broken_before = self.relay.broken().is_some();
         self.relay.guest_bytes(bytes);
+        // A Close or Refuse ends the connection in the relay even when it
+        // cannot be forwarded (no broker): so in the model.
+        if let (false, Cause::Guest(Some(GuestMsg::Frame { frame, bells }))) = (broken_before, &cause) {
+            if let (true, Ok(ClientMsg::Request { body: Request::Close { conn } | Request::Refuse { conn, .. }, .. })) = (bells.is_empty(), fido_proto::decode::<ClientMsg>(frame)) {
+                self.model.conns.remove(&conn);
+            }
+        }
         if broken_before {
             assert_eq!(self.relay.outbox().len(), before_out, "guest bytes were processed after the link broke");
             let d = self.dev.borrow();
@@ -563,8 +570,14 @@ impl World {
         let host_msgs = self.drain_outbox();
         self.last_forwarded = forwarded.iter().filter_map(|(_, f, _)| fido_proto::decode(f).ok()).collect();
         self.last_host = host_msgs.clone();
+        // Whether the injected frame answers one of the relay's own requests
+        // (decided before this step's own requests are recorded).
+        let own_answer = match &cause {
+            Cause::Broker { frame, .. } => matches!(fido_proto::decode::<BrokerMsg>(frame), Ok(BrokerMsg::Reply { id, .. }) if self.model.own.remove(&id).is_some()),
+            _ => false,
+        };
         self.check_forwarded(&cause, forwarded);
-        self.check_host_msgs(&cause, &host_msgs);
+        self.check_host_msgs(&cause, &host_msgs, own_answer);
         if std::mem::take(&mut self.dev.borrow_mut().port_closed_fired) {
             self.model.reset();
         }
@@ -731,7 +744,7 @@ impl World {
         }
     }
 
-    fn check_host_msgs(&mut self, cause: &Cause, msgs: &[HostMsg]) {
+    fn check_host_msgs(&mut self, cause: &Cause, msgs: &[HostMsg], own_answer: bool) {
         let frames: Vec<&HostMsg> = msgs.iter().filter(|m| matches!(m, HostMsg::Frame { .. })).collect();
         for m in msgs {
             match m {
@@ -749,7 +762,6 @@ impl World {
         match cause {
             Cause::Broker { frame, nfds } => {
                 let decoded = fido_proto::decode::<BrokerMsg>(frame).ok();
-                let own_answer = matches!(&decoded, Some(BrokerMsg::Reply { id, .. }) if self.model.own.remove(id).is_some());
                 let incoming = matches!(&decoded, Some(BrokerMsg::Event(Event::Incoming { .. })) if *nfds == 4);
                 if own_answer {
                     assert!(frames.is_empty(), "an answer to the relay's own request reached the guest");
@@ -1025,7 +1037,8 @@ impl World {
             }
             _ => {
                 // Garbage with descriptors.
-                let len = usize::from(input.byte() % 24);
+                // (An empty datagram without descriptors reads as a hang-up.)
+                let len = 1 + usize::from(input.byte() % 24);
                 let frame = input.bytes(len);
                 let n = usize::from(input.byte() % 5);
                 let fds = self.junk_fds(n, input);

@@ -243,3 +243,28 @@ fn regenerate_seeds() {
         std::fs::write(dir.join(format!("seed-{name}")), s).unwrap();
     }
 }
+
+/// Random programs (a quick stand-in for the fuzzer where cargo-fuzz is
+/// missing): `FIDO_FUZZ_RANDOM=N` programs, the first failing one written to
+/// `$TMPDIR/guest_link-failure`.
+#[test]
+#[ignore = "random programs; by hand"]
+fn random_programs() {
+    let n: u64 = std::env::var("FIDO_FUZZ_RANDOM").ok().and_then(|v| v.parse().ok()).unwrap_or(10_000);
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    for i in 0..n {
+        let len = (next() % 600) as usize;
+        let data: Vec<u8> = (0..len).map(|_| next() as u8).collect();
+        if std::panic::catch_unwind(|| guest_link::run(&data)).is_err() {
+            let path = std::env::temp_dir().join("guest_link-failure");
+            std::fs::write(&path, &data).unwrap();
+            panic!("program {i} violates the property: {}", path.display());
+        }
+    }
+}
