@@ -9,7 +9,7 @@
 # invalidate the workspace's own target directory.
 
 FUZZ_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/../fuzz" && pwd)"
-FUZZ_TARGETS=(proto_client_msg proto_broker_msg registry_path descriptor rpc_dispatch resume net_request broker_session)
+FUZZ_TARGETS=(proto_client_msg proto_broker_msg registry_path descriptor rpc_dispatch resume net_request broker_session guest_link)
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-/tmp/target-fuzz}"
 
 if ! cargo fuzz --version >/dev/null 2>&1; then

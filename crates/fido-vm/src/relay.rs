@@ -323,7 +323,14 @@ impl Relay {
                 if let Err(why) = self.check_vectors(&bells) {
                     return self.refuse(id, ErrorCode::BadDescriptor, why);
                 }
-                if self.conns.len() + self.connecting.len() >= self.limits.connections {
+                if matches!(body, Request::Connect { .. }) && self.connecting.contains_key(&id) {
+                    // Its vectors would be forgotten while the broker may
+                    // still connect the first: two connections on one vector.
+                    return self.refuse(id, ErrorCode::BadRequest, format!("a Connect with id {id} is already in flight"));
+                }
+                // An Accept's connection is already counted (since its Incoming).
+                let accepting = matches!(&body, Request::Accept { conn, .. } if self.conns.contains_key(conn));
+                if self.conns.len() - usize::from(accepting) + self.connecting.len() >= self.limits.connections {
                     return self.refuse(id, ErrorCode::Quota, format!("a VM holds at most {} connections", self.limits.connections));
                 }
                 for &v in &bells {
@@ -438,6 +445,13 @@ impl Relay {
                 handles
             }
             Some(BrokerMsg::Event(Event::Incoming { conn, peer, .. })) if fds.len() == 4 => {
+                if !self.conns.contains_key(conn) && self.conns.len() + self.connecting.len() >= self.limits.connections {
+                    // No vectors left to accept it with: refused before any
+                    // device is touched, the guest never sees it.
+                    let reason = format!("VM {}: at its limit of {} connections", self.identity.name, self.limits.connections);
+                    self.own_request(Request::Refuse { conn: *conn, reason });
+                    return;
+                }
                 let handles = self.connection_handles(*conn, (peer.slot, peer.domain, peer.arena_len), fds);
                 if handles.contains(&Handle::Unsupported) {
                     // The VM cannot take this connection (no port for the

@@ -32,6 +32,9 @@ const UNPLUG_TIMEOUT: Duration = Duration::from_secs(10);
 const CONTROL_PORT_ID: &str = "fido-ctlport";
 /// How often the guard looks at the peers' doorbells.
 const TICK: Duration = Duration::from_millis(100);
+/// Bytes queued for the guest beyond which its port is not read until it
+/// reads: a guest that writes and never reads cannot grow the supervisor.
+const MAX_GUEST_BACKLOG: usize = 4 << 20;
 
 /// What went wrong running a VM.
 #[derive(Debug, thiserror::Error)]
@@ -199,7 +202,7 @@ impl Supervisor {
                 return Ok(Ended::LinkBroken(why));
             }
             let (link_ready, broker_ready, hung) = self.wait(next_tick)?;
-            if link_ready.0 {
+            if link_ready.0 && self.relay.outbox().len() < MAX_GUEST_BACKLOG {
                 loop {
                     match rustix::io::read(&self.link, &mut buf) {
                         Ok(0) => break, // QEMU keeps the port; a closed guest device reads nothing.
@@ -207,7 +210,7 @@ impl Supervisor {
                         Err(rustix::io::Errno::AGAIN) | Err(rustix::io::Errno::INTR) => break,
                         Err(e) => return self.link_failed(e.into()),
                     }
-                    if self.relay.broken().is_some() {
+                    if self.relay.broken().is_some() || self.relay.outbox().len() >= MAX_GUEST_BACKLOG {
                         break;
                     }
                 }
@@ -263,7 +266,12 @@ impl Supervisor {
 
     /// Waits for the link, the broker or a liveness socket, at most until `until`.
     fn wait(&self, until: Instant) -> io::Result<((bool, bool), bool, Vec<u64>)> {
-        let link_events = if self.relay.outbox().is_empty() { PollFlags::IN } else { PollFlags::IN | PollFlags::OUT };
+        let backlog = self.relay.outbox().len();
+        let link_events = match backlog {
+            0 => PollFlags::IN,
+            n if n < MAX_GUEST_BACKLOG => PollFlags::IN | PollFlags::OUT,
+            _ => PollFlags::OUT,
+        };
         let mut fds = vec![PollFd::new(&self.link, link_events)];
         let broker = self.relay.broker_fd();
         let broker_at = broker.map(|b| {
