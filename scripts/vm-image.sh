@@ -436,6 +436,10 @@ echo "console=ttyS0 intel_iommu=on panic=-1 quiet cryptomgr.notests" >"$work/cmd
     for add in "${adds[@]}"; do echo "added: $add"; done
 } >"$work/manifest"
 
-for f in "${outputs[@]}"; do mv -f "$work/$f" "$out_dir/$f"; done
+for f in "${outputs[@]}"; do
+    # The kernel is a hard link to the cache's: when the old image's kernel
+    # is that same file, mv refuses ("are the same file"); it is up to date.
+    if [[ "$work/$f" -ef "$out_dir/$f" ]]; then rm -f "$work/$f"; else mv -f "$work/$f" "$out_dir/$f"; fi
+done
 echo "$image_key" >"$out_dir/key"
 say "built $out_dir: $(stat -c %s "$out_dir/kernel") bytes kernel, $(stat -c %s "$out_dir/initrd.img") bytes initrd"
