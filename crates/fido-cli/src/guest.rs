@@ -73,6 +73,10 @@ pub enum GuestCmd {
         service: String,
         #[arg(long, default_value_t = 1_000_000)]
         count: u64,
+        /// Meanwhile offer this service and echo on it (one Fido guest per
+        /// VM: the same process serves the VM's other connections).
+        #[arg(long)]
+        echo: Option<String>,
     },
 }
 
@@ -91,7 +95,7 @@ pub fn run(cmd: GuestCmd) -> anyhow::Result<bool> {
         GuestCmd::Ping { service, name, count, size, poll, wait } => ping(&service, &name, count, size, poll, wait),
         GuestCmd::Hold { service, release, wait } => hold(&service, &release, wait),
         GuestCmd::Poke { path, offset, value } => poke(&path, offset, value),
-        GuestCmd::Flood { service, count } => flood(&service, count),
+        GuestCmd::Flood { service, count, echo } => flood(&service, count, echo.as_deref()),
     }
 }
 
@@ -274,8 +278,23 @@ fn poke(path: &Path, offset: u64, value: u32) -> anyhow::Result<bool> {
     Ok(true)
 }
 
-fn flood(service: &str, count: u64) -> anyhow::Result<bool> {
+fn flood(service: &str, count: u64, echo: Option<&str>) -> anyhow::Result<bool> {
     let d = Domain::join(JoinOptions::new("fido-flood")).context("joining")?;
+    if let Some(echo) = echo {
+        let listener = d.offer(echo)?;
+        println!("{}", json!({"ready": echo}));
+        std::thread::spawn(move || {
+            while let Ok(ch) = listener.accept() {
+                std::thread::spawn(move || {
+                    while let Ok(m) = ch.recv() {
+                        if ch.forward(m).is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+    }
     let ch = connect_retry(&d, service, 30.0)?;
     println!("{}", json!({"flooding": service}));
     for i in 0..count {

@@ -118,12 +118,19 @@ fn fixture() -> Option<MutexGuard<'static, Fixture>> {
             eprintln!("SKIPPED: qemu-system-x86_64 is not installed");
             None
         }
-        // A test that panicked leaves the VMs to the next one.
-        Some(m) => Some(m.lock().unwrap_or_else(|e| e.into_inner())),
+        // A test that panicked leaves the VMs to the next one, without the
+        // guest programs it started (one Fido guest per VM at a time).
+        Some(m) => {
+            let mut f = m.lock().unwrap_or_else(|e| e.into_inner());
+            for vm in &mut f.vms {
+                vm.console.run_ok("killall -9 fido 2>/dev/null; true", CMD);
+            }
+            Some(f)
+        }
     }
 }
 
-const ROOT_ONLY: &str = "[[rule]]\nname = \"root\"\nuids = [0]\n";
+const ROOT_ONLY: &str = "[[rule]]\nname = \"root\"\nuids = [0]\noffer = [\"*\"]\nconnect = [\"*\"]\n";
 
 impl Fixture {
     fn start() -> Fixture {
@@ -411,7 +418,7 @@ fn a_guest_writing_a_peer_arena_changes_nothing() {
     let listener = host.offer("host-hold").unwrap();
     let release = "/tmp/release-hold";
     let held = f.console("a").spawn(&format!("rm -f {release}; fido guest __hold host-hold --release {release}")).unwrap();
-    let ch = listener.accept().unwrap();
+    let ch = listener.accept_timeout(CMD).unwrap();
     let mut buf = host.alloc(64 << 10).unwrap();
     buf.fill(0x5a);
     let sent = buf.gptr();
@@ -474,7 +481,7 @@ fn kill_9_of_qemu_is_peer_gone_and_the_vm_restarts_under_its_name() {
     // Connection 1: b streams into the host, which keeps its first messages.
     let listener = host.offer("host-sink").unwrap();
     f.console("b").spawn("fido guest ping host-sink --count 100000000 --size 256").unwrap();
-    let ch = listener.accept().unwrap();
+    let ch = listener.accept_timeout(CMD).unwrap();
     let mut held = Vec::new();
     for i in 0..20 {
         let m = ch.recv_timeout(CMD).unwrap();
@@ -619,8 +626,8 @@ fn a_blocking_host_peer_cannot_freeze_a_vm() {
     let t = Instant::now();
     let host = f.join("host-7");
     let listener = host.offer("host-guard").unwrap();
-    let flood = f.console("a").spawn("fido guest __flood host-guard").unwrap();
-    let ch = Arc::new(listener.accept().unwrap());
+    let flood = f.console("a").spawn("fido guest __flood host-guard --echo a-echo-7").unwrap();
+    let ch = Arc::new(listener.accept_timeout(CMD).unwrap());
     // The attack: our doorbell's ring end (QEMU writes the guest's rings
     // into its copy, the same open file) made blocking with a tiny buffer,
     // the receiver announced asleep again and again, and never read.
@@ -639,7 +646,6 @@ fn a_blocking_host_peer_cannot_freeze_a_vm() {
     };
     // Meanwhile the VM answers its console and serves another connection.
     let other = f.join("host-7b");
-    let echo = f.console("a").spawn("fido guest echo a-echo-7 --count 1").unwrap();
     let c = f.console("a");
     for i in 0..5 {
         let t = Instant::now();
@@ -648,7 +654,7 @@ fn a_blocking_host_peer_cannot_freeze_a_vm() {
         eprintln!("console answered in {:.2?}", t.elapsed());
         std::thread::sleep(Duration::from_millis(500));
     }
-    wait_log(c, &echo.log, "ready", CMD);
+    wait_log(c, &flood.log, "ready", CMD);
     let conn = connect_retry(&other, "a-echo-7");
     let t2 = Instant::now();
     host_ping(&other, &conn, 20, 256);
@@ -691,7 +697,7 @@ fn the_policy_applies_to_a_vm_domain_by_its_launching_uid() {
     assert_ne!(code, 0, "{out}");
     assert!(out.contains(&format!("uid {}", user.uid)) && out.contains("may not join"), "{out}");
     // A policy admitting the user's uid: it joins, recorded with that uid.
-    std::fs::write(&f.policy, format!("{ROOT_ONLY}[[rule]]\nname = \"vm-user\"\nuids = [{}]\nlabels = [\"u\"]\n", user.uid)).unwrap();
+    std::fs::write(&f.policy, format!("{ROOT_ONLY}[[rule]]\nname = \"vm-user\"\nuids = [{}]\nlabels = [\"u\"]\noffer = [\"u-*\"]\nconnect = [\"*\"]\n", user.uid)).unwrap();
     f.broker_reload();
     let echo = f.console("u").spawn("fido guest echo u-echo --count 1").unwrap();
     wait_log(f.console("u"), &echo.log, "ready", CMD);
