@@ -226,6 +226,10 @@ impl Relay {
     fn guest_msg(&mut self, msg: GuestMsg) {
         match msg {
             GuestMsg::Hello { version } if version == link::LINK_VERSION => {
+                // A new guest session (the port is one program's at a time):
+                // the previous program's broker session, if it died without
+                // closing it, ends here, or the next Join is AlreadyJoined.
+                self.drop_broker();
                 let w = HostMsg::Welcome(self.welcome.clone());
                 self.to_guest(&w);
             }
