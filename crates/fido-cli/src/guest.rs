@@ -7,6 +7,7 @@ use anyhow::{bail, Context};
 use clap::Subcommand;
 use fido::{Domain, JoinOptions, Message, WaitStrategy};
 use serde_json::json;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 #[derive(Subcommand)]
@@ -48,6 +49,35 @@ pub enum GuestCmd {
         #[arg(long, default_value_t = 30.0)]
         wait: f64,
     },
+    /// Test only (the VM isolation tests): connect to SERVICE, take one
+    /// message and print (JSON) how its peer's arena is mapped here, hold it
+    /// until the file RELEASE exists, then send it back (forwarded).
+    #[command(name = "__hold", hide = true)]
+    Hold {
+        service: String,
+        #[arg(long)]
+        release: PathBuf,
+        /// Seconds to wait for RELEASE.
+        #[arg(long, default_value_t = 120.0)]
+        wait: f64,
+    },
+    /// Test only: what a hostile root in a guest can do to a device BAR it
+    /// reads: map the sysfs resource file PATH read-write, write VALUE at
+    /// OFFSET and read the word back (JSON line).
+    #[command(name = "__poke", hide = true)]
+    Poke { path: PathBuf, offset: u64, value: u32 },
+    /// Test only: connect to SERVICE and send COUNT small messages without
+    /// waiting for replies (a sender whose every publish may ring its peer).
+    #[command(name = "__flood", hide = true)]
+    Flood {
+        service: String,
+        #[arg(long, default_value_t = 1_000_000)]
+        count: u64,
+        /// Meanwhile offer this service and echo on it (one Fido guest per
+        /// VM: the same process serves the VM's other connections).
+        #[arg(long)]
+        echo: Option<String>,
+    },
 }
 
 fn strategy(poll: bool) -> WaitStrategy {
@@ -63,6 +93,9 @@ pub fn run(cmd: GuestCmd) -> anyhow::Result<bool> {
         GuestCmd::Check { name } => check(&name),
         GuestCmd::Echo { service, name, count, poll } => echo(&service, &name, count, poll),
         GuestCmd::Ping { service, name, count, size, poll, wait } => ping(&service, &name, count, size, poll, wait),
+        GuestCmd::Hold { service, release, wait } => hold(&service, &release, wait),
+        GuestCmd::Poke { path, offset, value } => poke(&path, offset, value),
+        GuestCmd::Flood { service, count, echo } => flood(&service, count, echo.as_deref()),
     }
 }
 
@@ -162,4 +195,113 @@ fn ping(service: &str, name: &str, count: u64, size: usize, poll: bool, wait: f6
         })
     );
     Ok(same_pointer && checksum_ok)
+}
+
+/// Connects to `service`, retrying for `wait` seconds while it appears.
+fn connect_retry(d: &Domain, service: &str, wait: f64) -> anyhow::Result<fido::Channel> {
+    let deadline = Instant::now() + Duration::from_secs_f64(wait);
+    loop {
+        match d.connect(service) {
+            Ok(ch) => return Ok(ch),
+            Err(e) if Instant::now() < deadline => {
+                tracing::debug!("connect {service}: {e}; retrying");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            Err(e) => return Err(e).context(format!("connecting to {service}")),
+        }
+    }
+}
+
+/// The line of /proc/self/maps whose range holds `addr`, with the offset of
+/// `addr` in the mapped file.
+fn mapping_of(addr: u64) -> anyhow::Result<(String, u64)> {
+    let maps = std::fs::read_to_string("/proc/self/maps")?;
+    for line in maps.lines() {
+        let mut f = line.split_whitespace();
+        let (Some(range), Some(_perms), Some(offset)) = (f.next(), f.next(), f.next()) else { continue };
+        let Some((start, end)) = range.split_once('-') else { continue };
+        let (start, end) = (u64::from_str_radix(start, 16)?, u64::from_str_radix(end, 16)?);
+        if (start..end).contains(&addr) {
+            return Ok((line.to_string(), addr - start + u64::from_str_radix(offset, 16)?));
+        }
+    }
+    bail!("no mapping holds {addr:#x}")
+}
+
+fn hold(service: &str, release: &Path, wait: f64) -> anyhow::Result<bool> {
+    let d = Domain::join(JoinOptions::new("fido-hold")).context("joining")?;
+    let ch = connect_retry(&d, service, 30.0)?;
+    let msg = ch.recv()?;
+    let view = msg.as_slice().context("the message is not one segment")?;
+    let first = view.iter().next().unwrap_or(0);
+    let uniform = view.iter().all(|b| b == first);
+    let gptr = msg.global_segments().next().map_or(0, |(g, _)| g.0);
+    let addr = view.as_ptr() as u64;
+    let (line, file_offset) = mapping_of(addr)?;
+    // What fido mapped must stay read-only, even to a write that ignores
+    // page protections (/proc/self/mem, as a debugger writes): a shared
+    // mapping of a file opened read-only cannot be written at all.
+    let forced = match std::fs::OpenOptions::new().write(true).open("/proc/self/mem") {
+        Ok(mem) => match std::os::unix::fs::FileExt::write_at(&mem, &[!first], addr) {
+            Ok(n) => format!("wrote {n} bytes"),
+            Err(e) => e.to_string(),
+        },
+        Err(e) => format!("open: {e}"),
+    };
+    println!(
+        "{}",
+        json!({
+            "holding": service, "gptr": gptr, "addr": addr, "len": msg.len(), "first": first, "uniform": uniform,
+            "map": line, "file_offset": file_offset, "forced_write": forced,
+        })
+    );
+    let deadline = Instant::now() + Duration::from_secs_f64(wait);
+    while !release.exists() {
+        if Instant::now() >= deadline {
+            bail!("{} never appeared", release.display());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    ch.forward(msg).map_err(|e| e.error)?;
+    // Wait for the host to close: our message must stay mapped until it read it.
+    let _ = ch.recv();
+    println!("{}", json!({"released": service}));
+    Ok(true)
+}
+
+fn poke(path: &Path, offset: u64, value: u32) -> anyhow::Result<bool> {
+    let path_s = path.display().to_string();
+    match fido_guest::pci::write_through_mapping(path, offset, value) {
+        Ok((before, after)) => println!("{}", json!({"path": path_s, "offset": offset, "before": before, "wrote": value, "read_back": after})),
+        Err(e) => println!("{}", json!({"path": path_s, "failed": e.to_string()})),
+    }
+    Ok(true)
+}
+
+fn flood(service: &str, count: u64, echo: Option<&str>) -> anyhow::Result<bool> {
+    let d = Domain::join(JoinOptions::new("fido-flood")).context("joining")?;
+    if let Some(echo) = echo {
+        let listener = d.offer(echo)?;
+        println!("{}", json!({"ready": echo}));
+        std::thread::spawn(move || {
+            while let Ok(ch) = listener.accept() {
+                std::thread::spawn(move || {
+                    while let Ok(m) = ch.recv() {
+                        if ch.forward(m).is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+    }
+    let ch = connect_retry(&d, service, 30.0)?;
+    println!("{}", json!({"flooding": service}));
+    for i in 0..count {
+        let mut buf = d.alloc(64)?;
+        buf.fill(i as u8);
+        ch.send(Message::new(buf)).map_err(|e| e.error)?;
+    }
+    println!("{}", json!({"flooded": service, "count": count}));
+    Ok(true)
 }

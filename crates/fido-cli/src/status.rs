@@ -149,6 +149,7 @@ pub fn to_json(st: &Status) -> Value {
             "name": d.name,
             "pid": d.pid,
             "uid": d.uid,
+            "label": d.label,
             "slot": d.slot,
             "arena_len": d.arena_len,
             "counters": counters_json(&d.counters),
@@ -210,6 +211,8 @@ fn print_text(out: &mut String, st: &Status, path: &std::path::Path) {
                 ),
                 human_bytes(c.bytes_copied),
                 format!("{}/{}", c.doorbells_rung, c.doorbells_suppressed),
+                d.uid.to_string(),
+                d.label.clone().unwrap_or_else(|| "-".into()),
             ]
         })
         .collect();
@@ -224,6 +227,8 @@ fn print_text(out: &mut String, st: &Status, path: &std::path::Path) {
             "bytes sent/recv",
             "copied",
             "doorbells rung/suppressed",
+            "uid",
+            "label",
         ],
         &rows,
     ));

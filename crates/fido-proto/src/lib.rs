@@ -564,6 +564,8 @@ pub struct DomainStatus {
     pub uid: u32,
     pub arena_len: u64,
     pub counters: Counters,
+    /// The label it joined with (a VM domain's: the VM's name).
+    pub label: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

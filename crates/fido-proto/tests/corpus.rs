@@ -164,6 +164,7 @@ fn broker_seeds() -> Vec<BrokerMsg> {
                     uid: 1000,
                     arena_len: 1 << 20,
                     counters: Counters::default(),
+                    label: Some("vm-a".into()),
                 }],
                 services: vec![("echo".into(), 2)],
                 connections: vec![ConnStatus { conn: 77, service: "echo".into(), client: 3, server: 2 }],

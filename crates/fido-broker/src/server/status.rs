@@ -81,6 +81,7 @@ impl Server {
                             uid: d.uid,
                             arena_len: d.arena_len,
                             counters: d.counters,
+                            label: d.label.clone(),
                         };
                         if !page.fits(&entry) {
                             st.next = Some(StatusCursor::Domains { after: last });

@@ -43,5 +43,22 @@ impl Channel {
         let bell = tx.ring.peer_data_bell().as_socket().ok_or_else(|| std::io::Error::other("the peer's doorbell is a device register"))?;
         Ok(rustix::io::fcntl_dupfd_cloexec(bell, 0)?)
     }
-}
 
+    /// Test hook: a duplicate of the ring end of our own data doorbell (the
+    /// same open file as the peer's copy: its flags are the peer's too). Used
+    /// by the VM guard test to make the ring end blocking.
+    #[doc(hidden)]
+    pub fn __own_data_bell(&self) -> std::io::Result<OwnedFd> {
+        Ok(rustix::io::fcntl_dupfd_cloexec(&self.shared.data_bell.ring, 0)?)
+    }
+
+    /// Test hook: announces (again, with a new epoch) that our receiver is
+    /// about to sleep on its doorbell without sleeping or ever reading it: the
+    /// peer's next publish rings. Used by the VM guard test.
+    #[doc(hidden)]
+    pub fn __arm_without_reading(&self) {
+        let mut rx = self.shared.rx.lock();
+        let local = *rx.ring.local();
+        fido_ring::protocol::arm(local.data_sleep(), &mut rx.epoch, fido_ring::protocol::Sleep::Socket);
+    }
+}
