@@ -21,6 +21,10 @@
 #                    the real programs of the fido-net (MMNet) tests and `fido-bench net`
 #                    (setpriv from util-linux runs the setuid fallback test)
 #   iproute2         `ip netns` / veth pairs of the fido-net cross-namespace test
+#   qemu-system-x86, busybox-static, cpio, xz-utils
+#                    the VM domain tests, `fido demo --vm`, `fido-bench vm`: QEMU, and
+#                    what scripts/vm-image.sh builds the test guest's initramfs from
+#                    (the guest kernel itself is fetched there with `apt-get download`)
 # Not needed: pkg-config (SQLite is bundled), libclang (iceoryx2 runs bindgen
 # only on QNX), procps (no test shells out to ps).
 #
@@ -66,6 +70,7 @@ apt_install curl wrk nginx-light libnginx-mod-stream fonts-dejavu-core
 apt_install redis-server redis-tools iperf3 sockperf util-linux
 apt_install iproute2
 apt_install python3
+apt_install qemu-system-x86 busybox-static cpio xz-utils
 
 # Rust (stable, via rustup) if there is no cargo at all.
 if [[ -x "$HOME/.cargo/bin/cargo" ]]; then export PATH="$HOME/.cargo/bin:$PATH"; fi
