@@ -27,6 +27,7 @@ mod pipe_cli;
 mod pipe_cmd;
 mod run;
 mod status;
+mod vm;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -103,6 +104,12 @@ enum Cmd {
         #[arg(long, default_value_t = 3)]
         hops: usize,
     },
+    /// Start, list and stop VM domains: QEMU guests whose programs use Fido
+    /// like any other domain (docs/VM.md).
+    Vm {
+        #[command(subcommand)]
+        cmd: vm::VmCmd,
+    },
     /// Run a program with MMNet: its TCP connections to co-located programs
     /// also under `fido run` move onto Fido rings (docs/NET.md).
     Run {
@@ -168,6 +175,7 @@ fn main() -> ExitCode {
         })
         .map(|_| true),
         Cmd::Pipe { cmd } => pipe_cmd::run(cmd),
+        Cmd::Vm { cmd } => vm::run(cmd),
         Cmd::Status { json, socket } => status::run(json, socket).map(|_| true),
         Cmd::Run {
             no_accel,

@@ -88,6 +88,7 @@ impl UnplacedArena {
             mapping,
             fd,
             len,
+            device: false,
         }))
     }
 }
@@ -102,6 +103,8 @@ pub struct Arena {
     mapping: Arc<Mapping>,
     fd: OwnedFd,
     len: u64,
+    /// Device memory (a VM guest's BAR), not a memfd.
+    device: bool,
 }
 
 impl std::fmt::Debug for Arena {
@@ -128,8 +131,29 @@ impl Arena {
         self.mapping.owner()
     }
     /// A new read-only file description of the memfd, to grant to peers.
+    /// A device arena (a VM guest's) has none: its supervisor grants it.
     pub fn ro_fd(&self) -> Result<OwnedFd, ShmError> {
+        if self.device {
+            return Err(ShmError::NotGrantable);
+        }
         grant::ro_reopen(self.fd.as_fd())
+    }
+
+    /// Places an arena that is device memory in `slot`: inside a VM guest,
+    /// the BAR of the VM's own `ivshmem` device (its sysfs `resource2`,
+    /// opened read-write), which the host side created, sealed and granted.
+    /// Mapped read-write at G(slot) directly (the slot is known: the guest
+    /// joins before it maps). `len` is the BAR size; the allocator hands out
+    /// all of it.
+    pub fn place_device(space: &Arc<AddressSpace>, slot: u32, owner: u64, fd: OwnedFd, len: u64) -> Result<Arc<Arena>, ShmError> {
+        if len == 0 || len % UNIT != 0 {
+            return Err(ShmError::InvalidLength(len));
+        }
+        if len > MAX_ARENA {
+            return Err(ShmError::TooLarge { len, max: MAX_ARENA });
+        }
+        let mapping = space.map_own_device(slot, owner, &fd, len)?;
+        Ok(Arc::new(Arena { alloc: Allocator::new(len), mapping, fd, len, device: true }))
     }
     /// G(slot): the global address of offset 0.
     pub fn base(&self) -> GPtr {

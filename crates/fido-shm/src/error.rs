@@ -50,6 +50,14 @@ pub enum ShmError {
     /// A global pointer + length runs past the end of the mapping (or overflows).
     #[error("range {gptr:#x?}+{len} exceeds the mapping")]
     OutOfBounds { gptr: GPtr, len: u64 },
+    /// A device memory region (a VM guest's PCI BAR) that is not what the
+    /// mapping needs: not a regular file, or opened with the wrong access.
+    #[error("device memory: {0}")]
+    Device(&'static str),
+    /// The arena is device memory (a VM guest's BAR): it has no memfd to grant;
+    /// the VM's supervisor grants it on the host.
+    #[error("a device arena cannot be granted from inside the guest")]
+    NotGrantable,
     /// The arena has no free block large enough.
     #[error("arena out of memory allocating {len} bytes")]
     OutOfMemory { len: u64 },

@@ -50,6 +50,32 @@ pub fn check_grant(fd: BorrowedFd<'_>, len: u64) -> Result<(), ShmError> {
     Ok(())
 }
 
+/// Checks device memory (a VM guest's PCI BAR, its sysfs `resourceN` file)
+/// before it is mapped: a regular file of at least `len` bytes, opened
+/// read-only (a peer's arena) or read-write (our own). A guest cannot check
+/// seals: the read-only-ness of a peer's BAR is enforced on the host (QEMU
+/// maps it `readonly=on` from a sealed, read-only memfd), and this mapping is
+/// `PROT_READ` besides.
+pub fn check_device(fd: BorrowedFd<'_>, len: u64, writable: bool) -> Result<(), ShmError> {
+    if len == 0 {
+        return Err(ShmError::InvalidLength(0));
+    }
+    let st = fs::fstat(fd).map_err(ShmError::io("fstat on device memory"))?;
+    if fs::FileType::from_raw_mode(st.st_mode) != fs::FileType::RegularFile {
+        return Err(ShmError::Device("not a regular file (a sysfs resourceN)"));
+    }
+    let fl = fs::fcntl_getfl(fd).map_err(ShmError::io("fcntl(F_GETFL) on device memory"))?;
+    let mode = fl & OFlags::ACCMODE;
+    if fl.contains(OFlags::PATH) || (writable && mode != OFlags::RDWR) || (!writable && !mode.is_empty()) {
+        return Err(ShmError::Device(if writable { "own arena not opened read-write" } else { "peer arena not opened read-only" }));
+    }
+    let size = u64::try_from(st.st_size).unwrap_or(0);
+    if size < len {
+        return Err(ShmError::TooSmall { size, len });
+    }
+    Ok(())
+}
+
 /// `memfd_create("fido-arena", MFD_CLOEXEC|MFD_ALLOW_SEALING)` + `ftruncate(len)`.
 /// The file stays sparse: pages exist only once touched.
 pub(crate) fn create_memfd(len: u64) -> Result<OwnedFd, ShmError> {

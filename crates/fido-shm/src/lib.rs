@@ -36,7 +36,7 @@ pub use arena::{Arena, UnplacedArena};
 pub use buf::Buf;
 pub use error::ShmError;
 pub use fido_proto::PgvasGeometry;
-pub use grant::check_grant;
+pub use grant::{check_device, check_grant};
 pub use map::Mapping;
 pub use peer::{PeerSlice, PeerSliceOf, READ_CHUNK};
 pub use space::AddressSpace;

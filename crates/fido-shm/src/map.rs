@@ -258,6 +258,33 @@ impl Mapping {
         fd: BorrowedFd<'_>,
         len: u64,
     ) -> Result<Mapping, ShmError> {
+        Self::map_in_slot(window, occ, (slot, owner), fd, len, false)
+    }
+
+    /// Maps device memory (a VM guest's PCI BAR, through its sysfs
+    /// `resourceN` file) in `slot`: read-only for a peer's arena, read-write
+    /// for our own (`own`). Device memory is not a memfd: nothing to seal,
+    /// the host's supervisor gave the device read-only.
+    pub(crate) fn map_device(
+        window: &Arc<Window>,
+        occ: &mut [bool],
+        (slot, owner): (u32, u64),
+        fd: BorrowedFd<'_>,
+        len: u64,
+        own: bool,
+    ) -> Result<Mapping, ShmError> {
+        Self::map_in_slot(window, occ, (slot, owner), fd, len, own)
+    }
+
+    fn map_in_slot(
+        window: &Arc<Window>,
+        occ: &mut [bool],
+        (slot, owner): (u32, u64),
+        fd: BorrowedFd<'_>,
+        len: u64,
+        own: bool,
+    ) -> Result<Mapping, ShmError> {
+        let prot = if own { ProtFlags::READ | ProtFlags::WRITE } else { ProtFlags::READ };
         let map_len = page_round(len);
         let at = window.check_fixed(occ, slot, map_len)?;
         let p = if window.reserved {
@@ -268,7 +295,7 @@ impl Mapping {
                 mm::mmap(
                     at as *mut c_void,
                     map_len,
-                    ProtFlags::READ,
+                    prot,
                     MapFlags::SHARED | MapFlags::FIXED,
                     fd,
                     0,
@@ -280,14 +307,14 @@ impl Mapping {
                 mm::mmap(
                     std::ptr::null_mut(),
                     map_len,
-                    ProtFlags::READ,
+                    prot,
                     MapFlags::SHARED,
                     fd,
                     0,
                 )
             }
         }
-        .map_err(ShmError::io("mmap peer arena read-only"))?;
+        .map_err(ShmError::io(if own { "mmap own device arena" } else { "mmap peer arena read-only" }))?;
         let local = NonNull::new(p.cast::<u8>()).ok_or(ShmError::Io {
             op: "mmap peer arena",
             errno: rustix::io::Errno::FAULT,
@@ -301,7 +328,7 @@ impl Mapping {
             len,
             map_len,
             local,
-            own: false,
+            own,
         })
     }
 

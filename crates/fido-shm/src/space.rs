@@ -141,6 +141,44 @@ impl AddressSpace {
         Ok(m)
     }
 
+    /// Maps a peer's arena that is device memory (inside a VM guest: the BAR
+    /// of a hot-plugged read-only `ivshmem` device) read-only in `slot`, after
+    /// [`crate::grant::check_device`]. Otherwise like [`map_peer`](Self::map_peer).
+    pub fn map_peer_device(&self, slot: u32, owner: u64, fd: OwnedFd, len: u64) -> Result<Arc<Mapping>, ShmError> {
+        self.map_device(slot, owner, fd, len, false)
+    }
+
+    /// Maps our own arena that is device memory (a VM guest's own BAR)
+    /// read-write in `slot` (used by `Arena::place_device`).
+    pub(crate) fn map_own_device(&self, slot: u32, owner: u64, fd: &OwnedFd, len: u64) -> Result<Arc<Mapping>, ShmError> {
+        self.map_device(slot, owner, fd.try_clone().map_err(|e| ShmError::Io { op: "dup device fd", errno: rustix::io::Errno::from_io_error(&e).unwrap_or(rustix::io::Errno::BADF) })?, len, true)
+    }
+
+    fn map_device(&self, slot: u32, owner: u64, fd: OwnedFd, len: u64, own: bool) -> Result<Arc<Mapping>, ShmError> {
+        self.check_slot(slot)?;
+        if !own {
+            if let Some(m) = self.existing(slot, owner)? {
+                return Ok(m);
+            }
+        }
+        let max = self.geometry().slot_size;
+        if len > max {
+            return Err(ShmError::TooLarge { len, max });
+        }
+        crate::grant::check_device(fd.as_fd(), len, own)?;
+        let mut occ = self.window.lock_occupied();
+        match self.table[slot as usize].read().as_ref() {
+            Some(m) if !own && m.owner() == owner => return Ok(m.clone()),
+            Some(m) => return Err(ShmError::SlotBusy { slot, owner: m.owner() }),
+            None => {}
+        }
+        let m = Arc::new(Mapping::map_device(&self.window, &mut occ, (slot, owner), fd.as_fd(), len, own)?);
+        *self.table[slot as usize].write() = Some(m.clone());
+        drop(occ);
+        tracing::debug!(slot, owner, len, own, local = ?m.local_base(), "mapped device arena");
+        Ok(m)
+    }
+
     /// Register our own RW region as the mapping of `slot` (used by
     /// `UnplacedArena::place`).
     pub(crate) fn adopt_own(

@@ -13,6 +13,7 @@ use fido_control::Handler;
 use fido_proto::{ConnId, Counters, DomainId, Event, GoneReason, Reply, Request, Resume, ResumeSecret, Status, TxnOp};
 use fido_ring::WaitStrategy;
 use crate::local_domain::LocalDomain;
+use crate::platform::Platform;
 use fido_shm::{AddressMode, AddressSpace, Arena, Buf, ModeRequest, UnplacedArena};
 use parking_lot::{Condvar, Mutex};
 use std::os::fd::{BorrowedFd, OwnedFd};
@@ -246,7 +247,7 @@ impl Domain {
         let space = Arc::new(AddressSpace::new(joined.geometry, opts.address_mode)?);
         let arena = unplaced.place(&space, slot, domain)?;
         let control = Arc::new(control);
-        let local = Arc::new(LocalDomain::new(space, arena, control.clone(), opts.ring_entries, opts.wait));
+        let local = Arc::new(LocalDomain::new(space, arena, control.clone(), (opts.ring_entries, opts.wait), Platform::Host));
         let inner = Arc::new(DomainInner {
             id: domain,
             slot,

@@ -32,6 +32,7 @@ mod channel;
 mod control;
 mod domain;
 mod local_domain;
+mod platform;
 mod error;
 pub mod validate;
 

@@ -7,6 +7,7 @@
 
 use crate::control::Control;
 use crate::error::{Error, Result};
+use crate::platform::Platform;
 use fido_proto::{DomainId, Reply, Request};
 use fido_ring::WaitStrategy;
 use fido_shm::{AddressSpace, Arena, Mapping};
@@ -36,10 +37,18 @@ pub(crate) struct LocalDomain {
     dead: Mutex<HashSet<DomainId>>,
     /// Payload bytes this domain copied (zero on every zero-copy path).
     pub(crate) bytes_copied: AtomicU64,
+    /// Host process or VM guest.
+    pub(crate) platform: Platform,
 }
 
 impl LocalDomain {
-    pub(crate) fn new(space: Arc<AddressSpace>, arena: Arc<Arena>, control: Arc<Control>, ring_entries: u32, wait: WaitStrategy) -> LocalDomain {
+    pub(crate) fn new(
+        space: Arc<AddressSpace>,
+        arena: Arc<Arena>,
+        control: Arc<Control>,
+        (ring_entries, wait): (u32, WaitStrategy),
+        platform: Platform,
+    ) -> LocalDomain {
         LocalDomain {
             space,
             arena,
@@ -49,6 +58,7 @@ impl LocalDomain {
             mapped: Mutex::new(HashMap::new()),
             dead: Mutex::new(HashSet::new()),
             bytes_copied: AtomicU64::new(0),
+            platform,
         }
     }
 
@@ -61,7 +71,7 @@ impl LocalDomain {
         let (reply, mut fds) = self.control.request(Request::GrantSlot { slot }, &[])?;
         match reply {
             Reply::Grant { owner, slot: s, arena_len } if s == slot && fds.len() == 1 => {
-                let m = self.space.map_peer(slot, owner, fds.remove(0), arena_len)?;
+                let m = self.platform.map_peer(&self.space, slot, owner, fds.remove(0), arena_len)?;
                 self.register_mapping(slot, owner);
                 Ok(m)
             }

@@ -186,6 +186,9 @@ pub(crate) struct ConnShared {
     pub(super) data_bell: doorbell::Doorbell,
     pub(super) space_bell: doorbell::Doorbell,
     pub(super) liveness: OwnedFd,
+    /// Whether futexes on the peer's words reach it (both under one kernel):
+    /// not across a VM boundary, where only doorbells do.
+    pub(super) futex_reaches: bool,
     /// The peer's block (read-only): its bell words are where our waiters
     /// sleep on a futex.
     pub(super) peer_block: PeerBlock,

@@ -40,6 +40,13 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
+/// What we wake the peer and learn of its death through.
+struct PeerEnds {
+    data: fido_ring::doorbell::RingEnd,
+    space: fido_ring::doorbell::RingEnd,
+    liveness: OwnedFd,
+}
+
 /// A connection request waiting in a listener's backlog.
 pub(crate) struct Incoming {
     pub(crate) conn: ConnId,
@@ -63,13 +70,22 @@ impl Channel {
         // SAFETY: `block` is `len` writable bytes of our arena, 64-aligned (the
         // allocator's guarantee), used for nothing else, and kept alive by the
         // ConnShared that owns both it and every copy of the LocalBlock.
-        let local = unsafe { LocalBlock::init(base, len, entries) }.map_err(|e| InvalidArgument::RingBlock(e.to_string()))?;
+        let local = unsafe { LocalBlock::init_with_flags(base, len, entries, domain.platform.block_flags()) }.map_err(|e| InvalidArgument::RingBlock(e.to_string()))?;
         Ok((block, local))
+    }
+
+    /// The peer's doorbell ring ends and the liveness socket, the last three
+    /// descriptors of a connection (checked: exactly three are left).
+    fn peer_ends(domain: &LocalDomain, mut fds: Vec<OwnedFd>) -> Result<PeerEnds> {
+        let liveness = fds.pop().expect("checked: 3 fds left");
+        let space = domain.platform.ring_end(fds.pop().expect("checked"))?;
+        let data = domain.platform.ring_end(fds.pop().expect("checked"))?;
+        Ok(PeerEnds { data, space, liveness })
     }
 
     /// Maps the peer's arena and opens its ring block.
     fn open_peer(domain: &LocalDomain, peer: &PeerInfo, block: &RingBlock, arena_fd: OwnedFd) -> Result<(Arc<Mapping>, PeerBlock)> {
-        let mapping = domain.space.map_peer(peer.slot, peer.domain, arena_fd, peer.arena_len)?;
+        let mapping = domain.platform.map_peer(&domain.space, peer.slot, peer.domain, arena_fd, peer.arena_len)?;
         domain.register_mapping(peer.slot, peer.domain);
         if block.len < block_len(block.entries) as u64 {
             return Err(ProtocolError::PeerBlock("too small".into()).into());
@@ -93,11 +109,9 @@ impl Channel {
         (block, local): (Buf, LocalBlock),
         peer_block: PeerBlock,
         (data_bell, space_bell): (doorbell::Doorbell, doorbell::Doorbell),
-        mut peer_fds: Vec<OwnedFd>,
+        PeerEnds { data: peer_data, space: peer_space, liveness }: PeerEnds,
     ) -> Channel {
-        let liveness = peer_fds.pop().expect("checked: 3 fds left");
-        let peer_space = Arc::new(peer_fds.pop().expect("checked"));
-        let peer_data = Arc::new(peer_fds.pop().expect("checked"));
+        let futex_reaches = conns.local.platform.futex_reaches(&peer_block);
         let entries = local.entries();
         let wait = conns.local.wait;
         let outstanding = Arc::new(Outstanding::default());
@@ -114,6 +128,7 @@ impl Channel {
             space_bell,
             liveness,
             peer_block,
+            futex_reaches,
             releaser: Mutex::new(ReleaseState { ring: Releaser::new(local, peer_block, peer_space), dropped: 0, delivered_in_all: None }),
             deferred: AtomicU64::new(NO_DEFERRED),
             channel_dropped: AtomicBool::new(false),
@@ -146,7 +161,7 @@ impl Channel {
         let local_domain = &*conns.local;
         let entries = local_domain.ring_entries;
         let (block, local) = Self::new_block(local_domain, entries)?;
-        let bells = (doorbell::new_doorbell()?, doorbell::new_doorbell()?);
+        let bells = (local_domain.platform.new_bell()?, local_domain.platform.new_bell()?);
         let ring = RingBlock { offset: block.offset(), len: block_len(entries) as u64, entries };
         let fds = [bells.0.ring.try_clone()?, bells.1.ring.try_clone()?];
         let (reply, mut peer_fds) = local_domain.control.request(Request::Connect { service: service.into(), block: ring }, &fds)?;
@@ -157,7 +172,8 @@ impl Channel {
         };
         let arena_fd = peer_fds.remove(0);
         let (mapping, peer_block) = Self::open_peer(local_domain, &peer, &pblock, arena_fd)?;
-        Ok(Self::assemble((conns, domain), conn, service.into(), peer, mapping, (block, local), peer_block, bells, peer_fds))
+        let ends = Self::peer_ends(local_domain, peer_fds)?;
+        Ok(Self::assemble((conns, domain), conn, service.into(), peer, mapping, (block, local), peer_block, bells, ends))
     }
 
     /// Completes an incoming connection for the domain that `domain` keeps alive.
@@ -177,14 +193,18 @@ impl Channel {
             Ok(x) => x,
             Err(e) => return Err(refuse(e)),
         };
-        let bells = (doorbell::new_doorbell()?, doorbell::new_doorbell()?);
+        let ends = match Self::peer_ends(local_domain, fds) {
+            Ok(x) => x,
+            Err(e) => return Err(refuse(e)),
+        };
+        let bells = (local_domain.platform.new_bell()?, local_domain.platform.new_bell()?);
         let ring = RingBlock { offset: block.offset(), len: block_len(entries) as u64, entries };
         let mine = [bells.0.ring.try_clone()?, bells.1.ring.try_clone()?];
         // Runs on the control thread, which reads the broker's replies itself:
         // fire and forget. If the client is gone by now, the liveness socket
         // says so on the first operation.
         local_domain.control.notify_with(Request::Accept { conn, block: ring }, &mine)?;
-        Ok(Self::assemble((conns, domain), conn, service, peer, mapping, (block, local), peer_block, bells, fds))
+        Ok(Self::assemble((conns, domain), conn, service, peer, mapping, (block, local), peer_block, bells, ends))
     }
 
     pub fn id(&self) -> ConnId {

@@ -210,7 +210,7 @@ impl Channel {
                 epoch: &mut epoch,
                 bell: sh.data_bell.wait.as_fd(),
                 liveness: Some(sh.liveness.as_fd()),
-                futex: Some(sh.peer_block.data_bell()),
+                futex: sh.futex_reaches.then(|| sh.peer_block.data_bell()),
             },
             || -> std::result::Result<bool, RingError> { Ok(ring.pending()? || !sh.is_open() || ring.peer_closed()) },
         );

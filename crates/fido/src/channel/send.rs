@@ -324,7 +324,7 @@ impl Channel {
                         epoch: &mut epoch,
                         bell: sh.space_bell.wait.as_fd(),
                         liveness: Some(sh.liveness.as_fd()),
-                        futex: Some(sh.peer_block.space_bell()),
+                        futex: sh.futex_reaches.then(|| sh.peer_block.space_bell()),
                     },
                     || -> std::result::Result<bool, ProtocolError> {
                         txr.reap()?;

@@ -39,7 +39,9 @@ impl Channel {
     /// exactly what a peer holds of ours. Used by the adversarial tests.
     #[doc(hidden)]
     pub fn __peer_data_bell(&self) -> std::io::Result<OwnedFd> {
-        Ok(rustix::io::fcntl_dupfd_cloexec(self.shared.tx.lock().ring.peer_data_bell(), 0)?)
+        let tx = self.shared.tx.lock();
+        let bell = tx.ring.peer_data_bell().as_socket().ok_or_else(|| std::io::Error::other("the peer's doorbell is a device register"))?;
+        Ok(rustix::io::fcntl_dupfd_cloexec(bell, 0)?)
     }
 }
 
