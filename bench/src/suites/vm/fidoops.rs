@@ -1,0 +1,144 @@
+//! The Fido side of the `vm` suite's cases, the same on the host and in a
+//! guest (a guest's `fido` library reaches its broker through the VM's
+//! supervisor; the calls are the same): ping-pong, echo, source and sink over
+//! a [`fido::Channel`], with the byte-for-byte checks of [`super::stream`].
+//! Every message is a fresh buffer of the sender's arena, written whole
+//! ([`crate::fill`]); every receiver folds every byte in place, through the
+//! read-only view of the sender's arena (no copy).
+
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context as _};
+use fido::{Channel, Domain, WaitStrategy};
+
+use super::stream::{expected_checksum, SinkReport, END};
+
+/// How long an endpoint waits for its peer to connect.
+pub const ACCEPT: Duration = Duration::from_secs(60);
+
+/// Whether a channel error means the peer closed it (not a failure).
+pub fn is_end(e: &fido::Error) -> bool {
+    matches!(e, fido::Error::Closed | fido::Error::PeerGone { .. })
+}
+
+/// `poll` (both ends spin: `fido-polled`) or `block` (doorbells: `fido`).
+pub fn parse_wait(s: &str) -> anyhow::Result<WaitStrategy> {
+    Ok(match s {
+        "poll" => WaitStrategy::BusyPoll,
+        "block" => WaitStrategy::Block,
+        o => bail!("unknown wait strategy `{o}` (poll or block)"),
+    })
+}
+
+/// Folds every byte of a received message in place; returns (sequence number, fold).
+fn fold_msg(m: &fido::Msg, size: usize) -> anyhow::Result<(u64, u64)> {
+    let v = m
+        .as_slice()
+        .with_context(|| format!("expected one segment, got {}", m.segment_count()))?;
+    if v.len() != size {
+        bail!("a message of {} bytes arrived, expected {size}", v.len());
+    }
+    let sum = v.fold_u64(0u64, |acc, w| acc.wrapping_add(w).rotate_left(1));
+    let seq = v.read_obj::<[u8; 8]>(0).map(u64::from_le_bytes).context("message under 8 bytes")?;
+    Ok((seq, sum))
+}
+
+fn send_filled(d: &Domain, ch: &Channel, size: usize, seq: u64) -> Result<(), fido::Error> {
+    let mut b = d.alloc(size)?;
+    crate::fill(&mut b, seq);
+    ch.send(b).map_err(|e| e.error)
+}
+
+/// Echo side: folds each message, answers with a fresh message carrying the
+/// same bytes; returns the messages echoed when [`END`] (echoed too) arrives
+/// or the peer closes.
+pub fn echo(d: &Domain, ch: &Channel, size: usize) -> anyhow::Result<u64> {
+    let mut n = 0u64;
+    loop {
+        let m = match ch.recv() {
+            Ok(m) => m,
+            Err(e) if is_end(&e) => return Ok(n),
+            Err(e) => return Err(e.into()),
+        };
+        let (seq, sum) = fold_msg(&m, size)?;
+        std::hint::black_box(sum);
+        drop(m);
+        if seq != END && seq != n + 1 {
+            bail!("echo: message {seq} arrived, expected {}", n + 1);
+        }
+        match send_filled(d, ch, size, seq) {
+            Ok(()) => {}
+            Err(e) if is_end(&e) => return Ok(n),
+            Err(e) => return Err(e.into()),
+        }
+        if seq == END {
+            return Ok(n);
+        }
+        n += 1;
+    }
+}
+
+/// Pinging side: message `k` out, its echo back and checked byte for byte;
+/// returns the timed round trips (ns), then ends the stream with [`END`].
+pub fn ping_pong(
+    d: &Domain,
+    ch: &Channel,
+    size: usize,
+    warmup: Duration,
+    duration: Duration,
+) -> anyhow::Result<Vec<u64>> {
+    let rtts = crate::time_round_trips(warmup, duration, |k| {
+        send_filled(d, ch, size, k)?;
+        let m = ch.recv()?;
+        let (seq, sum) = fold_msg(&m, size)?;
+        if seq != k || sum != expected_checksum(k, size) {
+            bail!("ping: reply {seq} does not carry message {k}'s bytes");
+        }
+        Ok(())
+    })?;
+    send_filled(d, ch, size, END)?;
+    let m = ch.recv_timeout(ACCEPT).context("ping: the END echo")?;
+    drop(m);
+    Ok(rtts)
+}
+
+/// Sending side of a throughput case: fresh filled messages for `duration`,
+/// then [`END`]; returns the messages sent (before END).
+pub fn source(d: &Domain, ch: &Channel, size: usize, duration: Duration) -> anyhow::Result<u64> {
+    let start = Instant::now();
+    let mut n = 0u64;
+    while start.elapsed() < duration {
+        n += 1;
+        send_filled(d, ch, size, n)?;
+    }
+    send_filled(d, ch, size, END)?;
+    Ok(n)
+}
+
+/// Receiving side: folds every message in place, checks the order, until [`END`].
+pub fn sink(ch: &Channel, size: usize) -> anyhow::Result<SinkReport> {
+    let mut n = 0u64;
+    let mut sum = 0u64;
+    let mut first: Option<Instant> = None;
+    loop {
+        let m = ch.recv()?;
+        let (seq, s) = fold_msg(&m, size)?;
+        drop(m);
+        if seq == END {
+            return Ok(SinkReport {
+                messages: n,
+                checksum: sum,
+                timed_messages: n.saturating_sub(1),
+                timed_ns: first.map_or(0, |t| t.elapsed().as_nanos() as u64),
+            });
+        }
+        if seq != n + 1 {
+            bail!("sink: message {seq} arrived, expected {}", n + 1);
+        }
+        sum = sum.wrapping_add(s);
+        if first.is_none() {
+            first = Some(Instant::now());
+        }
+        n += 1;
+    }
+}
