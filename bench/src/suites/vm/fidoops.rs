@@ -15,6 +15,9 @@ use super::stream::{expected_checksum, SinkReport, END};
 
 /// How long an endpoint waits for its peer to connect.
 pub const ACCEPT: Duration = Duration::from_secs(60);
+/// How long a receiver waits for the next message before it calls the
+/// stream stalled (a hung or dead peer fails the case, never the run).
+pub const STALL: Duration = Duration::from_secs(60);
 
 /// Whether a channel error means the peer closed it (not a failure).
 pub fn is_end(e: &fido::Error) -> bool {
@@ -55,7 +58,7 @@ fn send_filled(d: &Domain, ch: &Channel, size: usize, seq: u64) -> Result<(), fi
 pub fn echo(d: &Domain, ch: &Channel, size: usize) -> anyhow::Result<u64> {
     let mut n = 0u64;
     loop {
-        let m = match ch.recv() {
+        let m = match ch.recv_timeout(STALL) {
             Ok(m) => m,
             Err(e) if is_end(&e) => return Ok(n),
             Err(e) => return Err(e.into()),
@@ -89,7 +92,7 @@ pub fn ping_pong(
 ) -> anyhow::Result<Vec<u64>> {
     let rtts = crate::time_round_trips(warmup, duration, |k| {
         send_filled(d, ch, size, k)?;
-        let m = ch.recv()?;
+        let m = ch.recv_timeout(STALL)?;
         let (seq, sum) = fold_msg(&m, size)?;
         if seq != k || sum != expected_checksum(k, size) {
             bail!("ping: reply {seq} does not carry message {k}'s bytes");
@@ -121,7 +124,7 @@ pub fn sink(ch: &Channel, size: usize) -> anyhow::Result<SinkReport> {
     let mut sum = 0u64;
     let mut first: Option<Instant> = None;
     loop {
-        let m = ch.recv()?;
+        let m = ch.recv_timeout(STALL)?;
         let (seq, s) = fold_msg(&m, size)?;
         drop(m);
         if seq == END {

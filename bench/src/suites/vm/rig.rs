@@ -416,6 +416,8 @@ impl VmPaths {
             });
             let mut ctl = Ctl::connect(&self.name, &self.ctl, deadline)?;
             let serial = connect_unix(&self.serial, deadline)?;
+            // A hung guest fails the case that reads, not the run.
+            serial.set_read_timeout(Some(super::fidoops::STALL))?;
             let left = deadline.saturating_duration_since(Instant::now());
             ctl.expect("hello", left)?;
             Ok::<_, anyhow::Error>((ctl, serial))
