@@ -589,7 +589,7 @@ pub fn run(opts: &Opts) -> anyhow::Result<()> {
             });
         }
     }
-    crate::print_table(&table);
+    crate::print_rows(&table);
     println!(
         "# vm: accel {} (every VM of the run), 2 VMs x 1 vCPU x {VM_MEM_MIB} MiB, {}; one_way_ns = RTT/2 \
          (host-vm: host clock, vm-vm: VM a's clock); throughput: VM -> host, VM a -> VM b, receiver folds every byte.",
