@@ -27,6 +27,7 @@ mod pipe_cli;
 mod pipe_cmd;
 mod run;
 mod status;
+mod guest;
 mod vm;
 
 use std::path::PathBuf;
@@ -110,6 +111,11 @@ enum Cmd {
         #[command(subcommand)]
         cmd: vm::VmCmd,
     },
+    /// Check and exercise a domain from inside a VM (docs/VM.md).
+    Guest {
+        #[command(subcommand)]
+        cmd: guest::GuestCmd,
+    },
     /// Run a program with MMNet: its TCP connections to co-located programs
     /// also under `fido run` move onto Fido rings (docs/NET.md).
     Run {
@@ -176,6 +182,7 @@ fn main() -> ExitCode {
         .map(|_| true),
         Cmd::Pipe { cmd } => pipe_cmd::run(cmd),
         Cmd::Vm { cmd } => vm::run(cmd),
+        Cmd::Guest { cmd } => guest::run(cmd),
         Cmd::Status { json, socket } => status::run(json, socket).map(|_| true),
         Cmd::Run {
             no_accel,

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant, SystemTime};
 #[derive(Subcommand)]
 pub enum VmCmd {
     /// Start a VM domain and supervise it in the foreground (Ctrl-C stops it).
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// List the VM domains you started.
     List {
         /// Print JSON lines instead of a table.
@@ -169,7 +169,7 @@ fn is_running(dir: &Path, name: &str) -> bool {
 
 pub fn run(cmd: VmCmd) -> anyhow::Result<bool> {
     match cmd {
-        VmCmd::Run(args) => run_vm(args),
+        VmCmd::Run(args) => run_vm(*args),
         VmCmd::List { json } => list(json).map(|_| true),
         VmCmd::Stop { name, timeout } => stop(&name, Duration::from_secs(timeout)).map(|_| true),
     }
@@ -215,6 +215,18 @@ fn run_vm(a: RunArgs) -> anyhow::Result<bool> {
         "broker": broker.display().to_string(), "started": started,
     });
     record.write(&info)?;
+    let record = std::rc::Rc::new(record);
+    let (rec, base) = (record.clone(), info.clone());
+    sup.set_reporter(move |s| {
+        let mut v = base.clone();
+        v["relay"] = json!({
+            "guest_frames": s.guest_frames, "heartbeats": s.heartbeats, "counters": s.counters,
+            "broker_frames": s.broker_frames, "plugs": s.plugs, "unplugs": s.unplugs, "refused": s.refused,
+        });
+        if let Err(e) = rec.write(&v) {
+            tracing::warn!("updating the VM record: {e}");
+        }
+    });
     eprintln!("fido vm: {}: QEMU {} running ({:.1} s to start); stop with `fido vm stop {}`", a.name, sup.qemu_pid(), t0.elapsed().as_secs_f64(), a.name);
     let ended = sup.run().map_err(|e| anyhow!("{}: {e}", a.name))?;
     let s = sup.stats();

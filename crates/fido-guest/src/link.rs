@@ -33,9 +33,11 @@ use std::time::{Duration, Instant};
 const SEND_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long the `Hello` and `Reconnect` exchanges may take.
 pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long a hot-plugged peer arena may take to appear (0.03–0.23 s idle;
-/// a loaded TCG guest can be much slower).
-const ARENA_APPEAR_TIMEOUT: Duration = Duration::from_secs(20);
+/// How long a hot-plugged peer arena may take to appear (0.03–0.23 s idle).
+/// Bounded well below the broker's heartbeat window (6 × 500 ms): the wait
+/// runs on the session's reader thread, and a longer one got the domain
+/// declared hung; a device this late fails its one connection instead.
+const ARENA_APPEAR_TIMEOUT: Duration = Duration::from_millis(2500);
 /// Bytes read from the port per system call.
 const READ_CHUNK: usize = 64 * 1024;
 

@@ -59,16 +59,6 @@ fn profile_dir() -> PathBuf {
     dir.to_path_buf()
 }
 
-/// The `fido` binary that goes into the guest: `FIDO_VM_FIDO` if set, else
-/// the one beside this test binary's profile (target/release/fido; the image
-/// script builds it when it is missing).
-fn fido_binary() -> PathBuf {
-    match std::env::var_os("FIDO_VM_FIDO") {
-        Some(p) => PathBuf::from(p),
-        None => profile_dir().join("fido"),
-    }
-}
-
 /// Where the default image goes: `FIDO_VM_IMAGE_DIR`, else target/vm-image.
 fn default_image_dir() -> PathBuf {
     match std::env::var_os("FIDO_VM_IMAGE_DIR") {
@@ -144,10 +134,18 @@ fn build_image(out: &Path, files: &[(PathBuf, &str)]) -> Image {
     cmd.arg(&script)
         .arg("--out")
         .arg(out)
-        .arg("--fido")
-        .arg(fido_binary())
         .current_dir(workspace_root())
         .stdin(Stdio::null());
+    // The `fido` that goes into the guest: FIDO_VM_FIDO if set, else the
+    // script's default, release/fido in this test binary's target directory
+    // (which it builds when missing).
+    match std::env::var_os("FIDO_VM_FIDO") {
+        Some(fido) => cmd.arg("--fido").arg(fido),
+        None => cmd.env(
+            "CARGO_TARGET_DIR",
+            profile_dir().parent().expect("target dir"),
+        ),
+    };
     for (src, dst) in files {
         let mut spec = OsString::from(src.as_os_str());
         spec.push(":");
@@ -412,6 +410,11 @@ impl Console {
         }
     }
 
+    /// Sends ^C: interrupts the foreground command (after a `run` timed out).
+    pub fn interrupt(&mut self) -> io::Result<()> {
+        self.stream.write_all(&[0x03])
+    }
+
     /// Starts `cmd` in the background in the guest, its output going to
     /// `/tmp/spawn-N.log` (N returned with the pid), stdin from /dev/null.
     pub fn spawn(&mut self, cmd: &str) -> io::Result<Spawned> {
@@ -430,6 +433,13 @@ impl Console {
                 io::Error::other(format!("spawning `{cmd}`: exit {code}, output {out:?}"))
             })?;
         Ok(Spawned { pid, log })
+    }
+}
+
+impl Drop for Console {
+    fn drop(&mut self) {
+        // Ends the reader thread (its clone of the socket reads EOF).
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
     }
 }
 

@@ -91,6 +91,8 @@ pub enum DoorbellError {
     NoSuchPeer(u16),
     #[error("a doorbell vector {0} does not exist")]
     NoSuchVector(u16),
+    #[error("a peer's doorbell must be a Unix stream socket (QEMU writes guest rings to it)")]
+    NotASocket,
 }
 
 /// A peer's descriptor as QEMU holds it: our duplicate of the same file
@@ -102,7 +104,9 @@ struct PeerBell {
     full_once: bool,
 }
 
-/// The doorbell server of one VM.
+/// The doorbell server of one VM. Keep it as long as QEMU runs: dropping it
+/// closes the own vectors' ring ends, and once no host peer holds one either,
+/// QEMU would see end-of-file on its ends and spin on them.
 #[derive(Debug)]
 pub struct DoorbellServer {
     sock: OwnedFd,
@@ -113,6 +117,9 @@ pub struct DoorbellServer {
     unsent: Vec<(i64, Option<OwnedFd>)>,
     peers: BTreeMap<u16, PeerBell>,
     next_peer: u16,
+    /// Peers shut down while `add_peer` waited for QEMU (a frozen QEMU
+    /// cannot take a descriptor), reported by the next `check_peers`.
+    cut_while_waiting: Vec<u16>,
 }
 
 impl DoorbellServer {
@@ -142,7 +149,7 @@ impl DoorbellServer {
             own_ring.push(ring);
             messages.push((OWN_PEER as i64, Some(qemu_side)));
         }
-        let mut server = DoorbellServer { sock, kind, own_ring, unsent: Vec::new(), peers: BTreeMap::new(), next_peer: OWN_PEER + 1 };
+        let mut server = DoorbellServer { sock, kind, own_ring, unsent: Vec::new(), peers: BTreeMap::new(), next_peer: OWN_PEER + 1, cut_while_waiting: Vec::new() };
         let mut rest = messages.into_iter();
         let mut sent = 0;
         for (value, fd) in rest.by_ref() {
@@ -179,7 +186,7 @@ impl DoorbellServer {
                 wait_writable(&self.sock, deadline);
             }
         }
-        self.wait_taken(deadline, timeout)
+        self.wait_taken(deadline, timeout, None)
     }
 
     /// The VM's own peer id.
@@ -207,6 +214,12 @@ impl DoorbellServer {
     /// id the guest rings it with (vector 0). Waits until QEMU has taken the
     /// descriptor (see the guard in the module docs).
     pub fn add_peer(&mut self, ring: BorrowedFd<'_>) -> Result<u16, DoorbellError> {
+        // Only a socket: QEMU would append to a file, and a pipe has no send
+        // queue the guard can watch.
+        let stream = rustix::net::sockopt::socket_type(ring) == Ok(SocketType::STREAM);
+        if !stream || rustix::net::sockopt::socket_domain(ring) != Ok(AddressFamily::UNIX) {
+            return Err(DoorbellError::NotASocket);
+        }
         let id = self.free_id().ok_or(DoorbellError::NoFreeId)?;
         let dup = rustix::io::fcntl_dupfd_cloexec(ring, 0).map_err(io::Error::from)?;
         set_nonblocking(&dup)?;
@@ -221,7 +234,12 @@ impl DoorbellServer {
         // Registered before waiting: if QEMU takes it late, remove_peer and
         // check_peers still know the id.
         self.peers.insert(id, PeerBell { fd: dup, full_once: false });
-        self.wait_taken(deadline, TAKE_TIMEOUT)?;
+        if let Err(e) = self.wait_taken(deadline, TAKE_TIMEOUT, Some(id)) {
+            // QEMU is not reading: forget the peer (QEMU drops it again when
+            // it reads on), so the caller is not left with an id it never got.
+            let _ = self.remove_peer(id);
+            return Err(e);
+        }
         // QEMU made the description blocking while receiving it and sets
         // O_NONBLOCK again right after, in the same main-loop callback. Give
         // it that moment, then make sure.
@@ -262,8 +280,11 @@ impl DoorbellServer {
     /// and unregistered; its ids are returned so the caller drops those
     /// connections. Call it periodically (say every 100 ms to 1 s).
     pub fn check_peers(&mut self) -> Vec<u16> {
-        let mut cut = Vec::new();
+        let mut cut = std::mem::take(&mut self.cut_while_waiting);
         for (&id, bell) in self.peers.iter_mut() {
+            if cut.contains(&id) {
+                continue;
+            }
             let blocking = !is_nonblocking(&bell.fd).unwrap_or(false);
             let full = queue_nearly_full(&bell.fd);
             if blocking || (full && bell.full_once) {
@@ -306,10 +327,19 @@ impl DoorbellServer {
     }
 
     /// Waits until QEMU has read everything written to the server socket.
-    fn wait_taken(&self, deadline: Instant, timeout: Duration) -> Result<(), DoorbellError> {
+    /// Meanwhile it cuts peers whose description is blocking (but not
+    /// `adding`, which QEMU may be holding blocking for a moment): one of them
+    /// may be why QEMU does not read.
+    fn wait_taken(&mut self, deadline: Instant, timeout: Duration, adding: Option<u16>) -> Result<(), DoorbellError> {
         loop {
             if outq(&self.sock)? == 0 {
                 return Ok(());
+            }
+            for (&id, bell) in &self.peers {
+                if Some(id) != adding && !self.cut_while_waiting.contains(&id) && !is_nonblocking(&bell.fd).unwrap_or(false) {
+                    let _ = rustix::net::shutdown(&bell.fd, rustix::net::Shutdown::Both);
+                    self.cut_while_waiting.push(id);
+                }
             }
             if Instant::now() >= deadline {
                 return Err(DoorbellError::NotTaken(timeout));
@@ -385,6 +415,17 @@ mod tests {
         assert_eq!(s.free_id(), Some(MAX_PEER_ID));
         s.next_peer = 1;
         assert_eq!(s.free_id(), Some(2), "1 is taken");
+    }
+
+    #[test]
+    fn only_unix_stream_sockets_are_peers() {
+        let (mut s, _q) = DoorbellServer::new(2, VectorKind::SocketPair).unwrap();
+        let (_r, w) = rustix::pipe::pipe().unwrap();
+        assert!(matches!(s.add_peer(w.as_fd()), Err(DoorbellError::NotASocket)));
+        let (a, _b) = socketpair(AddressFamily::UNIX, SocketType::DGRAM, SocketFlags::CLOEXEC, None).unwrap();
+        assert!(matches!(s.add_peer(a.as_fd()), Err(DoorbellError::NotASocket)));
+        let file = rustix::fs::memfd_create("x", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        assert!(matches!(s.add_peer(file.as_fd()), Err(DoorbellError::NotASocket)));
     }
 
     #[test]

@@ -71,19 +71,17 @@ pub fn check_peer_len(len: u64, max_peer_arena: u64) -> Result<(), HotplugError>
 
 /// Plugs the arena behind `ro_fd` (`len` bytes) into root port `port`, read-only.
 ///
-/// `ro_fd` must be open read-only (the guest must never get a writable
-/// mapping of another domain's arena) and at least `len` bytes long. On any
-/// failure what was done is undone, so the port is free again.
+/// `ro_fd` must be a grant as the broker hands them out
+/// ([`fido_shm::check_grant`]: sealed, open read-only, at least `len` bytes),
+/// so the guest never gets a writable mapping of another domain's arena and
+/// the owner cannot pull the pages from under QEMU. On any failure what was
+/// done is undone, so the port is free again.
 pub fn plug_arena(qmp: &mut Qmp, port: u16, ro_fd: BorrowedFd<'_>, len: u64, max_peer_arena: u64) -> Result<(), HotplugError> {
     check_peer_len(len, max_peer_arena)?;
-    let flags = rustix::fs::fcntl_getfl(ro_fd).map_err(|e| HotplugError::BadFd(e.to_string()))?;
-    if flags & rustix::fs::OFlags::RWMODE != rustix::fs::OFlags::RDONLY {
-        return Err(HotplugError::BadFd("not opened read-only".into()));
-    }
-    let size = rustix::fs::fstat(ro_fd).map_err(|e| HotplugError::BadFd(e.to_string()))?.st_size;
-    if (size as u64) < len {
-        return Err(HotplugError::BadFd(format!("{size} bytes long, less than {len}")));
-    }
+    // The grant checks every receiver makes: sealed against shrinking (a
+    // truncated file would SIGBUS QEMU when the guest reads), growing and new
+    // writable mappings; the description read-only; the file long enough.
+    fido_shm::check_grant(ro_fd, len).map_err(|e| HotplugError::BadFd(e.to_string()))?;
     let added = qmp.execute_with_fd("add-fd", Value::Null, ro_fd.as_fd())?;
     let (fdset, qemu_fd) = match (added.get("fdset-id").and_then(Value::as_u64), added.get("fd").and_then(Value::as_u64)) {
         (Some(s), Some(f)) if f <= i32::MAX as u64 => (s, f),

@@ -31,5 +31,5 @@ pub mod supervisor;
 
 pub use doorbell_server::{DoorbellError, DoorbellServer, VectorKind};
 pub use hotplug::{plug_arena, unplug, HotplugError, PeerArena, Ports};
-pub use qemu::{detect_accel, spawn, welcome, welcome_devices, Accel, NicSpec, QemuProcess, SpecError, VmFds, VmSpec};
+pub use qemu::{choose_accel, detect_accel, launch, spawn, welcome, welcome_devices, Accel, LaunchError, Launched, NicSpec, QemuProcess, SpecError, VmFds, VmSpec};
 pub use qmp::{Qmp, QmpError, QmpEvent};

@@ -7,7 +7,10 @@
 //! ([`welcome_devices`]), which the supervisor announces in the link's
 //! `Welcome`.
 
+use crate::doorbell_server::{DoorbellServer, VectorKind};
+use crate::qmp::Qmp;
 use fido_proto::guest::{Welcome, LINK_VERSION};
+use rustix::fs::SealFlags;
 use std::io::{self, Read};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::process::CommandExt;
@@ -197,6 +200,20 @@ impl VmSpec {
         }
     }
 
+    /// A port's prefetchable window: twice the largest arena it takes. The
+    /// firmware aligns bridge windows to far less than their size, and a
+    /// BAR must be naturally aligned: a window of twice its size always
+    /// holds an aligned one (seen here: a 1 GiB window at 0x2c4000000 could
+    /// not take a 1 GiB BAR).
+    pub fn port_window(&self) -> u64 {
+        self.max_peer_arena.saturating_mul(2)
+    }
+
+    /// Guest-physical space the arenas need: the own arena (aligned) and every port's window.
+    pub fn pci_hole64(&self) -> u64 {
+        (self.arena_len.saturating_mul(2)).saturating_add((self.ports as u64).saturating_mul(self.port_window()))
+    }
+
     /// Checks every field QEMU would otherwise abort on (a BAR that is not a
     /// power of two is an assertion failure in QEMU, not an error).
     pub fn check(&self) -> Result<(), SpecError> {
@@ -213,7 +230,7 @@ impl VmSpec {
         if self.ports > MAX_PORTS {
             return bad(format!("{} ports: at most {MAX_PORTS}", self.ports));
         }
-        if self.arena_len + self.ports as u64 * self.max_peer_arena > MAX_PCI_WINDOW {
+        if self.pci_hole64() > MAX_PCI_WINDOW {
             return bad(format!("{} ports of {} bytes and an arena of {}: over the {MAX_PCI_WINDOW}-byte PCI window", self.ports, self.max_peer_arena, self.arena_len));
         }
         if !(2..=MAX_VECTORS).contains(&self.vectors) {
@@ -243,8 +260,8 @@ impl VmSpec {
         (want > default).then_some(want)
     }
 
-    /// The QEMU arguments (without the binary). `tap` says whether a tap
-    /// descriptor is inherited.
+    /// The QEMU arguments (without the binary), for the descriptor numbers
+    /// [`spawn`] gives QEMU.
     pub fn args(&self) -> Result<Vec<String>, SpecError> {
         self.check()?;
         let mut a: Vec<String> = Vec::new();
@@ -259,7 +276,10 @@ impl VmSpec {
             push(&["-global", &format!("q35-pcihost.pci-hole64-size={size}")]);
         }
         push(&["-m", &self.mem_mib.to_string(), "-smp", &self.cpus.to_string()]);
-        push(&["-nodefaults", "-nographic", "-no-user-config"]);
+        // -no-reboot: a guest that reboots (or panics, with panic=-1) ends
+        // QEMU, so the domain dies visibly instead of coming back with stale
+        // hot-plugged devices and no Fido state.
+        push(&["-nodefaults", "-nographic", "-no-user-config", "-no-reboot"]);
         // The guest's VFIO (doorbell MSI-X to eventfds) needs an IOMMU.
         push(&["-device", "intel-iommu,intremap=on"]);
         push(&[
@@ -268,11 +288,16 @@ impl VmSpec {
             "-device",
             &format!("ivshmem-plain,id=fido-arena,memdev=fido-own,addr={SLOT_ARENA:#x}"),
         ]);
+        // ioeventfd=off: a guest's ring is then written by QEMU with write()
+        // to the peer's descriptor, which may be a socket (Fido's host
+        // doorbells). With KVM, ioeventfd=on would hand it to the kernel,
+        // which takes only eventfds (and QEMU aborts on anything else); under
+        // TCG the two are the same path.
         push(&[
             "-chardev",
             &format!("socket,id=fido-bell,fd={FD_DOORBELL}"),
             "-device",
-            &format!("ivshmem-doorbell,id=fido-doorbell,chardev=fido-bell,vectors={},addr={SLOT_DOORBELL:#x}", self.vectors),
+            &format!("ivshmem-doorbell,id=fido-doorbell,chardev=fido-bell,vectors={},ioeventfd=off,addr={SLOT_DOORBELL:#x}", self.vectors),
         ]);
         push(&[
             "-device",
@@ -283,6 +308,9 @@ impl VmSpec {
             &format!("virtserialport,id=fido-ctlport,chardev=fido-ctl,name={}", fido_proto::guest::PORT_NAME),
         ]);
         push(&["-chardev", &format!("socket,id=fido-qmp,fd={FD_QMP}"), "-mon", "chardev=fido-qmp,mode=control"]);
+        // Room for the own arena and every port's window in the 64-bit hole
+        // (q35's default of 32 GiB is too small for many large ports).
+        push(&["-global", &format!("q35-pcihost.pci-hole64-size={}", self.pci_hole64().max(32 << 30))]);
         for i in 0..self.ports {
             let (slot, func) = port_slot(i);
             let multi = if func == 0 { ",multifunction=on" } else { "" };
@@ -292,7 +320,7 @@ impl VmSpec {
                     "pcie-root-port,id={},bus=pcie.0,addr={slot:#x}.{func}{multi},chassis={},pref64-reserve={}",
                     crate::hotplug::port_id(i),
                     i + 1,
-                    self.max_peer_arena
+                    self.port_window()
                 ),
             ]);
         }
@@ -536,6 +564,78 @@ impl Drop for QemuProcess {
     }
 }
 
+/// A started VM: what its supervisor holds.
+#[derive(Debug)]
+pub struct Launched {
+    pub qemu: QemuProcess,
+    /// QMP, in command mode.
+    pub qmp: Qmp,
+    /// The ivshmem server, handshake complete: every own vector is live.
+    pub doorbell: DoorbellServer,
+    /// The VM's own arena: the memfd (open read-write), sealed
+    /// SHRINK|GROW|FUTURE_WRITE|SEAL once QEMU had mapped it.
+    pub arena: OwnedFd,
+    /// The supervisor's end of the control link (the guest's
+    /// `org.fido.broker` port), non-blocking.
+    pub control: OwnedFd,
+    /// What to tell the guest in the link's `Welcome`.
+    pub welcome: Welcome,
+}
+
+impl Launched {
+    /// A fresh read-only description of the own arena (a grant, for the broker).
+    pub fn arena_read_only(&self) -> io::Result<OwnedFd> {
+        let path = format!("/proc/self/fd/{}", self.arena.as_raw_fd());
+        Ok(rustix::fs::open(path.as_str(), rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::CLOEXEC, rustix::fs::Mode::empty())?)
+    }
+}
+
+/// Why a VM did not start.
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    #[error(transparent)]
+    Spec(#[from] SpecError),
+    #[error("starting the VM: {0}")]
+    Io(#[from] io::Error),
+    /// QEMU started but did not come up; `stderr` is what it said.
+    #[error("QEMU did not come up ({what}): {err}; QEMU said: {stderr}")]
+    Qemu { what: &'static str, err: String, stderr: String },
+}
+
+/// Starts the VM of `spec` in the one safe order: the own arena (a memfd)
+/// and the sockets, the doorbell handshake written, QEMU spawned with them,
+/// QMP greeted, the handshake read by QEMU, and only then the arena sealed.
+/// `tap` is the tap descriptor of a [`NicSpec::Tap`]. `timeout` bounds each
+/// wait (and each later QMP command). On error QEMU is killed.
+pub fn launch(spec: &VmSpec, tap: Option<OwnedFd>, timeout: Duration) -> Result<Launched, LaunchError> {
+    spec.check()?;
+    let arena = rustix::fs::memfd_create("fido-vm-arena", rustix::fs::MemfdFlags::CLOEXEC | rustix::fs::MemfdFlags::ALLOW_SEALING).map_err(io::Error::from)?;
+    rustix::fs::ftruncate(&arena, spec.arena_len).map_err(io::Error::from)?;
+    let pair = || rustix::net::socketpair(rustix::net::AddressFamily::UNIX, rustix::net::SocketType::STREAM, rustix::net::SocketFlags::CLOEXEC | rustix::net::SocketFlags::NONBLOCK, None).map_err(io::Error::from);
+    let (control, qemu_control) = pair()?;
+    let (qmp_end, qemu_qmp) = pair()?;
+    let (mut doorbell, qemu_doorbell) = DoorbellServer::new(spec.vectors, VectorKind::for_accel(spec.accel)).map_err(|e| io::Error::other(e.to_string()))?;
+    let fds = VmFds { arena: arena.try_clone()?, control: qemu_control, qmp: qemu_qmp, doorbell: qemu_doorbell, tap };
+    let mut qemu = spawn(spec, fds)?;
+    let failed = |qemu: &mut QemuProcess, what, err: String| {
+        // Give QEMU a moment to finish saying why before it is killed.
+        let _ = qemu.wait_timeout(Duration::from_millis(500));
+        std::thread::sleep(Duration::from_millis(50));
+        LaunchError::Qemu { what, err, stderr: qemu.stderr_tail().trim().to_string() }
+    };
+    let qmp = match Qmp::connect(qmp_end, timeout) {
+        Ok(q) => q,
+        Err(e) => return Err(failed(&mut qemu, "QMP greeting", e.to_string())),
+    };
+    if let Err(e) = doorbell.complete_handshake(timeout) {
+        return Err(failed(&mut qemu, "doorbell handshake", e.to_string()));
+    }
+    // QEMU has mapped the arena (it greets only after creating every device).
+    rustix::fs::fcntl_add_seals(&arena, SealFlags::SHRINK | SealFlags::GROW | SealFlags::FUTURE_WRITE | SealFlags::SEAL).map_err(io::Error::from)?;
+    let welcome = welcome(spec, doorbell.own_peer());
+    Ok(Launched { qemu, qmp, doorbell, arena, control, welcome })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -570,7 +670,7 @@ mod tests {
         assert!(s.check().is_err());
         s.name = "ok".into();
         let args = s.args().unwrap().join(" ");
-        assert!(args.contains("addr=0x10.0,multifunction=on,chassis=1,pref64-reserve=1073741824"), "{args}");
+        assert!(args.contains("addr=0x10.0,multifunction=on,chassis=1,pref64-reserve=2147483648"), "{args}");
         assert!(args.contains("id=fido-port15,bus=pcie.0,addr=0x11.7,chassis=16"), "{args}");
         let (arena, bell, ports) = welcome_devices(&s);
         assert_eq!((arena.as_str(), bell.as_str()), ("0000:00:04.0", "0000:00:05.0"));

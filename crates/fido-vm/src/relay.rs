@@ -39,6 +39,9 @@ pub trait Devices {
     /// Peer bells whose holders made them blocking (they could freeze QEMU):
     /// already shut down; the relay drops their connections.
     fn hostile_peer_bells(&mut self) -> Vec<u16>;
+    /// True once since the last call if the guest closed its end of the
+    /// control port (its Fido process ended).
+    fn guest_port_closed(&mut self) -> bool;
 }
 
 /// Makes a fresh connection to the broker (a connected `SOCK_SEQPACKET`).
@@ -74,7 +77,13 @@ pub struct Identity {
 /// Counters for `fido vm list` and the "no control traffic while streaming" check.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct RelayStats {
+    /// Frames from the guest, heartbeats not included.
     pub guest_frames: u64,
+    /// Heartbeats from the guest (forwarded).
+    pub heartbeats: u64,
+    /// Of `guest_frames`: the domain publishing its counters for `fido
+    /// status` (periodic, not caused by traffic).
+    pub counters: u64,
     pub broker_frames: u64,
     pub plugs: u64,
     pub unplugs: u64,
@@ -168,7 +177,7 @@ impl Relay {
         self.plugged.len()
     }
 
-    fn to_guest(&mut self, msg: &HostMsg) {
+    fn send_guest(&mut self, msg: &HostMsg) {
         match link::encode_link(msg) {
             Ok(bytes) => self.outbox.extend_from_slice(&bytes),
             Err(e) => tracing::warn!("dropping a link message that does not encode: {e}"),
@@ -181,7 +190,7 @@ impl Relay {
         self.stats.refused += 1;
         let reply = BrokerMsg::Reply { id, body: Err(RemoteError::new(code, why)) };
         match fido_proto::encode(&reply) {
-            Ok(frame) => self.to_guest(&HostMsg::Frame { frame, handles: Vec::new() }),
+            Ok(frame) => self.send_guest(&HostMsg::Frame { frame, handles: Vec::new() }),
             Err(e) => tracing::warn!("cannot encode a refusal: {e}"),
         }
     }
@@ -220,8 +229,11 @@ impl Relay {
     fn guest_msg(&mut self, msg: GuestMsg) {
         match msg {
             GuestMsg::Hello { version } if version == link::LINK_VERSION => {
+                // A Hello starts a new guest session: whatever the previous
+                // one held (its broker connection, hence its domain) ends.
+                self.reset();
                 let w = HostMsg::Welcome(self.welcome.clone());
-                self.to_guest(&w);
+                self.send_guest(&w);
             }
             GuestMsg::Hello { version } => {
                 self.broken = Some(format!("guest speaks link version {version}, we speak {}", link::LINK_VERSION));
@@ -229,14 +241,11 @@ impl Relay {
             GuestMsg::Reconnect => {
                 self.drop_broker();
                 match self.ensure_broker() {
-                    Ok(()) => self.to_guest(&HostMsg::Reconnected),
-                    Err(e) => self.to_guest(&HostMsg::BrokerDown { reason: e.to_string() }),
+                    Ok(()) => self.send_guest(&HostMsg::Reconnected),
+                    Err(e) => self.send_guest(&HostMsg::BrokerDown { reason: e.to_string() }),
                 }
             }
-            GuestMsg::Frame { frame, bells } => {
-                self.stats.guest_frames += 1;
-                self.guest_frame(&frame, bells);
-            }
+            GuestMsg::Frame { frame, bells } => self.guest_frame(&frame, bells),
         }
     }
 
@@ -257,12 +266,13 @@ impl Relay {
             Ok(m) => m,
             Err(e) => {
                 self.stats.refused += 1;
-                self.to_guest(&HostMsg::Refused { id: None, reason: format!("undecodable frame: {e}") });
+                self.send_guest(&HostMsg::Refused { id: None, reason: format!("undecodable frame: {e}") });
                 return;
             }
         };
         let (id, body) = match msg {
             ClientMsg::Heartbeat => {
+                self.stats.heartbeats += 1;
                 if bells.is_empty() {
                     self.forward(frame.to_vec(), Vec::new());
                 }
@@ -270,6 +280,10 @@ impl Relay {
             }
             ClientMsg::Request { id, body } => (id, body),
         };
+        self.stats.guest_frames += 1;
+        if matches!(body, Request::Counters { .. }) {
+            self.stats.counters += 1;
+        }
         if needs_host_fds(&body) {
             return self.refuse(id, ErrorCode::BadRequest, "this request carries host descriptors: not available inside a VM");
         }
@@ -353,14 +367,14 @@ impl Relay {
     fn forward(&mut self, frame: Vec<u8>, fds: Vec<OwnedFd>) {
         if let Err(e) = self.ensure_broker() {
             // The guest's session sees the broker as down and retries.
-            self.to_guest(&HostMsg::BrokerDown { reason: e.to_string() });
+            self.send_guest(&HostMsg::BrokerDown { reason: e.to_string() });
             return;
         }
         let sock = self.broker.as_ref().expect("just ensured");
         if let Err(e) = wire::send_blocking(sock.as_fd(), &frame, &fds) {
             tracing::info!("broker connection lost while sending: {e}");
             self.drop_broker();
-            self.to_guest(&HostMsg::BrokerClosed);
+            self.send_guest(&HostMsg::BrokerClosed);
         }
     }
 
@@ -373,7 +387,7 @@ impl Relay {
                 Ok(wire::Recv::WouldBlock) => return,
                 Ok(wire::Recv::Eof) | Err(_) => {
                     self.drop_broker();
-                    self.to_guest(&HostMsg::BrokerClosed);
+                    self.send_guest(&HostMsg::BrokerClosed);
                     return;
                 }
                 Ok(wire::Recv::Msg { len, fds, truncated }) => {
@@ -381,7 +395,7 @@ impl Relay {
                     if truncated {
                         tracing::warn!("a truncated broker message: dropping the connection");
                         self.drop_broker();
-                        self.to_guest(&HostMsg::BrokerClosed);
+                        self.send_guest(&HostMsg::BrokerClosed);
                         return;
                     }
                     let frame = buf[..len].to_vec();
@@ -424,7 +438,7 @@ impl Relay {
             }
             _ => unsupported(fds),
         };
-        self.to_guest(&HostMsg::Frame { frame, handles });
+        self.send_guest(&HostMsg::Frame { frame, handles });
     }
 
     /// Handles for a connection's four descriptors: arena, data bell, space
@@ -488,16 +502,42 @@ impl Relay {
         }
     }
 
+    /// The guest's Fido process is gone (it closed the port, or a new one
+    /// said Hello): its broker connection closes, so the broker sees its
+    /// domain exit and tells its peers at once; its peers' doorbells leave
+    /// QEMU; the arenas it mapped are unplugged (nothing in the guest maps
+    /// them any more).
+    pub fn reset(&mut self) {
+        self.drop_broker();
+        for (_, c) in self.conns.drain() {
+            for id in c.peer_bells {
+                self.devices.remove_peer_bell(id);
+            }
+        }
+        self.liveness.clear();
+        let ports: Vec<u16> = self.plugged.drain().map(|(_, p)| p).collect();
+        for port in ports {
+            self.stats.unplugs += 1;
+            if let Err(e) = self.devices.unplug_arena(port) {
+                tracing::warn!(port, "unplugging an arena of a guest session that ended: {e}");
+            }
+        }
+    }
+
     /// A liveness socket hung up: the guest learns its peer is gone.
     pub fn liveness_hangup(&mut self, token: u64) {
         if self.liveness.remove(&token).is_some() {
-            self.to_guest(&HostMsg::Hangup { token });
+            self.send_guest(&HostMsg::Hangup { token });
         }
     }
 
     /// Periodic work: connections whose peers made their doorbells blocking
     /// are cut (the guest sees the peer gone).
     pub fn tick(&mut self) {
+        if self.devices.guest_port_closed() {
+            tracing::info!("the guest closed its control port: its domain ends");
+            self.reset();
+        }
         let hostile = self.devices.hostile_peer_bells();
         if hostile.is_empty() {
             return;

@@ -8,13 +8,13 @@
 //! Nothing here is privileged; what crosses domains — identity, policy,
 //! grants, slots — stays the broker's.
 
-use crate::doorbell_server::{DoorbellServer, VectorKind};
+use crate::doorbell_server::DoorbellServer;
 use crate::hotplug::{self, PeerArena, Ports};
-use crate::qemu::{self, QemuProcess, VmFds, VmSpec};
+use crate::qemu::{self, QemuProcess, VmSpec};
 use crate::qmp::Qmp;
 use crate::relay::{BrokerLine, Devices, Identity, Limits, Relay, RelayStats};
 use rustix::event::{poll, PollFd, PollFlags, Timespec};
-use rustix::fs::{MemfdFlags, OFlags, SealFlags};
+use rustix::fs::OFlags;
 use rustix::net::{AddressFamily, SocketFlags, SocketType};
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -28,6 +28,8 @@ use std::time::{Duration, Instant};
 const START_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long the guest may take to let go of an unplugged device.
 const UNPLUG_TIMEOUT: Duration = Duration::from_secs(10);
+/// QEMU's id of the control port device (qemu.rs gives it).
+const CONTROL_PORT_ID: &str = "fido-ctlport";
 /// How often the guard looks at the peers' doorbells.
 const TICK: Duration = Duration::from_millis(100);
 
@@ -89,6 +91,20 @@ impl Devices for QemuDevices {
     fn hostile_peer_bells(&mut self) -> Vec<u16> {
         self.doorbells.check_peers()
     }
+
+    fn guest_port_closed(&mut self) -> bool {
+        if let Err(e) = self.qmp.poll_events() {
+            tracing::debug!("QMP: {e}");
+        }
+        let closed = |d: &serde_json::Value| d.get("id").and_then(|v| v.as_str()) == Some(CONTROL_PORT_ID) && d.get("open").and_then(|v| v.as_bool()) == Some(false);
+        let mut any = false;
+        while self.qmp.take_event_matching("VSERPORT_CHANGE", Duration::ZERO, closed).is_ok() {
+            any = true;
+        }
+        // Other events (the open side of the same port) are not kept.
+        self.qmp.drain_events().retain(|_| false);
+        any
+    }
 }
 
 /// Connects to the broker's Unix socket.
@@ -105,9 +121,15 @@ impl BrokerLine for UnixLine {
     }
 }
 
+/// What [`Supervisor::set_reporter`] calls.
+type Reporter = Box<dyn FnMut(&RelayStats)>;
+
 /// A running VM domain.
 pub struct Supervisor {
     spec: VmSpec,
+    /// Called with the relay's counters when they changed, at most once a second.
+    reporter: Option<Reporter>,
+    reported: RelayStats,
     qemu: QemuProcess,
     link: OwnedFd,
     relay: Relay,
@@ -131,39 +153,17 @@ impl Supervisor {
     /// seals the arena once QEMU has mapped it, and completes the doorbell
     /// handshake. `stop` ends [`run`](Self::run) when set (a signal handler's flag).
     pub fn start(spec: VmSpec, broker: PathBuf, stop: Arc<AtomicBool>) -> Result<Supervisor, SupervisorError> {
-        spec.check()?;
-        let arena = rustix::fs::memfd_create(format!("fido-vm-{}", spec.name), MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING).map_err(io::Error::from)?;
-        rustix::fs::ftruncate(&arena, spec.arena_len).map_err(io::Error::from)?;
-        let stream = SocketFlags::CLOEXEC;
-        let (link, qemu_link) = rustix::net::socketpair(AddressFamily::UNIX, SocketType::STREAM, stream, None).map_err(io::Error::from)?;
-        let (qmp_sock, qemu_qmp) = rustix::net::socketpair(AddressFamily::UNIX, SocketType::STREAM, stream, None).map_err(io::Error::from)?;
-        let (mut doorbells, qemu_bell) = DoorbellServer::new(spec.vectors, VectorKind::for_accel(spec.accel)).map_err(|e| SupervisorError::Start(e.to_string()))?;
-        let fds = VmFds { arena: rustix::io::fcntl_dupfd_cloexec(&arena, 0).map_err(io::Error::from)?, control: qemu_link, qmp: qemu_qmp, doorbell: qemu_bell, tap: None };
-        let mut qemu = qemu::spawn(&spec, fds)?;
-        let qmp = match Qmp::connect(qmp_sock, START_TIMEOUT) {
-            Ok(q) => q,
-            Err(e) => {
-                let _ = qemu.kill();
-                return Err(SupervisorError::Start(format!("{e}; QEMU said: {}", qemu.stderr_tail().trim())));
-            }
-        };
-        // QEMU has created its devices (it greets on QMP after): its mapping
-        // of the arena exists, so sealing now forbids every other writer.
-        rustix::fs::fcntl_add_seals(&arena, SealFlags::SHRINK | SealFlags::GROW | SealFlags::FUTURE_WRITE | SealFlags::SEAL).map_err(io::Error::from)?;
-        if let Err(e) = doorbells.complete_handshake(START_TIMEOUT) {
-            let _ = qemu.kill();
-            return Err(SupervisorError::Start(format!("doorbell device: {e}; QEMU said: {}", qemu.stderr_tail().trim())));
-        }
+        let launched = qemu::launch(&spec, None, START_TIMEOUT).map_err(|e| SupervisorError::Start(e.to_string()))?;
+        let qemu::Launched { qemu, qmp, doorbell: doorbells, arena, control: link, welcome } = launched;
+        // What the broker gets at every Join: a read-only re-open of the
+        // sealed arena (a fresh file description, as every grant is).
         let arena_ro = rustix::fs::open(format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&arena)), OFlags::RDONLY | OFlags::CLOEXEC, rustix::fs::Mode::empty()).map_err(io::Error::from)?;
         drop(arena);
-        rustix::net::sockopt::set_socket_timeout(&link, rustix::net::sockopt::Timeout::Send, None).ok();
-        set_nonblocking(&link)?;
-        let welcome = qemu::welcome(&spec, doorbells.own_peer());
         let identity = Identity { name: spec.name.clone(), arena_ro, arena_len: spec.arena_len };
         let limits = Limits { connections: usize::from(spec.vectors.saturating_sub(1) / 2) };
         let devices = QemuDevices { qmp, doorbells, ports: Ports::new(spec.ports, spec.max_peer_arena) };
         let relay = Relay::new(welcome, identity, limits, Box::new(devices), Box::new(UnixLine(broker)));
-        Ok(Supervisor { spec, qemu, link, relay, stop, started: Instant::now() })
+        Ok(Supervisor { spec, reporter: None, reported: RelayStats::default(), qemu, link, relay, stop, started: Instant::now() })
     }
 
     pub fn qemu_pid(&self) -> u32 {
@@ -174,10 +174,17 @@ impl Supervisor {
         self.relay.stats
     }
 
+    /// Has `report` called with the relay's counters whenever they changed
+    /// (checked once a second): `fido vm run` keeps them in the VM's record.
+    pub fn set_reporter(&mut self, report: impl FnMut(&RelayStats) + 'static) {
+        self.reporter = Some(Box::new(report));
+    }
+
     /// Serves the VM until QEMU exits, `stop` is set, or the guest breaks its link.
     pub fn run(&mut self) -> Result<Ended, SupervisorError> {
         let mut buf = vec![0u8; 64 << 10];
         let mut next_tick = Instant::now() + TICK;
+        let mut next_report = Instant::now();
         loop {
             if let Some(status) = self.qemu.try_wait()? {
                 return Ok(Ended::QemuExited(status));
@@ -217,6 +224,15 @@ impl Supervisor {
             }
             self.flush()?;
             let _ = link_ready.1;
+            if Instant::now() >= next_report {
+                next_report = Instant::now() + Duration::from_secs(1);
+                if self.relay.stats != self.reported {
+                    self.reported = self.relay.stats;
+                    if let Some(r) = self.reporter.as_mut() {
+                        r(&self.reported);
+                    }
+                }
+            }
         }
     }
 
@@ -266,10 +282,4 @@ impl Supervisor {
         // same as killing it for a VM whose guest state nobody keeps.
         Ok(Some(self.qemu.kill()?))
     }
-}
-
-fn set_nonblocking(fd: &OwnedFd) -> io::Result<()> {
-    let fl = rustix::fs::fcntl_getfl(fd)?;
-    rustix::fs::fcntl_setfl(fd, fl | OFlags::NONBLOCK)?;
-    Ok(())
 }

@@ -4,13 +4,23 @@
 
 use fido_vm::doorbell_server::{DoorbellServer, VectorKind};
 use fido_vm::hotplug::{self, HotplugError, Ports};
-use fido_vm::qemu::{spawn, welcome, Accel, QemuProcess, VmFds, VmSpec};
+use fido_vm::qemu::{launch, spawn, welcome, Accel, LaunchError, QemuProcess, VmFds, VmSpec};
 use fido_vm::qmp::{Qmp, QmpError};
 use rustix::fs::{MemfdFlags, SealFlags};
 use rustix::net::{socketpair, AddressFamily, SocketFlags, SocketType};
 use serde_json::{json, Value};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::time::Duration;
+
+/// Whether QEMU is installed; each test here skips, saying so, when not
+/// (scripts/install-test-deps.sh installs it).
+fn no_qemu() -> bool {
+    let missing = !fido_test_support::vm::qemu_available();
+    if missing {
+        eprintln!("SKIPPED: qemu-system-x86_64 is not installed");
+    }
+    missing
+}
 
 /// Generous: the machine is shared and loaded.
 const QMP_TIMEOUT: Duration = Duration::from_secs(30);
@@ -51,22 +61,8 @@ fn start(tweak: impl FnOnce(&mut VmSpec)) -> Vm {
     spec.max_peer_arena = 2 << 20;
     spec.vectors = 8;
     tweak(&mut spec);
-    let arena = memfd(spec.arena_len);
-    let (control, qemu_control) = pair();
-    let (qmp_end, qemu_qmp) = pair();
-    let (bell, qemu_bell) = DoorbellServer::new(spec.vectors, VectorKind::SocketPair).unwrap();
-    let fds = VmFds { arena: arena.try_clone().unwrap(), control: qemu_control, qmp: qemu_qmp, doorbell: qemu_bell, tap: None };
-    let mut qemu = spawn(&spec, fds).unwrap();
-    let qmp = match Qmp::connect(qmp_end, QMP_TIMEOUT) {
-        Ok(q) => q,
-        Err(e) => {
-            let _ = qemu.wait_timeout(Duration::from_secs(2));
-            panic!("QMP: {e}; QEMU said: {}", qemu.stderr_tail());
-        }
-    };
-    let mut vm = Vm { spec, qemu, qmp, bell, arena, _control: control };
-    vm.bell.complete_handshake(QMP_TIMEOUT).unwrap();
-    vm
+    let l = launch(&spec, None, QMP_TIMEOUT).unwrap_or_else(|e| panic!("{e}"));
+    Vm { spec, qemu: l.qemu, qmp: l.qmp, bell: l.doorbell, arena: l.arena, _control: l.control }
 }
 
 impl Vm {
@@ -103,11 +99,16 @@ fn pci(qmp: &mut Qmp) -> (Vec<RootDevice>, Vec<Bridge>) {
 
 #[test]
 fn qemu_starts_with_every_device_and_the_arena_seals_after_the_greeting() {
-    let mut vm = start(|_| {});
+    if no_qemu() {
+        return;
+    }
+    let host_port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let mut vm = start(|s| s.nic = Some(fido_vm::NicSpec::User { hostfwd: vec![(host_port, 5201)] }));
     assert_eq!(vm.qmp.version().0, 7, "QEMU 7.x expected here");
-    // QEMU has mapped the arena (it greeted us): sealing it against writes
-    // now leaves QEMU's shared writable mapping working.
-    seal(&vm.arena);
+    // launch sealed the arena once QEMU had mapped it; QEMU's shared
+    // writable mapping keeps working.
+    let seals = rustix::fs::fcntl_get_seals(&vm.arena).unwrap();
+    assert!(seals.contains(SealFlags::FUTURE_WRITE | SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL), "{seals:?}");
     vm.alive();
     let (root, bridges) = pci(&mut vm.qmp);
     let at = |slot, func| root.iter().find(|d| d.0 == slot && d.1 == func).cloned();
@@ -121,6 +122,9 @@ fn qemu_starts_with_every_device_and_the_arena_seals_after_the_greeting() {
         assert_eq!((port.3, port.4.clone()), (0x000c, format!("fido-port{i}")));
     }
     assert_eq!(bridges.len(), 4);
+    assert_eq!(at(7, 0).expect("virtio-net at 00:07.0").3, 0x1000);
+    // User-mode networking listens for the forwarded port.
+    std::net::TcpStream::connect(("127.0.0.1", host_port)).expect("hostfwd port");
     // The welcome names exactly those addresses.
     let w = welcome(&vm.spec, vm.bell.own_peer());
     assert_eq!((w.arena.as_str(), w.doorbell.as_str()), ("0000:00:04.0", "0000:00:05.0"));
@@ -138,7 +142,7 @@ fn qemu_starts_with_every_device_and_the_arena_seals_after_the_greeting() {
 
 /// Waits until the firmware has given every root port a bus number and
 /// checks that each prefetchable window holds a largest peer arena.
-fn wait_for_bridges(qmp: &mut Qmp) {
+fn wait_for_bridges(qmp: &mut Qmp, window: u64) {
     let deadline = std::time::Instant::now() + QMP_TIMEOUT;
     loop {
         let buses = qmp.execute("query-pci", Value::Null).unwrap();
@@ -147,7 +151,7 @@ fn wait_for_bridges(qmp: &mut Qmp) {
             for b in &bridges {
                 let w = &b["bus"]["prefetchable_range"];
                 let len = w["limit"].as_u64().unwrap() + 1 - w["base"].as_u64().unwrap();
-                assert!(len >= 2 << 20, "prefetchable window of {len} bytes: {b}");
+                assert!(len >= window, "prefetchable window of {len} bytes: {b}");
             }
             return;
         }
@@ -158,10 +162,13 @@ fn wait_for_bridges(qmp: &mut Qmp) {
 
 #[test]
 fn a_sealed_read_only_arena_plugs_under_its_root_port() {
+    if no_qemu() {
+        return;
+    }
     // Running (no kernel: the firmware configures the bridges, then waits
     // for a boot device), so query-pci shows what is behind each port.
     let mut vm = start(|s| s.paused = false);
-    wait_for_bridges(&mut vm.qmp);
+    wait_for_bridges(&mut vm.qmp, 2 << 20);
     let peer = memfd(2 << 20);
     rustix::io::pwrite(&peer, b"peer data", 0).unwrap();
     seal(&peer);
@@ -170,7 +177,9 @@ fn a_sealed_read_only_arena_plugs_under_its_root_port() {
     let port = ports.allocate(hotplug::PeerArena { slot: 5, owner: 42, len: 2 << 20 }).unwrap();
     ports.allocate(hotplug::PeerArena { slot: 6, owner: 42, len: 1 << 20 }).unwrap();
     hotplug::plug_arena(&mut vm.qmp, port, ro.as_fd(), 2 << 20, vm.spec.max_peer_arena).unwrap();
-    let other = read_only(&memfd(1 << 20));
+    let other = memfd(1 << 20);
+    seal(&other);
+    let other = read_only(&other);
     hotplug::plug_arena(&mut vm.qmp, 1, other.as_fd(), 1 << 20, vm.spec.max_peer_arena).unwrap();
     vm.alive();
     let (_, bridges) = pci(&mut vm.qmp);
@@ -185,16 +194,25 @@ fn a_sealed_read_only_arena_plugs_under_its_root_port() {
 
     // Refused before QEMU sees them: not a power of two, larger than a port,
     // a writable descriptor, a descriptor shorter than the length.
-    let odd = read_only(&memfd(3 << 20));
+    let sealed = |len| {
+        let fd = memfd(len);
+        seal(&fd);
+        read_only(&fd)
+    };
+    let odd = sealed(3 << 20);
     let e = hotplug::plug_arena(&mut vm.qmp, 2, odd.as_fd(), 3 << 20, vm.spec.max_peer_arena).unwrap_err();
     assert!(matches!(e, HotplugError::BadLength { .. }), "{e}");
-    let big = read_only(&memfd(4 << 20));
+    let big = sealed(4 << 20);
     let e = hotplug::plug_arena(&mut vm.qmp, 2, big.as_fd(), 4 << 20, vm.spec.max_peer_arena).unwrap_err();
     assert!(e.to_string().contains("larger than a port's window"), "{e}");
     let writable = memfd(1 << 20);
+    seal(&writable);
     let e = hotplug::plug_arena(&mut vm.qmp, 2, writable.as_fd(), 1 << 20, vm.spec.max_peer_arena).unwrap_err();
     assert!(matches!(e, HotplugError::BadFd(_)), "{e}");
-    let short = read_only(&memfd(4096));
+    let unsealed = read_only(&memfd(1 << 20));
+    let e = hotplug::plug_arena(&mut vm.qmp, 2, unsealed.as_fd(), 1 << 20, vm.spec.max_peer_arena).unwrap_err();
+    assert!(e.to_string().contains("not sealed"), "{e}");
+    let short = sealed(4096);
     let e = hotplug::plug_arena(&mut vm.qmp, 2, short.as_fd(), 1 << 20, vm.spec.max_peer_arena).unwrap_err();
     assert!(matches!(e, HotplugError::BadFd(_)), "{e}");
     // A port that does not exist: QEMU refuses, and everything is undone
@@ -218,6 +236,9 @@ fn a_sealed_read_only_arena_plugs_under_its_root_port() {
 
 #[test]
 fn doorbell_peers_register_and_stay_non_blocking() {
+    if no_qemu() {
+        return;
+    }
     let mut vm = start(|s| s.vectors = 64);
     assert_eq!(vm.bell.vectors(), 64);
     assert!(vm.bell.own_ring_end(63).is_some() && vm.bell.own_ring_end(64).is_none());
@@ -256,6 +277,9 @@ fn doorbell_peers_register_and_stay_non_blocking() {
 
 #[test]
 fn a_qemu_that_refuses_the_spec_reports_why() {
+    if no_qemu() {
+        return;
+    }
     // QEMU rejects an unknown device; its reason comes back from stderr.
     let mut spec = VmSpec::new("refused", Accel::Tcg);
     spec.paused = true;
@@ -273,7 +297,27 @@ fn a_qemu_that_refuses_the_spec_reports_why() {
 }
 
 #[test]
+fn launch_reports_why_qemu_did_not_come_up() {
+    if no_qemu() {
+        return;
+    }
+    let mut spec = VmSpec::new("refused", Accel::Tcg);
+    spec.paused = true;
+    spec.extra = vec!["-device".into(), "no-such-device-fido".into()];
+    match launch(&spec, None, QMP_TIMEOUT) {
+        Err(LaunchError::Qemu { stderr, .. }) => assert!(stderr.contains("no-such-device-fido"), "{stderr}"),
+        other => panic!("{other:?}"),
+    }
+    spec.extra.clear();
+    spec.arena_len = 3 << 20;
+    assert!(matches!(launch(&spec, None, QMP_TIMEOUT), Err(LaunchError::Spec(_))));
+}
+
+#[test]
 fn qemu_inherits_only_its_descriptors_and_dies_with_the_spawning_thread() {
+    if no_qemu() {
+        return;
+    }
     let (qmp_end, qemu_qmp) = pair();
     let (_c, qemu_control) = pair();
     let (_bell, qemu_bell) = DoorbellServer::new(8, VectorKind::SocketPair).unwrap();
@@ -308,6 +352,9 @@ fn qemu_inherits_only_its_descriptors_and_dies_with_the_spawning_thread() {
 
 #[test]
 fn qemu_holds_only_the_listed_descriptors() {
+    if no_qemu() {
+        return;
+    }
     // std's descriptors are close-on-exec already; make one that is not.
     let (leak_r, _leak_w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::empty()).unwrap();
     let leak = format!("pipe:[{}]", rustix::fs::fstat(&leak_r).unwrap().st_ino);
@@ -318,6 +365,45 @@ fn qemu_holds_only_the_listed_descriptors() {
         seen.push(target.to_string_lossy().into_owned());
     }
     assert!(!seen.contains(&leak), "QEMU inherited an unlisted descriptor: {seen:?}");
-    assert!(seen.iter().any(|t| t.starts_with("/memfd:fido-test-arena")), "{seen:?}");
+    assert!(seen.iter().any(|t| t.starts_with("/memfd:fido-vm-arena")), "{seen:?}");
+    vm.alive();
+}
+
+#[test]
+fn the_default_ports_get_their_windows_and_take_a_largest_arena() {
+    if no_qemu() {
+        return;
+    }
+    // VmSpec::new's sizes: 8 ports of 1 GiB beside a 64 MiB arena.
+    let defaults = VmSpec::new("x", Accel::Tcg);
+    let mut vm = start(|s| {
+        s.paused = false;
+        s.ports = defaults.ports;
+        s.max_peer_arena = defaults.max_peer_arena;
+        s.arena_len = defaults.arena_len;
+    });
+    wait_for_bridges(&mut vm.qmp, 1 << 30);
+    let big = memfd(1 << 30);
+    seal(&big);
+    let big = read_only(&big);
+    hotplug::plug_arena(&mut vm.qmp, 7, big.as_fd(), 1 << 30, vm.spec.max_peer_arena).unwrap();
+    let (_, bridges) = pci(&mut vm.qmp);
+    assert_eq!(bridges.iter().find(|b| b.0 == "fido-port7").unwrap().1.len(), 1);
+    vm.alive();
+}
+
+#[test]
+fn large_windows_fit_the_raised_64_bit_hole() {
+    if no_qemu() {
+        return;
+    }
+    // 16 ports of 8 GiB: over q35's default 32 GiB hole, which VmSpec raises.
+    let mut vm = start(|s| {
+        s.paused = false;
+        s.ports = 16;
+        s.max_peer_arena = 8 << 30;
+    });
+    assert!(vm.spec.args().unwrap().iter().any(|a| a.starts_with("q35-pcihost.pci-hole64-size=")));
+    wait_for_bridges(&mut vm.qmp, 8 << 30);
     vm.alive();
 }

@@ -23,8 +23,14 @@ impl Control {
     /// Connects to the broker at `path` and sends `join` with the arena's
     /// descriptor. Nothing is read until [`start`](Control::start).
     pub(crate) fn join(path: PathBuf, join: Request, arena: OwnedFd) -> Result<(Control, Joined)> {
+        Self::join_through(Arc::new(UnixConnector::new(path)), join, vec![arena])
+    }
+
+    /// Joins through any carrier: a VM guest's link to its supervisor,
+    /// which attaches the VM's arena itself (`fds` is then empty).
+    pub(crate) fn join_through(connector: Arc<dyn fido_control::Connect>, join: Request, fds: Vec<OwnedFd>) -> Result<(Control, Joined)> {
         let options = Options { reconnect: Some(Backoff::default()), ..Options::default() };
-        let (session, joined) = Session::join(Arc::new(UnixConnector::new(path)), join, vec![arena], options)?;
+        let (session, joined) = Session::join(connector, join, fds, options)?;
         Ok((Control { session }, joined))
     }
 

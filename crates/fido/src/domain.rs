@@ -234,20 +234,34 @@ impl Domain {
             return Err(InvalidArgument::RingEntries(opts.ring_entries).into());
         }
         fido_proto::check_name(&opts.name).map_err(|e| InvalidArgument::Name(e.to_string()))?;
-        let path = opts.broker.clone().unwrap_or_else(fido_proto::default_broker_path);
-        let unplaced = UnplacedArena::create(opts.arena_len, opts.prefault)?;
-        let join = Request::Join {
-            name: opts.name.clone(),
-            label: opts.label.clone(),
-            arena_len: unplaced.len(),
-            resume: None,
+        let explicit = opts.broker.is_some() || std::env::var_os("FIDO_BROKER").is_some_and(|b| !b.is_empty());
+        let guest_port = if explicit { None } else { fido_guest::Guest::detect() };
+        let (control, joined, arena, space, platform) = match guest_port {
+            None => {
+                let path = opts.broker.clone().unwrap_or_else(fido_proto::default_broker_path);
+                let unplaced = UnplacedArena::create(opts.arena_len, opts.prefault)?;
+                let join = Request::Join { name: opts.name.clone(), label: opts.label.clone(), arena_len: unplaced.len(), resume: None };
+                let (control, joined) = Control::join(path, join, unplaced.ro_fd()?)?;
+                let space = Arc::new(AddressSpace::new(joined.geometry, opts.address_mode)?);
+                let arena = unplaced.place(&space, joined.slot, joined.domain)?;
+                (control, joined, arena, space, Platform::Host)
+            }
+            // Inside a VM: the broker is reached through the VM's supervisor,
+            // and the arena is the VM's own (its size was fixed when the VM
+            // started; `arena_len` does not apply).
+            Some(port) => {
+                let guest = fido_guest::Guest::open(&port).map_err(|e| Error::broker_protocol(format!("VM guest: {e}")))?;
+                let (arena_fd, arena_len) = guest.own_arena().map_err(|e| Error::broker_protocol(format!("VM guest: {e}")))?;
+                let join = Request::Join { name: opts.name.clone(), label: opts.label.clone(), arena_len, resume: None };
+                let (control, joined) = Control::join_through(guest.connector(), join, Vec::new())?;
+                let space = Arc::new(AddressSpace::new(joined.geometry, opts.address_mode)?);
+                let arena = fido_shm::Arena::place_device(&space, joined.slot, joined.domain, arena_fd, arena_len)?;
+                (control, joined, arena, space, Platform::Guest(guest))
+            }
         };
-        let (control, joined) = Control::join(path, join, unplaced.ro_fd()?)?;
         let (domain, slot) = (joined.domain, joined.slot);
-        let space = Arc::new(AddressSpace::new(joined.geometry, opts.address_mode)?);
-        let arena = unplaced.place(&space, slot, domain)?;
         let control = Arc::new(control);
-        let local = Arc::new(LocalDomain::new(space, arena, control.clone(), (opts.ring_entries, opts.wait), Platform::Host));
+        let local = Arc::new(LocalDomain::new(space, arena, control.clone(), (opts.ring_entries, opts.wait), platform));
         let inner = Arc::new(DomainInner {
             id: domain,
             slot,
@@ -513,6 +527,10 @@ impl Handler for DomainInner {
             arena_len: self.local.arena.len(),
             resume: Some(resume),
         };
+        // A guest's supervisor attaches the VM's arena itself.
+        if self.local.platform.is_guest() {
+            return Ok((join, Vec::new()));
+        }
         let arena = self.local.arena.ro_fd().map_err(|e| fido_control::ControlError::Io(std::io::Error::other(e)))?;
         Ok((join, vec![arena]))
     }

@@ -16,7 +16,8 @@ use std::sync::Arc;
 #[derive(Clone)]
 pub(crate) enum Platform {
     Host,
-    // GUEST-PENDING
+    /// Inside a VM guest, through its supervisor.
+    Guest(Arc<fido_guest::Guest>),
 }
 
 impl Platform {
@@ -24,6 +25,7 @@ impl Platform {
     pub(crate) fn new_bell(&self) -> Result<Doorbell> {
         Ok(match self {
             Platform::Host => doorbell::new_doorbell()?,
+            Platform::Guest(g) => g.new_bell().map_err(guest_error)?,
         })
     }
 
@@ -31,6 +33,7 @@ impl Platform {
     pub(crate) fn ring_end(&self, fd: OwnedFd) -> Result<RingEnd> {
         Ok(match self {
             Platform::Host => RingEnd::socket(fd),
+            Platform::Guest(g) => g.ring_end(fd).map_err(guest_error)?,
         })
     }
 
@@ -39,6 +42,7 @@ impl Platform {
     pub(crate) fn map_peer(&self, space: &AddressSpace, slot: u32, owner: u64, fd: OwnedFd, len: u64) -> Result<Arc<Mapping>> {
         Ok(match self {
             Platform::Host => space.map_peer(slot, owner, fd, len)?,
+            Platform::Guest(_) => space.map_peer_device(slot, owner, fd, len)?,
         })
     }
 
@@ -46,6 +50,7 @@ impl Platform {
     pub(crate) fn block_flags(&self) -> u64 {
         match self {
             Platform::Host => 0,
+            Platform::Guest(_) => fido_ring::FLAG_OTHER_KERNEL,
         }
     }
 
@@ -56,5 +61,12 @@ impl Platform {
 
     pub(crate) fn is_guest(&self) -> bool {
         !matches!(self, Platform::Host)
+    }
+}
+
+fn guest_error(e: fido_guest::GuestError) -> crate::error::Error {
+    match e {
+        fido_guest::GuestError::Io(io) => io.into(),
+        other => crate::error::Error::broker_protocol(format!("VM guest: {other}")),
     }
 }
