@@ -104,7 +104,15 @@ pub fn build_image() -> anyhow::Result<Image> {
             }
         }
     }
-    let status = c.stdin(Stdio::null()).status().context("running scripts/vm-image.sh")?;
+    let mut status = c.stdin(Stdio::null()).status().context("running scripts/vm-image.sh")?;
+    if !status.success() && out.join("kernel").exists() {
+        // The script hard-links its cached kernel into each image, and a
+        // rebuild that keeps the kernel then fails to `mv` the link onto
+        // itself ("are the same file"); without the old link it succeeds.
+        eprintln!("vm bench: rebuilding the image without its old kernel link");
+        std::fs::remove_file(out.join("kernel"))?;
+        status = c.status().context("running scripts/vm-image.sh")?;
+    }
     if !status.success() {
         bail!("scripts/vm-image.sh failed ({status})");
     }
@@ -201,8 +209,7 @@ pub struct Ctl {
 }
 
 impl Ctl {
-    fn connect(vm: &str, path: &Path, deadline: Instant) -> anyhow::Result<Ctl> {
-        let s = connect_unix(path, deadline)?;
+    fn new(vm: &str, s: UnixStream) -> anyhow::Result<Ctl> {
         s.set_read_timeout(Some(Duration::from_millis(200)))?;
         Ok(Ctl {
             vm: vm.into(),
@@ -221,13 +228,22 @@ impl Ctl {
 
     /// The next line from the agent within `timeout`.
     fn line(&mut self, timeout: Duration) -> anyhow::Result<String> {
+        match self.try_line(timeout)? {
+            Some(l) => Ok(l),
+            None => bail!("{}: no answer from the agent within {timeout:?}", self.vm),
+        }
+    }
+
+    /// The next line from the agent, or `None` if none came within `timeout`
+    /// (a part of a line stays for the next call).
+    fn try_line(&mut self, timeout: Duration) -> anyhow::Result<Option<String>> {
         let deadline = Instant::now() + timeout;
         loop {
             match self.r.read_line(&mut self.partial) {
                 Ok(0) => bail!("{}: the agent's port closed", self.vm),
                 Ok(_) if self.partial.ends_with('\n') => {
                     let l = std::mem::take(&mut self.partial);
-                    return Ok(l.trim_end().to_string());
+                    return Ok(Some(l.trim_end().to_string()));
                 }
                 Ok(_) => {}
                 Err(e)
@@ -241,7 +257,7 @@ impl Ctl {
                 bail!("{}: the agent sent a line over 4 KiB", self.vm);
             }
             if Instant::now() > deadline {
-                bail!("{}: no answer from the agent within {timeout:?}", self.vm);
+                return Ok(None);
             }
         }
     }
@@ -388,6 +404,17 @@ pub fn launch(
         .stdout(log.try_clone()?)
         .stderr(log);
     let child = cmd.spawn().with_context(|| format!("starting {name}: {cmd:?}"))?;
+    // The serial console into a file from the first byte (for error
+    // reports), on a thread of its own until QEMU closes it.
+    let (sock, log_path) = (p.console_sock.clone(), p.console.clone());
+    std::thread::spawn(move || {
+        let Ok(mut con) = connect_unix(&sock, Instant::now() + Duration::from_secs(60)) else {
+            return;
+        };
+        if let Ok(mut log) = File::create(&log_path) {
+            let _ = std::io::copy(&mut con, &mut log);
+        }
+    });
     Ok((child, p))
 }
 
@@ -402,24 +429,47 @@ pub struct VmPaths {
 }
 
 impl VmPaths {
-    /// Connects to the VM's ports and waits for its agent's `hello`.
+    /// Connects to the VM's ports and waits for its agent's `hello`; fails
+    /// early if the VM stops or we are interrupted.
     pub fn wait_agent(self, mut child: Child, started: Instant, timeout: Duration) -> anyhow::Result<Vm> {
         let deadline = started + timeout;
+        let mut alive = || -> anyhow::Result<()> {
+            if let Some(st) = child.try_wait()? {
+                bail!("{} stopped while booting ({st})", self.name);
+            }
+            fido_demo::proc::check_interrupt()?;
+            if Instant::now() > deadline {
+                bail!("{}: no agent within {timeout:?}", self.name);
+            }
+            Ok(())
+        };
         let r = (|| {
-            // The serial console into a file (for error reports), on a
-            // thread of its own until QEMU closes it.
-            let con = connect_unix(&self.console_sock, deadline)?;
-            let mut log = File::create(&self.console)?;
-            std::thread::spawn(move || {
-                let mut con = con;
-                let _ = std::io::copy(&mut con, &mut log);
-            });
-            let mut ctl = Ctl::connect(&self.name, &self.ctl, deadline)?;
-            let serial = connect_unix(&self.serial, deadline)?;
+            let ctl = loop {
+                alive()?;
+                if let Ok(s) = UnixStream::connect(&self.ctl) {
+                    break s;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            };
+            let mut ctl = Ctl::new(&self.name, ctl)?;
+            let serial = loop {
+                alive()?;
+                if let Ok(s) = UnixStream::connect(&self.serial) {
+                    break s;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            };
             // A hung guest fails the case that reads, not the run.
             serial.set_read_timeout(Some(super::fidoops::STALL))?;
-            let left = deadline.saturating_duration_since(Instant::now());
-            ctl.expect("hello", left)?;
+            loop {
+                alive()?;
+                if let Some(l) = ctl.try_line(Duration::from_secs(1))? {
+                    if l.starts_with("hello") {
+                        break;
+                    }
+                    bail!("{}: expected hello, the agent said `{l}`", self.name);
+                }
+            }
             Ok::<_, anyhow::Error>((ctl, serial))
         })();
         match r {
@@ -435,6 +485,7 @@ impl VmPaths {
             Err(e) => {
                 let _ = child.kill();
                 let _ = child.wait();
+                std::thread::sleep(Duration::from_millis(200));
                 let tail = console_tail(&self.console);
                 Err(e.context(format!("{} did not come up; console:\n{tail}", self.name)))
             }
