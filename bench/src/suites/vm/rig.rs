@@ -93,17 +93,8 @@ pub fn build_image() -> anyhow::Result<Image> {
         .arg(format!("{}:/bin/fido-bench", stripped.display()))
         .arg("--quiet")
         .current_dir(&root);
-    // The tests' image already holds the kernel package: no second download.
-    if std::env::var_os("FIDO_VM_KERNEL_DEB").is_none() {
-        if let Ok(rd) = std::fs::read_dir(root.join("target/vm-image/cache")) {
-            if let Some(deb) = rd
-                .filter_map(|e| e.ok().map(|e| e.path()))
-                .find(|p| p.extension().is_some_and(|x| x == "deb"))
-            {
-                c.env("FIDO_VM_KERNEL_DEB", deb);
-            }
-        }
-    }
+    // The kernel package and its extraction are the script's shared cache
+    // (target/vm-image-cache beside the tests' image): no second download.
     let mut status = c.stdin(Stdio::null()).status().context("running scripts/vm-image.sh")?;
     if !status.success() && out.join("kernel").exists() {
         // The script hard-links its cached kernel into each image, and a
