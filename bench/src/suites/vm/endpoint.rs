@@ -183,7 +183,7 @@ impl Agent {
         // socket path, no configuration. The arena is the VM's own (its size
         // is `fido vm run --arena`).
         let d = fido::Domain::join(
-            fido::JoinOptions::new(&format!("bench-{}", host.trim())).ring_entries(64),
+            fido::JoinOptions::new(format!("bench-{}", host.trim())).ring_entries(64),
         )
         .context("joining Fido from the guest")?;
         self.domain = Some(d.clone());
@@ -223,7 +223,10 @@ impl Agent {
                 if cmd == "serial-echo" {
                     format!("messages={}", stream::echo(&mut port, size)?)
                 } else {
-                    format!("messages={}", stream::source(&mut port, size, kv.ms("ms")?)?)
+                    format!(
+                        "messages={}",
+                        stream::source(&mut port, size, kv.ms("ms")?)?
+                    )
                 }
             }
             "fido-echo" | "fido-sink" | "fido-source" => {
@@ -242,7 +245,10 @@ impl Agent {
                 // The peer's last receive ends with END: let its releases come
                 // back before the channel goes.
                 let _ = fido_drain(&ch);
-                format!("{words} bytes_copied={}", d.counters().bytes_copied - before)
+                format!(
+                    "{words} bytes_copied={}",
+                    d.counters().bytes_copied - before
+                )
             }
             "fido-ping" => {
                 let d = self.domain()?;
@@ -252,7 +258,11 @@ impl Agent {
                 let rtts =
                     fidoops::ping_pong(&d, &ch, kv.num("size")?, kv.ms("warm_ms")?, kv.ms("ms")?)?;
                 let _ = fido_drain(&ch);
-                format!("{} bytes_copied={}", rtt_words(rtts), d.counters().bytes_copied - before)
+                format!(
+                    "{} bytes_copied={}",
+                    rtt_words(rtts),
+                    d.counters().bytes_copied - before
+                )
             }
             "fido-source-to" => {
                 // VM↔VM throughput: this guest connects and streams.
@@ -261,7 +271,10 @@ impl Agent {
                 let before = d.counters().bytes_copied;
                 let n = fidoops::source(&d, &ch, kv.num("size")?, kv.ms("ms")?)?;
                 let _ = fido_drain(&ch);
-                format!("messages={n} bytes_copied={}", d.counters().bytes_copied - before)
+                format!(
+                    "messages={n} bytes_copied={}",
+                    d.counters().bytes_copied - before
+                )
             }
             "fido-probe" => {
                 // Whether the guest can be a Fido domain at all (joins once).

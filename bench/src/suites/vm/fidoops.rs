@@ -42,7 +42,10 @@ fn fold_msg(m: &fido::Msg, size: usize) -> anyhow::Result<(u64, u64)> {
         bail!("a message of {} bytes arrived, expected {size}", v.len());
     }
     let sum = v.fold_u64(0u64, |acc, w| acc.wrapping_add(w).rotate_left(1));
-    let seq = v.read_obj::<[u8; 8]>(0).map(u64::from_le_bytes).context("message under 8 bytes")?;
+    let seq = v
+        .read_obj::<[u8; 8]>(0)
+        .map(u64::from_le_bytes)
+        .context("message under 8 bytes")?;
     Ok((seq, sum))
 }
 
@@ -177,7 +180,14 @@ mod tests {
             echo(&b2, &ch, 4096).unwrap()
         });
         let ch = a.connect(&svc).unwrap();
-        let rtts = ping_pong(&a, &ch, 4096, Duration::from_millis(10), Duration::from_millis(50)).unwrap();
+        let rtts = ping_pong(
+            &a,
+            &ch,
+            4096,
+            Duration::from_millis(10),
+            Duration::from_millis(50),
+        )
+        .unwrap();
         let echoed = t.join().unwrap();
         assert!(!rtts.is_empty());
         assert!(echoed as usize >= rtts.len());

@@ -111,10 +111,18 @@ impl Bench<'_> {
     fn latency_row(system: &str, case: &str, rtts: Vec<u64>, bytes_copied: Option<u64>) -> Row {
         let mut r = crate::latency_record(system, case, rtts);
         r.suite = SUITE.into();
-        Row { record: r, bytes_copied }
+        Row {
+            record: r,
+            bytes_copied,
+        }
     }
 
-    fn rtt_row(system: &str, case: &str, kv: &Kv, bytes_copied: Option<u64>) -> anyhow::Result<Row> {
+    fn rtt_row(
+        system: &str,
+        case: &str,
+        kv: &Kv,
+        bytes_copied: Option<u64>,
+    ) -> anyhow::Result<Row> {
         let (p50, p99): (f64, f64) = (kv.num("rtt_p50")?, kv.num("rtt_p99")?);
         Ok(Row {
             record: Record::latency(SUITE, case, system, p50 / 2.0, p99 / 2.0, kv.num("n")?),
@@ -141,7 +149,9 @@ impl Bench<'_> {
 
     fn host_vm_latency_tcp(&mut self, case: &str, size: usize) -> anyhow::Result<Row> {
         let port = self.port();
-        self.a.ctl.start(&format!("tcp-echo port={port} size={size}"))?;
+        self.a
+            .ctl
+            .start(&format!("tcp-echo port={port} size={size}"))?;
         let (addr, warm, dur) = (self.a.addr.clone(), self.warmup(), self.duration());
         let rtts = self.ns.run(move || {
             let mut s = TcpStream::connect((addr.as_str(), port))?;
@@ -189,7 +199,9 @@ impl Bench<'_> {
 
     fn host_vm_throughput_serial(&mut self, case: &str, size: usize) -> anyhow::Result<Row> {
         let ms = self.duration().as_millis();
-        self.a.ctl.start(&format!("serial-source size={size} ms={ms}"))?;
+        self.a
+            .ctl
+            .start(&format!("serial-source size={size} ms={ms}"))?;
         let mut s = self.a.serial.try_clone()?;
         let sink = stream::sink(&mut s, size);
         let done = self.a.ctl.expect("done", self.done_timeout());
@@ -228,9 +240,9 @@ impl Bench<'_> {
         let d = self.host_domain()?;
         let svc = self.svc();
         let ms = self.duration().as_millis();
-        self.a
-            .ctl
-            .start(&format!("fido-source svc={svc} size={size} ms={ms} wait=block"))?;
+        self.a.ctl.start(&format!(
+            "fido-source svc={svc} size={size} ms={ms} wait=block"
+        ))?;
         let before = d.counters().bytes_copied;
         let sink = (|| {
             let ch = d.connect(&svc)?;
@@ -334,7 +346,12 @@ fn first_line(cmd: &str, args: &[&str]) -> String {
         .args(args)
         .output()
         .ok()
-        .and_then(|o| String::from_utf8_lossy(&o.stdout).lines().next().map(str::to_string))
+        .and_then(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .next()
+                .map(str::to_string)
+        })
         .unwrap_or_default()
 }
 
@@ -385,7 +402,9 @@ fn goal_lines(rows: &[Row]) -> Vec<String> {
                     (None, _) => format!("not measured ({fido} did not run)"),
                     _ => format!("not measured ({TCP} did not run)"),
                 };
-                out.push(format!("# goal {case}: {fido} {want} virtio-net-tcp: {verdict}"));
+                out.push(format!(
+                    "# goal {case}: {fido} {want} virtio-net-tcp: {verdict}"
+                ));
             };
             goal(&tput, FIDO, "throughput >= 5x", |r| r >= 5.0);
             goal(&lat, FIDO, "latency <= 0.5x", |r| r <= 0.5);
@@ -395,7 +414,11 @@ fn goal_lines(rows: &[Row]) -> Vec<String> {
     out
 }
 
-fn write_json(path: &std::path::Path, rows: &[Row], machine: &serde_json::Value) -> anyhow::Result<()> {
+fn write_json(
+    path: &std::path::Path,
+    rows: &[Row],
+    machine: &serde_json::Value,
+) -> anyhow::Result<()> {
     let mut w = std::io::BufWriter::new(
         std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?,
     );
@@ -419,7 +442,10 @@ type CaseFn = Box<dyn FnOnce(&mut Bench) -> anyhow::Result<Row>>;
 pub fn run(opts: &Opts) -> anyhow::Result<()> {
     fido_demo::proc::install_interrupt_flag()?;
     for (prog, why) in [
-        ("qemu-system-x86_64", "QEMU (Debian package qemu-system-x86)"),
+        (
+            "qemu-system-x86_64",
+            "QEMU (Debian package qemu-system-x86)",
+        ),
         ("ip", "iproute2"),
         ("strip", "binutils"),
     ] {
@@ -434,7 +460,9 @@ pub fn run(opts: &Opts) -> anyhow::Result<()> {
     let image = rig::build_image().context("building the test guest")?;
     let machine = machine(&image);
     let ns = Netns::create()?;
-    let dir = tempfile::Builder::new().prefix("fido-bench-vm-").tempdir()?;
+    let dir = tempfile::Builder::new()
+        .prefix("fido-bench-vm-")
+        .tempdir()?;
 
     // The VMs are Fido domains when `fido vm` exists; the baselines run in
     // them all the same.
@@ -457,7 +485,10 @@ pub fn run(opts: &Opts) -> anyhow::Result<()> {
     for i in 0..2 {
         ns.add_tap(&format!("fbtap{i}"))?;
         let started = Instant::now();
-        launched.push((rig::launch(&launcher, &image, &ns, dir.path(), i, VM_MEM_MIB)?, started));
+        launched.push((
+            rig::launch(&launcher, &image, &ns, dir.path(), i, VM_MEM_MIB)?,
+            started,
+        ));
     }
     let mut vms = Vec::new();
     for ((child, paths), started) in launched {
@@ -512,40 +543,82 @@ pub fn run(opts: &Opts) -> anyhow::Result<()> {
     for &size in &SIZES {
         let lat = format!("host-vm-latency-{}", size_label(size));
         let c = lat.clone();
-        cases.push((lat.clone(), FIDO, Box::new(move |b| b.host_vm_latency_fido(&c, size, "block"))));
+        cases.push((
+            lat.clone(),
+            FIDO,
+            Box::new(move |b| b.host_vm_latency_fido(&c, size, "block")),
+        ));
         let c = lat.clone();
-        cases.push((lat.clone(), FIDO_POLLED, Box::new(move |b| b.host_vm_latency_fido(&c, size, "poll"))));
+        cases.push((
+            lat.clone(),
+            FIDO_POLLED,
+            Box::new(move |b| b.host_vm_latency_fido(&c, size, "poll")),
+        ));
         let c = lat.clone();
-        cases.push((lat.clone(), TCP, Box::new(move |b| b.host_vm_latency_tcp(&c, size))));
+        cases.push((
+            lat.clone(),
+            TCP,
+            Box::new(move |b| b.host_vm_latency_tcp(&c, size)),
+        ));
         let c = lat.clone();
-        cases.push((lat, SERIAL, Box::new(move |b| b.host_vm_latency_serial(&c, size))));
+        cases.push((
+            lat,
+            SERIAL,
+            Box::new(move |b| b.host_vm_latency_serial(&c, size)),
+        ));
     }
     for &size in &SIZES {
         let tp = format!("host-vm-throughput-{}", size_label(size));
         let c = tp.clone();
-        cases.push((tp.clone(), FIDO, Box::new(move |b| b.host_vm_throughput_fido(&c, size))));
+        cases.push((
+            tp.clone(),
+            FIDO,
+            Box::new(move |b| b.host_vm_throughput_fido(&c, size)),
+        ));
         let c = tp.clone();
-        cases.push((tp.clone(), TCP, Box::new(move |b| b.host_vm_throughput_tcp(&c, size))));
+        cases.push((
+            tp.clone(),
+            TCP,
+            Box::new(move |b| b.host_vm_throughput_tcp(&c, size)),
+        ));
         let c = tp.clone();
-        cases.push((tp, SERIAL, Box::new(move |b| b.host_vm_throughput_serial(&c, size))));
+        cases.push((
+            tp,
+            SERIAL,
+            Box::new(move |b| b.host_vm_throughput_serial(&c, size)),
+        ));
     }
     for &size in &SIZES {
         let lat = format!("vm-vm-latency-{}", size_label(size));
         let c = lat.clone();
-        cases.push((lat.clone(), FIDO, Box::new(move |b| b.vm_vm_latency_fido(&c, size, "block"))));
+        cases.push((
+            lat.clone(),
+            FIDO,
+            Box::new(move |b| b.vm_vm_latency_fido(&c, size, "block")),
+        ));
         let c = lat.clone();
-        cases.push((lat.clone(), FIDO_POLLED, Box::new(move |b| b.vm_vm_latency_fido(&c, size, "poll"))));
+        cases.push((
+            lat.clone(),
+            FIDO_POLLED,
+            Box::new(move |b| b.vm_vm_latency_fido(&c, size, "poll")),
+        ));
         let c = lat.clone();
         cases.push((lat, TCP, Box::new(move |b| b.vm_vm_latency_tcp(&c, size))));
     }
     for &size in &SIZES {
         let tp = format!("vm-vm-throughput-{}", size_label(size));
         let c = tp.clone();
-        cases.push((tp.clone(), FIDO, Box::new(move |b| b.vm_vm_throughput_fido(&c, size))));
+        cases.push((
+            tp.clone(),
+            FIDO,
+            Box::new(move |b| b.vm_vm_throughput_fido(&c, size)),
+        ));
         let c = tp.clone();
         cases.push((tp, TCP, Box::new(move |b| b.vm_vm_throughput_tcp(&c, size))));
     }
-    cases.retain(|(case, system, _)| opts.wants(system, case) && (fido_on || !system.starts_with(FIDO)));
+    cases.retain(|(case, system, _)| {
+        opts.wants(system, case) && (fido_on || !system.starts_with(FIDO))
+    });
 
     let mut rows = Vec::new();
     let mut failures = Vec::new();
@@ -559,12 +632,19 @@ pub fn run(opts: &Opts) -> anyhow::Result<()> {
             Err(e) => {
                 eprintln!("vm bench: {system} {case} FAILED: {e:#}");
                 for vm in [&bench.a, &bench.b] {
-                    eprintln!("vm bench: console of {} (last lines):\n{}", vm.name, vm.console_tail());
+                    eprintln!(
+                        "vm bench: console of {} (last lines):\n{}",
+                        vm.name,
+                        vm.console_tail()
+                    );
                 }
                 failures.push(format!("{system}/{case}"));
             }
         }
-        eprintln!("vm bench: {system} {case} ({:.1} s)", t.elapsed().as_secs_f64());
+        eprintln!(
+            "vm bench: {system} {case} ({:.1} s)",
+            t.elapsed().as_secs_f64()
+        );
     }
     let Bench { a, b, host, .. } = bench;
     drop(host);
@@ -612,7 +692,11 @@ pub fn run(opts: &Opts) -> anyhow::Result<()> {
     } else {
         println!("# goals (throughput >= 5x, latency <= 0.5x virtio-net-tcp): not measured, fido did not run");
     }
-    eprintln!("({} records in {:.1} s)", rows.len(), t0.elapsed().as_secs_f64());
+    eprintln!(
+        "({} records in {:.1} s)",
+        rows.len(),
+        t0.elapsed().as_secs_f64()
+    );
     if let Some(p) = &opts.json {
         write_json(p, &rows, &machine)?;
     }
@@ -642,17 +726,34 @@ mod tests {
             row("host-vm-latency-64B", TCP, 100.0),
         ];
         let g = goal_lines(&rows);
-        assert!(g.iter().any(|l| l.contains("host-vm-throughput-64B: fido") && l.ends_with("6.00x met")), "{g:?}");
-        assert!(g.iter().any(|l| l.contains("host-vm-latency-64B: fido ") && l.ends_with("0.60x NOT met")), "{g:?}");
-        assert!(g.iter().any(|l| l.contains("host-vm-latency-64B: fido-polled") && l.contains("not measured")));
-        assert!(!g.iter().any(|l| l.contains("vm-vm-throughput-4KiB")), "a case that did not run has no goal line");
+        assert!(
+            g.iter()
+                .any(|l| l.contains("host-vm-throughput-64B: fido") && l.ends_with("6.00x met")),
+            "{g:?}"
+        );
+        assert!(
+            g.iter()
+                .any(|l| l.contains("host-vm-latency-64B: fido ") && l.ends_with("0.60x NOT met")),
+            "{g:?}"
+        );
+        assert!(g
+            .iter()
+            .any(|l| l.contains("host-vm-latency-64B: fido-polled") && l.contains("not measured")));
+        assert!(
+            !g.iter().any(|l| l.contains("vm-vm-throughput-4KiB")),
+            "a case that did not run has no goal line"
+        );
     }
 
     #[test]
     fn kv_parses_agent_lines() {
-        let kv = Kv::parse("messages=12 checksum=34 timed_messages=11 timed_ns=5000".split_whitespace());
+        let kv =
+            Kv::parse("messages=12 checksum=34 timed_messages=11 timed_ns=5000".split_whitespace());
         let s = endpoint::parse_sink(&kv).unwrap();
-        assert_eq!((s.messages, s.checksum, s.timed_messages, s.timed_ns), (12, 34, 11, 5000));
+        assert_eq!(
+            (s.messages, s.checksum, s.timed_messages, s.timed_ns),
+            (12, 34, 11, 5000)
+        );
         assert!(Kv::parse(["n=x"].into_iter()).num::<u64>("n").is_err());
         assert!(Kv::parse(std::iter::empty()).get("n").is_err());
     }

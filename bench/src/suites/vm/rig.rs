@@ -66,7 +66,9 @@ fn repo_root() -> anyhow::Result<PathBuf> {
     exe.ancestors()
         .find(|a| a.join("scripts/vm-image.sh").is_file())
         .map(Path::to_path_buf)
-        .context("scripts/vm-image.sh not found above this executable; set FIDO_REPO to the workspace")
+        .context(
+            "scripts/vm-image.sh not found above this executable; set FIDO_REPO to the workspace",
+        )
 }
 
 /// Builds (or finds cached) the image: this executable, stripped of debug
@@ -95,7 +97,10 @@ pub fn build_image() -> anyhow::Result<Image> {
         .current_dir(&root);
     // The kernel package and its extraction are the script's shared cache
     // (target/vm-image-cache beside the tests' image): no second download.
-    let mut status = c.stdin(Stdio::null()).status().context("running scripts/vm-image.sh")?;
+    let mut status = c
+        .stdin(Stdio::null())
+        .status()
+        .context("running scripts/vm-image.sh")?;
     if !status.success() && out.join("kernel").exists() {
         // The script hard-links its cached kernel into each image, and a
         // rebuild that keeps the kernel then fails to `mv` the link onto
@@ -110,7 +115,9 @@ pub fn build_image() -> anyhow::Result<Image> {
     Ok(Image {
         kernel: out.join("kernel"),
         initrd: out.join("initrd.img"),
-        cmdline: std::fs::read_to_string(out.join("cmdline"))?.trim().to_string(),
+        cmdline: std::fs::read_to_string(out.join("cmdline"))?
+            .trim()
+            .to_string(),
     })
 }
 
@@ -139,7 +146,15 @@ impl Netns {
         for args in [
             vec!["-n", n, "link", "set", "lo", "up"],
             vec!["-n", n, "link", "add", BRIDGE, "type", "bridge"],
-            vec!["-n", n, "addr", "add", &format!("{HOST_ADDR}/24"), "dev", BRIDGE],
+            vec![
+                "-n",
+                n,
+                "addr",
+                "add",
+                &format!("{HOST_ADDR}/24"),
+                "dev",
+                BRIDGE,
+            ],
             vec!["-n", n, "link", "set", BRIDGE, "up"],
         ] {
             run_ok(Command::new("ip").args(&args))?;
@@ -150,7 +165,9 @@ impl Netns {
     /// A tap on the bridge, for one VM's virtio-net.
     pub fn add_tap(&self, tap: &str) -> anyhow::Result<()> {
         let n = self.name.as_str();
-        run_ok(Command::new("ip").args(["-n", n, "tuntap", "add", "dev", tap, "mode", "tap", "vnet_hdr"]))?;
+        run_ok(Command::new("ip").args([
+            "-n", n, "tuntap", "add", "dev", tap, "mode", "tap", "vnet_hdr",
+        ]))?;
         run_ok(Command::new("ip").args(["-n", n, "link", "set", tap, "master", BRIDGE]))?;
         run_ok(Command::new("ip").args(["-n", n, "link", "set", tap, "up"]))
     }
@@ -342,7 +359,10 @@ pub fn launch(
         "-netdev".into(),
         format!("tap,id=benchnet,ifname={tap},script=no,downscript=no,vhost=off"),
         "-device".into(),
-        format!("virtio-net-pci,netdev=benchnet,mac=52:54:00:77:00:{:02x}", 11 + index),
+        format!(
+            "virtio-net-pci,netdev=benchnet,mac=52:54:00:77:00:{:02x}",
+            11 + index
+        ),
     ];
     let log = File::create(dir.join(format!("{name}-qemu.log")))?;
     // QEMU opens its tap by name, so it runs in the namespace (`ip netns
@@ -353,7 +373,11 @@ pub fn launch(
         Launcher::Qemu => {
             cmd.arg("qemu-system-x86_64")
                 .args(["-machine", "q35", "-accel"])
-                .arg(if accel() == "kvm" { "kvm" } else { "tcg,thread=multi" })
+                .arg(if accel() == "kvm" {
+                    "kvm"
+                } else {
+                    "tcg,thread=multi"
+                })
                 .args(["-cpu", "max", "-smp", "1", "-m", &format!("{mem_mib}M")])
                 .args(["-nographic", "-nodefaults", "-no-user-config", "-no-reboot"])
                 // As under `fido vm run`, whose guests need it for VFIO: the
@@ -380,7 +404,14 @@ pub fn launch(
                 .arg(&image.kernel)
                 .arg("--initrd")
                 .arg(&image.initrd)
-                .args(["--mem", &mem_mib.to_string(), "--cpus", "1", "--accel", accel()])
+                .args([
+                    "--mem",
+                    &mem_mib.to_string(),
+                    "--cpus",
+                    "1",
+                    "--accel",
+                    accel(),
+                ])
                 .arg("--append")
                 .arg(format!("{} {cmdline_extra}", image.cmdline))
                 .arg("--console")
@@ -394,7 +425,9 @@ pub fn launch(
     cmd.stdin(Stdio::null())
         .stdout(log.try_clone()?)
         .stderr(log);
-    let child = cmd.spawn().with_context(|| format!("starting {name}: {cmd:?}"))?;
+    let child = cmd
+        .spawn()
+        .with_context(|| format!("starting {name}: {cmd:?}"))?;
     // The serial console into a file from the first byte (for error
     // reports), on a thread of its own until QEMU closes it.
     let (sock, log_path) = (p.console_sock.clone(), p.console.clone());
@@ -422,7 +455,12 @@ pub struct VmPaths {
 impl VmPaths {
     /// Connects to the VM's ports and waits for its agent's `hello`; fails
     /// early if the VM stops or we are interrupted.
-    pub fn wait_agent(self, mut child: Child, started: Instant, timeout: Duration) -> anyhow::Result<Vm> {
+    pub fn wait_agent(
+        self,
+        mut child: Child,
+        started: Instant,
+        timeout: Duration,
+    ) -> anyhow::Result<Vm> {
         let deadline = started + timeout;
         let mut alive = || -> anyhow::Result<()> {
             if let Some(st) = child.try_wait()? {

@@ -43,7 +43,10 @@ pub fn checksum(buf: &[u8]) -> u64 {
 /// [`checksum`] of `fill(buf, seq)` for a buffer of `size` bytes, computed
 /// without the buffer: what the receiver of message `seq` must have folded.
 pub fn expected_checksum(seq: u64, size: usize) -> u64 {
-    assert!(size >= 8 && size.is_multiple_of(8), "message sizes are multiples of 8");
+    assert!(
+        size >= 8 && size.is_multiple_of(8),
+        "message sizes are multiples of 8"
+    );
     let byte = seq as u8 as u64;
     let word = byte * 0x0101_0101_0101_0101;
     let mut acc = seq.rotate_left(1);
@@ -128,7 +131,8 @@ pub fn ping_pong<S: Read + Write>(
     })?;
     crate::fill(&mut out, END);
     s.write_all(&out)?;
-    s.read_exact(&mut back).context("ping: reading the END echo")?;
+    s.read_exact(&mut back)
+        .context("ping: reading the END echo")?;
     Ok(rtts)
 }
 
@@ -157,7 +161,10 @@ impl SinkReport {
     pub fn verify(&self, sent: Option<u64>, size: usize) -> anyhow::Result<()> {
         if let Some(sent) = sent {
             if sent != self.messages {
-                bail!("the source sent {sent} messages, the sink received {}", self.messages);
+                bail!(
+                    "the source sent {sent} messages, the sink received {}",
+                    self.messages
+                );
             }
         }
         if self.messages < 2 {
@@ -247,7 +254,8 @@ mod tests {
     #[test]
     fn streams_over_a_socket_pair_verify_and_catch_corruption() {
         let (mut a, mut b) = std::os::unix::net::UnixStream::pair().unwrap();
-        let t = std::thread::spawn(move || source(&mut a, 4096, Duration::from_millis(50)).unwrap());
+        let t =
+            std::thread::spawn(move || source(&mut a, 4096, Duration::from_millis(50)).unwrap());
         let r = sink(&mut b, 4096).unwrap();
         let sent = t.join().unwrap();
         r.verify(Some(sent), 4096).unwrap();
@@ -259,7 +267,13 @@ mod tests {
 
         let (mut a, mut b) = std::os::unix::net::UnixStream::pair().unwrap();
         let t = std::thread::spawn(move || echo(&mut b, 64).unwrap());
-        let rtts = ping_pong(&mut a, 64, Duration::from_millis(10), Duration::from_millis(30)).unwrap();
+        let rtts = ping_pong(
+            &mut a,
+            64,
+            Duration::from_millis(10),
+            Duration::from_millis(30),
+        )
+        .unwrap();
         let echoed = t.join().unwrap();
         assert!(!rtts.is_empty());
         assert!(echoed as usize >= rtts.len());
