@@ -370,7 +370,8 @@ fn machine(image: &rig::Image) -> serde_json::Value {
         "cpus": std::thread::available_parallelism().map_or(0, |n| n.get()),
         "kernel": first_line("uname", &["-r"]),
         "qemu": first_line("qemu-system-x86_64", &["--version"]),
-        "accel": rig::accel(),
+        "accel": rig::accel().0,
+        "accel_why": rig::accel().1,
         "guest": format!("{} vCPU, {VM_MEM_MIB} MiB, {}", 1, image.kernel.display()),
     })
 }
@@ -458,6 +459,7 @@ pub fn run(opts: &Opts) -> anyhow::Result<()> {
     }
     let t0 = Instant::now();
     let image = rig::build_image().context("building the test guest")?;
+    println!("# vm: accelerator {}", rig::accel().1);
     let machine = machine(&image);
     let ns = Netns::create()?;
     let dir = tempfile::Builder::new()
@@ -506,7 +508,7 @@ pub fn run(opts: &Opts) -> anyhow::Result<()> {
             Launcher::Qemu => "plain QEMU",
             Launcher::FidoVm { .. } => "fido vm run",
         },
-        rig::accel()
+        rig::accel().1
     );
     let host = match &broker {
         Some(br) => Some(
@@ -676,7 +678,7 @@ pub fn run(opts: &Opts) -> anyhow::Result<()> {
     println!(
         "# vm: accel {} (every VM of the run), 2 VMs x 1 vCPU x {VM_MEM_MIB} MiB, {}; one_way_ns = RTT/2 \
          (host-vm: host clock, vm-vm: VM a's clock); throughput: VM -> host, VM a -> VM b, receiver folds every byte.",
-        rig::accel(),
+        rig::accel().0,
         machine["qemu"].as_str().unwrap_or("")
     );
     println!(

@@ -24,14 +24,19 @@ use super::endpoint::{Kv, CTL_PORT, SERIAL_PORT};
 pub const HOST_ADDR: &str = "10.77.0.1";
 const BRIDGE: &str = "fbbr0";
 
-/// The QEMU accelerator every VM of a run uses (one for all systems).
-pub fn accel() -> &'static str {
-    // /dev/kvm on this kind of machine (kvm_pvm) cannot boot a stock guest;
-    // FIDO_BENCH_VM_ACCEL=kvm where it can.
-    match std::env::var("FIDO_BENCH_VM_ACCEL").as_deref() {
-        Ok("kvm") => "kvm",
-        _ => "tcg",
-    }
+/// The QEMU accelerator every VM of a run uses (one for all systems), and
+/// why: `fido vm`'s detection (KVM when /dev/kvm can boot a stock guest, TCG
+/// otherwise; `FIDO_VM_ACCEL=kvm|tcg` overrides), decided once per run.
+pub fn accel() -> &'static (&'static str, String) {
+    static ACCEL: std::sync::OnceLock<(&'static str, String)> = std::sync::OnceLock::new();
+    ACCEL.get_or_init(|| {
+        let (a, why) = fido_vm::qemu::choose_accel(None);
+        let name = match a {
+            fido_vm::qemu::Accel::Kvm => "kvm",
+            fido_vm::qemu::Accel::Tcg => "tcg",
+        };
+        (name, why)
+    })
 }
 
 fn run_ok(cmd: &mut Command) -> anyhow::Result<()> {
@@ -373,7 +378,7 @@ pub fn launch(
         Launcher::Qemu => {
             cmd.arg("qemu-system-x86_64")
                 .args(["-machine", "q35", "-accel"])
-                .arg(if accel() == "kvm" {
+                .arg(if accel().0 == "kvm" {
                     "kvm"
                 } else {
                     "tcg,thread=multi"
@@ -410,7 +415,7 @@ pub fn launch(
                     "--cpus",
                     "1",
                     "--accel",
-                    accel(),
+                    accel().0,
                 ])
                 .arg("--append")
                 .arg(format!("{} {cmdline_extra}", image.cmdline))
