@@ -649,9 +649,25 @@ pub fn run(opts: &Opts) -> anyhow::Result<()> {
         );
     }
     let Bench { a, b, host, .. } = bench;
+    let names = [a.name.clone(), b.name.clone()];
     drop(host);
     drop((a, b));
     drop(ns);
+    // What crossed each VM's control path in the whole run (`fido vm run`
+    // reports it when it stops): a handful of frames per case (join, offer,
+    // connect, close), none per message.
+    let control: Vec<String> = if fido_on {
+        names
+            .iter()
+            .filter_map(|n| {
+                let log = std::fs::read_to_string(dir.path().join(format!("{n}-qemu.log"))).ok()?;
+                let l = log.lines().rev().find(|l| l.contains("(link: "))?;
+                Some(format!("{n}: {}", &l[l.find("(link: ")?..]))
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
     if let Some(br) = broker {
         std::thread::sleep(Duration::from_millis(400));
         br.stop()?;
@@ -687,6 +703,17 @@ pub fn run(opts: &Opts) -> anyhow::Result<()> {
          virtserialport, host end a Unix socket (host-vm only).",
         rig::HOST_ADDR
     );
+    if !control.is_empty() {
+        let messages: u64 = rows
+            .iter()
+            .filter(|r| r.record.system.starts_with(FIDO))
+            .map(|r| r.record.n)
+            .sum();
+        println!(
+            "# control path over the whole run ({messages} fido messages measured): {}",
+            control.join("; ")
+        );
+    }
     if rows.iter().any(|r| r.record.system.starts_with(FIDO)) {
         for l in goal_lines(&rows) {
             println!("{l}");
