@@ -209,6 +209,13 @@ fn fmt_value(v: f64, unit: &str) -> String {
 /// case and metric whose system starts with `fido` (latency: >1 means slower than fido;
 /// throughput: >1 means faster than fido).
 pub fn print_table(records: &[Record]) {
+    println!("# placement: {}", Placement::detect());
+    print_rows(records);
+}
+
+/// [`print_table`] without the placement line (for suites whose processes
+/// are not placed by [`Placement`], such as the `vm` suite's guests).
+pub fn print_rows(records: &[Record]) {
     let mut cases: Vec<&str> = Vec::new();
     let mut by_case: HashMap<&str, Vec<&Record>> = HashMap::new();
     for r in records {
@@ -257,7 +264,6 @@ pub fn print_table(records: &[Record]) {
     }
     let out = std::io::stdout();
     let mut out = out.lock();
-    let _ = writeln!(out, "# placement: {}", Placement::detect());
     let line = |cells: &[String]| -> String {
         let mut s = String::new();
         for (i, c) in cells.iter().enumerate() {

@@ -1,5 +1,5 @@
 //! Fido's benchmark tool: the `fido-bench` binary's suites ([`suites`]: `channel`,
-//! `rpc`, `pipe`, `net`), its chaos run ([`chaos`]), and the baselines they measure
+//! `rpc`, `pipe`, `net`, `vm`), its chaos run ([`chaos`]), and the baselines they measure
 //! beside Fido (docs/BENCHMARKS.md says how to run and read them). This crate is never
 //! shipped: it lives under `bench/`, outside the crates that ship, and exists so that every Fido figure is printed
 //! beside the figures of real systems **measured in the same invocation** on the same
@@ -55,7 +55,7 @@ mod ucx;
 
 pub use harness::{
     PeerArgs,
-    fill, fold, latency_record, mono_ns, percentiles, pin_to, print_table, quantile, size_label,
+    fill, fold, latency_record, mono_ns, percentiles, pin_to, print_rows, print_table, quantile, size_label,
     spawn_peer, spawn_peer_with, spin_until, time_round_trips, write_json, Histogram, Opts, Peer,
     PinGuard, Placement, Record, Watchdog, PEER_FD0,
 };

@@ -7,6 +7,9 @@
 //!   uds, tarpc, capnp-rpc, tonic and XML-RPC.
 //! * `fido-bench pipe`: piped I/O — fido pipe vs sendfile/splice, read/write, nginx.
 //! * `fido-bench net`: real TCP programs over plain TCP and under MMNet.
+//! * `fido-bench vm`: host↔VM and VM↔VM latency and throughput — fido vs TCP
+//!   over virtio-net and virtio-serial, in the same QEMU guests; the guest side
+//!   is this binary too (`fido-bench vm-endpoint --mode agent`, in the image).
 //! * `fido-bench chaos`: pipelines of domains while domains and the broker are
 //!   killed (-9) and restarted at random: no corruption, no silent duplicate or
 //!   loss, no leak.
@@ -82,6 +85,26 @@ enum Suite {
         /// Only points whose system or case contains this substring.
         #[arg(long, value_name = "S")]
         filter: Option<String>,
+    },
+    /// VMs: host↔VM and VM↔VM latency and throughput, fido vs TCP over
+    /// virtio-net and virtio-serial, same guests and accelerator (needs root and QEMU).
+    Vm {
+        /// 1 s per point instead of 4 s.
+        #[arg(long)]
+        quick: bool,
+        /// Also write one JSON object per result to FILE.
+        #[arg(long, value_name = "FILE")]
+        json: Option<PathBuf>,
+        /// Only points whose system or case contains this substring.
+        #[arg(long, value_name = "S")]
+        filter: Option<String>,
+    },
+    /// Inside a guest: the guest side of `fido-bench vm` (serves the host's
+    /// commands on the virtio-serial port org.fido.bench.ctl).
+    VmEndpoint {
+        /// `agent`: run the cases the host asks for, until it says quit.
+        #[arg(long, default_value = "agent")]
+        mode: String,
     },
     /// RPC (VMRPC): null calls and Table 2 throughput, fido-rpc vs uds, tarpc, capnp-rpc, tonic, XML-RPC.
     Rpc {
@@ -200,6 +223,17 @@ fn main() -> ExitCode {
             filter,
         })
         .map(|_| true),
+        Suite::Vm {
+            quick,
+            json,
+            filter,
+        } => suites::vm::run(&fido_bench::Opts {
+            quick,
+            json,
+            filter,
+        })
+        .map(|_| true),
+        Suite::VmEndpoint { mode } => suites::vm::endpoint_main(&mode).map(|_| true),
         Suite::Rpc {
             quick,
             json,

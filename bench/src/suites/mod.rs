@@ -1,7 +1,8 @@
 //! Fido's side of each suite, measured in the same invocation as its baselines:
 //! [`channel`] (then [`crate::channel_baselines`]), [`rpc`] (with the systems of
 //! [`crate::rpc`]), [`pipe`] (the broker's pipe engine against sendfile/splice,
-//! read/write and nginx) and [`net`] (real TCP programs under MMNet). Every Fido
+//! read/write and nginx), [`net`] (real TCP programs under MMNet) and [`vm`]
+//! (host↔VM and VM↔VM: fido vs virtio-net TCP and virtio-serial). Every Fido
 //! case runs against an embedded broker in a temporary directory; helper
 //! processes are this binary re-executed (`fido-bench __bench-peer fido ...`,
 //! `__pipe-role`, `__pipe-app`, `__demo-role`).
@@ -10,3 +11,4 @@ pub mod channel;
 pub mod net;
 pub mod pipe;
 pub mod rpc;
+pub mod vm;
