@@ -50,8 +50,9 @@ pub struct RunArgs {
     /// A disk image (raw or qcow2) as the root device.
     #[arg(long)]
     pub disk: Option<PathBuf>,
-    /// Kernel command line (`intel_iommu=on` is added: the guest's doorbells need it).
-    #[arg(long, default_value = "console=ttyS0 panic=-1 quiet")]
+    /// Kernel command line (`intel_iommu=on` is added: the guest's doorbells need it;
+    /// `no_timer_check`: a loaded TCG host can fail the kernel's early timer check).
+    #[arg(long, default_value = "console=ttyS0 panic=-1 quiet no_timer_check")]
     pub append: String,
     /// Guest memory in MiB.
     #[arg(long, default_value_t = 256)]
