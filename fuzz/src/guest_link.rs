@@ -108,9 +108,6 @@ impl<'a> Input<'a> {
         self.pos += 1;
         b
     }
-    fn u16(&mut self) -> u16 {
-        u16::from_le_bytes([self.byte(), self.byte()])
-    }
     fn bytes(&mut self, n: usize) -> Vec<u8> {
         (0..n).map(|_| self.byte()).collect()
     }
