@@ -29,7 +29,9 @@
 //! - in a frame the guest can use (no `Unsupported`), every `Handle::Arena`
 //!   names a port the fake plugged and has not unplugged, with its length;
 //!   every `Handle::Ring` a peer doorbell added and not removed (vector 0);
-//!   every `Handle::Liveness` a token the relay watches;
+//!   every `Handle::Liveness` a token the relay watches; and every port
+//!   the relay keeps plugged was named in such a frame (else nothing would
+//!   ever unplug it);
 //! - the devices get only what the broker sent: `plug_arena` a peer arena
 //!   the harness injected, `add_peer_bell` a doorbell it injected; the relay
 //!   never unplugs a port or removes a doorbell it does not hold;
@@ -41,7 +43,7 @@
 //!   distinct and not held by another live connection; requests that would
 //!   carry host descriptors never pass; nothing else carries a descriptor;
 //!   the relay's own requests are `Close`/`Refuse` (top-bit ids) of a
-//!   connection the VM cannot take;
+//!   connection the VM cannot take, and `Unmapped` for its arena;
 //! - the relay tracks at most `LIMIT` connections;
 //! - once `broken()` is set it stays set and guest bytes change nothing.
 
@@ -106,9 +108,6 @@ impl<'a> Input<'a> {
         self.pos += 1;
         b
     }
-    fn u16(&mut self) -> u16 {
-        u16::from_le_bytes([self.byte(), self.byte()])
-    }
     fn bytes(&mut self, n: usize) -> Vec<u8> {
         (0..n).map(|_| self.byte()).collect()
     }
@@ -142,6 +141,10 @@ fn memfd(len: u64) -> OwnedFd {
 struct DevState {
     /// Plugged ports: port → (length, the arena's file).
     ports: BTreeMap<u16, (u64, FileId)>,
+    /// Ports named in a frame the guest can use (it may map them and will
+    /// say `Unmapped`), and ports whose unplug failed (the relay let go).
+    announced: HashSet<u16>,
+    stuck: HashSet<u16>,
     /// Registered peer doorbells: id → the doorbell's file.
     bells: BTreeMap<u16, FileId>,
     next_bell: u16,
@@ -184,9 +187,11 @@ impl Devices for FakeDevices {
         assert!(d.ports.contains_key(&port), "unplug_arena({port}): the relay does not hold that port");
         if d.fail_unplug {
             // Like the real one: a port whose unplug failed stays taken.
+            d.stuck.insert(port);
             return Err(io::Error::other("fake: unplug fails"));
         }
         d.ports.remove(&port);
+        d.announced.remove(&port);
         Ok(())
     }
 
@@ -386,6 +391,11 @@ impl World {
 
     pub fn relay(&self) -> &Relay {
         &self.relay
+    }
+
+    /// Makes the fake devices' peer doorbells fail (or work again).
+    pub fn fail_peer_bells(&mut self, fail: bool) {
+        self.dev.borrow_mut().fail_bell = fail;
     }
 
     /// Ports and peer doorbells the fake devices hold.
@@ -678,7 +688,11 @@ impl World {
                     Request::Close { conn } | Request::Refuse { conn, .. } => {
                         self.model.conns.remove(&conn);
                     }
-                    other => panic!("the relay sent a request of its own that is not Close/Refuse: {other:?}"),
+                    // For the arena of a connection that failed at once,
+                    // which it just unplugged (checked below: no port holds
+                    // an arena the guest was not given).
+                    Request::Unmapped { .. } => {}
+                    other => panic!("the relay sent a request of its own that is not Close/Refuse/Unmapped: {other:?}"),
                 }
                 self.model.own.insert(id, epoch);
                 continue;
@@ -754,7 +768,17 @@ impl World {
                     // the old one's connections.
                     self.model.reset();
                 }
-                HostMsg::Frame { handles, .. } => self.check_handles(handles),
+                HostMsg::Frame { handles, .. } => {
+                    self.check_handles(handles);
+                    if !handles.contains(&Handle::Unsupported) {
+                        let mut d = self.dev.borrow_mut();
+                        for h in handles {
+                            if let Handle::Arena { port, .. } = h {
+                                d.announced.insert(*port);
+                            }
+                        }
+                    }
+                }
                 HostMsg::Hangup { token } => assert!(*token != 0, "a hang-up of token 0"),
                 _ => {}
             }
@@ -842,6 +866,9 @@ impl World {
         assert!(self.relay.connections() <= LIMIT, "the relay tracks {} connections, over the limit {LIMIT}", self.relay.connections());
         let d = self.dev.borrow();
         assert!(self.relay.plugged_ports() <= d.ports.len(), "the relay counts {} plugged ports, the devices hold {}", self.relay.plugged_ports(), d.ports.len());
+        for port in d.ports.keys() {
+            assert!(d.announced.contains(port) || d.stuck.contains(port), "port {port} holds a peer arena the guest was never given in a usable frame: nothing will unplug it");
+        }
         for (_, fd) in self.relay.liveness_fds() {
             assert!(self.sent_liveness.contains(&file_id(fd)), "the relay watches a liveness socket the broker never sent");
         }

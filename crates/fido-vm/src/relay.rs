@@ -434,6 +434,7 @@ impl Relay {
             Some(BrokerMsg::Reply { id, body: Ok(Reply::Connected { conn, peer, .. }) }) if fds.len() == 4 => {
                 let vectors = self.connecting.remove(id).unwrap_or_default();
                 self.conns.entry(*conn).or_default().vectors = vectors;
+                let was_plugged = self.plugged.contains_key(&(peer.slot, peer.domain));
                 let handles = self.connection_handles(*conn, (peer.slot, peer.domain, peer.arena_len), fds);
                 if handles.contains(&Handle::Unsupported) {
                     // The guest's connect fails on the unusable handle; the
@@ -441,6 +442,9 @@ impl Relay {
                     // peer's side are freed.
                     self.end_conn(*conn);
                     self.own_request(Request::Close { conn: *conn });
+                    if !was_plugged {
+                        self.unplug_unused(peer.slot, peer.domain);
+                    }
                 }
                 handles
             }
@@ -452,6 +456,7 @@ impl Relay {
                     self.own_request(Request::Refuse { conn: *conn, reason });
                     return;
                 }
+                let was_plugged = self.plugged.contains_key(&(peer.slot, peer.domain));
                 let handles = self.connection_handles(*conn, (peer.slot, peer.domain, peer.arena_len), fds);
                 if handles.contains(&Handle::Unsupported) {
                     // The VM cannot take this connection (no port for the
@@ -460,6 +465,9 @@ impl Relay {
                     self.end_conn(*conn);
                     let reason = format!("VM {}: cannot map the arena or doorbells of {} (see its supervisor's log)", self.identity.name, peer.name);
                     self.own_request(Request::Refuse { conn: *conn, reason });
+                    if !was_plugged {
+                        self.unplug_unused(peer.slot, peer.domain);
+                    }
                     return;
                 }
                 handles
@@ -551,6 +559,20 @@ impl Relay {
                 tracing::warn!(slot, owner, "hot-plugging a peer arena: {e}");
                 Handle::Unsupported
             }
+        }
+    }
+
+    /// Unplugs a peer arena plugged for a connection that failed at once:
+    /// the guest never maps it, so it would never say `Unmapped` and the
+    /// port would stay taken until its session ends. The broker is told, as
+    /// the guest would have (its grant record goes).
+    fn unplug_unused(&mut self, slot: u32, owner: DomainId) {
+        if let Some(port) = self.plugged.remove(&(slot, owner)) {
+            self.stats.unplugs += 1;
+            if let Err(e) = self.devices.unplug_arena(port) {
+                tracing::warn!(port, "unplugging the arena of a connection the VM could not take: {e}");
+            }
+            self.own_request(Request::Unmapped { slot, owner });
         }
     }
 

@@ -153,6 +153,40 @@ fn a_connect_id_in_flight_cannot_be_reused() {
     assert_eq!(w.last_forwarded.len(), 1);
 }
 
+/// Bug: when a connection failed at once because a peer doorbell could not
+/// be given to QEMU, the peer's arena — already hot-plugged for it — stayed
+/// plugged: the guest never maps it, so never says `Unmapped`, and the port
+/// was lost until the guest's session ended (and the broker kept the grant).
+#[test]
+fn the_arena_of_a_connection_that_failed_at_once_is_unplugged() {
+    let mut w = joined();
+    w.fail_peer_bells(true);
+    w.guest_request(7, Request::Connect { service: "s".into(), block: BLOCK }, vec![1, 2]);
+    w.inject_connected(7, 0);
+    assert_eq!(w.devices_held(), (0, 0), "the connect failed: nothing stays plugged");
+    let sent = |w: &World| -> Vec<&'static str> {
+        w.last_forwarded
+            .iter()
+            .map(|m| match m {
+                ClientMsg::Request { body: Request::Close { .. }, .. } => "Close",
+                ClientMsg::Request { body: Request::Refuse { .. }, .. } => "Refuse",
+                ClientMsg::Request { body: Request::Unmapped { slot: 1, owner: 1 }, .. } => "Unmapped",
+                _ => "other",
+            })
+            .collect()
+    };
+    assert_eq!(sent(&w), ["Close", "Unmapped"], "the relay closes and reports the arena unmapped");
+    w.inject_incoming(0);
+    assert!(w.last_host.is_empty(), "the guest never sees it");
+    assert_eq!(w.devices_held(), (0, 0));
+    assert_eq!(sent(&w), ["Refuse", "Unmapped"]);
+    // With doorbells back, the same peer connects and its arena stays.
+    w.fail_peer_bells(false);
+    w.inject_incoming(1);
+    assert_eq!(w.devices_held(), (1, 2));
+    assert_eq!(w.relay().connections(), 1);
+}
+
 // ---- seeds ----------------------------------------------------------------
 // Opcodes (the first byte of a step, mod 16): 0..=4 guest message, 5..=9
 // broker frame, 10 raw guest bytes, 11 broker hangs up, 12 liveness
