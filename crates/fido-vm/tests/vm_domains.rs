@@ -488,11 +488,14 @@ fn kill_9_of_qemu_is_peer_gone_and_the_vm_restarts_under_its_name() {
     let host = f.join("host-3");
     // Connection 1: b streams into the host, which keeps its first messages.
     let listener = host.offer("host-sink").unwrap();
-    f.console("b").spawn("fido guest ping host-sink --count 100000000 --size 256").unwrap();
+    let ping = f.console("b").spawn("fido guest ping host-sink --count 2000000 --size 256").unwrap();
     let ch = listener.accept_timeout(CMD).unwrap();
     let mut held = Vec::new();
     for i in 0..20 {
-        let m = ch.recv_timeout(CMD).unwrap();
+        let m = ch.recv_timeout(CMD).unwrap_or_else(|e| {
+            let log = f.console("b").run_ok(&format!("cat {}; ls /sys/bus/pci/devices/", ping.log), CMD);
+            panic!("message {i}: {e}\nthe guest's ping:\n{log}\n{}", f.vm("b").supervisor_log())
+        });
         assert!(m.as_slice().unwrap().iter().all(|b| b == ping_fill(i)));
         held.push(m);
         let mut reply = host.alloc(256).unwrap();
@@ -593,7 +596,7 @@ fn a_broker_restart_leaves_a_vm_stream_streaming_and_the_relay_idle() {
     let host = f.join("host-5");
     let count = Arc::new(AtomicU64::new(0));
     let _server = host_echo(&host, "host-stream", count.clone());
-    let ping = f.console("a").spawn("fido guest ping host-stream --count 100000000 --size 64").unwrap();
+    let ping = f.console("a").spawn("fido guest ping host-stream --count 2000000 --size 64").unwrap();
     fido_test_support::wait::eventually("the stream", CMD, || count.load(Ordering::Relaxed) > 500);
 
     // While it streams, the supervisor relays nothing but heartbeats and
@@ -632,9 +635,13 @@ fn a_broker_restart_leaves_a_vm_stream_streaming_and_the_relay_idle() {
 fn a_blocking_host_peer_cannot_freeze_a_vm() {
     let Some(mut f) = fixture() else { return };
     let t = Instant::now();
+    // A VM of its own: the attack's aftermath stays out of the other tests.
+    let s = f.spawn_vm("g", None);
+    let vm = f.attach(s);
+    f.vms.push(vm);
     let host = f.join("host-7");
     let listener = host.offer("host-guard").unwrap();
-    let flood = f.console("a").spawn("fido guest __flood host-guard --echo a-echo-7").unwrap();
+    let flood = f.console("g").spawn("fido guest __flood host-guard --echo g-echo-7").unwrap();
     let ch = Arc::new(listener.accept_timeout(CMD).unwrap());
     // The attack: our doorbell's ring end (QEMU writes the guest's rings
     // into its copy, the same open file) made blocking with a tiny buffer,
@@ -654,7 +661,7 @@ fn a_blocking_host_peer_cannot_freeze_a_vm() {
     };
     // Meanwhile the VM answers its console and serves another connection.
     let other = f.join("host-7b");
-    let c = f.console("a");
+    let c = f.console("g");
     for i in 0..5 {
         let t = Instant::now();
         let out = c.run(&format!("echo alive-{i}"), Duration::from_secs(30)).unwrap_or_else(|e| panic!("the VM froze: {e}"));
@@ -663,7 +670,7 @@ fn a_blocking_host_peer_cannot_freeze_a_vm() {
         std::thread::sleep(Duration::from_millis(500));
     }
     wait_log(c, &flood.log, "ready", CMD);
-    let conn = connect_retry(&other, "a-echo-7");
+    let conn = connect_retry(&other, "g-echo-7");
     let t2 = Instant::now();
     host_ping(&other, &conn, 20, 256);
     eprintln!("another connection: 20 round trips in {:.2?}", t2.elapsed());
@@ -680,7 +687,11 @@ fn a_blocking_host_peer_cannot_freeze_a_vm() {
     eprintln!("the flooding guest program's output:\n{flooded}");
     drop(conn);
     c.run_ok(&format!("kill {} 2>/dev/null; true", flood.pid), CMD);
-    eprintln!("guard: {:.1?}\n{}", t.elapsed(), f.vm("a").supervisor_log());
+    eprintln!("guard: {:.1?}\n{}", t.elapsed(), f.vm("g").supervisor_log());
+    let mut vm = f.vms.pop().unwrap();
+    assert_eq!(vm.name, "g");
+    let _ = rustix::process::kill_process(rustix::process::Pid::from_raw(vm.supervisor.id() as i32).unwrap(), rustix::process::Signal::TERM);
+    let _ = vm.supervisor.wait();
 }
 
 #[test]
