@@ -228,8 +228,15 @@ impl Relay {
             GuestMsg::Hello { version } if version == link::LINK_VERSION => {
                 // A new guest session (the port is one program's at a time):
                 // the previous program's broker session, if it died without
-                // closing it, ends here, or the next Join is AlreadyJoined.
+                // closing it, ends here, or the next Join is AlreadyJoined;
+                // so do its connections, whose vectors the new program
+                // reuses (else its Accept is refused: "already in use").
                 self.drop_broker();
+                let stale: Vec<ConnId> = self.conns.keys().copied().collect();
+                for conn in stale {
+                    self.end_conn(conn);
+                }
+                self.liveness.clear();
                 let w = HostMsg::Welcome(self.welcome.clone());
                 self.to_guest(&w);
             }

@@ -382,10 +382,18 @@ fn round_trips_host_to_vm_vm_to_host_and_vm_to_vm_are_zero_copy() {
     let echoed = Arc::new(AtomicU64::new(0));
     let _server = host_echo(&host, "host-echo-1", echoed.clone());
 
+    // A guest program killed (-9) while streaming: the next program of the
+    // VM starts afresh (its Join is not "already joined", its vectors are
+    // not "in use" by the dead program's connections).
+    let killed = f.console("a").spawn("fido guest ping host-echo-1 --count 2000000 --size 64").unwrap();
+    fido_test_support::wait::eventually("the stream", CMD, || echoed.load(Ordering::Relaxed) > 100);
+    f.console("a").run_ok(&format!("kill -9 {}; sleep 0.5", killed.pid), CMD);
+    let before = echoed.load(Ordering::Relaxed);
+
     // VM → host: the guest pings the host's echo.
     let out = f.console("a").run_ok("fido guest ping host-echo-1 --count 200 --size 4096", CMD);
     assert_zero_copy_ping(&json_line(&out, "service"), 200);
-    fido_test_support::wait::eventually("200 messages echoed", NOTICE, || echoed.load(Ordering::Relaxed) == 200);
+    fido_test_support::wait::eventually("200 messages echoed", NOTICE, || echoed.load(Ordering::Relaxed) == before + 200);
 
     // Host → VM: the guest serves, the host pings; the guest's domain shows
     // in `fido status` labelled with the VM's name, with the launching uid.
