@@ -297,11 +297,22 @@ fn flood(service: &str, count: u64, echo: Option<&str>) -> anyhow::Result<bool> 
     }
     let ch = connect_retry(&d, service, 30.0)?;
     println!("{}", json!({"flooding": service}));
+    let mut ended = None;
     for i in 0..count {
         let mut buf = d.alloc(64)?;
         buf.fill(i as u8);
-        ch.send(Message::new(buf)).map_err(|e| e.error)?;
+        if let Err(e) = ch.send(Message::new(buf)) {
+            ended = Some((i, e.error.to_string()));
+            break;
+        }
     }
-    println!("{}", json!({"flooded": service, "count": count}));
+    match ended {
+        Some((sent, why)) => println!("{}", json!({"flood_ended": why, "sent": sent})),
+        None => println!("{}", json!({"flooded": service, "count": count})),
+    }
+    // The echo service lives on (the tests look at it after the flood).
+    while echo.is_some() {
+        std::thread::sleep(Duration::from_secs(1));
+    }
     Ok(true)
 }

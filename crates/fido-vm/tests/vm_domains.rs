@@ -382,10 +382,18 @@ fn round_trips_host_to_vm_vm_to_host_and_vm_to_vm_are_zero_copy() {
     let echoed = Arc::new(AtomicU64::new(0));
     let _server = host_echo(&host, "host-echo-1", echoed.clone());
 
+    // A guest program killed (-9) while streaming: the next program of the
+    // VM starts afresh (its Join is not "already joined", its vectors are
+    // not "in use" by the dead program's connections).
+    let killed = f.console("a").spawn("fido guest ping host-echo-1 --count 2000000 --size 64").unwrap();
+    fido_test_support::wait::eventually("the stream", CMD, || echoed.load(Ordering::Relaxed) > 100);
+    f.console("a").run_ok(&format!("kill -9 {}; sleep 0.5", killed.pid), CMD);
+    let before = echoed.load(Ordering::Relaxed);
+
     // VM → host: the guest pings the host's echo.
     let out = f.console("a").run_ok("fido guest ping host-echo-1 --count 200 --size 4096", CMD);
     assert_zero_copy_ping(&json_line(&out, "service"), 200);
-    fido_test_support::wait::eventually("200 messages echoed", NOTICE, || echoed.load(Ordering::Relaxed) == 200);
+    fido_test_support::wait::eventually("200 messages echoed", NOTICE, || echoed.load(Ordering::Relaxed) == before + 200);
 
     // Host → VM: the guest serves, the host pings; the guest's domain shows
     // in `fido status` labelled with the VM's name, with the launching uid.
@@ -488,11 +496,14 @@ fn kill_9_of_qemu_is_peer_gone_and_the_vm_restarts_under_its_name() {
     let host = f.join("host-3");
     // Connection 1: b streams into the host, which keeps its first messages.
     let listener = host.offer("host-sink").unwrap();
-    f.console("b").spawn("fido guest ping host-sink --count 100000000 --size 256").unwrap();
+    let ping = f.console("b").spawn("fido guest ping host-sink --count 2000000 --size 256").unwrap();
     let ch = listener.accept_timeout(CMD).unwrap();
     let mut held = Vec::new();
     for i in 0..20 {
-        let m = ch.recv_timeout(CMD).unwrap();
+        let m = ch.recv_timeout(CMD).unwrap_or_else(|e| {
+            let log = f.console("b").run_ok(&format!("cat {}; ls /sys/bus/pci/devices/", ping.log), CMD);
+            panic!("message {i}: {e}\nthe guest's ping:\n{log}\n{}", f.vm("b").supervisor_log())
+        });
         assert!(m.as_slice().unwrap().iter().all(|b| b == ping_fill(i)));
         held.push(m);
         let mut reply = host.alloc(256).unwrap();
@@ -593,7 +604,7 @@ fn a_broker_restart_leaves_a_vm_stream_streaming_and_the_relay_idle() {
     let host = f.join("host-5");
     let count = Arc::new(AtomicU64::new(0));
     let _server = host_echo(&host, "host-stream", count.clone());
-    let ping = f.console("a").spawn("fido guest ping host-stream --count 100000000 --size 64").unwrap();
+    let ping = f.console("a").spawn("fido guest ping host-stream --count 2000000 --size 64").unwrap();
     fido_test_support::wait::eventually("the stream", CMD, || count.load(Ordering::Relaxed) > 500);
 
     // While it streams, the supervisor relays nothing but heartbeats and
@@ -632,9 +643,13 @@ fn a_broker_restart_leaves_a_vm_stream_streaming_and_the_relay_idle() {
 fn a_blocking_host_peer_cannot_freeze_a_vm() {
     let Some(mut f) = fixture() else { return };
     let t = Instant::now();
+    // A VM of its own: the attack's aftermath stays out of the other tests.
+    let s = f.spawn_vm("g", None);
+    let vm = f.attach(s);
+    f.vms.push(vm);
     let host = f.join("host-7");
     let listener = host.offer("host-guard").unwrap();
-    let flood = f.console("a").spawn("fido guest __flood host-guard --echo a-echo-7").unwrap();
+    let flood = f.console("g").spawn("fido guest __flood host-guard --echo g-echo-7").unwrap();
     let ch = Arc::new(listener.accept_timeout(CMD).unwrap());
     // The attack: our doorbell's ring end (QEMU writes the guest's rings
     // into its copy, the same open file) made blocking with a tiny buffer,
@@ -648,13 +663,18 @@ fn a_blocking_host_peer_cannot_freeze_a_vm() {
         std::thread::spawn(move || {
             while !stop.load(Ordering::Relaxed) {
                 ch.__arm_without_reading();
+                // Take messages off the ring (never touching the doorbell)
+                // so the guest keeps sending, hence ringing.
+                while let Ok(Some(m)) = ch.try_recv_if_idle() {
+                    drop(m);
+                }
                 std::thread::sleep(Duration::from_millis(1));
             }
         })
     };
     // Meanwhile the VM answers its console and serves another connection.
     let other = f.join("host-7b");
-    let c = f.console("a");
+    let c = f.console("g");
     for i in 0..5 {
         let t = Instant::now();
         let out = c.run(&format!("echo alive-{i}"), Duration::from_secs(30)).unwrap_or_else(|e| panic!("the VM froze: {e}"));
@@ -663,7 +683,7 @@ fn a_blocking_host_peer_cannot_freeze_a_vm() {
         std::thread::sleep(Duration::from_millis(500));
     }
     wait_log(c, &flood.log, "ready", CMD);
-    let conn = connect_retry(&other, "a-echo-7");
+    let conn = connect_retry(&other, "g-echo-7");
     let t2 = Instant::now();
     host_ping(&other, &conn, 20, 256);
     eprintln!("another connection: 20 round trips in {:.2?}", t2.elapsed());
@@ -674,13 +694,25 @@ fn a_blocking_host_peer_cannot_freeze_a_vm() {
     assert_eq!(r, 0);
     eprintln!("bytes the guest's rings left in our blocked doorbell: {queued}");
     assert!(queued > 0, "the guest never rang us: the test proves nothing");
+    // The guard cut the doorbell the attacker made blocking (shut down: the
+    // same socket our ring end is).
+    let cut = rustix::net::send(&ring_end, &[0u8; 8], rustix::net::SendFlags::DONTWAIT | rustix::net::SendFlags::NOSIGNAL);
+    eprintln!("sending on our ring end after the attack: {cut:?}");
+    assert!(matches!(cut, Err(rustix::io::Errno::PIPE)), "the guard never cut the blocking doorbell: {cut:?}");
     stop.store(true, Ordering::Relaxed);
     armer.join().unwrap();
-    let flooded = c.run_ok(&format!("cat {}", flood.log), CMD);
-    eprintln!("the flooding guest program's output:\n{flooded}");
+    // The guest learnt that its peer is gone, and its other connection lived.
+    let ended = wait_log(c, &flood.log, "flood_ended", CMD);
+    eprintln!("the flooding guest program: {ended}");
     drop(conn);
     c.run_ok(&format!("kill {} 2>/dev/null; true", flood.pid), CMD);
-    eprintln!("guard: {:.1?}\n{}", t.elapsed(), f.vm("a").supervisor_log());
+    let log = f.vm("g").supervisor_log();
+    eprintln!("guard: {:.1?}\n{log}", t.elapsed());
+    assert!(log.contains("made its doorbell blocking"), "the supervisor did not report the cut:\n{log}");
+    let mut vm = f.vms.pop().unwrap();
+    assert_eq!(vm.name, "g");
+    let _ = rustix::process::kill_process(rustix::process::Pid::from_raw(vm.supervisor.id() as i32).unwrap(), rustix::process::Signal::TERM);
+    let _ = vm.supervisor.wait();
 }
 
 #[test]
