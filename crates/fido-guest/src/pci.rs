@@ -269,6 +269,32 @@ pub(crate) fn write_sysfs(path: &Path, value: &str) -> Result<(), GuestError> {
         .map_err(|e| GuestError::Device(format!("writing {value:?} to {}: {e}", path.display())))
 }
 
+/// What a hostile root in the guest can do to a BAR it was given to read:
+/// map the sysfs resource file at `path` read-write (root may), write `value`
+/// at `offset` (rounded down to a 4-byte word) and read the word back.
+/// Returns (the word before, the word after). Used by `fido guest __poke`,
+/// the VM isolation tests: a peer's arena must read the same afterwards.
+pub fn write_through_mapping(path: &Path, offset: u64, value: u32) -> std::io::Result<(u32, u32)> {
+    let file = std::fs::OpenOptions::new().read(true).write(true).open(path)?;
+    let page = offset & !4095;
+    // SAFETY: a fresh shared mapping of one page of the file; nothing else in
+    // this process refers to it, and it is unmapped below.
+    let map = unsafe {
+        rustix::mm::mmap(std::ptr::null_mut(), 4096, rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE, rustix::mm::MapFlags::SHARED, &file, page)
+    }?;
+    let word = map.cast::<u8>().wrapping_add(((offset - page) & !3) as usize).cast::<u32>();
+    // SAFETY: `word` is 4-byte aligned and inside the page mapped above;
+    // volatile: device memory, each access must happen.
+    let (before, after) = unsafe {
+        let before = word.read_volatile();
+        word.write_volatile(value);
+        (before, word.read_volatile())
+    };
+    // SAFETY: the mapping made above, no longer referred to.
+    unsafe { rustix::mm::munmap(map, 4096) }?;
+    Ok((before, after))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -349,30 +375,4 @@ mod tests {
         let (_fd, len) = child.open_bar(IVSHMEM_MEMORY_BAR, false).unwrap();
         assert_eq!(len, 1 << 20);
     }
-}
-
-/// What a hostile root in the guest can do to a BAR it was given to read:
-/// map the sysfs resource file at `path` read-write (root may), write `value`
-/// at `offset` (rounded down to a 4-byte word) and read the word back.
-/// Returns (the word before, the word after). Used by `fido guest __poke`,
-/// the VM isolation tests: a peer's arena must read the same afterwards.
-pub fn write_through_mapping(path: &Path, offset: u64, value: u32) -> std::io::Result<(u32, u32)> {
-    let file = std::fs::OpenOptions::new().read(true).write(true).open(path)?;
-    let page = offset & !4095;
-    // SAFETY: a fresh shared mapping of one page of the file; nothing else in
-    // this process refers to it, and it is unmapped below.
-    let map = unsafe {
-        rustix::mm::mmap(std::ptr::null_mut(), 4096, rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE, rustix::mm::MapFlags::SHARED, &file, page)
-    }?;
-    let word = map.cast::<u8>().wrapping_add(((offset - page) & !3) as usize).cast::<u32>();
-    // SAFETY: `word` is 4-byte aligned and inside the page mapped above;
-    // volatile: device memory, each access must happen.
-    let (before, after) = unsafe {
-        let before = word.read_volatile();
-        word.write_volatile(value);
-        (before, word.read_volatile())
-    };
-    // SAFETY: the mapping made above, no longer referred to.
-    unsafe { rustix::mm::munmap(map, 4096) }?;
-    Ok((before, after))
 }

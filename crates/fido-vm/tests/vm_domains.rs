@@ -37,6 +37,8 @@ const NOTICE: Duration = Duration::from_secs(30);
 /// The pids this binary started (brokers, supervisors), killed at exit:
 /// statics are never dropped.
 static CHILDREN: Mutex<Vec<u32>> = Mutex::new(Vec::new());
+/// The fixture's directory, removed at exit after its processes.
+static FIXTURE_DIR: Mutex<Option<PathBuf>> = Mutex::new(None);
 
 extern "C" fn kill_children() {
     let pids = CHILDREN.lock().map(|v| v.clone()).unwrap_or_default();
@@ -53,6 +55,10 @@ extern "C" fn kill_children() {
         if let Some(p) = rustix::process::Pid::from_raw(pid as i32) {
             let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
         }
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    if let Some(dir) = FIXTURE_DIR.lock().ok().and_then(|d| d.clone()) {
+        let _ = std::fs::remove_dir_all(dir);
     }
 }
 
@@ -139,6 +145,7 @@ impl Fixture {
         let dir = tempfile::Builder::new().prefix("fido-vmtests-").tempdir().unwrap();
         // Another user's supervisor reaches the broker's socket through it.
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        *FIXTURE_DIR.lock().unwrap_or_else(|e| e.into_inner()) = Some(dir.path().to_path_buf());
         let xdg = dir.path().join("xdg");
         std::fs::create_dir(&xdg).unwrap();
         std::fs::set_permissions(&xdg, std::fs::Permissions::from_mode(0o700)).unwrap();
