@@ -15,7 +15,8 @@
 //! split at an input-chosen point); a broker frame (`Connected`/`Incoming`
 //! with four descriptors or a wrong number, `Grant` with one, `PeerGone`,
 //! `Closed`, an error or other reply, an answer to one of the relay's own
-//! requests, garbage with descriptors); the broker hanging up; a liveness
+//! requests, garbage with descriptors), also as the broker's last before it
+//! dies; the broker hanging up; a liveness
 //! hang-up; a tick (the guest closing its port, peers' doorbells found
 //! hostile); devices or the broker line starting or stopping to fail; the
 //! supervisor taking only part of the outbox.
@@ -43,7 +44,8 @@
 //!   distinct and not held by another live connection; requests that would
 //!   carry host descriptors never pass; nothing else carries a descriptor;
 //!   the relay's own requests are `Close`/`Refuse` (top-bit ids) of a
-//!   connection the VM cannot take, and `Unmapped` for its arena;
+//!   connection the VM cannot take, and `Unmapped` for its arena; only the
+//!   guest's bytes make the relay open a broker connection;
 //! - the relay tracks at most `LIMIT` connections;
 //! - once `broken()` is set it stays set and guest bytes change nothing.
 
@@ -249,6 +251,9 @@ struct LineState {
     ends: Vec<(u64, OwnedFd)>,
     epoch: u64,
     fail: bool,
+    /// Guest bytes are being fed: only they may make the relay connect
+    /// (a frame to forward, a Reconnect).
+    guest_step: bool,
 }
 
 struct FakeLine(Rc<RefCell<LineState>>);
@@ -262,6 +267,7 @@ impl BrokerLine for FakeLine {
         // Non-blocking like the supervisor's real line.
         let (relay_end, ours) =
             rustix::net::socketpair(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC | SocketFlags::NONBLOCK, None)?;
+        assert!(l.guest_step, "the relay opened a broker connection the guest did not ask for");
         l.epoch += 1;
         let epoch = l.epoch;
         l.ends.push((epoch, ours));
@@ -331,6 +337,8 @@ pub struct World {
     /// Liveness ends the harness sent.
     sent_liveness: HashSet<FileId>,
     was_broken: bool,
+    /// The next broker frame is the broker's last.
+    pub die_after_send: bool,
     trace: bool,
     pub outcome: Outcome,
     /// What the last step sent the broker and the guest.
@@ -382,6 +390,7 @@ impl World {
             to_guest: Vec::new(),
             sent_liveness: HashSet::new(),
             was_broken: false,
+            die_after_send: false,
             trace: std::env::var_os("FIDO_FUZZ_TRACE").is_some(),
             outcome: Outcome::default(),
             last_forwarded: Vec::new(),
@@ -480,7 +489,9 @@ impl World {
         let before_out = self.relay.outbox().len();
         let before_dev = (self.dev.borrow().ports.clone(), self.dev.borrow().bells.clone());
         let broken_before = self.relay.broken().is_some();
+        self.line.borrow_mut().guest_step = true;
         self.relay.guest_bytes(bytes);
+        self.line.borrow_mut().guest_step = false;
         // A Close or Refuse ends the connection in the relay even when it
         // cannot be forwarded (no broker): so in the model.
         if let (false, Cause::Guest(Some(GuestMsg::Frame { frame, bells }))) = (broken_before, &cause) {
@@ -514,13 +525,17 @@ impl World {
     /// Sends one broker frame with descriptors on the current broker
     /// connection, then lets the relay read it.
     pub fn broker_frame(&mut self, frame: Vec<u8>, fds: Vec<OwnedFd>) {
-        self.log(|| format!("broker: {:?} with {} fds", fido_proto::decode::<BrokerMsg>(&frame), fds.len()));
+        self.log(|| format!("broker: {:?} with {} fds (then dies: {})", fido_proto::decode::<BrokerMsg>(&frame), fds.len(), self.die_after_send));
         let live = self.relay.broker_fd().is_some();
         let sent = live && {
             let l = self.line.borrow();
             let (_, end) = l.ends.last().expect("the relay is connected, so a line was made");
             wire::send(end.as_fd(), &frame, &fds).is_ok()
         };
+        // The broker dies before the relay reads the frame: the relay reads
+        // it, then finds its connection gone (the model forgets the epoch
+        // once the frame's effects are checked).
+        let died = if sent && std::mem::take(&mut self.die_after_send) { self.line.borrow_mut().ends.pop().map(|(e, _)| e) } else { None };
         let nfds = fds.len();
         drop(fds);
         self.relay.broker_readable();
@@ -528,6 +543,9 @@ impl World {
             self.observe(Cause::Broker { frame, nfds });
         } else {
             self.observe(Cause::Other);
+        }
+        if let Some(epoch) = died {
+            self.model.epoch_ended(epoch);
         }
     }
 
@@ -1148,7 +1166,11 @@ impl World {
                 self.line.borrow_mut().fail = b & 16 != 0;
                 self.log(|| format!("failures: {b:#x}"));
             }
-            _ => self.guest_step(input),
+            _ => {
+                self.die_after_send = true;
+                self.broker_step(input);
+                self.die_after_send = false;
+            }
         }
     }
 }

@@ -502,6 +502,11 @@ impl Relay {
     /// Sends a request of the relay's own (closing or refusing what the
     /// guest cannot use); its answer is dropped.
     fn own_request(&mut self, body: Request) {
+        if self.broker.is_none() {
+            // It was about the connection that just failed (sending on it):
+            // a fresh one has no such domain, and only the guest opens one.
+            return;
+        }
         let id = OWN_REQUEST_IDS | self.next_own_request;
         self.next_own_request = (self.next_own_request + 1) & !OWN_REQUEST_IDS;
         match fido_proto::encode(&ClientMsg::Request { id, body }) {

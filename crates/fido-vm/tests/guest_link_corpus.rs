@@ -187,10 +187,26 @@ fn the_arena_of_a_connection_that_failed_at_once_is_unplugged() {
     assert_eq!(w.relay().connections(), 1);
 }
 
+/// A connection that fails at once while the broker dies: the relay's own
+/// Close (and Unmapped) cannot be sent, and must not open a fresh broker
+/// connection to send them on (a domain-less session the guest never asked
+/// for; the fake line panics if the relay connects outside a guest step).
+#[test]
+fn the_relay_opens_no_broker_connection_of_its_own() {
+    let mut w = joined();
+    w.fail_peer_bells(true);
+    w.guest_request(7, Request::Connect { service: "s".into(), block: BLOCK }, vec![1, 2]);
+    w.die_after_send = true;
+    w.inject_connected(7, 0);
+    assert!(w.last_host.contains(&HostMsg::BrokerClosed), "{:?}", w.last_host);
+    assert!(w.relay().broker_fd().is_none());
+    assert_eq!(w.devices_held(), (0, 0));
+}
+
 // ---- seeds ----------------------------------------------------------------
 // Opcodes (the first byte of a step, mod 16): 0..=4 guest message, 5..=9
 // broker frame, 10 raw guest bytes, 11 broker hangs up, 12 liveness
-// hang-up, 13 tick, 14 failures, 15 guest message.
+// hang-up, 13 tick, 14 failures, 15 a broker frame, then the broker dies.
 
 /// A guest message step: split point, kind (0 Hello, 2 Reconnect, 3
 /// heartbeat, 5.. a request: id byte, request kind, then its arguments).
