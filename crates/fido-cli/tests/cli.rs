@@ -172,13 +172,22 @@ fn broker_and_status_json() {
 
     // `fido status` itself no longer joins (it needs no PGVAS slot): a
     // domain of this test is what it must show, counters and all.
-    let probe = fido::Domain::join(
-        fido::JoinOptions::new("status-probe")
-            .broker(&sock)
-            .arena_len(1 << 20)
-            .ring_entries(2),
-    )
-    .expect("joining the broker");
+    // The socket file exists from bind(); the broker listens a moment
+    // later (a loaded machine showed ECONNREFUSED in between).
+    let probe = loop {
+        match fido::Domain::join(
+            fido::JoinOptions::new("status-probe")
+                .broker(&sock)
+                .arena_len(1 << 20)
+                .ring_entries(2),
+        ) {
+            Ok(d) => break d,
+            Err(fido::Error::BrokerUnavailable(_)) if t.elapsed() < Duration::from_secs(10) => {
+                std::thread::sleep(Duration::from_millis(20))
+            }
+            Err(e) => panic!("joining the broker: {e:?}"),
+        }
+    };
 
     // JSON, broker found through FIDO_BROKER.
     let mut cmd = Command::new(FIDO);
