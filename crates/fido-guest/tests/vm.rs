@@ -251,6 +251,16 @@ fn the_guest_side_on_a_real_guest() {
     // A peer's arena, hot-plugged read-only under port 0.
     let peer_arena = memfd(1 << 20);
     rustix::io::pwrite(&peer_arena, b"peer-arena-bytes", 0).unwrap();
+    // Sealed like every arena a domain grants (plug_arena checks it: an
+    // unsealed one could be truncated under QEMU).
+    rustix::fs::fcntl_add_seals(
+        &peer_arena,
+        rustix::fs::SealFlags::SHRINK
+            | rustix::fs::SealFlags::GROW
+            | rustix::fs::SealFlags::FUTURE_WRITE
+            | rustix::fs::SealFlags::SEAL,
+    )
+    .unwrap();
     let ro = read_only(&peer_arena);
     hotplug::plug_arena(&mut qmp, 0, ro.as_fd(), 1 << 20, spec.max_peer_arena).unwrap();
 
