@@ -767,7 +767,7 @@ mod tests {
             }
             out
         }
-        fn from_broker(&mut self, msg: &BrokerMsg, fds: Vec<OwnedFd>) {
+        fn broker_sends(&mut self, msg: &BrokerMsg, fds: Vec<OwnedFd>) {
             wire::send(self.broker.as_fd(), &fido_proto::encode(msg).unwrap(), &fds).unwrap();
             self.relay.broker_readable();
         }
@@ -844,7 +844,7 @@ mod tests {
         assert!(w.at_broker().is_empty());
         w.at_guest();
         let fds = w.four_fds();
-        w.from_broker(&BrokerMsg::Reply { id: 1, body: Ok(Reply::Connected { conn: 11, peer: peer(), block: BLOCK }) }, fds);
+        w.broker_sends(&BrokerMsg::Reply { id: 1, body: Ok(Reply::Connected { conn: 11, peer: peer(), block: BLOCK }) }, fds);
         let got = w.at_guest();
         let [HostMsg::Frame { handles, .. }] = &got[..] else { panic!("{got:?}") };
         assert!(matches!(handles[..], [Handle::Arena { port: 0, .. }, Handle::Ring { .. }, Handle::Ring { .. }, Handle::Liveness { .. }]), "{handles:?}");
@@ -853,7 +853,7 @@ mod tests {
         w.request(3, Request::Connect { service: "s".into(), block: BLOCK }, vec![3, 4]);
         w.at_broker();
         let fds = w.four_fds();
-        w.from_broker(&BrokerMsg::Reply { id: 3, body: Ok(Reply::Connected { conn: 12, peer: peer(), block: BLOCK }) }, fds);
+        w.broker_sends(&BrokerMsg::Reply { id: 3, body: Ok(Reply::Connected { conn: 12, peer: peer(), block: BLOCK }) }, fds);
         w.at_guest();
         assert_eq!(w.log.borrow().plugged.len(), 1);
         // Closing frees the vectors and takes the peer's bells from QEMU.
@@ -875,7 +875,7 @@ mod tests {
         w.request(1, Request::Connect { service: "s".into(), block: BLOCK }, vec![1, 2]);
         w.at_broker();
         let fds = w.four_fds();
-        w.from_broker(&BrokerMsg::Reply { id: 1, body: Ok(Reply::Connected { conn: 21, peer: peer(), block: BLOCK }) }, fds);
+        w.broker_sends(&BrokerMsg::Reply { id: 1, body: Ok(Reply::Connected { conn: 21, peer: peer(), block: BLOCK }) }, fds);
         let got = w.at_guest();
         let [HostMsg::Frame { handles, .. }] = &got[..] else { panic!("{got:?}") };
         assert_eq!(handles[0], Handle::Unsupported);
@@ -884,11 +884,11 @@ mod tests {
         assert_eq!(w.relay.connections(), 0);
         // Its answer stays with the relay.
         let own = match sent[0].0 { ClientMsg::Request { id, .. } => id, _ => unreachable!() };
-        w.from_broker(&BrokerMsg::Reply { id: own, body: Ok(Reply::Ok) }, vec![]);
+        w.broker_sends(&BrokerMsg::Reply { id: own, body: Ok(Reply::Ok) }, vec![]);
         assert!(w.at_guest().is_empty());
         // Someone connecting to us: refused here, the guest never hears of it.
         let fds = w.four_fds();
-        w.from_broker(&BrokerMsg::Event(Event::Incoming { conn: 22, service: "mine".into(), peer: peer(), block: BLOCK }), fds);
+        w.broker_sends(&BrokerMsg::Event(Event::Incoming { conn: 22, service: "mine".into(), peer: peer(), block: BLOCK }), fds);
         assert!(w.at_guest().is_empty());
         assert!(matches!(w.at_broker()[..], [(ClientMsg::Request { body: Request::Refuse { conn: 22, .. }, .. }, 0)]));
         // The vectors were freed: the guest can use them.
@@ -903,7 +903,7 @@ mod tests {
         w.request(1, Request::Connect { service: "s".into(), block: BLOCK }, vec![1, 2]);
         w.at_broker();
         let fds = w.four_fds();
-        w.from_broker(&BrokerMsg::Reply { id: 1, body: Ok(Reply::Connected { conn: 31, peer: peer(), block: BLOCK }) }, fds);
+        w.broker_sends(&BrokerMsg::Reply { id: 1, body: Ok(Reply::Connected { conn: 31, peer: peer(), block: BLOCK }) }, fds);
         w.at_guest();
         assert!(w.relay.broker_fd().is_some());
         w.guest(&GuestMsg::Hello { version: link::LINK_VERSION });
