@@ -154,12 +154,14 @@ pub struct PeerArena {
 pub struct Ports {
     max_peer_arena: u64,
     used: Vec<Option<PeerArena>>,
+    /// Where the next allocation starts looking.
+    next: usize,
 }
 
 impl Ports {
     /// `count` ports of `max_peer_arena` bytes each, all free.
     pub fn new(count: u16, max_peer_arena: u64) -> Ports {
-        Ports { max_peer_arena, used: vec![None; count as usize] }
+        Ports { max_peer_arena, used: vec![None; count as usize], next: 0 }
     }
 
     pub fn count(&self) -> u16 {
@@ -173,8 +175,13 @@ impl Ports {
     /// Takes the lowest free port for `arena` (checking its length).
     pub fn allocate(&mut self, arena: PeerArena) -> Result<u16, HotplugError> {
         check_peer_len(arena.len, self.max_peer_arena)?;
-        let port = self.used.iter().position(Option::is_none).ok_or(HotplugError::NoFreePort)?;
+        // Round robin from the port after the last one handed out: a port
+        // just unplugged is taken again last (QEMU 7.2 was seen to exit when
+        // a port was plugged again 10 ms after its unplug; cause not found).
+        let n = self.used.len();
+        let port = (0..n).map(|i| (self.next + i) % n).find(|&p| self.used[p].is_none()).ok_or(HotplugError::NoFreePort)?;
         self.used[port] = Some(arena);
+        self.next = (port + 1) % n.max(1);
         Ok(port as u16)
     }
 
