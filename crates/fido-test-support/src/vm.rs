@@ -421,12 +421,7 @@ impl Console {
         let log = format!("/tmp/spawn-{}.log", self.seq + 1);
         let quoted = format!("'{}'", cmd.replace('\'', r"'\''"));
         let (code, out) = self.run(
-            // Its own session (`setsid`; `set +m` so the background job is
-            // no process group leader and setsid execs in place: `$!` stays
-            // its pid): a guest's console shell was seen hung up and
-            // restarted while a program that used VFIO ran or exited, and
-            // took its background jobs with it.
-            &format!("set +m; setsid sh -c {quoted} >{log} 2>&1 </dev/null & echo $!"),
+&format!("sh -c {quoted} >{log} 2>&1 </dev/null & echo $!"),
             Duration::from_secs(30),
         )?;
         let pid = out
