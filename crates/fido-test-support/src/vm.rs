@@ -421,7 +421,7 @@ impl Console {
         let log = format!("/tmp/spawn-{}.log", self.seq + 1);
         let quoted = format!("'{}'", cmd.replace('\'', r"'\''"));
         let (code, out) = self.run(
-&format!("sh -c {quoted} >{log} 2>&1 </dev/null & echo $!"),
+            &format!("sh -c {quoted} >{log} 2>&1 </dev/null & echo $!"),
             Duration::from_secs(30),
         )?;
         let pid = out
