@@ -152,7 +152,7 @@ impl Arena {
         if len > MAX_ARENA {
             return Err(ShmError::TooLarge { len, max: MAX_ARENA });
         }
-        let mapping = space.map_own_device(slot, owner, &fd, len)?;
+        let mapping = space.map_own_device(slot, owner, fd.as_fd(), len)?;
         Ok(Arc::new(Arena { alloc: Allocator::new(len), mapping, fd, len, device: true }))
     }
     /// G(slot): the global address of offset 0.

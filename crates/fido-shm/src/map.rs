@@ -248,35 +248,12 @@ unsafe impl Send for Mapping {}
 unsafe impl Sync for Mapping {}
 
 impl Mapping {
-    /// Map a (validated) peer grant read-only in `slot`. `occ` is the window's
-    /// locked occupancy table; on success the slot is marked occupied.
-    pub(crate) fn map_peer(
-        window: &Arc<Window>,
-        occ: &mut [bool],
-        slot: u32,
-        owner: u64,
-        fd: BorrowedFd<'_>,
-        len: u64,
-    ) -> Result<Mapping, ShmError> {
-        Self::map_in_slot(window, occ, (slot, owner), fd, len, false)
-    }
-
-    /// Maps device memory (a VM guest's PCI BAR, through its sysfs
-    /// `resourceN` file) in `slot`: read-only for a peer's arena, read-write
-    /// for our own (`own`). Device memory is not a memfd: nothing to seal,
-    /// the host's supervisor gave the device read-only.
-    pub(crate) fn map_device(
-        window: &Arc<Window>,
-        occ: &mut [bool],
-        (slot, owner): (u32, u64),
-        fd: BorrowedFd<'_>,
-        len: u64,
-        own: bool,
-    ) -> Result<Mapping, ShmError> {
-        Self::map_in_slot(window, occ, (slot, owner), fd, len, own)
-    }
-
-    fn map_in_slot(
+    /// Maps a validated arena in `slot`: a peer's read-only (a sealed memfd,
+    /// or a VM guest's read-only BAR), or, with `own`, our own device arena
+    /// read-write (a VM guest's own BAR: no memfd to seal, the host side gave
+    /// it). `occ` is the window's locked occupancy table; on success the slot
+    /// is marked occupied.
+    pub(crate) fn map_in_slot(
         window: &Arc<Window>,
         occ: &mut [bool],
         (slot, owner): (u32, u64),

@@ -1,11 +1,11 @@
 //! The address space of a domain: the PGVAS window, the slot table, and the
 //! one pointer resolver.
 
-use crate::grant::check_grant;
+use crate::grant::{check_device, check_grant};
 use crate::map::{Mapping, RwRegion, Window};
 use crate::{AddressMode, GPtr, ModeRequest, PgvasGeometry, ShmError};
 use parking_lot::RwLock;
-use rustix::fd::{AsFd, OwnedFd};
+use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::Arc;
 
@@ -113,48 +113,35 @@ impl AddressSpace {
         fd: OwnedFd,
         len: u64,
     ) -> Result<Arc<Mapping>, ShmError> {
-        self.check_slot(slot)?;
-        if let Some(m) = self.existing(slot, owner)? {
-            return Ok(m);
-        }
-        let max = self.geometry().slot_size;
-        if len > max {
-            return Err(ShmError::TooLarge { len, max });
-        }
-        check_grant(fd.as_fd(), len)?;
-        let mut occ = self.window.lock_occupied();
-        // Re-check under the lock: another thread may have mapped it meanwhile.
-        if let Some(m) = self.existing(slot, owner)? {
-            return Ok(m);
-        }
-        let m = Arc::new(Mapping::map_peer(
-            &self.window,
-            &mut occ,
-            slot,
-            owner,
-            fd.as_fd(),
-            len,
-        )?);
-        *self.table[slot as usize].write() = Some(m.clone());
-        drop(occ);
-        tracing::debug!(slot, owner, len, local = ?m.local_base(), "mapped peer arena");
-        Ok(m)
+        self.map_checked((slot, owner), fd.as_fd(), len, false, |fd| check_grant(fd, len))
     }
 
     /// Maps a peer's arena that is device memory (inside a VM guest: the BAR
     /// of a hot-plugged read-only `ivshmem` device) read-only in `slot`, after
     /// [`crate::grant::check_device`]. Otherwise like [`map_peer`](Self::map_peer).
     pub fn map_peer_device(&self, slot: u32, owner: u64, fd: OwnedFd, len: u64) -> Result<Arc<Mapping>, ShmError> {
-        self.map_device(slot, owner, fd, len, false)
+        self.map_checked((slot, owner), fd.as_fd(), len, false, |fd| check_device(fd, len, false))
     }
 
     /// Maps our own arena that is device memory (a VM guest's own BAR)
     /// read-write in `slot` (used by `Arena::place_device`).
-    pub(crate) fn map_own_device(&self, slot: u32, owner: u64, fd: &OwnedFd, len: u64) -> Result<Arc<Mapping>, ShmError> {
-        self.map_device(slot, owner, fd.try_clone().map_err(|e| ShmError::Io { op: "dup device fd", errno: rustix::io::Errno::from_io_error(&e).unwrap_or(rustix::io::Errno::BADF) })?, len, true)
+    pub(crate) fn map_own_device(&self, slot: u32, owner: u64, fd: BorrowedFd<'_>, len: u64) -> Result<Arc<Mapping>, ShmError> {
+        self.map_checked((slot, owner), fd, len, true, |fd| check_device(fd, len, true))
     }
 
-    fn map_device(&self, slot: u32, owner: u64, fd: OwnedFd, len: u64, own: bool) -> Result<Arc<Mapping>, ShmError> {
+    /// The one way a slot gets an arena mapped from a descriptor: slot and
+    /// length checks, `check` on the descriptor, then the mapping under the
+    /// window's lock. A peer's arena (`own == false`) already mapped for the
+    /// same owner is returned as it is (before and, in case another thread
+    /// mapped it meanwhile, under the lock); any other occupant is `SlotBusy`.
+    fn map_checked(
+        &self,
+        (slot, owner): (u32, u64),
+        fd: BorrowedFd<'_>,
+        len: u64,
+        own: bool,
+        check: impl FnOnce(BorrowedFd<'_>) -> Result<(), ShmError>,
+    ) -> Result<Arc<Mapping>, ShmError> {
         self.check_slot(slot)?;
         if !own {
             if let Some(m) = self.existing(slot, owner)? {
@@ -165,17 +152,17 @@ impl AddressSpace {
         if len > max {
             return Err(ShmError::TooLarge { len, max });
         }
-        crate::grant::check_device(fd.as_fd(), len, own)?;
+        check(fd)?;
         let mut occ = self.window.lock_occupied();
         match self.table[slot as usize].read().as_ref() {
             Some(m) if !own && m.owner() == owner => return Ok(m.clone()),
             Some(m) => return Err(ShmError::SlotBusy { slot, owner: m.owner() }),
             None => {}
         }
-        let m = Arc::new(Mapping::map_device(&self.window, &mut occ, (slot, owner), fd.as_fd(), len, own)?);
+        let m = Arc::new(Mapping::map_in_slot(&self.window, &mut occ, (slot, owner), fd, len, own)?);
         *self.table[slot as usize].write() = Some(m.clone());
         drop(occ);
-        tracing::debug!(slot, owner, len, own, local = ?m.local_base(), "mapped device arena");
+        tracing::debug!(slot, owner, len, own, local = ?m.local_base(), "mapped arena");
         Ok(m)
     }
 
