@@ -14,6 +14,7 @@
 //!   handles as descriptors (arena, ring token, liveness socket + hang-up);
 //! - keeps reading a peer arena while the host unplugs it: zeros, no SIGBUS.
 
+use fido_test_support::raw::{memfd, reopen, seal};
 use fido_proto::guest::{decode_guest, encode_link, link_len, GuestMsg, Handle, HostMsg};
 use fido_proto::{BrokerMsg, ClientMsg, Reply, Request, Status};
 use fido_test_support::vm::{self, Console, BOOT_TIMEOUT};
@@ -24,7 +25,7 @@ use fido_vm::qmp::Qmp;
 use rustix::event::{poll, PollFd, PollFlags, Timespec};
 use rustix::net::{socketpair, AddressFamily, RecvFlags, SendFlags, SocketFlags, SocketType};
 use std::io::{Read, Write};
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -41,25 +42,6 @@ fn pair() -> (OwnedFd, OwnedFd) {
         SocketType::STREAM,
         SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
         None,
-    )
-    .unwrap()
-}
-
-fn memfd(len: u64) -> OwnedFd {
-    let fd = rustix::fs::memfd_create(
-        "fido-guest-test",
-        rustix::fs::MemfdFlags::CLOEXEC | rustix::fs::MemfdFlags::ALLOW_SEALING,
-    )
-    .unwrap();
-    rustix::fs::ftruncate(&fd, len).unwrap();
-    fd
-}
-
-fn read_only(fd: &OwnedFd) -> OwnedFd {
-    rustix::fs::open(
-        format!("/proc/self/fd/{}", fd.as_raw_fd()),
-        rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::CLOEXEC,
-        rustix::fs::Mode::empty(),
     )
     .unwrap()
 }
@@ -253,15 +235,8 @@ fn the_guest_side_on_a_real_guest() {
     rustix::io::pwrite(&peer_arena, b"peer-arena-bytes", 0).unwrap();
     // Sealed like every arena a domain grants (plug_arena checks it: an
     // unsealed one could be truncated under QEMU).
-    rustix::fs::fcntl_add_seals(
-        &peer_arena,
-        rustix::fs::SealFlags::SHRINK
-            | rustix::fs::SealFlags::GROW
-            | rustix::fs::SealFlags::FUTURE_WRITE
-            | rustix::fs::SealFlags::SEAL,
-    )
-    .unwrap();
-    let ro = read_only(&peer_arena);
+    seal(&peer_arena);
+    let ro = reopen(&peer_arena, rustix::fs::OFlags::RDONLY);
     hotplug::plug_arena(&mut qmp, 0, ro.as_fd(), 1 << 20, spec.max_peer_arena).unwrap();
 
     let run = c

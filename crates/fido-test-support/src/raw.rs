@@ -43,18 +43,40 @@ pub fn arena(len: u64) -> (OwnedFd, OwnedFd) {
 }
 
 pub fn arena_with(len: u64, seals: SealFlags, mode: OFlags) -> (OwnedFd, OwnedFd) {
+    let fd = memfd(len);
+    if !seals.is_empty() {
+        rustix::fs::fcntl_add_seals(&fd, seals).unwrap();
+    }
+    let ro = reopen(&fd, mode);
+    (fd, ro)
+}
+
+/// An unsealed memfd of `len` bytes that allows sealing (fill it, then [`seal`]).
+pub fn memfd(len: u64) -> OwnedFd {
     let fd = rustix::fs::memfd_create(
         "test-arena",
         MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
     )
     .unwrap();
     rustix::fs::ftruncate(&fd, len).unwrap();
-    if !seals.is_empty() {
-        rustix::fs::fcntl_add_seals(&fd, seals).unwrap();
-    }
+    fd
+}
+
+/// Seals a memfd as every arena is before it is granted
+/// (SHRINK|GROW|FUTURE_WRITE, and SEAL so nothing more can change).
+pub fn seal(fd: &OwnedFd) {
+    rustix::fs::fcntl_add_seals(
+        fd,
+        SealFlags::SHRINK | SealFlags::GROW | SealFlags::FUTURE_WRITE | SealFlags::SEAL,
+    )
+    .unwrap();
+}
+
+/// A fresh file description of `fd`'s file (a re-open through /proc), as a
+/// grant is made: `mode` is `OFlags::RDONLY` for a read-only grant.
+pub fn reopen(fd: &OwnedFd, mode: OFlags) -> OwnedFd {
     let path = format!("/proc/self/fd/{}", fd.as_raw_fd());
-    let ro = rustix::fs::open(path.as_str(), mode | OFlags::CLOEXEC, Mode::empty()).unwrap();
-    (fd, ro)
+    rustix::fs::open(path.as_str(), mode | OFlags::CLOEXEC, Mode::empty()).unwrap()
 }
 
 pub fn eventfd() -> OwnedFd {

@@ -3,14 +3,14 @@
 //! its root port, read-only, and unplugs quickly; the doorbell rings a host
 //! peer; and the guard frees a VM whose peer made its doorbell blocking.
 
+use fido_test_support::raw::{memfd, reopen, seal};
 use fido_test_support::vm::{self, Console, BOOT_TIMEOUT};
 use fido_vm::hotplug;
 use fido_vm::qemu::{launch, Accel, VmSpec};
 use fido_vm::qmp::{Qmp, QmpError};
-use rustix::fs::{MemfdFlags, SealFlags};
 use rustix::net::{socketpair, AddressFamily, SocketFlags, SocketType};
 use serde_json::Value;
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::time::{Duration, Instant};
 
 const CMD: Duration = Duration::from_secs(60);
@@ -18,20 +18,6 @@ const QMP_TIMEOUT: Duration = Duration::from_secs(30);
 
 fn pair() -> (OwnedFd, OwnedFd) {
     socketpair(AddressFamily::UNIX, SocketType::STREAM, SocketFlags::CLOEXEC | SocketFlags::NONBLOCK, None).unwrap()
-}
-
-fn memfd(len: u64) -> OwnedFd {
-    let fd = rustix::fs::memfd_create("fido-test-arena", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING).unwrap();
-    rustix::fs::ftruncate(&fd, len).unwrap();
-    fd
-}
-
-fn seal(fd: &OwnedFd) {
-    rustix::fs::fcntl_add_seals(fd, SealFlags::FUTURE_WRITE | SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL).unwrap();
-}
-
-fn read_only(fd: &OwnedFd) -> OwnedFd {
-    rustix::fs::open(format!("/proc/self/fd/{}", fd.as_raw_fd()), rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::CLOEXEC, rustix::fs::Mode::empty()).unwrap()
 }
 
 /// A guest shell snippet that waits (up to 20 s) for the device under root
@@ -94,7 +80,7 @@ fn hot_plug_doorbells_and_the_guard_with_a_guest() {
     let peer = memfd(1 << 20);
     rustix::io::pwrite(&peer, &0x1234_5678u32.to_le_bytes(), 0).unwrap();
     seal(&peer);
-    let ro = read_only(&peer);
+    let ro = reopen(&peer, rustix::fs::OFlags::RDONLY);
     let t = Instant::now();
     hotplug::plug_arena(&mut qmp, 1, ro.as_fd(), 1 << 20, spec.max_peer_arena).unwrap();
     let dev = c.run_ok(&child_of("0000:00:10.1"), CMD).trim().to_string();

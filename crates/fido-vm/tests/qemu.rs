@@ -2,14 +2,15 @@
 //! paused (`-S`), which still creates every device and serves QMP and
 //! hot-plug. Each test starts its own small QEMU (a fraction of a second).
 
+use fido_test_support::raw::{memfd, reopen, seal};
 use fido_vm::doorbell_server::{DoorbellServer, VectorKind};
 use fido_vm::hotplug::{self, HotplugError, Ports};
 use fido_vm::qemu::{launch, spawn, welcome, Accel, LaunchError, QemuProcess, VmFds, VmSpec};
 use fido_vm::qmp::{Qmp, QmpError};
-use rustix::fs::{MemfdFlags, SealFlags};
+use rustix::fs::SealFlags;
 use rustix::net::{socketpair, AddressFamily, SocketFlags, SocketType};
 use serde_json::{json, Value};
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::time::Duration;
 
 /// Whether QEMU is installed; each test here skips, saying so, when not
@@ -36,20 +37,6 @@ struct Vm {
 
 fn pair() -> (OwnedFd, OwnedFd) {
     socketpair(AddressFamily::UNIX, SocketType::STREAM, SocketFlags::CLOEXEC | SocketFlags::NONBLOCK, None).unwrap()
-}
-
-fn memfd(len: u64) -> OwnedFd {
-    let fd = rustix::fs::memfd_create("fido-test-arena", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING).unwrap();
-    rustix::fs::ftruncate(&fd, len).unwrap();
-    fd
-}
-
-fn seal(fd: &OwnedFd) {
-    rustix::fs::fcntl_add_seals(fd, SealFlags::FUTURE_WRITE | SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL).unwrap();
-}
-
-fn read_only(fd: &OwnedFd) -> OwnedFd {
-    rustix::fs::open(format!("/proc/self/fd/{}", fd.as_raw_fd()), rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::CLOEXEC, rustix::fs::Mode::empty()).unwrap()
 }
 
 fn start(tweak: impl FnOnce(&mut VmSpec)) -> Vm {
@@ -172,14 +159,14 @@ fn a_sealed_read_only_arena_plugs_under_its_root_port() {
     let peer = memfd(2 << 20);
     rustix::io::pwrite(&peer, b"peer data", 0).unwrap();
     seal(&peer);
-    let ro = read_only(&peer);
+    let ro = reopen(&peer, rustix::fs::OFlags::RDONLY);
     let mut ports = Ports::new(vm.spec.ports, vm.spec.max_peer_arena);
     let port = ports.allocate(hotplug::PeerArena { slot: 5, owner: 42, len: 2 << 20 }).unwrap();
     ports.allocate(hotplug::PeerArena { slot: 6, owner: 42, len: 1 << 20 }).unwrap();
     hotplug::plug_arena(&mut vm.qmp, port, ro.as_fd(), 2 << 20, vm.spec.max_peer_arena).unwrap();
     let other = memfd(1 << 20);
     seal(&other);
-    let other = read_only(&other);
+    let other = reopen(&other, rustix::fs::OFlags::RDONLY);
     hotplug::plug_arena(&mut vm.qmp, 1, other.as_fd(), 1 << 20, vm.spec.max_peer_arena).unwrap();
     vm.alive();
     let (_, bridges) = pci(&mut vm.qmp);
@@ -197,7 +184,7 @@ fn a_sealed_read_only_arena_plugs_under_its_root_port() {
     let sealed = |len| {
         let fd = memfd(len);
         seal(&fd);
-        read_only(&fd)
+        reopen(&fd, rustix::fs::OFlags::RDONLY)
     };
     let odd = sealed(3 << 20);
     let e = hotplug::plug_arena(&mut vm.qmp, 2, odd.as_fd(), 3 << 20, vm.spec.max_peer_arena).unwrap_err();
@@ -209,7 +196,7 @@ fn a_sealed_read_only_arena_plugs_under_its_root_port() {
     seal(&writable);
     let e = hotplug::plug_arena(&mut vm.qmp, 2, writable.as_fd(), 1 << 20, vm.spec.max_peer_arena).unwrap_err();
     assert!(matches!(e, HotplugError::BadFd(_)), "{e}");
-    let unsealed = read_only(&memfd(1 << 20));
+    let unsealed = reopen(&memfd(1 << 20), rustix::fs::OFlags::RDONLY);
     let e = hotplug::plug_arena(&mut vm.qmp, 2, unsealed.as_fd(), 1 << 20, vm.spec.max_peer_arena).unwrap_err();
     assert!(e.to_string().contains("not sealed"), "{e}");
     let short = sealed(4096);
@@ -385,7 +372,7 @@ fn the_default_ports_get_their_windows_and_take_a_largest_arena() {
     wait_for_bridges(&mut vm.qmp, 1 << 30);
     let big = memfd(1 << 30);
     seal(&big);
-    let big = read_only(&big);
+    let big = reopen(&big, rustix::fs::OFlags::RDONLY);
     hotplug::plug_arena(&mut vm.qmp, 7, big.as_fd(), 1 << 30, vm.spec.max_peer_arena).unwrap();
     let (_, bridges) = pci(&mut vm.qmp);
     assert_eq!(bridges.iter().find(|b| b.0 == "fido-port7").unwrap().1.len(), 1);
