@@ -137,7 +137,6 @@ pub struct Supervisor {
     link: OwnedFd,
     relay: Relay,
     stop: Arc<AtomicBool>,
-    started: Instant,
 }
 
 /// Why [`Supervisor::run`] returned.
@@ -166,7 +165,7 @@ impl Supervisor {
         let limits = Limits { connections: usize::from(spec.vectors.saturating_sub(1) / 2) };
         let devices = QemuDevices { qmp, doorbells, ports: Ports::new(spec.ports, spec.max_peer_arena) };
         let relay = Relay::new(welcome, identity, limits, Box::new(devices), Box::new(UnixLine(broker)));
-        Ok(Supervisor { spec, reporter: None, reported: RelayStats::default(), qemu, link, relay, stop, started: Instant::now() })
+        Ok(Supervisor { spec, reporter: None, reported: RelayStats::default(), qemu, link, relay, stop })
     }
 
     pub fn qemu_pid(&self) -> u32 {
@@ -202,7 +201,7 @@ impl Supervisor {
                 return Ok(Ended::LinkBroken(why));
             }
             let (link_ready, broker_ready, hung) = self.wait(next_tick)?;
-            if link_ready.0 && self.relay.outbox().len() < MAX_GUEST_BACKLOG {
+            if link_ready && self.relay.outbox().len() < MAX_GUEST_BACKLOG {
                 loop {
                     match rustix::io::read(&self.link, &mut buf) {
                         Ok(0) => break, // QEMU keeps the port; a closed guest device reads nothing.
@@ -228,7 +227,6 @@ impl Supervisor {
             if let Err(e) = self.flush() {
                 return self.link_failed(e);
             }
-            let _ = link_ready.1;
             if Instant::now() >= next_report {
                 next_report = Instant::now() + Duration::from_secs(1);
                 if self.relay.stats != self.reported {
@@ -265,7 +263,7 @@ impl Supervisor {
     }
 
     /// Waits for the link, the broker or a liveness socket, at most until `until`.
-    fn wait(&self, until: Instant) -> io::Result<((bool, bool), bool, Vec<u64>)> {
+    fn wait(&self, until: Instant) -> io::Result<(bool, bool, Vec<u64>)> {
         let backlog = self.relay.outbox().len();
         let link_events = match backlog {
             0 => PollFlags::IN,
@@ -292,14 +290,12 @@ impl Supervisor {
         let link = fds[0].revents();
         let broker_ready = broker_at.is_some_and(|i| !fds[i].revents().is_empty());
         let hung = live.iter().enumerate().filter(|(i, _)| !fds[live_at + i].revents().is_empty()).map(|(_, (t, _))| *t).collect();
-        Ok(((link.intersects(PollFlags::IN | PollFlags::HUP | PollFlags::ERR), link.contains(PollFlags::OUT)), broker_ready, hung))
+        Ok((link.intersects(PollFlags::IN | PollFlags::HUP | PollFlags::ERR), broker_ready, hung))
     }
 
-    /// Stops QEMU: a clean `quit` over QMP, then SIGKILL if it lingers.
+    /// Stops QEMU with SIGKILL: nobody keeps a VM domain's guest state, so a
+    /// clean `quit` would buy nothing (its peers see it gone either way).
     fn shutdown(&mut self) -> io::Result<Option<ExitStatus>> {
-        let _ = self.started;
-        // The relay holds QMP inside its devices; asking QEMU to quit is the
-        // same as killing it for a VM whose guest state nobody keeps.
         Ok(Some(self.qemu.kill()?))
     }
 }
