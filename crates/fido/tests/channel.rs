@@ -406,3 +406,21 @@ fn invalid_arguments_name_the_mistake() {
     // Nothing went out.
     assert_eq!(c.in_flight(), 0);
 }
+
+/// An acceptor that cannot take a connection (here: no room in its arena for
+/// its ring block) refuses it, so the connecting side hears of it at once.
+/// Before, only descriptor and peer-arena failures were refused; an
+/// allocation or doorbell failure left the client waiting out its request
+/// timeout (seen inside VMs, which have a fixed number of doorbell vectors).
+#[test]
+fn an_acceptor_that_cannot_take_a_connection_refuses_it_at_once() {
+    let b = TestBroker::start();
+    // A 1 MiB arena cannot hold the block of a ring of 65 536 entries.
+    let server = b.join_with(JoinOptions::new("small-server").arena_len(1 << 20));
+    let client = b.join_with(JoinOptions::new("big-client").arena_len(64 << 20).ring_entries(1 << 16).swizzle(true));
+    let _l = server.offer("tight").unwrap();
+    let t = std::time::Instant::now();
+    let Err(err) = client.connect("tight") else { panic!("the server cannot hold this connection") };
+    assert!(t.elapsed() < Duration::from_secs(5), "refusal took {:?}: {err}", t.elapsed());
+    assert!(err.to_string().to_lowercase().contains("refus") || err.to_string().contains("memory"), "{err}");
+}

@@ -184,22 +184,22 @@ impl Channel {
             local_domain.control.notify(Request::Refuse { conn, reason: error.to_string() });
             error
         };
-        if fds.len() != 4 {
-            return Err(refuse(Error::broker_protocol(format!("incoming connection with {} descriptors", fds.len()))));
-        }
-        let entries = pblock.entries;
-        let (block, local) = Self::new_block(local_domain, entries)?;
-        let (mapping, peer_block) = match Self::open_peer(local_domain, &peer, &pblock, fds.remove(0)) {
-            Ok(x) => x,
-            Err(e) => return Err(refuse(e)),
-        };
-        let ends = match Self::peer_ends(local_domain, fds) {
-            Ok(x) => x,
-            Err(e) => return Err(refuse(e)),
-        };
-        let bells = (local_domain.platform.new_bell()?, local_domain.platform.new_bell()?);
-        let ring = RingBlock { offset: block.offset(), len: block_len(entries) as u64, entries };
-        let mine = [bells.0.ring.try_clone()?, bells.1.ring.try_clone()?];
+        // Whatever fails before we accept is a refusal, so the connecting
+        // side hears of it at once instead of waiting out its timeout.
+        let prepared = (|| -> Result<_> {
+            if fds.len() != 4 {
+                return Err(Error::broker_protocol(format!("incoming connection with {} descriptors", fds.len())));
+            }
+            let entries = pblock.entries;
+            let (block, local) = Self::new_block(local_domain, entries)?;
+            let (mapping, peer_block) = Self::open_peer(local_domain, &peer, &pblock, fds.remove(0))?;
+            let ends = Self::peer_ends(local_domain, fds)?;
+            let bells = (local_domain.platform.new_bell()?, local_domain.platform.new_bell()?);
+            let ring = RingBlock { offset: block.offset(), len: block_len(entries) as u64, entries };
+            let mine = [bells.0.ring.try_clone()?, bells.1.ring.try_clone()?];
+            Ok(((block, local), (mapping, peer_block), ends, bells, ring, mine))
+        })();
+        let ((block, local), (mapping, peer_block), ends, bells, ring, mine) = prepared.map_err(refuse)?;
         // Runs on the control thread, which reads the broker's replies itself:
         // fire and forget. If the client is gone by now, the liveness socket
         // says so on the first operation.
