@@ -403,10 +403,19 @@ impl Console {
         match self.run(cmd, timeout) {
             Ok((0, out)) => out,
             Ok((code, out)) => panic!("guest: `{cmd}` exited {code}:\n{out}"),
-            Err(e) => panic!(
-                "guest: `{cmd}`: {e}\nconsole transcript:\n{}",
-                self.transcript()
-            ),
+            Err(e) => {
+                // The kernel's log says why a shell died or a command hung
+                // (the console shows only emergencies unless fido.verbose).
+                let _ = self.interrupt();
+                let kernel = match self.run("dmesg | tail -n 60", Duration::from_secs(15)) {
+                    Ok((_, out)) => out,
+                    Err(e) => format!("(dmesg: {e})"),
+                };
+                panic!(
+                    "guest: `{cmd}`: {e}\nconsole transcript:\n{}\nguest kernel log (tail):\n{kernel}",
+                    self.transcript()
+                )
+            }
         }
     }
 

@@ -392,7 +392,7 @@ fn round_trips_host_to_vm_vm_to_host_and_vm_to_vm_are_zero_copy() {
     // A guest program killed (-9) while streaming: the next program of the
     // VM starts afresh (its Join is not "already joined", its vectors are
     // not "in use" by the dead program's connections).
-    let killed = f.console("a").spawn("fido guest ping host-echo-1 --count 2000000 --size 64").unwrap();
+    let killed = f.console("a").spawn("fido guest ping host-echo-1 --count 1000000000 --size 64").unwrap();
     fido_test_support::wait::eventually("the stream", CMD, || echoed.load(Ordering::Relaxed) > 100);
     f.console("a").run_ok(&format!("kill -9 {}; sleep 0.5", killed.pid), CMD);
     let before = echoed.load(Ordering::Relaxed);
@@ -503,7 +503,7 @@ fn kill_9_of_qemu_is_peer_gone_and_the_vm_restarts_under_its_name() {
     let host = f.join("host-3");
     // Connection 1: b streams into the host, which keeps its first messages.
     let listener = host.offer("host-sink").unwrap();
-    let ping = f.console("b").spawn("fido guest ping host-sink --count 2000000 --size 256").unwrap();
+    let ping = f.console("b").spawn("fido guest ping host-sink --count 1000000000 --size 256").unwrap();
     let ch = listener.accept_timeout(CMD).unwrap();
     let mut held = Vec::new();
     for i in 0..20 {
@@ -611,7 +611,7 @@ fn a_broker_restart_leaves_a_vm_stream_streaming_and_the_relay_idle() {
     let host = f.join("host-5");
     let count = Arc::new(AtomicU64::new(0));
     let _server = host_echo(&host, "host-stream", count.clone());
-    let ping = f.console("a").spawn("fido guest ping host-stream --count 2000000 --size 64").unwrap();
+    let ping = f.console("a").spawn("fido guest ping host-stream --count 1000000000 --size 64").unwrap();
     fido_test_support::wait::eventually("the stream", CMD, || count.load(Ordering::Relaxed) > 500);
 
     // While it streams, the supervisor relays nothing but heartbeats and
