@@ -149,6 +149,9 @@ fn echo(service: &str, name: &str, count: u64, poll: bool) -> anyhow::Result<boo
     Ok(true)
 }
 
+/// Round trips `ping` keeps for its percentiles.
+const RTT_SAMPLES: usize = 1 << 16;
+
 fn ping(service: &str, name: &str, count: u64, size: usize, poll: bool, wait: f64) -> anyhow::Result<bool> {
     if size == 0 {
         bail!("--size must be at least 1");
@@ -165,7 +168,11 @@ fn ping(service: &str, name: &str, count: u64, size: usize, poll: bool, wait: f6
             Err(e) => return Err(e).context(format!("connecting to {service}")),
         }
     };
-    let mut rtts = Vec::with_capacity(count as usize);
+    // A uniform sample of the round trips (Algorithm R): an endless ping
+    // (`--count` in the billions) keeps memory bounded and its percentiles
+    // unbiased.
+    let mut rtts = Vec::with_capacity(count.min(RTT_SAMPLES as u64) as usize);
+    let mut rng = 0x9e37_79b9_7f4a_7c15_u64;
     let mut same_pointer = true;
     let mut checksum_ok = true;
     let t0 = Instant::now();
@@ -177,7 +184,19 @@ fn ping(service: &str, name: &str, count: u64, size: usize, poll: bool, wait: f6
         let t = Instant::now();
         ch.send(Message::new(buf)).map_err(|e| e.error)?;
         let reply = ch.recv()?;
-        rtts.push(t.elapsed());
+        let rtt = t.elapsed();
+        if rtts.len() < RTT_SAMPLES {
+            rtts.push(rtt);
+        } else {
+            // xorshift64: uniform enough for sampling, no dependency.
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            let slot = rng % (i + 1);
+            if let Some(kept) = rtts.get_mut(slot as usize) {
+                *kept = rtt;
+            }
+        }
         let got = reply.global_segments().next().map(|(g, _)| g);
         same_pointer &= got == Some(sent);
         checksum_ok &= reply.len() == size && reply.as_slice().is_some_and(|s| s.iter().all(|b| b == fill));

@@ -426,11 +426,17 @@ impl Console {
 
     /// Starts `cmd` in the background in the guest, its output going to
     /// `/tmp/spawn-N.log` (N returned with the pid), stdin from /dev/null.
+    ///
+    /// The command is not a job of the console's shell: a subshell starts it
+    /// and exits, so it belongs to init. With `stty -echo` busybox's shell
+    /// reads its input with `fgets`, and the SIGCHLD of a job that ends
+    /// while the shell waits for input makes that read fail: the shell
+    /// exits (init starts another) and a command typed meanwhile is lost.
     pub fn spawn(&mut self, cmd: &str) -> io::Result<Spawned> {
         let log = format!("/tmp/spawn-{}.log", self.seq + 1);
         let quoted = format!("'{}'", cmd.replace('\'', r"'\''"));
         let (code, out) = self.run(
-            &format!("sh -c {quoted} >{log} 2>&1 </dev/null & echo $!"),
+            &format!("(sh -c {quoted} >{log} 2>&1 </dev/null & echo $!)"),
             Duration::from_secs(30),
         )?;
         let pid = out

@@ -167,7 +167,7 @@ fn hot_plug_doorbells_and_the_guard_with_a_guest() {
     // write() holding the big lock: the VM (and its QMP) freezes...
     rustix::net::sockopt::set_socket_send_buffer_size(&ring, 4096).unwrap();
     rustix::io::ioctl_fionbio(&ring, false).unwrap();
-    c.run_ok(&format!("(i=0; while [ $i -lt 200 ]; do devmem {doorbell:#x} 32 {value:#x}; i=$((i+1)); done; echo RINGS-DONE > /dev/ttyS0) >/dev/null 2>&1 &"), CMD);
+    c.run_ok(&format!("( (i=0; while [ $i -lt 200 ]; do devmem {doorbell:#x} 32 {value:#x}; i=$((i+1)); done; echo RINGS-DONE > /dev/ttyS0) >/dev/null 2>&1 &)"), CMD);
     assert!(wait_frozen(&mut qmp), "the attack did not block QEMU: the test proves nothing\n{}", c.transcript());
     // ... until the guard cuts the peer. Here a new peer arrives first: QEMU,
     // frozen, cannot take its descriptor, so add_peer cuts the blocking peer
@@ -199,7 +199,7 @@ fn hot_plug_doorbells_and_the_guard_with_a_guest() {
     let id3 = bell.add_peer(ring3.as_fd()).unwrap();
     rustix::io::ioctl_fionbio(&ring3, false).unwrap();
     let value3 = (id3 as u32) << 16;
-    c.run_ok(&format!("(i=0; while [ $i -lt 200 ]; do devmem {doorbell:#x} 32 {value3:#x}; i=$((i+1)); done; echo RINGS3-DONE > /dev/ttyS0) >/dev/null 2>&1 &"), CMD);
+    c.run_ok(&format!("( (i=0; while [ $i -lt 200 ]; do devmem {doorbell:#x} 32 {value3:#x}; i=$((i+1)); done; echo RINGS3-DONE > /dev/ttyS0) >/dev/null 2>&1 &)"), CMD);
     assert!(wait_frozen(&mut qmp), "the toggling attack did not block QEMU: the test proves nothing");
     rustix::io::ioctl_fionbio(&ring3, true).unwrap();
     assert!(matches!(qmp.execute("query-status", Value::Null), Err(QmpError::Timeout { .. })), "still frozen with the flag set back");
