@@ -350,3 +350,39 @@ fn direct_io_on_a_file() {
     c.write_zeroes(0, 16384, false, true).unwrap();
     assert!(c.read_at(0, 16384).unwrap().to_vec().iter().all(|&x| x == 0));
 }
+
+#[test]
+fn a_client_holding_its_read_budget_waits_until_it_releases() {
+    let b = TestBroker::start();
+    let sd = b.join("storage");
+    let backend = Arc::new(FileBackend::ram(1 << 20, &BackingOptions::default()).unwrap());
+    let opts = ServeOptions { max_read_bytes_held: 16 << 10, ..Default::default() };
+    let _server = serve(&sd, "budget", backend, opts).unwrap();
+    let cd = b.join("client");
+    let c = BlkClient::connect(&cd, "budget").unwrap();
+    let other_d = b.join("other");
+    let other = BlkClient::connect(&other_d, "budget").unwrap();
+    let mut held = Vec::new();
+    let mut stalled = None;
+    for i in 0..8u64 {
+        c.submit_read(i, i * 4096, 4096).unwrap();
+        match c.complete(Duration::from_millis(500)) {
+            Ok(done) => held.push(done.result.unwrap().unwrap()),
+            Err(BlkError::Timeout) => {
+                stalled = Some(i);
+                break;
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    let at = stalled.expect("the storage domain kept serving a client holding more than its budget");
+    assert_eq!(at, 4, "16 KiB of 4 KiB reads are held when the fifth waits");
+    // Another connection is not affected.
+    other.write_at(0, &[5u8; 4096], false).unwrap();
+    // Releasing lets the waiting read through.
+    held.clear();
+    let done = c.complete(T).unwrap();
+    assert_eq!(done.id, at);
+    assert!(done.result.unwrap().unwrap().to_vec().iter().all(|&x| x == 0));
+    assert!(c.read_at(0, 4096).unwrap().to_vec().iter().all(|&x| x == 5));
+}
