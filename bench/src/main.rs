@@ -10,6 +10,8 @@
 //! * `fido-bench vm`: host↔VM and VM↔VM latency and throughput — fido vs TCP
 //!   over virtio-net and virtio-serial, in the same QEMU guests; the guest side
 //!   is this binary too (`fido-bench vm-endpoint --mode agent`, in the image).
+//! * `fido-bench blk`: block devices — fio through `fido blk nbd` (storage
+//!   and RAID-1 domains) against nbdkit, qemu-nbd and the file itself.
 //! * `fido-bench chaos`: pipelines of domains while domains and the broker are
 //!   killed (-9) and restarted at random: no corruption, no silent duplicate or
 //!   loss, no leak.
@@ -90,6 +92,19 @@ enum Suite {
     /// virtio-net and virtio-serial, same guests and accelerator (needs root and QEMU).
     Vm {
         /// 1 s per point instead of 4 s.
+        #[arg(long)]
+        quick: bool,
+        /// Also write one JSON object per result to FILE.
+        #[arg(long, value_name = "FILE")]
+        json: Option<PathBuf>,
+        /// Only points whose system or case contains this substring.
+        #[arg(long, value_name = "S")]
+        filter: Option<String>,
+    },
+    /// Block devices (MMBlk): fio through NBD against fido's storage, RAID-1
+    /// and the same file under nbdkit, qemu-nbd, psync and io_uring.
+    Blk {
+        /// 2 s per point on 256 MiB instead of 8 s on 1 GiB.
         #[arg(long)]
         quick: bool,
         /// Also write one JSON object per result to FILE.
@@ -228,6 +243,16 @@ fn main() -> ExitCode {
             json,
             filter,
         } => suites::vm::run(&fido_bench::Opts {
+            quick,
+            json,
+            filter,
+        })
+        .map(|_| true),
+        Suite::Blk {
+            quick,
+            json,
+            filter,
+        } => suites::blk::run(&fido_bench::Opts {
             quick,
             json,
             filter,

@@ -2,11 +2,13 @@
 //! [`channel`] (then [`crate::channel_baselines`]), [`rpc`] (with the systems of
 //! [`crate::rpc`]), [`pipe`] (the broker's pipe engine against sendfile/splice,
 //! read/write and nginx), [`net`] (real TCP programs under MMNet) and [`vm`]
-//! (host↔VM and VM↔VM: fido vs virtio-net TCP and virtio-serial). Every Fido
+//! (host↔VM and VM↔VM: fido vs virtio-net TCP and virtio-serial) and [`blk`]
+//! (MMBlk through NBD and fio, against nbdkit, qemu-nbd and the file itself). Every Fido
 //! case runs against an embedded broker in a temporary directory; helper
 //! processes are this binary re-executed (`fido-bench __bench-peer fido ...`,
 //! `__pipe-role`, `__pipe-app`, `__demo-role`).
 
+pub mod blk;
 pub mod channel;
 pub mod net;
 pub mod pipe;
