@@ -34,6 +34,9 @@ use crate::server::{BackendQueue, BlockBackend, Request};
 
 /// The largest READ or WRITE by default.
 pub const DEFAULT_MAX_TRANSFER: u32 = 4 << 20;
+/// RAM disk reads and writes up to this size are done on the connection's
+/// thread with plain system calls (see `UringQueue::submit`).
+const RAM_INLINE_MAX: u32 = 64 << 10;
 /// Ring entries per connection by default (also INFO's queue_depth).
 pub const DEFAULT_QUEUE_DEPTH: u32 = 128;
 
@@ -376,6 +379,19 @@ impl BackendQueue for UringQueue {
             Op::Flush => op.syncing = true,
             Op::Discard | Op::WriteZeroes => {}
         }
+        if self.ring.kind == Kind::Ram && matches!(c.op, Op::Read | Op::Write) && c.len <= RAM_INLINE_MAX {
+            // A small read or write of a RAM disk is a short copy by the
+            // kernel that never blocks: done here it costs one system call,
+            // where io_uring hands it to a kernel worker (shmem punts) and
+            // wakes threads for the completion. Measured here (blk_load, 4k
+            // random reads QD32, interleaved runs): about the same IOPS or
+            // more, with ~40% less storage-domain CPU. Large ones stay on
+            // io_uring, whose workers copy several at once.
+            return match rw_now(&self.ring.file, &mut op) {
+                Ok(()) => finish(op),
+                Err(errno) => op.req.reply.error(errno_status(errno)),
+            };
+        }
         self.ring.start(op);
     }
 
@@ -452,6 +468,42 @@ fn complete(ring: &Ring, key: u64, mut op: InFlight, res: i32) {
         Op::Discard | Op::WriteZeroes => finish_range(ring, key, op),
         Op::Flush => finish(op),
     }
+}
+
+/// Does a READ or WRITE with plain system calls (continuing short ones).
+fn rw_now(file: &File, op: &mut InFlight) -> Result<(), i32> {
+    let c = op.req.checked;
+    let fd = file.as_raw_fd();
+    while op.done < u64::from(c.len) {
+        let at = (c.offset + op.done) as libc::off_t;
+        let n = if c.op == Op::Read {
+            let buf = op.buf.as_mut().expect("a READ has its buffer");
+            let dst = &mut buf[op.done as usize..];
+            // SAFETY: `dst` is our own buffer, writable for its length.
+            unsafe { libc::pread(fd, dst.as_mut_ptr() as *mut libc::c_void, dst.len(), at) }
+        } else {
+            // SAFETY: the iovecs point into the request's payload segments,
+            // mapped read-only for as long as `op.req.msg` lives (all of this
+            // call); the kernel only reads them.
+            unsafe { libc::pwritev(fd, op.iov.as_ptr(), op.iov.len() as libc::c_int, at) }
+        };
+        match n {
+            n if n > 0 => {
+                op.done += n as u64;
+                if c.op == Op::Write {
+                    advance(&mut op.iov, n as usize);
+                }
+            }
+            0 => return Err(libc::EIO),
+            _ => {
+                let e = io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO);
+                if e != libc::EINTR {
+                    return Err(e);
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// A DISCARD or WRITE_ZEROES whose range is done: FUA syncs first.
