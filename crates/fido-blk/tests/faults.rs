@@ -64,6 +64,10 @@ fn a_full_backing_answers_enospc_and_keeps_serving() {
     }
     let at = enospc_at.expect("2 MiB of writes fit on a 1 MiB tmpfs");
     assert!(at >= 4, "ENOSPC came after only {at} writes of 64 KiB");
+    // Writes above 64 KiB go through io_uring rather than pwritev: the same answer.
+    let mut big = c.alloc(256 << 10).unwrap();
+    big.fill(7);
+    assert!(matches!(c.write_bufs(4 << 20, vec![big], false), Err(BlkError::Status(proto::ENOSPC))));
     // Still serving: what was written reads back, and freeing space helps.
     let m = c.read_at(0, 4096).unwrap();
     assert!(m.to_vec().iter().all(|&x| x == 1));
