@@ -611,3 +611,43 @@ fn write_zeros(ring: &Ring, mut off: u64, len: u64) -> io::Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn iov(base: usize, len: usize) -> libc::iovec {
+        libc::iovec { iov_base: base as *mut libc::c_void, iov_len: len }
+    }
+
+    #[test]
+    fn advance_after_a_short_write() {
+        let mut v = vec![iov(1000, 100), iov(5000, 50), iov(9000, 10)];
+        advance(&mut v, 30);
+        assert_eq!(v.iter().map(|x| (x.iov_base as usize, x.iov_len)).collect::<Vec<_>>(), [(1030, 70), (5000, 50), (9000, 10)]);
+        advance(&mut v, 70);
+        assert_eq!(v.iter().map(|x| (x.iov_base as usize, x.iov_len)).collect::<Vec<_>>(), [(5000, 50), (9000, 10)]);
+        advance(&mut v, 55);
+        assert_eq!(v.iter().map(|x| (x.iov_base as usize, x.iov_len)).collect::<Vec<_>>(), [(9005, 5)]);
+        advance(&mut v, 5);
+        assert!(v.is_empty());
+    }
+
+    #[test]
+    fn options_are_checked() {
+        let bad = |f: &dyn Fn(&mut BackingOptions)| {
+            let mut o = BackingOptions::default();
+            f(&mut o);
+            FileBackend::ram(1 << 20, &o).is_err()
+        };
+        assert!(bad(&|o| o.logical_block = 1024));
+        assert!(bad(&|o| o.max_transfer = 1000));
+        assert!(bad(&|o| o.max_transfer = 128 << 20));
+        assert!(bad(&|o| o.queue_depth = 0));
+        assert!(bad(&|o| o.direct = true));
+        assert!(FileBackend::ram(100, &BackingOptions::default()).is_err(), "less than one block");
+        let r = FileBackend::ram((1 << 20) + 100, &BackingOptions::default()).unwrap();
+        assert_eq!(r.info().size, 1 << 20, "rounded down to the block");
+        assert!(r.inline_small);
+    }
+}
