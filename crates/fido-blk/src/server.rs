@@ -542,3 +542,15 @@ fn handle(shared: &Shared, conn: &Arc<Conn>, info: &Info, queue: &mut dyn Backen
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stats_text_round_trip() {
+        let s = Stats { connections: 1, requests: 2, reads: 3, writes: 4, flushes: 5, discards: 6, write_zeroes: 7, errors: 8, bytes_read: 9, bytes_written: 10, bytes_copied: 11 };
+        assert_eq!(Stats::from_text(&s.to_text()), s);
+        assert_eq!(Stats::from_text("reads=x\nnonsense\nunknown=3\nwrites=2"), Stats { writes: 2, ..Default::default() });
+    }
+}
