@@ -467,6 +467,27 @@ fn shared_forward_releases_upstream_after_the_last_downstream() {
     wait_released(&fwd_out2, "mirror 2's release reached the forwarder");
     wait_released(&src_out, "the source got its release after both mirrors");
 
+    // Pieces of two messages gathered into one, by pointer.
+    let mut pieces = Vec::new();
+    for seq in [1u64, 2] {
+        let mut buf = src.alloc(SIZE).unwrap();
+        let g = buf.gptr().addr();
+        fill(&mut buf, seq, g);
+        src_out.send(fido::Message::new(buf)).unwrap();
+        pieces.push((std::sync::Arc::new(fwd_in.recv_timeout(Duration::from_secs(5)).unwrap()), g));
+    }
+    let parts = vec![(pieces[0].0.clone(), 0..SIZE), (pieces[1].0.clone(), 100..300)];
+    fwd_out1.send(fido::Message::shared_gather(vec![], parts).unwrap()).unwrap();
+    let ranges: Vec<u64> = pieces.iter().map(|p| p.1).collect();
+    drop(pieces);
+    let got = d1_in.recv_timeout(Duration::from_secs(5)).unwrap();
+    let segs: Vec<(u64, usize)> = got.global_segments().map(|(g, l)| (g.addr(), l)).collect();
+    assert_eq!(segs, vec![(ranges[0], SIZE), (ranges[1] + 100, 200)]);
+    assert_eq!(check(got.segments().next().unwrap()).0, 1);
+    drop(got);
+    wait_released(&fwd_out1, "the gathered message released");
+    wait_released(&src_out, "both pieces released upstream");
+
     // Parts that cannot be shared are refused; nothing was copied anywhere
     // the payload went through.
     src_out.send_inline(1, 0, b"inline").unwrap();

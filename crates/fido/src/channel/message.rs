@@ -25,9 +25,14 @@ pub(super) enum Parts {
 }
 
 /// What a shared forward sends: our own buffers first (a new header, say),
-/// then the shared message's payload, or the part of it that `part` names.
+/// then parts of one or more received messages, by pointer.
 pub(super) struct SharedParts {
     pub(super) head: SmallVec<[Buf; 1]>,
+    pub(super) pieces: SmallVec<[SharedPiece; 1]>,
+}
+
+/// A part of one received message in a shared forward.
+pub(super) struct SharedPiece {
     /// One of the references to the received message; the last one dropped,
     /// here or in another send's slot or by the application, releases it
     /// upstream.
@@ -38,29 +43,39 @@ pub(super) struct SharedParts {
 }
 
 impl SharedParts {
-    /// The global segments this sends, in order (never for an untouched
-    /// forward, which reuses the received descriptor's layout).
+    /// The received message sent whole and as received, if that is what
+    /// this is (its descriptor's layout is reused).
+    pub(super) fn as_received(&self) -> Option<&Msg> {
+        match (self.head.is_empty(), &self.pieces[..]) {
+            (true, [SharedPiece { msg, part: None }]) => Some(msg),
+            _ => None,
+        }
+    }
+    /// The global segments this sends, in order.
     pub(super) fn segments(&self) -> SmallVec<[Segment; 4]> {
         let mut out: SmallVec<[Segment; 4]> = self.head.iter().map(|b| Segment { addr: b.gptr().addr(), len: b.len() as u64 }).collect();
-        let (mut skip, mut want) = self.part.unwrap_or((0, self.msg.total_len));
-        for s in self.msg.segs() {
-            if want == 0 {
-                break;
+        for piece in &self.pieces {
+            let (mut skip, mut want) = piece.part.unwrap_or((0, piece.msg.total_len));
+            for s in piece.msg.segs() {
+                if want == 0 {
+                    break;
+                }
+                let len = s.len as u64;
+                if skip >= len {
+                    skip -= len;
+                    continue;
+                }
+                let take = (len - skip).min(want);
+                out.push(Segment { addr: s.global_addr + skip, len: take });
+                want -= take;
+                skip = 0;
             }
-            let len = s.len as u64;
-            if skip >= len {
-                skip -= len;
-                continue;
-            }
-            let take = (len - skip).min(want);
-            out.push(Segment { addr: s.global_addr + skip, len: take });
-            want -= take;
-            skip = 0;
         }
         out
     }
     fn len(&self) -> u64 {
-        self.head.iter().map(|b| b.len() as u64).sum::<u64>() + self.part.map_or(self.msg.total_len, |(_, len)| len)
+        let head = self.head.iter().map(|b| b.len() as u64).sum::<u64>();
+        head + self.pieces.iter().map(|p| p.part.map_or(p.msg.total_len, |(_, len)| len)).sum::<u64>()
     }
 }
 
@@ -109,7 +124,7 @@ impl Message {
     /// back undelivered and was dropped) and you dropped your own `Arc`.
     /// Same tag and opcode as received (change them with [`Message::tag`]).
     pub fn shared(msg: &Arc<Msg>) -> Message {
-        let parts = SharedParts { head: SmallVec::new(), msg: msg.clone(), part: None };
+        let parts = SharedParts { head: SmallVec::new(), pieces: SmallVec::from_iter([SharedPiece { msg: msg.clone(), part: None }]) };
         Message { tag: msg.tag, opcode: msg.opcode, parts: Parts::Shared(Box::new(parts)), hold: None }
     }
     /// [`Message::shared`] for a part of the payload, after buffers of our
@@ -121,21 +136,37 @@ impl Message {
     /// a buffer in `head` is empty, or `msg` came inline (its bytes are a
     /// copy in our memory, with no pointer to pass on; send them in a buffer).
     pub fn shared_part(head: Vec<Buf>, msg: &Arc<Msg>, offset: usize, len: usize) -> Result<Message> {
+        Message::shared_gather(head, vec![(msg.clone(), offset..offset.saturating_add(len))])
+    }
+    /// [`Message::shared_part`] of several received messages: `head`, then
+    /// each range of each message's payload in turn, all by pointer (e.g.
+    /// the pieces of a read that several disks answered, as one reply).
+    /// Each message keeps one reference per send, released as for
+    /// [`Message::shared`]. `Invalid` as for `shared_part`, for any range.
+    pub fn shared_gather(head: Vec<Buf>, parts: Vec<(Arc<Msg>, std::ops::Range<usize>)>) -> Result<Message> {
         let bad = |why: String| Error::Invalid(InvalidArgument::SharedPart(why));
-        let end = offset.checked_add(len).filter(|&e| e <= msg.len());
-        if end.is_none() {
-            return Err(bad(format!("{len} bytes at {offset} of a {}-byte message", msg.len())));
-        }
         if head.iter().any(|b| b.is_empty()) {
             return Err(InvalidArgument::EmptyBuffer.into());
         }
-        if len == 0 && head.is_empty() {
+        let mut pieces = SmallVec::new();
+        let mut total = head.len();
+        for (msg, range) in parts {
+            if range.start > range.end || range.end > msg.len() {
+                return Err(bad(format!("bytes {range:?} of a {}-byte message", msg.len())));
+            }
+            if range.is_empty() {
+                continue;
+            }
+            if matches!(msg.body, Body::Inline(_)) {
+                return Err(bad("an inline message has no pointers to share".into()));
+            }
+            total += range.len();
+            pieces.push(SharedPiece { msg, part: Some((range.start as u64, range.len() as u64)) });
+        }
+        if total == 0 {
             return Err(bad("nothing to send".into()));
         }
-        if len > 0 && matches!(msg.body, Body::Inline(_)) {
-            return Err(bad("an inline message has no pointers to share".into()));
-        }
-        let parts = SharedParts { head: SmallVec::from_vec(head), msg: msg.clone(), part: Some((offset as u64, len as u64)) };
+        let parts = SharedParts { head: SmallVec::from_vec(head), pieces };
         Ok(Message { tag: 0, opcode: 0, parts: Parts::Shared(Box::new(parts)), hold: None })
     }
     /// An application-defined 64-bit tag (e.g. a sequence number).

@@ -494,9 +494,9 @@ impl Channel {
             }
             Parts::Shared(shared) => {
                 self.note_forwarding();
-                if shared.head.is_empty() && shared.part.is_none() {
-                    total = shared.msg.total_len;
-                    forward_as_received(&mut desc, &shared.msg);
+                if let Some(m) = shared.as_received() {
+                    total = m.total_len;
+                    forward_as_received(&mut desc, m);
                 } else {
                     let segs = shared.segments();
                     if segs.len() > MAX_SEGMENTS {
