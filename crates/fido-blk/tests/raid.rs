@@ -44,7 +44,7 @@ fn child_main() {
         // A storage domain serving FIDO_TEST_NAME from FIDO_TEST_FILE.
         "storage" => {
             let name = env("FIDO_TEST_NAME");
-            let d = Domain::join(fido::JoinOptions::new(&format!("store-{name}")).broker(env("FIDO_BROKER")).arena_len(32 << 20)).unwrap();
+            let d = Domain::join(fido::JoinOptions::new(format!("store-{name}")).broker(env("FIDO_BROKER")).arena_len(32 << 20)).unwrap();
             let backend = FileBackend::open(Path::new(&env("FIDO_TEST_FILE")), &BackingOptions::default()).unwrap();
             let _server = serve(&d, &name, Arc::new(backend), ServeOptions::default()).unwrap();
             println!("ready");

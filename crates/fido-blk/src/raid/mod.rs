@@ -690,6 +690,24 @@ impl Inner {
             return;
         }
         let payload = (checked.op == Op::Write).then(|| Arc::new(msg));
+        // Every mirror's write is built before any goes out: a buffer we
+        // cannot get is our failure (ENOMEM), not a mirror's.
+        let mut writes = Vec::new();
+        if let Some(p) = &payload {
+            for _ in &targets {
+                match write_header(&self.domain, start, checked.len, flags).and_then(|h| Message::shared_part(vec![h], p, HEADER_LEN, checked.len as usize)) {
+                    Ok(m) => writes.push(m),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "RAID: building a mirror's write");
+                        self.end_write(id, start, end, &[]);
+                        reply.error(proto::ENOMEM);
+                        return;
+                    }
+                }
+            }
+        }
+        drop(payload);
+        let mut writes = writes.into_iter();
         let state = Arc::new(Mutex::new((targets.len(), Vec::new(), 0u16, Some(reply))));
         for &i in &targets {
             let me = self.clone();
@@ -728,23 +746,14 @@ impl Inner {
                 }
             });
             let member = &self.members[i];
-            match (&payload, checked.op) {
-                (Some(p), _) => match write_header(&self.domain, start, checked.len, flags)
-                    .and_then(|h| Message::shared_part(vec![h], p, HEADER_LEN, checked.len as usize))
-                {
-                    Ok(message) => member.submit(proto::OP_WRITE, checked.len, message, done),
-                    Err(e) => {
-                        tracing::warn!(error = %e, "RAID: building a mirror's write");
-                        done(Outcome::Answered { status: proto::ENOMEM, data: None });
-                    }
-                },
+            // The writes hold the references to the client's message now
+            // (ours went above): the last mirror to release it releases it.
+            match (writes.next(), checked.op) {
+                (Some(message), _) => member.submit(proto::OP_WRITE, checked.len, message, done),
                 (None, Op::Flush) => member.submit_header(proto::OP_FLUSH, 0, 0, 0, done),
                 (None, op) => member.submit_header(op.opcode(), start, checked.len, flags, done),
             }
         }
-        // Our own reference to the client's message goes here; the mirrors
-        // hold theirs until they have written it.
-        drop(payload);
     }
 
     /// The resync thread: copies the dirty regions of each resyncing mirror
@@ -893,7 +902,27 @@ impl Inner {
         };
         let gather = Arc::new(Mutex::new(Gather { left: parts.len(), status: 0, data: (0..parts.len()).map(|_| None).collect(), reply: Some(reply) }));
         let payload = (checked.op == Op::Write).then(|| Arc::new(msg));
-        for (k, &(member, member_offset, len, at)) in parts.iter().enumerate() {
+        // Every part's write is built before any goes out (see mirror_modify).
+        let mut writes = Vec::new();
+        if let Some(p) = &payload {
+            for &(_, member_offset, len, at) in &parts {
+                match write_header(&self.domain, member_offset, len as u32, flags)
+                    .and_then(|h| Message::shared_part(vec![h], p, HEADER_LEN + at as usize, len as usize))
+                {
+                    Ok(m) => writes.push(m),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "RAID: building a member's write");
+                        if let Some(reply) = gather.lock().reply.take() {
+                            reply.error(proto::ENOMEM);
+                        }
+                        return;
+                    }
+                }
+            }
+        }
+        drop(payload);
+        let mut writes = writes.into_iter();
+        for (k, &(member, member_offset, len, _)) in parts.iter().enumerate() {
             let gather = gather.clone();
             let op = checked.op;
             let done: Completion = Box::new(move |outcome| {
@@ -924,21 +953,12 @@ impl Inner {
             });
             let m = &self.members[member];
             let len32 = len as u32;
-            match (&payload, checked.op) {
-                (Some(p), _) => match write_header(&self.domain, member_offset, len32, flags)
-                    .and_then(|h| Message::shared_part(vec![h], p, HEADER_LEN + at as usize, len as usize))
-                {
-                    Ok(message) => m.submit(proto::OP_WRITE, len32, message, done),
-                    Err(e) => {
-                        tracing::warn!(error = %e, "RAID: building a member's write");
-                        done(Outcome::Answered { status: proto::ENOMEM, data: None });
-                    }
-                },
+            match (writes.next(), checked.op) {
+                (Some(message), _) => m.submit(proto::OP_WRITE, len32, message, done),
                 (None, Op::Flush) => m.submit_header(proto::OP_FLUSH, 0, 0, 0, done),
                 (None, op) => m.submit_header(op.opcode(), member_offset, len32, flags, done),
             }
         }
-        drop(payload);
     }
 }
 

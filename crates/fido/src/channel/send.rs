@@ -219,7 +219,7 @@ fn lay_out_segments(sh: &ConnShared, desc: &mut Descriptor, segs: &[Segment]) ->
         desc.segments[..segs.len()].copy_from_slice(segs);
         return Ok(None);
     }
-    let bytes = segs.len() * std::mem::size_of::<Segment>();
+    let bytes = std::mem::size_of_val(segs);
     let mut list = sh.conns.local.arena.alloc(bytes)?;
     list.truncate(bytes);
     for (i, seg) in segs.iter().enumerate() {
