@@ -240,7 +240,7 @@ struct Inner {
 /// at most 65536 regions (a bitmap of 8 KiB).
 fn region_size(size: u64, block: u64) -> u64 {
     let mut region = 64 << 10;
-    while size / region > 65536 {
+    while size.div_ceil(region) > 65536 {
         region *= 2;
     }
     region.max(block)
