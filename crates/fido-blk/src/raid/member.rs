@@ -27,6 +27,8 @@ pub(crate) const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 pub(crate) const RECONNECT_EVERY: Duration = Duration::from_millis(500);
 /// How long a member's server may take to send INFO.
 const INFO_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long stopping waits for a member's thread.
+const STOP_WAIT: Duration = Duration::from_secs(3);
 /// How often the receiving thread looks at the stop flag and the clock.
 const POLL: Duration = Duration::from_millis(100);
 
@@ -135,11 +137,26 @@ impl Member {
         Ok(())
     }
 
-    /// Stops the thread (requests in flight fail) and waits for it.
-    pub(crate) fn stop(&self) {
+    /// Tells the thread to stop, without waiting.
+    pub(crate) fn signal_stop(&self) {
         self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.thread.lock().take() {
+    }
+
+    /// Stops the thread (requests in flight fail) and waits for it, a
+    /// while: a thread inside a connect that waits for a broker that is
+    /// gone is left to end on its own (it looks at the stop flag when the
+    /// connect returns), so that a composition can always be dropped.
+    pub(crate) fn stop(&self) {
+        self.signal_stop();
+        let Some(t) = self.thread.lock().take() else { return };
+        let deadline = Instant::now() + STOP_WAIT;
+        while !t.is_finished() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        if t.is_finished() {
             let _ = t.join();
+        } else {
+            tracing::warn!(member = %self.name, "RAID member thread still busy (in a connect?); not waiting for it");
         }
     }
 

@@ -346,6 +346,9 @@ impl Raid {
 impl Drop for Raid {
     fn drop(&mut self) {
         self.inner.stop.store(true, Ordering::Relaxed);
+        for m in &self.inner.members {
+            m.signal_stop();
+        }
         if let Some(m) = self.inner.mirrors.get() {
             m.changed.notify_all();
         }
