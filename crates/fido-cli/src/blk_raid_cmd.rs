@@ -139,13 +139,15 @@ fn run(a: CommonArgs, layout: Layout, assume_clean: bool, full_resync: bool) -> 
     while !stop.load(Ordering::Relaxed) {
         let s = raid.status();
         let line = summary(&s);
-        if line != last_line {
+        // A change of state is published at once; counters at most twice a second.
+        let changed = line != last_line;
+        if changed {
             println!("raid {}: {line}", a.name);
             std::io::stdout().flush()?;
             last_line = line;
         }
         let text = s.to_text();
-        if text != published && last_publish.elapsed() >= Duration::from_millis(500) {
+        if text != published && (changed || last_publish.elapsed() >= Duration::from_millis(500)) {
             if let Err(e) = d.write(&key, text.as_bytes()) {
                 tracing::debug!(error = %e, "publishing the RAID state");
             }
