@@ -180,6 +180,10 @@ pub fn run(cmd: BlkCmd) -> anyhow::Result<bool> {
                 bail!("no counters published for {name:?} (is `fido blk serve {name}` running?)")
             };
             print!("{}", Stats::from_text(&String::from_utf8_lossy(&v)).to_text());
+            // A RAID composition adds its state (members, resync progress).
+            if let Some(raid) = d.read(&fido_blk::raid::status_key(&name))? {
+                print!("{}", String::from_utf8_lossy(&raid));
+            }
             Ok(true)
         }
     }
