@@ -14,9 +14,12 @@ pub struct ExportInfo {
     /// Requests must be aligned to this (a power of two, 512..=65536): NBD's
     /// minimum block size.
     pub block_size: u32,
-    /// The largest request the backend takes, a multiple of `block_size`;
-    /// longer NBD requests are split.
+    /// The largest READ or WRITE the backend takes, a multiple of
+    /// `block_size`; longer NBD requests are split.
     pub max_transfer: u32,
+    /// The same for TRIM and WRITE_ZEROES (nothing is transferred, so
+    /// backends often take more).
+    pub max_discard: u32,
     /// Backend requests in flight per connection the backend accepts.
     pub queue_depth: u32,
     pub read_only: bool,
@@ -44,6 +47,12 @@ impl ExportInfo {
                 self.max_transfer, self.block_size
             ));
         }
+        if self.max_discard < self.block_size || self.max_discard % self.block_size != 0 {
+            return Err(format!(
+                "max discard {} is not a positive multiple of the block size {}",
+                self.max_discard, self.block_size
+            ));
+        }
         if self.size % self.block_size as u64 != 0 {
             return Err(format!("size {} is not a multiple of the block size {}", self.size, self.block_size));
         }
@@ -68,7 +77,8 @@ pub enum Op<W> {
 }
 
 /// One backend request. The server validated it against [`ExportInfo`]
-/// (aligned, in range, `0 < len <= max_transfer`; FLUSH: offset and len 0).
+/// (aligned, in range, `0 < len <= max_transfer` (TRIM, WRITE_ZEROES:
+/// `max_discard`); FLUSH: offset and len 0).
 #[derive(Debug)]
 pub struct Request<W> {
     /// Unique among this connection's requests in flight.
@@ -90,9 +100,11 @@ pub trait Submitter: Send + 'static {
     fn write_buf(&mut self, len: usize) -> io::Result<Self::WriteBuf>;
 
     /// Starts a request; its completion comes from the [`Completer`]. The
-    /// server never has more than `queue_depth` requests in flight. An error
-    /// means the backend connection is unusable.
-    fn submit(&mut self, request: Request<Self::WriteBuf>) -> io::Result<()>;
+    /// server never has more than `queue_depth` requests in flight.
+    /// `Err(errno)`: the request failed before it started (it will have no
+    /// completion), e.g. the backend is unreachable for now; the connection
+    /// goes on and later requests are tried again.
+    fn submit(&mut self, request: Request<Self::WriteBuf>) -> Result<(), i32>;
 
     /// The allocation state of `[offset, offset+len)` as `(length, STATE_*
     /// flags)` runs in order. The default knows nothing: all data.
@@ -107,8 +119,9 @@ pub trait Completer: Send + 'static {
     type Data: ReadData;
 
     /// Waits for the next completion of a submitted request (any order). An
-    /// error means the backend connection is gone: requests in flight will not
-    /// complete. Only called while at least one request is in flight.
+    /// error means the backend is broken for good: requests in flight will
+    /// not complete, and the NBD connection closes. Only called while at
+    /// least one request is in flight.
     fn complete(&mut self) -> io::Result<Completion<Self::Data>>;
 }
 

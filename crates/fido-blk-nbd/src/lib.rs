@@ -22,6 +22,7 @@
 //! are read only into a slot already granted); form a Rust reference to READ
 //! data the backend lent (it may be another process's memory).
 
+pub mod blk;
 pub mod export;
 mod handshake;
 pub mod memory;
@@ -30,6 +31,7 @@ mod server;
 mod sock;
 mod transmission;
 
+pub use blk::BlkExport;
 pub use export::{Completer, Completion, Export, ExportInfo, Op, ReadData, Request, Run, Submitter};
 pub use memory::{MemoryExport, MemoryOptions};
 pub use server::{Listener, NbdServer, ServerConfig};

@@ -136,6 +136,7 @@ impl MemoryExport {
             size: opts.size,
             block_size: opts.block_size,
             max_transfer: opts.max_transfer,
+            max_discard: opts.max_transfer,
             queue_depth: opts.queue_depth,
             read_only: opts.read_only,
             flush: true,
@@ -162,9 +163,15 @@ impl MemoryExport {
         self.shared.faults.lock().unwrap().push((offset..offset + len, errno));
     }
 
-    /// The backend dies: every open connection's submits and completions fail.
+    /// The backend goes away: every submit fails with EIO and new
+    /// connections cannot open, until [`revive`](Self::revive).
     pub fn kill(&self) {
         self.shared.dead.store(true, Ordering::SeqCst);
+    }
+
+    /// The backend is back.
+    pub fn revive(&self) {
+        self.shared.dead.store(false, Ordering::SeqCst);
     }
 
     /// A copy of the bytes (for checks).
@@ -214,9 +221,9 @@ impl Submitter for MemSubmitter {
         Ok(vec![0u8; len])
     }
 
-    fn submit(&mut self, req: Request<Vec<u8>>) -> io::Result<()> {
+    fn submit(&mut self, req: Request<Vec<u8>>) -> Result<(), i32> {
         if self.shared.dead.load(Ordering::SeqCst) {
-            return Err(dead());
+            return Err(libc::EIO);
         }
         let range = req.offset..req.offset + req.len as u64;
         let fault = self
@@ -250,7 +257,7 @@ impl Submitter for MemSubmitter {
                 }
             }
         };
-        self.done.send(Completion { tag: req.tag, result }).map_err(|_| dead())
+        self.done.send(Completion { tag: req.tag, result }).map_err(|_| libc::EIO)
     }
 
     fn extents(&mut self, offset: u64, len: u32) -> io::Result<Vec<(u32, u32)>> {
@@ -268,9 +275,6 @@ impl Completer for MemCompleter {
     type Data = MemData;
 
     fn complete(&mut self) -> io::Result<Completion<MemData>> {
-        if self.shared.dead.load(Ordering::SeqCst) {
-            return Err(dead());
-        }
         if self.ready.is_empty() {
             self.ready.push(self.done.recv().map_err(|_| dead())?);
         }

@@ -656,7 +656,10 @@ impl<S: Submitter, D: ReadData> Conn<S, D> {
     /// Submits a request as pieces of at most the backend's transfer size.
     fn submit_split(&mut self, req: &RequestHeader, kind: Kind, fua: bool) -> Result<(), Stop> {
         let is_flush = req.command == CMD_FLUSH;
-        let piece_len = self.info.max_transfer;
+        let piece_len = match req.command {
+            CMD_TRIM | CMD_WRITE_ZEROES => self.info.max_discard,
+            _ => self.info.max_transfer,
+        };
         let pieces = if is_flush { 1 } else { req.length.div_ceil(piece_len) };
         let whole = matches!(kind, Kind::ReadWhole);
         let key = {
@@ -746,15 +749,9 @@ impl<S: Submitter, D: ReadData> Conn<S, D> {
                         self.shared.work.notify_one();
                     }
                 }
-                Err(e) => {
-                    tracing::warn!("backend refused a request: {e}");
-                    self.local_done(tag, EIO);
-                    let mut t = self.shared.table.lock().unwrap();
-                    t.backend_failed = true;
-                    if t.writer_waiting {
-                        self.shared.work.notify_one();
-                    }
-                    return Err(Stop::Backend);
+                Err(errno) => {
+                    tracing::debug!(errno, "backend refused a request");
+                    self.local_done(tag, nbd_error(errno));
                 }
             }
         }

@@ -512,7 +512,7 @@ fn a_client_that_never_reads_replies_is_bounded() {
 }
 
 #[test]
-fn a_dead_backend_fails_requests_and_closes() {
+fn a_dead_backend_fails_requests_until_it_returns() {
     let t = TestServer::start(MemoryOptions::new(8 * MIB));
     let mut c = Raw::connect(&t);
     c.go("mem").unwrap();
@@ -521,10 +521,15 @@ fn a_dead_backend_fails_requests_and_closes() {
     t.export().kill();
     c.request(CMD_WRITE, 0, 2, 0, 512, &[1; 512]);
     assert_eq!(c.simple(0), (EIO, 2, vec![]));
-    assert!(c.closed());
+    c.request(CMD_READ, 0, 3, 0, 3 << 20, &[]);
+    assert_eq!(c.simple(0), (EIO, 3, vec![]));
     // New clients are told the export is unavailable.
-    let mut c = Raw::connect(&t);
-    assert_eq!(c.go("mem"), Err(REP_ERR_UNKNOWN));
+    let mut c2 = Raw::connect(&t);
+    assert_eq!(c2.go("mem"), Err(REP_ERR_UNKNOWN));
+    // It comes back: the same connection works again.
+    t.export().revive();
+    c.request(CMD_READ, 0, 4, 0, 512, &[]);
+    assert_eq!(c.simple(512), (0, 4, vec![1; 512]));
 }
 
 #[test]

@@ -83,6 +83,8 @@ pub enum BlkCmd {
         #[command(flatten)]
         conn: ConnArgs,
     },
+    /// Serve block device NAME to NBD clients (qemu-img, nbdinfo, fio, QEMU) in the foreground (docs/BLK.md, NBD).
+    Nbd(crate::blk_nbd::NbdArgs),
     /// Print a storage domain's counters (published in the registry every second).
     Stats {
         name: String,
@@ -146,6 +148,7 @@ fn client(conn: &ConnArgs, name: &str) -> anyhow::Result<BlkClient> {
 pub fn run(cmd: BlkCmd) -> anyhow::Result<bool> {
     match cmd {
         BlkCmd::Serve(a) => serve(a).map(|_| true),
+        BlkCmd::Nbd(a) => crate::blk_nbd::run(a),
         BlkCmd::Info { name, conn } => {
             let c = client(&conn, &name)?;
             print_info(&name, &c.info());
