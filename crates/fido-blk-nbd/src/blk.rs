@@ -116,9 +116,7 @@ impl Completer for BlkCompleter {
     fn complete(&mut self) -> io::Result<Completion<MsgData>> {
         loop {
             match self.client.complete(Duration::from_secs(1)) {
-                Ok(c) => {
-                    return Ok(Completion { tag: c.id, result: c.result.map(|m| m.map(MsgData)).map_err(|e| e.errno()) })
-                }
+                Ok(c) => return Ok(completion(c)),
                 // A slow storage domain: keep waiting (a dead one fails the
                 // requests with Disconnected, a hung one is declared gone
                 // by the broker's heartbeats).
@@ -127,6 +125,18 @@ impl Completer for BlkCompleter {
             }
         }
     }
+
+    fn try_complete(&mut self) -> io::Result<Option<Completion<MsgData>>> {
+        match self.client.complete(Duration::ZERO) {
+            Ok(c) => Ok(Some(completion(c))),
+            Err(BlkError::Timeout) => Ok(None),
+            Err(e) => Err(io::Error::other(e.to_string())),
+        }
+    }
+}
+
+fn completion(c: fido_blk::Completion) -> Completion<MsgData> {
+    Completion { tag: c.id, result: c.result.map(|m| m.map(MsgData)).map_err(|e| e.errno()) }
 }
 
 /// READ data: the storage domain's buffers, held until the reply is sent.

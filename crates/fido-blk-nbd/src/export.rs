@@ -123,6 +123,12 @@ pub trait Completer: Send + 'static {
     /// not complete, and the NBD connection closes. Only called while at
     /// least one request is in flight.
     fn complete(&mut self) -> io::Result<Completion<Self::Data>>;
+
+    /// A completion that is already there, without waiting (`Ok(None)`:
+    /// none). Lets the server send a batch of replies at once.
+    fn try_complete(&mut self) -> io::Result<Option<Completion<Self::Data>>> {
+        Ok(None)
+    }
 }
 
 /// The outcome of one request.

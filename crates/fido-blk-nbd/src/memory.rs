@@ -288,6 +288,16 @@ impl Completer for MemCompleter {
             Ok(self.ready.remove(0))
         }
     }
+
+    fn try_complete(&mut self) -> io::Result<Option<Completion<MemData>>> {
+        if self.ready.is_empty() {
+            match self.done.try_recv() {
+                Ok(c) => self.ready.push(c),
+                Err(_) => return Ok(None),
+            }
+        }
+        self.complete().map(Some)
+    }
 }
 
 enum MemRun {

@@ -67,6 +67,9 @@ struct Table<D> {
     outstanding: usize,
     /// Submitted and not yet completed: the writer calls `complete` only then.
     submitted: usize,
+    /// Pieces that failed before reaching the backend (tag, NBD error), for
+    /// the writer to reply to.
+    local: Vec<(u64, u32)>,
     reader_done: bool,
     backend_failed: bool,
     reader_waiting: bool,
@@ -91,37 +94,56 @@ struct Shared<D> {
     slot_free: Condvar,
     /// The writer waits here for something to complete.
     work: Condvar,
-    /// Serialises replies; taken before the table lock is released so that
-    /// replies go out in the order the table decided them.
-    out: Mutex<Out>,
+    /// Serialises replies. Every reply of a request submitted to the backend
+    /// is written by the writer thread (in the order it decides them); the
+    /// reader writes only replies to requests it answers itself.
+    out: Mutex<Out<D>>,
 }
 
-struct Out {
+/// Replies on their way out: appended one by one, sent together by `flush`
+/// (one sendmsg for a batch of completions).
+struct Out<D> {
     stream: Stream,
+    /// Header bytes of the pending replies (`parts` index into it).
     headers: Vec<u8>,
+    parts: Vec<Part>,
+    /// The backend data `parts` point into, alive until it is sent.
+    hold: Vec<D>,
     runs: Vec<Run>,
     iov: Vec<RawIov>,
     /// The client stopped reading (a send failed or timed out).
     broken: bool,
 }
 
-// SAFETY: `runs` and `iov` are scratch space for one `write` call: the raw
-// pointers they hold are used only during that call, under the `out` lock, and
-// rebuilt before every use; a stale pointer left in them is never read.
-unsafe impl Send for Out {}
+// SAFETY: the raw pointers in `parts`, `runs` and `iov` point into `headers`,
+// ZERO_PAGE or the data in `hold`, which this value owns (moving it moves the
+// Vecs' heap buffers, not their contents); they are read only by `flush`, under
+// the `out` lock, and cleared after each send.
+unsafe impl<D: Send> Send for Out<D> {}
 
 enum Part {
     Header(usize, usize),
     Raw(*const u8, usize),
 }
 
-impl Out {
-    fn write<D: ReadData>(&mut self, reply: Reply<D>) {
+impl<D: ReadData> Out<D> {
+    /// Appends and sends one reply.
+    fn write(&mut self, reply: Reply<D>) {
+        self.append(reply);
+        self.flush();
+    }
+
+    /// Appends a reply to the batch.
+    fn append(&mut self, reply: Reply<D>) {
         if self.broken {
             return;
         }
-        self.headers.clear();
-        let mut parts: Vec<Part> = Vec::new();
+        let mut parts = std::mem::take(&mut self.parts);
+        self.append_parts(reply, &mut parts);
+        self.parts = parts;
+    }
+
+    fn append_parts(&mut self, reply: Reply<D>, parts: &mut Vec<Part>) {
         let push_header = |headers: &mut Vec<u8>, parts: &mut Vec<Part>, bytes: &[u8]| {
             let start = headers.len();
             headers.extend_from_slice(bytes);
@@ -131,15 +153,13 @@ impl Out {
                 _ => parts.push(Part::Header(start, headers.len())),
             }
         };
-        // `_data` keeps the backend's memory alive until the send is done.
-        let mut _data: Vec<D> = Vec::new();
         match reply {
-            Reply::Simple { cookie, error } => push_header(&mut self.headers, &mut parts, &simple_reply(error, cookie)),
+            Reply::Simple { cookie, error } => push_header(&mut self.headers, parts, &simple_reply(error, cookie)),
             Reply::StructuredError { cookie, error } => {
-                push_header(&mut self.headers, &mut parts, &chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_ERROR, cookie, 6));
+                push_header(&mut self.headers, parts, &chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_ERROR, cookie, 6));
                 let mut p = [0u8; 6];
                 p[0..4].copy_from_slice(&error.to_be_bytes());
-                push_header(&mut self.headers, &mut parts, &p);
+                push_header(&mut self.headers, parts, &p);
             }
             Reply::Chunk { cookie, offset, len, result, done } => {
                 let flags_last = if done { REPLY_FLAG_DONE } else { 0 };
@@ -147,20 +167,20 @@ impl Out {
                     Err(error) => {
                         push_header(
                             &mut self.headers,
-                            &mut parts,
+                            parts,
                             &chunk_header(flags_last, REPLY_TYPE_ERROR_OFFSET, cookie, 14),
                         );
                         let mut p = [0u8; 14];
                         p[0..4].copy_from_slice(&error.to_be_bytes());
                         p[6..14].copy_from_slice(&offset.to_be_bytes());
-                        push_header(&mut self.headers, &mut parts, &p);
+                        push_header(&mut self.headers, parts, &p);
                     }
                     Ok(data) => {
                         self.runs.clear();
                         data.runs(&mut self.runs);
                         if !runs_cover(&self.runs, len as u64) {
                             tracing::error!("backend READ data does not match the request length; sending EIO");
-                            return self.write::<D>(Reply::Chunk { cookie, offset, len, result: Err(EIO), done });
+                            return self.append_parts(Reply::Chunk { cookie, offset, len, result: Err(EIO), done }, parts);
                         }
                         // Consecutive data runs form one OFFSET_DATA chunk;
                         // zero runs an OFFSET_HOLE chunk each.
@@ -181,8 +201,8 @@ impl Out {
                             if j > i {
                                 let flags = if last { flags_last } else { 0 };
                                 let h = chunk_header(flags, REPLY_TYPE_OFFSET_DATA, cookie, 8 + bytes as u32);
-                                push_header(&mut self.headers, &mut parts, &h);
-                                push_header(&mut self.headers, &mut parts, &pos.to_be_bytes());
+                                push_header(&mut self.headers, parts, &h);
+                                push_header(&mut self.headers, parts, &pos.to_be_bytes());
                                 for r in &runs[i..j] {
                                     if let Run::Data { ptr, len } = *r {
                                         parts.push(Part::Raw(ptr, len));
@@ -195,19 +215,19 @@ impl Out {
                                 let flags = if last { flags_last } else { 0 };
                                 push_header(
                                     &mut self.headers,
-                                    &mut parts,
+                                    parts,
                                     &chunk_header(flags, REPLY_TYPE_OFFSET_HOLE, cookie, 12),
                                 );
                                 let mut p = [0u8; 12];
                                 p[0..8].copy_from_slice(&pos.to_be_bytes());
                                 p[8..12].copy_from_slice(&(len as u32).to_be_bytes());
-                                push_header(&mut self.headers, &mut parts, &p);
+                                push_header(&mut self.headers, parts, &p);
                                 pos += len as u64;
                                 i += 1;
                             }
                         }
                         self.runs = runs;
-                        _data.push(data);
+                        self.hold.push(data);
                     }
                 }
             }
@@ -220,10 +240,10 @@ impl Out {
                     d.runs(&mut all_runs);
                     if !runs_cover(&all_runs[start..], *len as u64) {
                         tracing::error!("backend READ data does not match the request length; sending EIO");
-                        return self.write::<D>(Reply::Simple { cookie, error: EIO });
+                        return self.append_parts(Reply::Simple { cookie, error: EIO }, parts);
                     }
                 }
-                push_header(&mut self.headers, &mut parts, &simple_reply(0, cookie));
+                push_header(&mut self.headers, parts, &simple_reply(0, cookie));
                 for r in &all_runs {
                     match *r {
                         Run::Data { ptr, len } => parts.push(Part::Raw(ptr, len)),
@@ -236,22 +256,31 @@ impl Out {
                         }
                     }
                 }
-                _data = datas.into_iter().map(|(d, _)| d).collect();
+                self.hold.extend(datas.into_iter().map(|(d, _)| d));
             }
         }
+    }
+
+    /// Sends everything appended, then lets the backend data go.
+    fn flush(&mut self) {
+        if !self.broken && !self.parts.is_empty() {
+            self.iov.clear();
+            for p in &self.parts {
+                self.iov.push(match *p {
+                    Part::Header(a, b) => RawIov { ptr: self.headers[a..b].as_ptr(), len: b - a },
+                    Part::Raw(ptr, len) => RawIov { ptr, len },
+                });
+            }
+            if let Err(e) = send_all(self.stream.as_raw_fd(), &mut self.iov) {
+                tracing::debug!("client stopped taking replies: {e}");
+                self.broken = true;
+                self.stream.shutdown();
+            }
+        }
+        self.parts.clear();
+        self.headers.clear();
         self.iov.clear();
-        for p in &parts {
-            self.iov.push(match *p {
-                Part::Header(a, b) => RawIov { ptr: self.headers[a..b].as_ptr(), len: b - a },
-                Part::Raw(ptr, len) => RawIov { ptr, len },
-            });
-        }
-        if let Err(e) = send_all(self.stream.as_raw_fd(), &mut self.iov) {
-            tracing::debug!("client stopped taking replies: {e}");
-            self.broken = true;
-            self.stream.shutdown();
-        }
-        drop(_data);
+        self.hold.clear();
     }
 }
 
@@ -365,6 +394,7 @@ pub(crate) fn serve<S: Submitter, C: Completer>(
             requests: HashMap::new(),
             outstanding: 0,
             submitted: 0,
+            local: Vec::new(),
             reader_done: false,
             backend_failed: false,
             reader_waiting: false,
@@ -372,7 +402,15 @@ pub(crate) fn serve<S: Submitter, C: Completer>(
         }),
         slot_free: Condvar::new(),
         work: Condvar::new(),
-        out: Mutex::new(Out { stream: out_stream, headers: Vec::new(), runs: Vec::new(), iov: Vec::new(), broken: false }),
+        out: Mutex::new(Out {
+            stream: out_stream,
+            headers: Vec::new(),
+            parts: Vec::new(),
+            hold: Vec::new(),
+            runs: Vec::new(),
+            iov: Vec::new(),
+            broken: false,
+        }),
     });
     let writer = {
         let shared = shared.clone();
@@ -406,11 +444,15 @@ pub(crate) fn serve<S: Submitter, C: Completer>(
     }
 }
 
+/// Most completions gathered into one sendmsg.
+const REPLY_BATCH: usize = 64;
+
 fn writer_loop<C: Completer>(shared: Arc<Shared<C::Data>>, mut completer: C) {
     loop {
-        {
+        let mut replies: Vec<Reply<C::Data>> = Vec::new();
+        let backend_pending = {
             let mut t = shared.table.lock().unwrap();
-            while t.submitted == 0 {
+            while t.submitted == 0 && t.local.is_empty() {
                 if t.reader_done || t.backend_failed {
                     return;
                 }
@@ -418,35 +460,68 @@ fn writer_loop<C: Completer>(shared: Arc<Shared<C::Data>>, mut completer: C) {
                 t = shared.work.wait(t).unwrap();
                 t.writer_waiting = false;
             }
+            // Pieces that failed before reaching the backend.
+            while let Some((tag, error)) = t.local.pop() {
+                if let Some(r) = take_completion(&mut t, tag, Err(error)) {
+                    replies.push(r);
+                }
+            }
+            if t.reader_waiting {
+                shared.slot_free.notify_one();
+            }
+            t.submitted > 0
+        };
+        if backend_pending {
+            // One completion (waiting for it), then whatever else is ready.
+            let mut next = completer.complete().map(Some);
+            loop {
+                match next {
+                    Ok(Some(Completion { tag, result })) => {
+                        let mut t = shared.table.lock().unwrap();
+                        t.submitted -= 1;
+                        if let Some(r) = take_completion(&mut t, tag, result.map_err(nbd_error)) {
+                            replies.push(r);
+                        }
+                        if t.reader_waiting {
+                            shared.slot_free.notify_one();
+                        }
+                        if t.submitted == 0 || replies.len() >= REPLY_BATCH {
+                            break;
+                        }
+                    }
+                    Ok(None) => break,
+                    Err(e) => {
+                        tracing::warn!("backend connection failed: {e}");
+                        let mut out = shared.out.lock().unwrap();
+                        for r in replies {
+                            out.append(r);
+                        }
+                        out.flush();
+                        drop(out);
+                        fail_everything(&shared);
+                        return;
+                    }
+                }
+                next = completer.try_complete();
+            }
         }
-        match completer.complete() {
-            Ok(Completion { tag, result }) => {
-                let mut t = shared.table.lock().unwrap();
-                t.submitted -= 1;
-                let reply = match t.pieces.remove(&tag) {
-                    Some((key, index)) => {
-                        let result = result.map_err(nbd_error);
-                        piece_done(&mut t, key, index, result, true)
-                    }
-                    None => {
-                        tracing::error!(tag, "backend completed a request we do not have in flight");
-                        None
-                    }
-                };
-                if t.reader_waiting {
-                    shared.slot_free.notify_one();
-                }
-                if let Some(r) = reply {
-                    let mut out = shared.out.lock().unwrap();
-                    drop(t);
-                    out.write(r);
-                }
+        if !replies.is_empty() {
+            let mut out = shared.out.lock().unwrap();
+            for r in replies {
+                out.append(r);
             }
-            Err(e) => {
-                tracing::warn!("backend connection failed: {e}");
-                fail_everything(&shared);
-                return;
-            }
+            out.flush();
+        }
+    }
+}
+
+/// The reply (if any) a piece's completion makes due.
+fn take_completion<D>(t: &mut Table<D>, tag: u64, result: Result<Option<D>, u32>) -> Option<Reply<D>> {
+    match t.pieces.remove(&tag) {
+        Some((key, index)) => piece_done(t, key, index, result, true),
+        None => {
+            tracing::error!(tag, "backend completed a request we do not have in flight");
+            None
         }
     }
 }
@@ -460,6 +535,7 @@ fn fail_everything<D: ReadData>(shared: &Shared<D>) {
     t.submitted = 0;
     t.outstanding = 0;
     t.pieces.clear();
+    t.local.clear();
     let mut replies: Vec<Reply<D>> = Vec::new();
     for (_, req) in t.requests.drain() {
         replies.push(match req.kind {
@@ -759,14 +835,13 @@ impl<S: Submitter, D: ReadData> Conn<S, D> {
     }
 
     /// A piece that holds a slot and a tag failed before reaching the backend.
+    /// The writer replies for it, so that every reply of a split request
+    /// comes from one thread, in order (a structured READ's DONE chunk last).
     fn local_done(&self, tag: u64, error: u32) {
         let mut t = self.shared.table.lock().unwrap();
-        let Some((key, index)) = t.pieces.remove(&tag) else { return };
-        let reply = piece_done(&mut t, key, index, Err(error), true);
-        if let Some(r) = reply {
-            let mut out = self.shared.out.lock().unwrap();
-            drop(t);
-            out.write(r);
+        t.local.push((tag, error));
+        if t.writer_waiting {
+            self.shared.work.notify_one();
         }
     }
 }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use anyhow::Context as _;
 use clap::Args;
-use fido::{Domain, JoinOptions};
+use fido::{Domain, JoinOptions, WaitStrategy};
 use fido_blk_nbd::{BlkExport, Listener, NbdServer, ServerConfig};
 
 use crate::vm::parse_size;
@@ -37,14 +37,25 @@ pub struct NbdArgs {
     /// This domain's arena: WRITE payloads wait here until the storage domain wrote them.
     #[arg(long, value_parser = parse_size, default_value = "1G")]
     arena: u64,
+    /// How long a thread waiting for the storage domain spins before it sleeps, in µs (0: sleep at once).
+    #[arg(long, default_value_t = 50)]
+    spin_us: u64,
     /// Broker socket [default: $FIDO_BROKER, $XDG_RUNTIME_DIR/fido/broker.sock, /run/fido/broker.sock]
     #[arg(long)]
     socket: Option<PathBuf>,
 }
 
+fn wait_strategy(spin_us: u64) -> WaitStrategy {
+    if spin_us == 0 {
+        WaitStrategy::Block
+    } else {
+        WaitStrategy::Adaptive { spin: std::time::Duration::from_micros(spin_us) }
+    }
+}
+
 pub fn run(a: NbdArgs) -> anyhow::Result<bool> {
     let broker = a.socket.clone().unwrap_or_else(fido::default_broker_path);
-    let domain = Domain::join(JoinOptions::new(format!("nbd:{}", a.name)).broker(&broker).arena_len(a.arena))
+    let domain = Domain::join(JoinOptions::new(format!("nbd:{}", a.name)).broker(&broker).arena_len(a.arena).wait(wait_strategy(a.spin_us)))
         .with_context(|| format!("joining the broker at {}", broker.display()))?;
     let export = BlkExport::new(domain, &a.name)?;
     let info = export.probe().with_context(|| format!("is `fido blk serve {}` running?", a.name))?;
