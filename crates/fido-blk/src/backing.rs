@@ -164,6 +164,7 @@ impl BlockBackend for FileBackend {
         let shared = Arc::new(Ring {
             ring,
             sq: Mutex::new(()),
+            cq: Mutex::new(()),
             ops: Mutex::new(Ops { next: 1, live: HashMap::new() }),
             file: self.file.clone(),
             direct: self.direct,
@@ -207,6 +208,8 @@ struct Ring {
     ring: IoUring,
     /// Held while pushing to the submission queue (both threads push).
     sq: Mutex<()>,
+    /// Held while reading the completion queue (both threads complete).
+    cq: Mutex<()>,
     ops: Mutex<Ops>,
     file: Arc<File>,
     direct: bool,
@@ -221,6 +224,12 @@ impl Ring {
 
     /// Pushes one entry and submits it (a full queue is submitted first).
     fn push(&self, entry: io_uring::squeue::Entry) {
+        self.queue(entry);
+        self.submit();
+    }
+
+    /// Pushes one entry without submitting it (unless the queue is full).
+    fn queue(&self, entry: io_uring::squeue::Entry) {
         let _g = self.sq.lock();
         loop {
             // SAFETY: only one thread touches the submission queue at a time
@@ -235,6 +244,11 @@ impl Ring {
                 std::thread::yield_now();
             }
         }
+    }
+
+    /// Submits what was queued.
+    fn submit(&self) {
+        let _g = self.sq.lock();
         while let Err(e) = self.ring.submitter().submit() {
             if e.raw_os_error() != Some(libc::EINTR) && e.raw_os_error() != Some(libc::EAGAIN) && e.raw_os_error() != Some(libc::EBUSY) {
                 tracing::warn!(error = %e, "io_uring submit");
@@ -279,16 +293,37 @@ impl Ring {
         e.user_data(key)
     }
 
+    /// Queues `op` (submitted at the next `submit`).
     fn start(&self, mut op: InFlight) {
-        let key = {
+        let e = {
             let mut ops = self.ops.lock();
             let key = ops.next;
             ops.next += 1;
             let e = self.entry(key, &mut op);
             ops.live.insert(key, op);
-            (key, e)
+            e
         };
-        self.push(key.1);
+        self.queue(e);
+    }
+
+    /// Completes every request whose completion is in the queue; returns
+    /// whether STOP was among them. `wait`: the completion thread, which
+    /// takes its turn; the connection's thread only looks in passing.
+    fn reap_ready(&self, wait: bool) -> bool {
+        let guard = if wait { Some(self.cq.lock()) } else { self.cq.try_lock() };
+        let Some(_g) = guard else { return false };
+        // SAFETY: only the holder of the `cq` lock reads the completion queue.
+        let done: Vec<(u64, i32)> = unsafe { self.ring.completion_shared() }.map(|c| (c.user_data(), c.result())).collect();
+        let mut stop = false;
+        for (key, res) in done {
+            if key == STOP {
+                stop = true;
+                continue;
+            }
+            let Some(op) = self.ops.lock().live.remove(&key) else { continue };
+            complete(self, key, op, res);
+        }
+        stop
     }
 
     /// Resubmits `op` (a continuation) under its key.
@@ -343,6 +378,13 @@ impl BackendQueue for UringQueue {
         }
         self.ring.start(op);
     }
+
+    fn flush(&mut self) {
+        self.ring.submit();
+        // Reads of cached data often complete during the submission itself:
+        // reply from here, without waking the completion thread's turn.
+        self.ring.reap_ready(false);
+    }
 }
 
 impl Drop for UringQueue {
@@ -371,16 +413,7 @@ fn reap(ring: Arc<Ring>) {
                 std::thread::sleep(std::time::Duration::from_millis(10));
             }
         }
-        // SAFETY: only this thread reads the completion queue.
-        let done: Vec<(u64, i32)> = unsafe { ring.ring.completion_shared() }.map(|c| (c.user_data(), c.result())).collect();
-        for (key, res) in done {
-            if key == STOP {
-                stopping = true;
-                continue;
-            }
-            let Some(op) = ring.ops.lock().live.remove(&key) else { continue };
-            complete(&ring, key, op, res);
-        }
+        stopping |= ring.reap_ready(true);
     }
 }
 

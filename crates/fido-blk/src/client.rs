@@ -23,6 +23,8 @@ use crate::proto::{self, Info, Op};
 pub const INFO_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long the blocking helpers wait for their reply.
 pub const SYNC_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long a submission waits for window space before it takes in replies.
+const WINDOW_POLL: Duration = Duration::from_millis(1);
 /// Request ids at or above this are the blocking helpers' own.
 pub const SYNC_ID_BASE: u64 = 1 << 63;
 
@@ -202,7 +204,22 @@ impl BlkClient {
             }
             pending.insert(id, Pending { op, len, generation: conn.generation });
         }
-        match conn.ch.send(msg.tag(id).opcode(op.opcode())) {
+        let mut msg = msg.tag(id).opcode(op.opcode());
+        // While the window is full, take in the replies that are waiting
+        // (their ids complete later through `complete`; non-READ replies are
+        // released at once): a single thread that submits more than the
+        // window before it completes must not wait for ever on a storage
+        // domain that waits for it to release replies.
+        let sent = loop {
+            match conn.ch.send_timeout(msg, WINDOW_POLL) {
+                Err(fido::SendError { error: FidoError::Timeout | FidoError::WouldBlock, message }) => {
+                    msg = message;
+                    self.take_waiting_replies(&conn);
+                }
+                other => break other,
+            }
+        };
+        match sent {
             Ok(()) => Ok(()),
             Err(e) => {
                 // Whoever took it out of `pending` (a lost connection) reports it.
@@ -288,6 +305,16 @@ impl BlkClient {
                         return Err(BlkError::Disconnected);
                     }
                 }
+            }
+        }
+    }
+
+    /// Moves the replies already waiting on `conn` to `ready` (without
+    /// waiting for a thread blocked in `complete`, which takes them anyway).
+    fn take_waiting_replies(&self, conn: &Conn) {
+        while let Ok(Some(m)) = conn.ch.try_recv_if_idle() {
+            if let Some(c) = self.reply(conn, m) {
+                self.ready.lock().push_back(c);
             }
         }
     }

@@ -21,6 +21,8 @@ use crate::proto::{self, Checked, Info, Op, ReqHeader, HEADER_LEN};
 const REPLY_TIMEOUT: Duration = Duration::from_secs(30);
 /// How often the threads look at the stop flag while idle.
 const POLL: Duration = Duration::from_millis(200);
+/// Requests taken off a connection before the backend is flushed.
+const BATCH: usize = 64;
 /// How often the statistics are published to the registry (when they changed).
 const PUBLISH_EVERY: Duration = Duration::from_secs(1);
 
@@ -44,6 +46,12 @@ pub trait BackendQueue: Send {
     /// For WRITE it must keep `req.msg` (the client's payload) alive until
     /// the data is written, then drop it: that releases the client's buffers.
     fn submit(&mut self, req: Request);
+
+    /// Called after a batch of `submit`s (when no more requests are waiting
+    /// on the connection): a backend may hold submissions back until then
+    /// (one system call for the batch) and use the moment to complete what
+    /// is already done on the connection's thread. The default does nothing.
+    fn flush(&mut self) {}
 }
 
 /// A validated request, owned by the backend until it completes.
@@ -421,7 +429,7 @@ fn serve_connection(shared: Arc<Shared>, ch: Channel) {
             return;
         }
     };
-    while !shared.stop.load(Ordering::Relaxed) && !conn.broken.load(Ordering::Relaxed) {
+    'serve: while !shared.stop.load(Ordering::Relaxed) && !conn.broken.load(Ordering::Relaxed) {
         let msg = match conn.ch.recv_timeout(POLL) {
             Ok(m) => m,
             Err(FidoError::Timeout) => continue,
@@ -430,22 +438,39 @@ fn serve_connection(shared: Arc<Shared>, ch: Channel) {
                 break;
             }
         };
-        bump(&shared.counters.requests, 1);
-        let (header, payload_len) = frame(&msg);
-        let (id, opcode) = (msg.tag(), msg.opcode());
-        match proto::check_request(&info, opcode, header, payload_len) {
-            Ok(checked) => {
-                let op = checked.op;
-                let reply = Replier { conn: conn.clone(), id, op, len: checked.len, done: false };
-                queue.submit(Request { checked, msg, reply });
-            }
-            Err(status) => {
-                drop(msg);
-                bump(&shared.counters.errors, 1);
-                send_reply(&conn, Message::inline(&[]).expect("an empty inline message").tag(id).opcode(status));
+        handle(&shared, &conn, &info, &mut *queue, msg);
+        // Take what else is waiting as one batch, then let the backend go.
+        for _ in 1..BATCH {
+            match conn.ch.try_recv() {
+                Ok(Some(m)) => handle(&shared, &conn, &info, &mut *queue, m),
+                Ok(None) => break,
+                Err(e) => {
+                    tracing::debug!(error = %e, "fido-blk: connection ended");
+                    queue.flush();
+                    break 'serve;
+                }
             }
         }
+        queue.flush();
     }
     // Dropping the queue waits for the requests still in the backend.
     drop(queue);
+}
+
+/// Validates one request and hands it to the backend, or refuses it.
+fn handle(shared: &Shared, conn: &Arc<Conn>, info: &Info, queue: &mut dyn BackendQueue, msg: Msg) {
+    bump(&shared.counters.requests, 1);
+    let (header, payload_len) = frame(&msg);
+    let (id, opcode) = (msg.tag(), msg.opcode());
+    match proto::check_request(info, opcode, header, payload_len) {
+        Ok(checked) => {
+            let reply = Replier { conn: conn.clone(), id, op: checked.op, len: checked.len, done: false };
+            queue.submit(Request { checked, msg, reply });
+        }
+        Err(status) => {
+            drop(msg);
+            bump(&shared.counters.errors, 1);
+            send_reply(conn, Message::inline(&[]).expect("an empty inline message").tag(id).opcode(status));
+        }
+    }
 }

@@ -291,3 +291,62 @@ fn hostile_client_gets_errors_and_others_keep_being_served() {
     assert!(good.read_at(0, 4096).unwrap().to_vec() == pattern(4096, 3));
     assert!(server.stats().errors >= 14);
 }
+
+#[test]
+fn one_thread_submits_more_than_the_window_before_completing() {
+    let b = TestBroker::start();
+    let sd = b.join("storage");
+    let backend = Arc::new(FileBackend::ram(8 << 20, &BackingOptions::default()).unwrap());
+    let _server = serve(&sd, "win", backend, ServeOptions::default()).unwrap();
+    let cd = b.join_with(fido::JoinOptions::new("client").arena_len(64 << 20).ring_entries(32));
+    let c = BlkClient::connect(&cd, "win").unwrap();
+    const N: u64 = 500;
+    for i in 0..N {
+        let mut buf = c.alloc(4096).unwrap();
+        buf.fill(i as u8);
+        c.submit_write(i, (i % 2048) * 4096, vec![buf], false).unwrap();
+    }
+    for _ in 0..N {
+        c.complete(T).unwrap().result.unwrap();
+    }
+    assert_eq!(c.in_flight(), 0);
+    assert!(c.read_at(7 * 4096, 4096).unwrap().to_vec().iter().all(|&x| x == 7));
+}
+
+#[test]
+fn direct_io_on_a_file() {
+    let b = TestBroker::start();
+    let opts = BackingOptions { direct: true, logical_block: 4096, ..Default::default() };
+    let path = b.dir.path().join("direct.img");
+    std::fs::File::create(&path).unwrap().set_len(4 << 20).unwrap();
+    let backend = match FileBackend::open(&path, &opts) {
+        Ok(x) => Arc::new(x),
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+            eprintln!("SKIPPED direct_io_on_a_file: the file system of {} refuses O_DIRECT", path.display());
+            return;
+        }
+        Err(e) => panic!("{e}"),
+    };
+    let sd = b.join("storage");
+    let _server = serve(&sd, "direct", backend, ServeOptions::default()).unwrap();
+    let cd = b.join("client");
+    let c = BlkClient::connect(&cd, "direct").unwrap();
+    for i in 0..16u64 {
+        let mut buf = c.alloc(16384).unwrap();
+        buf.copy_from_slice(&pattern(16384, i));
+        c.submit_write(i, i * 16384, vec![buf], i == 3).unwrap();
+    }
+    for _ in 0..16 {
+        c.complete(T).unwrap().result.unwrap();
+    }
+    c.flush().unwrap();
+    for i in 0..16u64 {
+        assert!(c.read_at(i * 16384, 16384).unwrap().to_vec() == pattern(16384, i));
+    }
+    // The data is in the file (O_DIRECT bypassed the page cache on the way).
+    let mut back = vec![0u8; 16384];
+    std::fs::File::open(&path).unwrap().read_exact_at(&mut back, 5 * 16384).unwrap();
+    assert!(back == pattern(16384, 5));
+    c.write_zeroes(0, 16384, false, true).unwrap();
+    assert!(c.read_at(0, 16384).unwrap().to_vec().iter().all(|&x| x == 0));
+}
