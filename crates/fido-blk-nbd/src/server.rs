@@ -88,6 +88,21 @@ impl Listener {
         Ok(Listener::Tcp(TcpListener::bind(addr)?))
     }
 
+    /// Where clients connect: `unix:PATH` or `tcp:IP:PORT` (the port bound,
+    /// also when port 0 was asked for).
+    pub fn describe(&self) -> String {
+        match self {
+            Listener::Unix(l) => match l.local_addr().ok().and_then(|a| a.as_pathname().map(|p| p.display().to_string())) {
+                Some(p) => format!("unix:{p}"),
+                None => "unix:?".into(),
+            },
+            Listener::Tcp(l) => match l.local_addr() {
+                Ok(a) => format!("tcp:{a}"),
+                Err(_) => "tcp:?".into(),
+            },
+        }
+    }
+
     fn accept(&self) -> io::Result<Stream> {
         Ok(match self {
             Listener::Unix(l) => Stream::Unix(l.accept()?.0),

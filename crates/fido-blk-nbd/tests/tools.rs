@@ -73,6 +73,36 @@ fn qemu_io_write_read_flush_discard_zero() {
 }
 
 #[test]
+fn qemu_io_over_tcp() {
+    if !have("qemu-io") {
+        return;
+    }
+    let export = fido_blk_nbd::MemoryExport::new(MemoryOptions::new(4 * MIB)).unwrap();
+    let server = fido_blk_nbd::NbdServer::new(export, fido_blk_nbd::ServerConfig::new("mem")).unwrap();
+    let listener = fido_blk_nbd::Listener::bind_tcp("127.0.0.1:0").unwrap();
+    let addr = listener.describe();
+    let addr = addr.strip_prefix("tcp:").expect("a TCP listener").to_string();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let t = {
+        let (server, stop) = (server.clone(), stop.clone());
+        std::thread::spawn(move || server.serve(&listener, &stop).unwrap())
+    };
+    let out = stdout(Command::new("qemu-io").args([
+        "-f",
+        "raw",
+        "-c",
+        "write -P 0x3c 512k 1M",
+        "-c",
+        "read -P 0x3c 512k 1M",
+        &format!("nbd://{addr}/mem"),
+    ]));
+    assert!(!out.contains("verification failed") && !out.to_lowercase().contains("error"), "{out}");
+    assert!(server.export().read_back(512 << 10, 1 << 20).iter().all(|&b| b == 0x3c));
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    t.join().unwrap();
+}
+
+#[test]
 fn nbdinfo_list_and_map() {
     if !have("nbdinfo") || !have("qemu-io") {
         return;

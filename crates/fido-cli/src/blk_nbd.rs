@@ -22,7 +22,7 @@ pub struct NbdArgs {
     /// Listen on this Unix socket (a stale socket file is replaced).
     #[arg(long, value_name = "PATH")]
     unix: Option<PathBuf>,
-    /// Listen on this TCP address (e.g. 127.0.0.1:10809).
+    /// Listen on this TCP address (e.g. 127.0.0.1:10809; port 0: any, printed).
     #[arg(long, value_name = "ADDR")]
     tcp: Option<String>,
     /// The NBD export name [default: NAME]; the empty name selects it too.
@@ -67,17 +67,12 @@ pub fn run(a: NbdArgs) -> anyhow::Result<bool> {
     let export_name = cfg.export_name.clone();
     let server = NbdServer::new(export, cfg)?;
 
-    let (listener, place) = match (&a.unix, &a.tcp) {
-        (Some(p), None) => (
-            Listener::bind_unix(p).with_context(|| format!("listening on {}", p.display()))?,
-            format!("unix:{}", p.display()),
-        ),
-        (None, Some(addr)) => (
-            Listener::bind_tcp(addr.as_str()).with_context(|| format!("listening on {addr}"))?,
-            format!("tcp:{addr}"),
-        ),
+    let listener = match (&a.unix, &a.tcp) {
+        (Some(p), None) => Listener::bind_unix(p).with_context(|| format!("listening on {}", p.display()))?,
+        (None, Some(addr)) => Listener::bind_tcp(addr.as_str()).with_context(|| format!("listening on {addr}"))?,
         _ => anyhow::bail!("give one of --unix PATH and --tcp ADDR"),
     };
+    let place = listener.describe();
     let stop = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         signal_hook::flag::register(sig, stop.clone())?;
