@@ -254,6 +254,29 @@ fn real_nbd_clients_through_a_storage_domain() {
         assert!(out.contains("\"error\" : 0"), "{out}");
     }
 
+    // Zero copies through our code: the NBD domain's counters (published on
+    // every heartbeat) show the payload it moved and no byte it copied.
+    let t = Instant::now();
+    loop {
+        let json = stdout(Command::new(FIDO).args(["status", "--json", "--socket"]).arg(&s.broker_sock));
+        let status: serde_json::Value = serde_json::from_str(&json).unwrap();
+        let nbd_domain = status["domains"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|d| d["name"] == "nbd:disk")
+            .expect("the nbd:disk domain in fido status")
+            .clone();
+        let c = &nbd_domain["counters"];
+        let (sent, copied) = (c["bytes_sent"].as_u64().unwrap(), c["bytes_copied"].as_u64().unwrap());
+        assert_eq!(copied, 0, "fido blk nbd copied payload bytes: {c}");
+        if sent >= 40 * MIB as u64 || !have("qemu-img") {
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(20), "counters never showed the writes: {c}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+
     // SIGTERM: the server stops and takes its socket with it.
     nbd.signal(rustix::process::Signal::TERM);
     assert!(nbd.wait(Duration::from_secs(20)).success());
