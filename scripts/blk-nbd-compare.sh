@@ -42,7 +42,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-wait_for() { # file
+wait_for() { # file (a socket the server creates; stale ones are removed before it starts)
     for _ in $(seq 200); do [[ -e $1 ]] && return 0; sleep 0.05; done
     echo "blk-nbd-compare: $1 never appeared" >&2; exit 1
 }
@@ -89,6 +89,7 @@ for round in $(seq "$rounds"); do
         fi
         pids+=($!)
         for _ in $(seq 200); do grep -q '^serving' "$dir/serve.log" && break; sleep 0.05; done
+        rm -f "$dir/fido.sock"
         "$fido" blk nbd bench --unix "$dir/fido.sock" >"$dir/nbd.log" 2>&1 &
         pids+=($!)
         wait_for "$dir/fido.sock"
@@ -97,6 +98,7 @@ for round in $(seq "$rounds"); do
         rm -f "$shm/fido.img"
     done
 
+    rm -f "$dir/kit.sock"
     nbdkit -f -U "$dir/kit.sock" memory "$size" 2>"$dir/kit.log" &
     pids+=($!)
     wait_for "$dir/kit.sock"
@@ -104,6 +106,7 @@ for round in $(seq "$rounds"); do
     stop_last
 
     truncate -s "$size" "$shm/kit.img"
+    rm -f "$dir/kitf.sock"
     nbdkit -f -U "$dir/kitf.sock" file "$shm/kit.img" 2>"$dir/kitf.log" &
     pids+=($!)
     wait_for "$dir/kitf.sock"
@@ -112,6 +115,7 @@ for round in $(seq "$rounds"); do
     rm -f "$shm/kit.img"
 
     truncate -s "$size" "$shm/qemu.img"
+    rm -f "$dir/qemu.sock"
     qemu-nbd --persistent --shared=8 -f raw -k "$dir/qemu.sock" "$shm/qemu.img" 2>"$dir/qemu.log" &
     pids+=($!)
     wait_for "$dir/qemu.sock"
