@@ -307,8 +307,35 @@ fn the_storage_domain_dies_and_comes_back() {
     let out = qemu_io(&["write -P 0x77 1M 1M", "flush"]);
     assert!(out.status.success() && !String::from_utf8_lossy(&out.stdout).contains("error"), "{out:?}");
 
+    // Killed in the middle of a busy fio job: the requests in flight fail,
+    // fio stops on the error instead of hanging.
+    let fio = have("fio").then(|| {
+        Command::new("fio")
+            .args(["--name=busy", "--ioengine=nbd", &format!("--uri={uri}"), "--rw=randrw", "--bs=4k"])
+            .args(["--iodepth=32", "--size=8M", "--offset=4M", "--time_based", "--runtime=60"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap()
+    });
+    std::thread::sleep(Duration::from_secs(1));
     storage.signal(rustix::process::Signal::KILL);
     storage.wait(Duration::from_secs(10));
+    if let Some(mut fio) = fio {
+        let t = Instant::now();
+        let status = loop {
+            if let Some(st) = fio.try_wait().unwrap() {
+                break st;
+            }
+            if t.elapsed() > Duration::from_secs(30) {
+                let _ = fio.kill();
+                let _ = fio.wait();
+                panic!("fio still running 30 s after the storage domain died");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        assert!(!status.success(), "fio reported no error although its storage domain died");
+    }
     // Nothing serves the device: the client gets an error, not a hang.
     let t = Instant::now();
     let out = qemu_io(&["read -P 0x77 1M 1M"]);
