@@ -159,6 +159,8 @@ fn fio_randrw_verify() {
         "--size=32M",
         "--verify=crc32c",
         "--verify_fatal=1",
+        // No verify state file left in the working directory.
+        "--verify_state_save=0",
         "--do_verify=1",
         "--output-format=json",
     ]));

@@ -249,6 +249,8 @@ fn real_nbd_clients_through_a_storage_domain() {
             "--size=32M",
             "--verify=crc32c",
             "--verify_fatal=1",
+        // No verify state file left in the working directory.
+        "--verify_state_save=0",
             "--output-format=json",
         ]));
         assert!(out.contains("\"error\" : 0"), "{out}");
