@@ -548,3 +548,30 @@ fn read_only_exports_refuse_writes() {
     c.request(CMD_READ, 0, 3, 0, 512, &[]);
     assert_eq!(c.simple(512), (0, 3, vec![0; 512]));
 }
+
+#[test]
+fn silent_clients_time_out_and_connections_are_capped() {
+    let mut cfg = ServerConfig::new("mem");
+    cfg.handshake_timeout = Duration::from_secs(1);
+    cfg.max_connections = 2;
+    let t = TestServer::start_with(MemoryOptions::new(MIB), cfg);
+    // Two clients that say nothing after the greeting hold both places ...
+    let mut a = Raw::connect(&t);
+    let mut b = Raw::connect(&t);
+    // ... so a third is closed at once (before any greeting).
+    let mut c = UnixStream::connect(&t.socket).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let mut byte = [0u8; 1];
+    let n = c.read(&mut byte).unwrap_or(0);
+    assert_eq!(n, 0, "a connection over the cap was greeted");
+    // The silent ones are dropped after the handshake timeout.
+    let start = Instant::now();
+    assert!(a.closed() && b.closed());
+    assert!(start.elapsed() < Duration::from_secs(15));
+    // Then there is room again.
+    let end = Instant::now() + Duration::from_secs(10);
+    while t.server.connections() > 0 && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    healthy(&t);
+}
