@@ -210,7 +210,7 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
         signal_hook::flag::register(sig, stop.clone())?;
     }
     let d = join(&a.conn, &format!("blk-{}", a.name), a.arena)?;
-    let server = fido_blk::serve(&d, &a.name, Arc::new(backend), ServeOptions { publish_stats: true })?;
+    let server = fido_blk::serve(&d, &a.name, Arc::new(backend), ServeOptions { publish_stats: true, ..Default::default() })?;
     let i = server.info();
     // Scripts and tests wait for this line.
     println!("serving blk:{} size={} block={} max_transfer={} flags={:#x}", a.name, i.size, i.logical_block, i.max_transfer, i.flags);
