@@ -25,6 +25,13 @@ static ZERO_PAGE: [u8; 64 << 10] = [0u8; 64 << 10];
 /// for the rest).
 const MAX_EXTENTS: usize = 4096;
 
+/// READ bytes that simple-reply READs (held until every piece is in) may
+/// have in flight at once. A backend may limit what a client holds unreleased
+/// (fido-blk: 256 MiB per connection) and make it wait beyond that; held
+/// pieces of requests still waiting for their other pieces must never reach
+/// such a limit, or neither side moves.
+const MAX_WHOLE_READ_BYTES: u64 = 64 << 20;
+
 /// A WRITE longer than this cannot be skipped honestly: the connection closes.
 const MAX_DISCARDED_PAYLOAD: u32 = 64 << 20;
 
@@ -70,6 +77,8 @@ struct Table<D> {
     /// Pieces that failed before reaching the backend (tag, NBD error), for
     /// the writer to reply to.
     local: Vec<(u64, u32)>,
+    /// Bytes of ReadWhole requests admitted and not yet replied to.
+    whole_read_bytes: u64,
     reader_done: bool,
     backend_failed: bool,
     reader_waiting: bool,
@@ -330,6 +339,7 @@ fn piece_done<D>(t: &mut Table<D>, key: u64, index: u32, result: Result<Option<D
             }
             let req = t.requests.remove(&key).expect("present");
             t.outstanding -= req.held_slots;
+            t.whole_read_bytes -= req.length as u64;
             Some(match req.error {
                 Some(error) => Reply::Simple { cookie: req.cookie, error },
                 None => Reply::Whole {
@@ -395,6 +405,7 @@ pub(crate) fn serve<S: Submitter, C: Completer>(
             outstanding: 0,
             submitted: 0,
             local: Vec::new(),
+            whole_read_bytes: 0,
             reader_done: false,
             backend_failed: false,
             reader_waiting: false,
@@ -536,6 +547,7 @@ fn fail_everything<D: ReadData>(shared: &Shared<D>) {
     t.outstanding = 0;
     t.pieces.clear();
     t.local.clear();
+    t.whole_read_bytes = 0;
     let mut replies: Vec<Reply<D>> = Vec::new();
     for (_, req) in t.requests.drain() {
         replies.push(match req.kind {
@@ -740,6 +752,21 @@ impl<S: Submitter, D: ReadData> Conn<S, D> {
         let whole = matches!(kind, Kind::ReadWhole);
         let key = {
             let mut t = self.shared.table.lock().unwrap();
+            if whole {
+                // Admitted whole (see MAX_WHOLE_READ_BYTES); one request alone always is.
+                while t.whole_read_bytes > 0
+                    && t.whole_read_bytes + req.length as u64 > MAX_WHOLE_READ_BYTES
+                    && !t.backend_failed
+                {
+                    t.reader_waiting = true;
+                    t = self.shared.slot_free.wait(t).unwrap();
+                    t.reader_waiting = false;
+                }
+                if t.backend_failed {
+                    return Err(Stop::Backend);
+                }
+                t.whole_read_bytes += req.length as u64;
+            }
             let key = t.next_key;
             t.next_key += 1;
             let parts = if whole { (0..pieces).map(|_| None).collect() } else { Vec::new() };

@@ -575,3 +575,33 @@ fn silent_clients_time_out_and_connections_are_capped() {
     }
     healthy(&t);
 }
+
+#[test]
+fn many_long_simple_reads_in_flight_all_complete() {
+    // Simple replies hold each READ's pieces until all are in; more than
+    // 64 MiB of such READs wait to be admitted, and every one completes.
+    let t = TestServer::start(MemoryOptions::new(32 * MIB));
+    let mut c = Raw::connect(&t);
+    c.go("mem").unwrap();
+    let data: Vec<u8> = (0..(8 << 20)).map(|i: u32| (i % 253) as u8).collect();
+    c.request(CMD_WRITE, 0, 1, 0, data.len() as u32, &data);
+    assert_eq!(c.simple(0), (0, 1, vec![]));
+    let mut batch = Vec::new();
+    for i in 0..20u64 {
+        batch.extend_from_slice(&RequestHeader { flags: 0, command: CMD_READ, cookie: 100 + i, offset: 0, length: 8 << 20 }.encode());
+    }
+    // Read replies on another thread while the requests go out.
+    let mut reader = Raw { s: c.s.try_clone().unwrap() };
+    let check = std::thread::spawn(move || {
+        let mut seen = std::collections::BTreeSet::new();
+        for _ in 0..20 {
+            let (e, cookie, got) = reader.simple(8 << 20);
+            assert_eq!(e, 0);
+            assert!(got == data, "read {cookie} differs");
+            seen.insert(cookie);
+        }
+        seen.len()
+    });
+    c.s.write_all(&batch).unwrap();
+    assert_eq!(check.join().unwrap(), 20);
+}
