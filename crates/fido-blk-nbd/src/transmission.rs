@@ -457,10 +457,24 @@ pub(crate) fn serve<S: Submitter, C: Completer>(
 
 /// Most completions gathered into one sendmsg.
 const REPLY_BATCH: usize = 64;
+/// ... and at most about this many bytes of READ data (held until sent).
+const REPLY_BATCH_BYTES: u64 = 8 << 20;
+
+impl<D> Reply<D> {
+    /// READ data bytes this reply carries.
+    fn data_len(&self) -> u64 {
+        match self {
+            Reply::Chunk { len, result: Ok(_), .. } => *len as u64,
+            Reply::Whole { parts, .. } => parts.iter().map(|(_, l)| *l as u64).sum(),
+            _ => 0,
+        }
+    }
+}
 
 fn writer_loop<C: Completer>(shared: Arc<Shared<C::Data>>, mut completer: C) {
     loop {
         let mut replies: Vec<Reply<C::Data>> = Vec::new();
+        let mut batch_bytes = 0u64;
         let backend_pending = {
             let mut t = shared.table.lock().unwrap();
             while t.submitted == 0 && t.local.is_empty() {
@@ -491,12 +505,13 @@ fn writer_loop<C: Completer>(shared: Arc<Shared<C::Data>>, mut completer: C) {
                         let mut t = shared.table.lock().unwrap();
                         t.submitted -= 1;
                         if let Some(r) = take_completion(&mut t, tag, result.map_err(nbd_error)) {
+                            batch_bytes += r.data_len();
                             replies.push(r);
                         }
                         if t.reader_waiting {
                             shared.slot_free.notify_one();
                         }
-                        if t.submitted == 0 || replies.len() >= REPLY_BATCH {
+                        if t.submitted == 0 || replies.len() >= REPLY_BATCH || batch_bytes >= REPLY_BATCH_BYTES {
                             break;
                         }
                     }
