@@ -8,6 +8,8 @@
 #
 #   scripts/blk-nbd-compare.sh [--fido PATH] [--size 512M] [--runtime 10] [--rounds 1]
 #
+# FIDO_NBD_ARGS: more arguments for `fido blk nbd` (e.g. "--spin-us 0").
+#
 # Needs: fio (nbd engine), nbdkit, qemu-nbd; a release build of `fido`. Runs
 # its own broker in a temporary directory; everything it starts is stopped
 # (by pid) on exit.
@@ -90,7 +92,8 @@ for round in $(seq "$rounds"); do
         pids+=($!)
         for _ in $(seq 200); do grep -q '^serving' "$dir/serve.log" && break; sleep 0.05; done
         rm -f "$dir/fido.sock"
-        "$fido" blk nbd bench --unix "$dir/fido.sock" >"$dir/nbd.log" 2>&1 &
+        # shellcheck disable=SC2086
+        "$fido" blk nbd bench --unix "$dir/fido.sock" ${FIDO_NBD_ARGS:-} >"$dir/nbd.log" 2>&1 &
         pids+=($!)
         wait_for "$dir/fido.sock"
         measure "fido blk nbd ($backing)" "nbd+unix:///bench?socket=$dir/fido.sock"
