@@ -28,6 +28,10 @@
 #   nbdkit, libnbd-bin
 #                    fido-blk's EIO test: an nbdkit memory disk behind its error filter,
 #                    exposed as a file by nbdfuse (libnbd-bin)
+#   qemu-utils, libnbd-bin, nbdkit, fio
+#                    the real NBD clients of the `fido blk nbd` tests (qemu-img, qemu-io,
+#                    qemu-nbd; nbdinfo, nbdcopy; fio's nbd engine) and the NBD baselines
+#                    (nbdkit memory/file, qemu-nbd) of the blk bench suite
 # Not needed: pkg-config (SQLite is bundled), libclang (iceoryx2 runs bindgen
 # only on QNX), procps (no test shells out to ps).
 #
@@ -74,7 +78,7 @@ apt_install redis-server redis-tools iperf3 sockperf util-linux
 apt_install iproute2
 apt_install python3
 apt_install qemu-system-x86 busybox-static cpio xz-utils
-apt_install nbdkit libnbd-bin
+apt_install nbdkit libnbd-bin qemu-utils fio
 
 # Rust (stable, via rustup) if there is no cargo at all.
 if [[ -x "$HOME/.cargo/bin/cargo" ]]; then export PATH="$HOME/.cargo/bin:$PATH"; fi

@@ -91,6 +91,8 @@ pub enum BlkCmd {
     Concat(crate::blk_raid_cmd::ConcatArgs),
     /// Print a RAID composition's state: members, their states, resync progress.
     RaidStatus(crate::blk_raid_cmd::StatusArgs),
+    /// Serve block device NAME to NBD clients (qemu-img, nbdinfo, fio, QEMU) in the foreground (docs/BLK.md, NBD).
+    Nbd(crate::blk_nbd::NbdArgs),
     /// Print a storage domain's counters (published in the registry every second).
     Stats {
         name: String,
@@ -158,6 +160,7 @@ pub fn run(cmd: BlkCmd) -> anyhow::Result<bool> {
         BlkCmd::Raid0(a) => crate::blk_raid_cmd::raid0(a).map(|_| true),
         BlkCmd::Concat(a) => crate::blk_raid_cmd::concat(a).map(|_| true),
         BlkCmd::RaidStatus(a) => crate::blk_raid_cmd::status(a).map(|_| true),
+        BlkCmd::Nbd(a) => crate::blk_nbd::run(a),
         BlkCmd::Info { name, conn } => {
             let c = client(&conn, &name)?;
             print_info(&name, &c.info());

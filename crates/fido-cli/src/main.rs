@@ -23,6 +23,7 @@
 #![forbid(unsafe_code)]
 
 mod blk_cmd;
+mod blk_nbd;
 mod blk_raid_cmd;
 mod broker;
 mod pipe_cli;
