@@ -202,14 +202,9 @@ fn record(case: &Case, system: &str, iops: f64, bw: f64, ios: u64) -> Record {
 /// user reads what it asked for); writes send a buffer of the client's
 /// arena, filled once. Returns (IO/s, bytes/s, I/Os, bytes the client
 /// copied).
-fn native(broker: &Path, service: &str, case: &Case, secs: u64) -> anyhow::Result<(f64, f64, u64, u64)> {
-    let d = fido::Domain::join(
-        fido::JoinOptions::new("fido-bench-blk")
-            .broker(broker)
-            .arena_len(1 << 30)
-            .ring_entries(256),
-    )?;
-    let c = fido_blk::BlkClient::connect(&d, service)?;
+fn native(d: &fido::Domain, service: &str, case: &Case, secs: u64) -> anyhow::Result<(f64, f64, u64, u64)> {
+    let copied_before = d.counters().bytes_copied;
+    let c = fido_blk::BlkClient::connect(d, service)?;
     let bs: u32 = if case.bs == "4k" { 4096 } else { 1 << 20 };
     let write = case.rw.contains("write");
     let random = case.rw.starts_with("rand");
@@ -277,7 +272,7 @@ fn native(broker: &Path, service: &str, case: &Case, secs: u64) -> anyhow::Resul
         bail!("no request completed");
     }
     let iops = done as f64 / elapsed;
-    Ok((iops, iops * f64::from(bs), done, d.counters().bytes_copied))
+    Ok((iops, iops * f64::from(bs), done, d.counters().bytes_copied - copied_before))
 }
 
 /// The backing every system shares: a file on tmpfs, and its size.
@@ -418,12 +413,13 @@ pub fn run(opts: &Opts) -> anyhow::Result<()> {
         let mut q = Command::new("qemu-nbd");
         // qemu-nbd's fastest settings a user would pick for a file on
         // tmpfs: raw, io_uring, no O_DIRECT (tmpfs has none), several
-        // clients allowed.
-        q.args(["-k", &sock_arg, "-f", "raw", "--aio=io_uring", "--cache=writeback", "--shared=8", &file_arg]);
+        // clients allowed, serving on after a client leaves.
+        q.args(["-k", &sock_arg, "--persistent", "-f", "raw", "--aio=io_uring", "--cache=writeback", "--shared=8", &file_arg]);
         systems.push(NbdSystem { name: "qemu-nbd".into(), servers: vec![(q, None)], native: None });
     } else {
         skipped.push("qemu-nbd (apt-get install qemu-utils)");
     }
+    let mut client: Option<fido::Domain> = None;
     for sys in systems {
         let wanted: Vec<&Case> = CASES
             .iter()
@@ -454,7 +450,18 @@ pub fn run(opts: &Opts) -> anyhow::Result<()> {
         if let Some(service) = sys.native {
             let system = sys.name.replace("fido-", "fido-native-");
             for case in CASES.iter().filter(|c| opts.wants(&system, c.name)) {
-                let (iops, bw, ios, copied) = native(&bsock, service, case, secs)
+                if client.is_none() {
+                    // One client domain for every native case: a process
+                    // holds one PGVAS window.
+                    client = Some(fido::Domain::join(
+                        fido::JoinOptions::new("fido-bench-blk")
+                            .broker(&bsock)
+                            .arena_len(1 << 30)
+                            .ring_entries(256),
+                    )?);
+                }
+                let d = client.as_ref().expect("joined above");
+                let (iops, bw, ios, copied) = native(d, service, case, secs)
                     .with_context(|| format!("{system} {}", case.name))?;
                 if case.rw.contains("write") && copied != 0 {
                     bail!("{system} {}: the client copied {copied} bytes on the write path", case.name);
@@ -467,6 +474,7 @@ pub fn run(opts: &Opts) -> anyhow::Result<()> {
             drop(s);
         }
     }
+    drop(client);
     drop(broker);
 
     crate::print_table(&records);
