@@ -9,5 +9,6 @@
 
 #include "fido/rpc.h"
 #include "fido/pipe.h"
+#include "fido/blk.h"
 
 #endif /* FIDO_H */

@@ -25,6 +25,9 @@
 #                    the VM domain tests, `fido demo --vm`, `fido-bench vm`: QEMU, and
 #                    what scripts/vm-image.sh builds the test guest's initramfs from
 #                    (the guest kernel itself is fetched there with `apt-get download`)
+#   nbdkit, libnbd-bin
+#                    fido-blk's EIO test: an nbdkit memory disk behind its error filter,
+#                    exposed as a file by nbdfuse (libnbd-bin)
 # Not needed: pkg-config (SQLite is bundled), libclang (iceoryx2 runs bindgen
 # only on QNX), procps (no test shells out to ps).
 #
@@ -71,6 +74,7 @@ apt_install redis-server redis-tools iperf3 sockperf util-linux
 apt_install iproute2
 apt_install python3
 apt_install qemu-system-x86 busybox-static cpio xz-utils
+apt_install nbdkit libnbd-bin
 
 # Rust (stable, via rustup) if there is no cargo at all.
 if [[ -x "$HOME/.cargo/bin/cargo" ]]; then export PATH="$HOME/.cargo/bin:$PATH"; fi

@@ -6,10 +6,11 @@
 //! logic of its own, never let a Rust panic unwind into C, and never trust a pointer
 //! it was handed beyond what the header documents.
 //!
-//! Modules: `rpc` (VMRPC heaps, bind, call by index, serve — `include/fido/rpc.h`) and
-//! `pipe` (vPipe — `include/fido/pipe.h`).
+//! Modules: `rpc` (VMRPC heaps, bind, call by index, serve — `include/fido/rpc.h`),
+//! `pipe` (vPipe — `include/fido/pipe.h`) and `blk` (fido-blk clients — `include/fido/blk.h`).
 
 #![allow(clippy::missing_safety_doc, non_camel_case_types)]
 
+pub mod blk;
 pub mod pipe;
 pub mod rpc;

@@ -22,6 +22,7 @@
 
 #![forbid(unsafe_code)]
 
+mod blk_cmd;
 mod broker;
 mod pipe_cli;
 mod pipe_cmd;
@@ -83,6 +84,11 @@ enum Cmd {
     Pipe {
         #[command(subcommand)]
         cmd: pipe_cmd::PipeCmd,
+    },
+    /// Block devices served by storage domains: serve, info, read, write, ... (see docs/BLK.md).
+    Blk {
+        #[command(subcommand)]
+        cmd: blk_cmd::BlkCmd,
     },
     /// Show the broker's domains, services and connections.
     Status {
@@ -186,6 +192,7 @@ fn main() -> ExitCode {
         })
         .map(|_| true),
         Cmd::Pipe { cmd } => pipe_cmd::run(cmd),
+        Cmd::Blk { cmd } => blk_cmd::run(cmd),
         Cmd::Vm { cmd } => vm::run(cmd),
         Cmd::Guest { cmd } => guest::run(cmd),
         Cmd::Status { json, socket } => status::run(json, socket).map(|_| true),

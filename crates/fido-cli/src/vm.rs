@@ -105,7 +105,7 @@ fn parse_nic(s: &str) -> Result<NicSpec, String> {
     Ok(NicSpec::User { hostfwd })
 }
 
-fn parse_size(s: &str) -> Result<u64, String> {
+pub(crate) fn parse_size(s: &str) -> Result<u64, String> {
     let s = s.trim();
     let (num, mult) = match s.char_indices().find(|(_, c)| c.is_ascii_alphabetic()) {
         Some((i, _)) => {
