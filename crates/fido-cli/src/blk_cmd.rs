@@ -83,6 +83,8 @@ pub enum BlkCmd {
         #[command(flatten)]
         conn: ConnArgs,
     },
+    /// Serve block device NAME to QEMU guests as a vhost-user-blk back end on --socket, in the foreground.
+    Vhost(crate::blk_vhost_cmd::VhostArgs),
     /// Print a storage domain's counters (published in the registry every second).
     Stats {
         name: String,
@@ -161,6 +163,7 @@ pub fn run(cmd: BlkCmd) -> anyhow::Result<bool> {
         BlkCmd::WriteZeroes { name, offset, len, no_unmap, conn } => {
             ranged(&client(&conn, &name)?, offset, len, |c, o, l| c.write_zeroes(o, l, false, no_unmap)).map(|_| true)
         }
+        BlkCmd::Vhost(a) => crate::blk_vhost_cmd::run(a).map(|_| true),
         BlkCmd::Stats { name, conn } => {
             proto::service_name(&name)?;
             let d = join(&conn, "fido-blk-stats", 1 << 20)?;
