@@ -4,8 +4,9 @@
 //! once, and hostile ones. Every chain is answered with the right status,
 //! nothing is written outside the device-writable buffers the chains name
 //! (the rest of guest memory keeps its canary), the back end keeps serving,
-//! and a second front end on the same socket is served after the first
-//! disconnects.
+//! a second front end on the same socket is served after the first
+//! disconnects, and a storage domain that goes away fails the guest's
+//! requests until one serves the device again.
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
@@ -303,12 +304,32 @@ fn hostile_chains_are_answered_and_nothing_else_is_written() {
     g.used(1);
     assert_eq!(g.byte(st(0)), S_OK);
     assert_eq!(g.bytes(buf(0), 4096), pattern[..4096]);
+
+    // 5. The storage domain goes away: the guest's requests fail (IOERR, no
+    //    hang); once a storage domain serves `h` again they succeed.
+    server.stop();
+    g.header(hdr(1), T_IN, 16);
+    g.submit(&[vec![(hdr(1), 16, false), (buf(1), 4096, true), (st(1), 1, true)]]);
+    g.used(1);
+    assert_eq!(g.byte(st(1)), S_IOERR, "no storage domain");
+    let server = fido_blk::serve(&storage, "h", Arc::new(FileBackend::ram(DISK, &opts).unwrap()), ServeOptions { publish_stats: false }).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        g.submit(&[vec![(hdr(1), 16, false), (buf(1), 4096, true), (st(1), 1, true)]]);
+        g.used(1);
+        if g.byte(st(1)) == S_OK {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the back end never reached the restarted storage domain");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(g.bytes(buf(1), 4096), vec![0u8; 4096], "a new RAM disk reads zeros");
     drop(g);
 
     let s = dev.stats();
     assert!(s.connections >= 2 && s.unanswerable == 2, "{s:?}");
     assert!(s.bytes_copied_from_guest == 96 * 1024 && s.bytes_copied_to_guest >= 96 * 1024 * 2 + 4096, "{s:?}");
-    assert!(s.errors >= 7, "{s:?}");
+    assert!(s.errors >= 8, "{s:?}");
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     serving.join().unwrap().unwrap();
     assert!(!sock.exists());
