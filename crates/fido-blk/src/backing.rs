@@ -34,6 +34,9 @@ use crate::server::{BackendQueue, BlockBackend, Request};
 
 /// The largest READ or WRITE by default.
 pub const DEFAULT_MAX_TRANSFER: u32 = 4 << 20;
+/// Reads and writes of shmem backings up to this size are done on the
+/// connection's thread with plain system calls (see `UringQueue::submit`).
+const INLINE_MAX: u32 = 64 << 10;
 /// Ring entries per connection by default (also INFO's queue_depth).
 pub const DEFAULT_QUEUE_DEPTH: u32 = 128;
 
@@ -69,6 +72,9 @@ pub struct FileBackend {
     info: Info,
     direct: bool,
     kind: Kind,
+    /// Small reads and writes are done with plain system calls (shmem:
+    /// a RAM disk, or a file on tmpfs; see `UringQueue::submit`).
+    inline_small: bool,
 }
 
 fn invalid(msg: String) -> io::Error {
@@ -125,8 +131,20 @@ impl FileBackend {
             flags |= proto::INFO_READ_ONLY;
         }
         let info = Info { size, logical_block: opts.logical_block, max_transfer: opts.max_transfer, flags, queue_depth: opts.queue_depth };
-        Ok(FileBackend { file: Arc::new(file), info, direct: opts.direct, kind })
+        let inline_small = kind == Kind::Ram || on_tmpfs(&file);
+        Ok(FileBackend { file: Arc::new(file), info, direct: opts.direct, kind, inline_small })
     }
+}
+
+/// Whether `file` lives on tmpfs (shmem, like a RAM disk's memfd).
+#[allow(clippy::unnecessary_cast)] // `f_type`'s type depends on the target
+fn on_tmpfs(file: &File) -> bool {
+    const TMPFS_MAGIC: i64 = 0x0102_1994;
+    let mut st = std::mem::MaybeUninit::<libc::statfs>::zeroed();
+    // SAFETY: fstatfs fills the struct through a valid pointer to ours.
+    let r = unsafe { libc::fstatfs(file.as_raw_fd(), st.as_mut_ptr()) };
+    // SAFETY: initialised by the successful call (zeroed before anyway).
+    r == 0 && unsafe { st.assume_init() }.f_type as i64 == TMPFS_MAGIC
 }
 
 fn check_opts(opts: &BackingOptions) -> io::Result<()> {
@@ -164,11 +182,13 @@ impl BlockBackend for FileBackend {
         let shared = Arc::new(Ring {
             ring,
             sq: Mutex::new(()),
+            cq: Mutex::new(()),
             ops: Mutex::new(Ops { next: 1, live: HashMap::new() }),
             file: self.file.clone(),
             direct: self.direct,
             block: self.info.logical_block,
             kind: self.kind,
+            inline_small: self.inline_small,
         });
         let s = shared.clone();
         let reaper = std::thread::Builder::new().name("blk-uring".into()).spawn(move || reap(s))?;
@@ -207,11 +227,14 @@ struct Ring {
     ring: IoUring,
     /// Held while pushing to the submission queue (both threads push).
     sq: Mutex<()>,
+    /// Held while reading the completion queue (both threads complete).
+    cq: Mutex<()>,
     ops: Mutex<Ops>,
     file: Arc<File>,
     direct: bool,
     block: u32,
     kind: Kind,
+    inline_small: bool,
 }
 
 impl Ring {
@@ -221,6 +244,12 @@ impl Ring {
 
     /// Pushes one entry and submits it (a full queue is submitted first).
     fn push(&self, entry: io_uring::squeue::Entry) {
+        self.queue(entry);
+        self.submit();
+    }
+
+    /// Pushes one entry without submitting it (unless the queue is full).
+    fn queue(&self, entry: io_uring::squeue::Entry) {
         let _g = self.sq.lock();
         loop {
             // SAFETY: only one thread touches the submission queue at a time
@@ -235,6 +264,11 @@ impl Ring {
                 std::thread::yield_now();
             }
         }
+    }
+
+    /// Submits what was queued.
+    fn submit(&self) {
+        let _g = self.sq.lock();
         while let Err(e) = self.ring.submitter().submit() {
             if e.raw_os_error() != Some(libc::EINTR) && e.raw_os_error() != Some(libc::EAGAIN) && e.raw_os_error() != Some(libc::EBUSY) {
                 tracing::warn!(error = %e, "io_uring submit");
@@ -279,16 +313,37 @@ impl Ring {
         e.user_data(key)
     }
 
+    /// Queues `op` (submitted at the next `submit`).
     fn start(&self, mut op: InFlight) {
-        let key = {
+        let e = {
             let mut ops = self.ops.lock();
             let key = ops.next;
             ops.next += 1;
             let e = self.entry(key, &mut op);
             ops.live.insert(key, op);
-            (key, e)
+            e
         };
-        self.push(key.1);
+        self.queue(e);
+    }
+
+    /// Completes every request whose completion is in the queue; returns
+    /// whether STOP was among them. `wait`: the completion thread, which
+    /// takes its turn; the connection's thread only looks in passing.
+    fn reap_ready(&self, wait: bool) -> bool {
+        let guard = if wait { Some(self.cq.lock()) } else { self.cq.try_lock() };
+        let Some(_g) = guard else { return false };
+        // SAFETY: only the holder of the `cq` lock reads the completion queue.
+        let done: Vec<(u64, i32)> = unsafe { self.ring.completion_shared() }.map(|c| (c.user_data(), c.result())).collect();
+        let mut stop = false;
+        for (key, res) in done {
+            if key == STOP {
+                stop = true;
+                continue;
+            }
+            let Some(op) = self.ops.lock().live.remove(&key) else { continue };
+            complete(self, key, op, res);
+        }
+        stop
     }
 
     /// Resubmits `op` (a continuation) under its key.
@@ -341,7 +396,28 @@ impl BackendQueue for UringQueue {
             Op::Flush => op.syncing = true,
             Op::Discard | Op::WriteZeroes => {}
         }
+        if self.ring.inline_small && matches!(c.op, Op::Read | Op::Write) && c.len <= INLINE_MAX {
+            // A small read or write of shmem (a RAM disk, a file on tmpfs)
+            // is a short copy by the kernel that never blocks: done here it
+            // costs one system call, where io_uring hands it to a kernel
+            // worker (shmem punts) and wakes threads for the completion.
+            // Measured here (blk_load, 4k random reads QD32, interleaved
+            // runs): similar or more IOPS with about half the storage
+            // domain's CPU. Large ones stay on io_uring, whose workers copy
+            // several at once.
+            return match rw_now(&self.ring.file, &mut op) {
+                Ok(()) => finish(op),
+                Err(errno) => op.req.reply.error(errno_status(errno)),
+            };
+        }
         self.ring.start(op);
+    }
+
+    fn flush(&mut self) {
+        self.ring.submit();
+        // Reads of cached data often complete during the submission itself:
+        // reply from here, without waking the completion thread's turn.
+        self.ring.reap_ready(false);
     }
 }
 
@@ -371,16 +447,7 @@ fn reap(ring: Arc<Ring>) {
                 std::thread::sleep(std::time::Duration::from_millis(10));
             }
         }
-        // SAFETY: only this thread reads the completion queue.
-        let done: Vec<(u64, i32)> = unsafe { ring.ring.completion_shared() }.map(|c| (c.user_data(), c.result())).collect();
-        for (key, res) in done {
-            if key == STOP {
-                stopping = true;
-                continue;
-            }
-            let Some(op) = ring.ops.lock().live.remove(&key) else { continue };
-            complete(&ring, key, op, res);
-        }
+        stopping |= ring.reap_ready(true);
     }
 }
 
@@ -419,6 +486,42 @@ fn complete(ring: &Ring, key: u64, mut op: InFlight, res: i32) {
         Op::Discard | Op::WriteZeroes => finish_range(ring, key, op),
         Op::Flush => finish(op),
     }
+}
+
+/// Does a READ or WRITE with plain system calls (continuing short ones).
+fn rw_now(file: &File, op: &mut InFlight) -> Result<(), i32> {
+    let c = op.req.checked;
+    let fd = file.as_raw_fd();
+    while op.done < u64::from(c.len) {
+        let at = (c.offset + op.done) as libc::off_t;
+        let n = if c.op == Op::Read {
+            let buf = op.buf.as_mut().expect("a READ has its buffer");
+            let dst = &mut buf[op.done as usize..];
+            // SAFETY: `dst` is our own buffer, writable for its length.
+            unsafe { libc::pread(fd, dst.as_mut_ptr() as *mut libc::c_void, dst.len(), at) }
+        } else {
+            // SAFETY: the iovecs point into the request's payload segments,
+            // mapped read-only for as long as `op.req.msg` lives (all of this
+            // call); the kernel only reads them.
+            unsafe { libc::pwritev(fd, op.iov.as_ptr(), op.iov.len() as libc::c_int, at) }
+        };
+        match n {
+            n if n > 0 => {
+                op.done += n as u64;
+                if c.op == Op::Write {
+                    advance(&mut op.iov, n as usize);
+                }
+            }
+            0 => return Err(libc::EIO),
+            _ => {
+                let e = io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO);
+                if e != libc::EINTR {
+                    return Err(e);
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// A DISCARD or WRITE_ZEROES whose range is done: FUA syncs first.
@@ -507,4 +610,44 @@ fn write_zeros(ring: &Ring, mut off: u64, len: u64) -> io::Result<()> {
         off += n as u64;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn iov(base: usize, len: usize) -> libc::iovec {
+        libc::iovec { iov_base: base as *mut libc::c_void, iov_len: len }
+    }
+
+    #[test]
+    fn advance_after_a_short_write() {
+        let mut v = vec![iov(1000, 100), iov(5000, 50), iov(9000, 10)];
+        advance(&mut v, 30);
+        assert_eq!(v.iter().map(|x| (x.iov_base as usize, x.iov_len)).collect::<Vec<_>>(), [(1030, 70), (5000, 50), (9000, 10)]);
+        advance(&mut v, 70);
+        assert_eq!(v.iter().map(|x| (x.iov_base as usize, x.iov_len)).collect::<Vec<_>>(), [(5000, 50), (9000, 10)]);
+        advance(&mut v, 55);
+        assert_eq!(v.iter().map(|x| (x.iov_base as usize, x.iov_len)).collect::<Vec<_>>(), [(9005, 5)]);
+        advance(&mut v, 5);
+        assert!(v.is_empty());
+    }
+
+    #[test]
+    fn options_are_checked() {
+        let bad = |f: &dyn Fn(&mut BackingOptions)| {
+            let mut o = BackingOptions::default();
+            f(&mut o);
+            FileBackend::ram(1 << 20, &o).is_err()
+        };
+        assert!(bad(&|o| o.logical_block = 1024));
+        assert!(bad(&|o| o.max_transfer = 1000));
+        assert!(bad(&|o| o.max_transfer = 128 << 20));
+        assert!(bad(&|o| o.queue_depth = 0));
+        assert!(bad(&|o| o.direct = true));
+        assert!(FileBackend::ram(100, &BackingOptions::default()).is_err(), "less than one block");
+        let r = FileBackend::ram((1 << 20) + 100, &BackingOptions::default()).unwrap();
+        assert_eq!(r.info().size, 1 << 20, "rounded down to the block");
+        assert!(r.inline_small);
+    }
 }

@@ -25,4 +25,4 @@ pub mod server;
 pub use backing::{BackingOptions, FileBackend};
 pub use client::{BlkClient, BlkError, Completion};
 pub use proto::{Info, Op};
-pub use server::{serve, stats_key, BackendQueue, BlockBackend, Replier, Request, ServeOptions, Server, Stats};
+pub use server::{serve, stats_key, BackendQueue, BlockBackend, Replier, Request, ServeOptions, Server, Stats, DEFAULT_READ_BYTES_HELD};

@@ -21,6 +21,8 @@ use crate::proto::{self, Checked, Info, Op, ReqHeader, HEADER_LEN};
 const REPLY_TIMEOUT: Duration = Duration::from_secs(30);
 /// How often the threads look at the stop flag while idle.
 const POLL: Duration = Duration::from_millis(200);
+/// Requests taken off a connection before the backend is flushed.
+const BATCH: usize = 64;
 /// How often the statistics are published to the registry (when they changed).
 const PUBLISH_EVERY: Duration = Duration::from_secs(1);
 
@@ -44,6 +46,12 @@ pub trait BackendQueue: Send {
     /// For WRITE it must keep `req.msg` (the client's payload) alive until
     /// the data is written, then drop it: that releases the client's buffers.
     fn submit(&mut self, req: Request);
+
+    /// Called after a batch of `submit`s (when no more requests are waiting
+    /// on the connection): a backend may hold submissions back until then
+    /// (one system call for the batch) and use the moment to complete what
+    /// is already done on the connection's thread. The default does nothing.
+    fn flush(&mut self) {}
 }
 
 /// A validated request, owned by the backend until it completes.
@@ -148,6 +156,9 @@ struct Conn {
     counters: Arc<Counters>,
     /// Set when a reply could not be sent: the connection is given up.
     broken: AtomicBool,
+    /// Bytes of READ replies the client has not released yet (storage
+    /// domain arena memory it holds).
+    read_bytes_held: AtomicU64,
 }
 
 /// Completes one request: exactly one reply goes to the client. Dropping a
@@ -194,11 +205,22 @@ impl Replier {
     /// READ success: `data` (exactly `len` bytes in one or more buffers of
     /// this domain's arena, or a forwarded message) goes to the client. The
     /// client checks the length and fails the request if it differs.
-    pub fn data(mut self, data: impl Into<Message>) {
+    /// The reply counts against the connection's budget of READ bytes held
+    /// by the client until the client releases it (this uses the message's
+    /// `hold`: a backend that needs one of its own uses [`Replier::data_holding`]).
+    pub fn data(self, data: impl Into<Message>) {
+        self.data_holding(data, ());
+    }
+
+    /// [`Replier::data`], keeping `value` alive until the client releases the reply.
+    pub fn data_holding(mut self, data: impl Into<Message>, value: impl std::any::Any + Send + Sync) {
         self.done = true;
-        let m: Message = data.into();
         self.count_ok();
-        self.send(m.tag(self.id).opcode(proto::STATUS_OK));
+        let n = u64::from(self.len);
+        self.conn.read_bytes_held.fetch_add(n, Ordering::Relaxed);
+        let held = HeldRead { conn: self.conn.clone(), bytes: n };
+        let m: Message = data.into();
+        self.send(m.tag(self.id).opcode(proto::STATUS_OK).hold((held, value)));
     }
 
     fn count_ok(&self) {
@@ -237,6 +259,18 @@ impl Drop for Replier {
     }
 }
 
+/// Counts a READ reply's bytes as held by the client until it releases them.
+struct HeldRead {
+    conn: Arc<Conn>,
+    bytes: u64,
+}
+
+impl Drop for HeldRead {
+    fn drop(&mut self) {
+        self.conn.read_bytes_held.fetch_sub(self.bytes, Ordering::Relaxed);
+    }
+}
+
 fn send_reply(conn: &Conn, m: Message) {
     if conn.broken.load(Ordering::Relaxed) {
         return;
@@ -255,7 +289,15 @@ pub struct ServeOptions {
     /// Also publish the counters as `key=value` lines under
     /// `/blk/<name>/stats` in the registry (every second when they changed).
     pub publish_stats: bool,
+    /// The most bytes of READ replies one connection may hold (not yet
+    /// released) before the storage domain takes no more of its requests
+    /// until it releases some: one client cannot exhaust the arena that
+    /// every client's reads come from. 0: [`DEFAULT_READ_BYTES_HELD`].
+    pub max_read_bytes_held: u64,
 }
+
+/// The default of [`ServeOptions::max_read_bytes_held`].
+pub const DEFAULT_READ_BYTES_HELD: u64 = 256 << 20;
 
 struct Shared {
     domain: Domain,
@@ -263,6 +305,7 @@ struct Shared {
     backend: Arc<dyn BlockBackend>,
     counters: Arc<Counters>,
     stop: AtomicBool,
+    max_read_bytes_held: u64,
 }
 
 impl Shared {
@@ -310,6 +353,7 @@ pub fn serve(domain: &Domain, name: &str, backend: Arc<dyn BlockBackend>, opts: 
         backend,
         counters: Arc::default(),
         stop: AtomicBool::new(false),
+        max_read_bytes_held: if opts.max_read_bytes_held == 0 { DEFAULT_READ_BYTES_HELD } else { opts.max_read_bytes_held },
     });
     let s = shared.clone();
     let acceptor = std::thread::Builder::new()
@@ -413,7 +457,13 @@ fn serve_connection(shared: Arc<Shared>, ch: Channel) {
         tracing::debug!(error = %e.error, "fido-blk: sending INFO");
         return;
     }
-    let conn = Arc::new(Conn { ch, domain: shared.domain.clone(), counters: shared.counters.clone(), broken: AtomicBool::new(false) });
+    let conn = Arc::new(Conn {
+        ch,
+        domain: shared.domain.clone(),
+        counters: shared.counters.clone(),
+        broken: AtomicBool::new(false),
+        read_bytes_held: AtomicU64::new(0),
+    });
     let mut queue = match shared.backend.open_queue(&shared.domain) {
         Ok(q) => q,
         Err(e) => {
@@ -421,7 +471,7 @@ fn serve_connection(shared: Arc<Shared>, ch: Channel) {
             return;
         }
     };
-    while !shared.stop.load(Ordering::Relaxed) && !conn.broken.load(Ordering::Relaxed) {
+    'serve: while !shared.stop.load(Ordering::Relaxed) && !conn.broken.load(Ordering::Relaxed) {
         let msg = match conn.ch.recv_timeout(POLL) {
             Ok(m) => m,
             Err(FidoError::Timeout) => continue,
@@ -430,22 +480,77 @@ fn serve_connection(shared: Arc<Shared>, ch: Channel) {
                 break;
             }
         };
-        bump(&shared.counters.requests, 1);
-        let (header, payload_len) = frame(&msg);
-        let (id, opcode) = (msg.tag(), msg.opcode());
-        match proto::check_request(&info, opcode, header, payload_len) {
-            Ok(checked) => {
-                let op = checked.op;
-                let reply = Replier { conn: conn.clone(), id, op, len: checked.len, done: false };
-                queue.submit(Request { checked, msg, reply });
-            }
-            Err(status) => {
-                drop(msg);
-                bump(&shared.counters.errors, 1);
-                send_reply(&conn, Message::inline(&[]).expect("an empty inline message").tag(id).opcode(status));
+        if !within_budget(&shared, &conn, &mut *queue) {
+            break;
+        }
+        handle(&shared, &conn, &info, &mut *queue, msg);
+        // Take what else is waiting as one batch, then let the backend go.
+        for _ in 1..BATCH {
+            match conn.ch.try_recv() {
+                Ok(Some(m)) => {
+                    if !within_budget(&shared, &conn, &mut *queue) {
+                        break 'serve;
+                    }
+                    handle(&shared, &conn, &info, &mut *queue, m)
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    tracing::debug!(error = %e, "fido-blk: connection ended");
+                    queue.flush();
+                    break 'serve;
+                }
             }
         }
+        queue.flush();
     }
     // Dropping the queue waits for the requests still in the backend.
     drop(queue);
+}
+
+/// Waits while the client holds its budget of READ data: no request is
+/// taken until it releases some (collecting releases drops the `HeldRead`s).
+/// `false`: the connection ended (or the server stops) meanwhile.
+fn within_budget(shared: &Shared, conn: &Conn, queue: &mut dyn BackendQueue) -> bool {
+    while conn.read_bytes_held.load(Ordering::Relaxed) >= shared.max_read_bytes_held {
+        queue.flush();
+        if let Err(e) = conn.ch.reap() {
+            tracing::debug!(error = %e, "fido-blk: connection ended");
+            return false;
+        }
+        if !conn.ch.is_open() || shared.stop.load(Ordering::Relaxed) || conn.broken.load(Ordering::Relaxed) {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    true
+}
+
+/// Validates one request and hands it to the backend, or refuses it.
+fn handle(shared: &Shared, conn: &Arc<Conn>, info: &Info, queue: &mut dyn BackendQueue, msg: Msg) {
+    bump(&shared.counters.requests, 1);
+    let (header, payload_len) = frame(&msg);
+    let (id, opcode) = (msg.tag(), msg.opcode());
+    match proto::check_request(info, opcode, header, payload_len) {
+        Ok(checked) => {
+            let reply = Replier { conn: conn.clone(), id, op: checked.op, len: checked.len, done: false };
+            queue.submit(Request { checked, msg, reply });
+        }
+        Err(status) => {
+            drop(msg);
+            bump(&shared.counters.errors, 1);
+            send_reply(conn, Message::inline(&[]).expect("an empty inline message").tag(id).opcode(status));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stats_text_round_trip() {
+        let s = Stats { connections: 1, requests: 2, reads: 3, writes: 4, flushes: 5, discards: 6, write_zeroes: 7, errors: 8, bytes_read: 9, bytes_written: 10, bytes_copied: 11 };
+        assert_eq!(Stats::from_text(&s.to_text()), s);
+        assert_eq!(Stats::from_text("reads=x\nnonsense\nunknown=3\nwrites=2"), Stats { writes: 2, ..Default::default() });
+    }
 }

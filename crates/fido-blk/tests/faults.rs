@@ -3,7 +3,8 @@
 //! up (ENOSPC), and a file that returns EIO (an `nbdkit` memory disk behind
 //! its `error` filter, exposed as a file by `nbdfuse`).
 //!
-//! Both need root (mount); the EIO test needs nbdkit and nbdfuse (Debian:
+//! Plus a loop device as a block-device backing (BLKGETSIZE64, fallocate on
+//! a block device). All need root (mount, losetup); the EIO test needs nbdkit and nbdfuse (Debian:
 //! nbdkit, libnbd-bin; scripts/install-test-deps.sh installs them). Without
 //! them a test says so on stderr and passes without checking.
 
@@ -63,6 +64,10 @@ fn a_full_backing_answers_enospc_and_keeps_serving() {
     }
     let at = enospc_at.expect("2 MiB of writes fit on a 1 MiB tmpfs");
     assert!(at >= 4, "ENOSPC came after only {at} writes of 64 KiB");
+    // Writes above 64 KiB go through io_uring rather than pwritev: the same answer.
+    let mut big = c.alloc(256 << 10).unwrap();
+    big.fill(7);
+    assert!(matches!(c.write_bufs(4 << 20, vec![big], false), Err(BlkError::Status(proto::ENOSPC))));
     // Still serving: what was written reads back, and freeing space helps.
     let m = c.read_at(0, 4096).unwrap();
     assert!(m.to_vec().iter().all(|&x| x == 1));
@@ -141,4 +146,45 @@ fn a_failing_backing_answers_eio_and_keeps_serving() {
     drop(c);
     drop(server);
     drop(disk);
+}
+
+/// A loop device over a file, detached when dropped.
+struct Loop(String);
+
+impl Drop for Loop {
+    fn drop(&mut self) {
+        run_ok(Command::new("losetup").arg("-d").arg(&self.0));
+    }
+}
+
+#[test]
+fn a_block_device_backing() {
+    let b = TestBroker::start();
+    let img = b.dir.path().join("loop.img");
+    std::fs::File::create(&img).unwrap().set_len(8 << 20).unwrap();
+    let out = Command::new("losetup").args(["-f", "--show"]).arg(&img).output();
+    let dev = match out {
+        Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout).trim().to_string(),
+        _ => {
+            eprintln!("SKIPPED a_block_device_backing: losetup cannot attach a loop device here");
+            return;
+        }
+    };
+    let _loop = Loop(dev.clone());
+    let sd = b.join("storage");
+    let server = serve(&sd, "loop", Arc::new(FileBackend::open(Path::new(&dev), &BackingOptions::default()).unwrap()), ServeOptions::default()).unwrap();
+    let cd = b.join("client");
+    let c = BlkClient::connect(&cd, "loop").unwrap();
+    assert_eq!(c.info().size, 8 << 20, "BLKGETSIZE64 of the loop device");
+    let data: Vec<u8> = (0..65536u32).map(|i| (i * 7 + i / 512) as u8).collect();
+    c.write_at(4096, &data, true).unwrap();
+    assert!(c.read_at(4096, 65536).unwrap().to_vec() == data);
+    c.write_zeroes(4096, 8192, false, true).unwrap();
+    c.discard(12288, 4096, false).unwrap();
+    let back = c.read_at(4096, 65536).unwrap().to_vec();
+    assert!(back[..12288].iter().all(|&x| x == 0), "write-zeroes / discard on a block device");
+    assert!(back[12288..] == data[12288..]);
+    c.flush().unwrap();
+    drop(c);
+    drop(server);
 }

@@ -350,3 +350,126 @@ fn direct_io_on_a_file() {
     c.write_zeroes(0, 16384, false, true).unwrap();
     assert!(c.read_at(0, 16384).unwrap().to_vec().iter().all(|&x| x == 0));
 }
+
+#[test]
+fn a_client_holding_its_read_budget_waits_until_it_releases() {
+    let b = TestBroker::start();
+    let sd = b.join("storage");
+    let backend = Arc::new(FileBackend::ram(1 << 20, &BackingOptions::default()).unwrap());
+    let opts = ServeOptions { max_read_bytes_held: 16 << 10, ..Default::default() };
+    let _server = serve(&sd, "budget", backend, opts).unwrap();
+    let cd = b.join("client");
+    let c = BlkClient::connect(&cd, "budget").unwrap();
+    let other_d = b.join("other");
+    let other = BlkClient::connect(&other_d, "budget").unwrap();
+    let mut held = Vec::new();
+    let mut stalled = None;
+    for i in 0..8u64 {
+        c.submit_read(i, i * 4096, 4096).unwrap();
+        match c.complete(Duration::from_millis(500)) {
+            Ok(done) => held.push(done.result.unwrap().unwrap()),
+            Err(BlkError::Timeout) => {
+                stalled = Some(i);
+                break;
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    let at = stalled.expect("the storage domain kept serving a client holding more than its budget");
+    assert_eq!(at, 4, "16 KiB of 4 KiB reads are held when the fifth waits");
+    // Another connection is not affected.
+    other.write_at(0, &[5u8; 4096], false).unwrap();
+    // Releasing lets the waiting read through.
+    held.clear();
+    let done = c.complete(T).unwrap();
+    assert_eq!(done.id, at);
+    assert!(done.result.unwrap().unwrap().to_vec().iter().all(|&x| x == 0));
+    assert!(c.read_at(0, 4096).unwrap().to_vec().iter().all(|&x| x == 5));
+}
+
+/// A backend of our own (as a RAID domain would be): it holds every request
+/// until `batch` have arrived, then completes them in reverse order from
+/// another thread — READ with bytes naming the request, WRITE after checking
+/// the payload in place.
+struct Reversing {
+    batch: usize,
+    held: Arc<parking_lot::Mutex<Vec<fido_blk::Request>>>,
+}
+
+struct ReversingQueue {
+    batch: usize,
+    held: Arc<parking_lot::Mutex<Vec<fido_blk::Request>>>,
+}
+
+impl fido_blk::BlockBackend for Reversing {
+    fn info(&self) -> proto::Info {
+        proto::Info { size: 1 << 20, logical_block: 512, max_transfer: 1 << 16, flags: proto::INFO_FLUSH, queue_depth: 64 }
+    }
+    fn open_queue(&self, _: &Domain) -> std::io::Result<Box<dyn fido_blk::BackendQueue>> {
+        Ok(Box::new(ReversingQueue { batch: self.batch, held: self.held.clone() }))
+    }
+}
+
+impl fido_blk::BackendQueue for ReversingQueue {
+    fn submit(&mut self, req: fido_blk::Request) {
+        let mut held = self.held.lock();
+        held.push(req);
+        if held.len() == self.batch {
+            let all: Vec<_> = held.drain(..).rev().collect();
+            std::thread::spawn(move || {
+                for req in all {
+                    let c = req.checked;
+                    match c.op {
+                        proto::Op::Read => {
+                            let mut buf = req.reply.alloc(c.len as usize).unwrap();
+                            buf.fill((c.offset / 512) as u8);
+                            req.reply.data(buf);
+                        }
+                        proto::Op::Write => {
+                            let expect = (c.offset / 512) as u8;
+                            let ok = req.payload().all(|s| s.iter().all(|b| b == expect));
+                            let fido_blk::Request { msg, reply, .. } = req;
+                            drop(msg);
+                            if ok { reply.ok() } else { reply.error(proto::EIO) }
+                        }
+                        _ => drop(req), // dropped unanswered: the client must get EIO
+                    }
+                }
+            });
+        }
+    }
+}
+
+#[test]
+fn a_backend_of_our_own_completes_out_of_order() {
+    let b = TestBroker::start();
+    let sd = b.join("storage");
+    let backend = Arc::new(Reversing { batch: 16, held: Arc::default() });
+    let _server = serve(&sd, "rev", backend, ServeOptions::default()).unwrap();
+    let cd = b.join("client");
+    let c = BlkClient::connect(&cd, "rev").unwrap();
+    for i in 0..8u64 {
+        c.submit_read(i, i * 512, 512).unwrap();
+        let mut buf = c.alloc(1024).unwrap();
+        buf.fill((8 + 2 * i) as u8);
+        c.submit_write(100 + i, (8 + 2 * i) * 512, vec![buf], false).unwrap();
+    }
+    let mut order = Vec::new();
+    for _ in 0..16 {
+        let done = c.complete(T).unwrap();
+        match done.result.unwrap() {
+            Some(m) => assert!(m.to_vec().iter().all(|&x| u64::from(x) == done.id), "READ {} got another's bytes", done.id),
+            None => assert!(done.id >= 100),
+        }
+        order.push(done.id);
+    }
+    let want: Vec<u64> = (0..8u64).flat_map(|i| [i, 100 + i]).rev().collect();
+    assert_eq!(order, want, "completions come in the backend's order");
+    // A request the backend drops is answered EIO (never a hang).
+    for i in 0..16u64 {
+        c.submit_flush(1000 + i).unwrap();
+    }
+    for _ in 0..16 {
+        assert!(matches!(c.complete(T).unwrap().result, Err(BlkError::Status(proto::EIO))));
+    }
+}

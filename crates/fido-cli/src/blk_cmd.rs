@@ -210,7 +210,7 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
         signal_hook::flag::register(sig, stop.clone())?;
     }
     let d = join(&a.conn, &format!("blk-{}", a.name), a.arena)?;
-    let server = fido_blk::serve(&d, &a.name, Arc::new(backend), ServeOptions { publish_stats: true })?;
+    let server = fido_blk::serve(&d, &a.name, Arc::new(backend), ServeOptions { publish_stats: true, ..Default::default() })?;
     let i = server.info();
     // Scripts and tests wait for this line.
     println!("serving blk:{} size={} block={} max_transfer={} flags={:#x}", a.name, i.size, i.logical_block, i.max_transfer, i.flags);
@@ -251,10 +251,17 @@ fn read(c: &BlkClient, offset: u64, len: u64, out: Option<PathBuf>) -> anyhow::R
 }
 
 fn write(c: &BlkClient, offset: u64, input: &PathBuf, fua: bool) -> anyhow::Result<()> {
+    let block = u64::from(c.info().logical_block);
     let mut src: Box<dyn std::io::Read> = if input.as_os_str() == "-" {
         Box::new(std::io::stdin().lock())
     } else {
-        Box::new(File::open(input).with_context(|| format!("opening {}", input.display()))?)
+        let f = File::open(input).with_context(|| format!("opening {}", input.display()))?;
+        // Refuse before writing anything (stdin can only be found out at its end).
+        let len = f.metadata()?.len();
+        if len % block != 0 || offset % block != 0 {
+            bail!("{} is {len} bytes and the offset {offset}: both must be multiples of the {block}-byte block", input.display());
+        }
+        Box::new(f)
     };
     let chunk = c.info().max_transfer as usize;
     let mut at = offset;
