@@ -25,6 +25,7 @@
 mod blk_cmd;
 mod blk_nbd;
 mod blk_raid_cmd;
+mod blk_vhost_cmd;
 mod broker;
 mod pipe_cli;
 mod pipe_cmd;
