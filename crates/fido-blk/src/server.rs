@@ -158,7 +158,10 @@ struct Conn {
     broken: AtomicBool,
     /// Bytes of READ replies the client has not released yet (storage
     /// domain arena memory it holds).
-    read_bytes_held: AtomicU64,
+    /// Shared with the `HeldRead`s of replies in flight: they must not
+    /// hold the connection itself (its channel keeps them until the client
+    /// releases them — a cycle that kept a stopped server's channel open).
+    read_bytes_held: Arc<AtomicU64>,
 }
 
 /// Completes one request: exactly one reply goes to the client. Dropping a
@@ -218,7 +221,7 @@ impl Replier {
         self.count_ok();
         let n = u64::from(self.len);
         self.conn.read_bytes_held.fetch_add(n, Ordering::Relaxed);
-        let held = HeldRead { conn: self.conn.clone(), bytes: n };
+        let held = HeldRead { held: self.conn.read_bytes_held.clone(), bytes: n };
         let m: Message = data.into();
         self.send(m.tag(self.id).opcode(proto::STATUS_OK).hold((held, value)));
     }
@@ -261,13 +264,13 @@ impl Drop for Replier {
 
 /// Counts a READ reply's bytes as held by the client until it releases them.
 struct HeldRead {
-    conn: Arc<Conn>,
+    held: Arc<AtomicU64>,
     bytes: u64,
 }
 
 impl Drop for HeldRead {
     fn drop(&mut self) {
-        self.conn.read_bytes_held.fetch_sub(self.bytes, Ordering::Relaxed);
+        self.held.fetch_sub(self.bytes, Ordering::Relaxed);
     }
 }
 
@@ -462,7 +465,7 @@ fn serve_connection(shared: Arc<Shared>, ch: Channel) {
         domain: shared.domain.clone(),
         counters: shared.counters.clone(),
         broken: AtomicBool::new(false),
-        read_bytes_held: AtomicU64::new(0),
+        read_bytes_held: Arc::new(AtomicU64::new(0)),
     });
     let mut queue = match shared.backend.open_queue(&shared.domain) {
         Ok(q) => q,

@@ -473,3 +473,28 @@ fn a_backend_of_our_own_completes_out_of_order() {
         assert!(matches!(c.complete(T).unwrap().result, Err(BlkError::Status(proto::EIO))));
     }
 }
+
+/// A stopped server closes its connections even while a client still holds
+/// one of its READ replies (the reply's hold must not keep the connection
+/// alive): the client's next request fails at once instead of waiting for
+/// an answer that never comes.
+#[test]
+fn a_stopped_server_closes_connections_whose_client_holds_a_read() {
+    let b = TestBroker::start();
+    let sd = b.join("storage");
+    let backend = Arc::new(FileBackend::ram(1 << 20, &BackingOptions::default()).unwrap());
+    let server = serve(&sd, "stopping", backend, ServeOptions::default()).unwrap();
+    let cd = b.join("client");
+    let c = BlkClient::connect(&cd, "stopping").unwrap();
+    let held = c.read_at(0, 4096).unwrap();
+    server.stop();
+    let t = std::time::Instant::now();
+    let r = match c.submit_read(7, 0, 4096) {
+        Err(e) => Err(e),
+        Ok(()) => c.complete(Duration::from_secs(10)).and_then(|done| done.result.map(|_| ())),
+    };
+    assert!(r.is_err(), "a request to a stopped server succeeded");
+    assert!(!matches!(r, Err(BlkError::Timeout)), "a request to a stopped server was never answered");
+    assert!(t.elapsed() < Duration::from_secs(5), "the failure took {:?}", t.elapsed());
+    drop(held);
+}
