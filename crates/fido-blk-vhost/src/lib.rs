@@ -1,5 +1,5 @@
 //! fido-blk-vhost: a vhost-user-blk back end that serves a QEMU guest's
-//! virtio-blk disk from a Fido block service (`blk:NAME`, docs/BLK-vhost.md).
+//! virtio-blk disk from a Fido block service (`blk:NAME`, docs/BLK.md §7).
 //!
 //! QEMU (`-device vhost-user-blk-pci,chardev=…`) shares the guest's RAM with
 //! this process (a memfd, `share=on`) and hands it the virtqueues. Each

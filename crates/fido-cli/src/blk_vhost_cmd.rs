@@ -1,6 +1,6 @@
 //! `fido blk vhost NAME --socket PATH`: a vhost-user-blk back end in the
 //! foreground, serving block device NAME (service blk:NAME) to QEMU guests
-//! one front end at a time (docs/BLK-vhost.md). SIGINT/SIGTERM stop it.
+//! one front end at a time (docs/BLK.md §7). SIGINT/SIGTERM stop it.
 
 use std::io::Write as _;
 use std::path::PathBuf;
