@@ -8,6 +8,10 @@
 //!   floor any server on it is measured against.
 //! * **RAID-1**: the same NBD front end over a RAID-1 domain of two RAM
 //!   storage domains, against a single RAM storage domain.
+//! * **Inside a guest** ([`super::blk_vm`]): `dd` on a virtio-blk disk in a
+//!   QEMU guest, served by `fido blk vhost` (vhost-user-blk), QEMU's own
+//!   `-drive` and qemu-storage-daemon's vhost-user-blk export (cases
+//!   `guest-*`; skipped without QEMU).
 //!
 //! Cases: `randread-4k-qd32` and `randwrite-4k-qd32` (IO/s), `write-1m` and
 //! `read-1m` (sequential, QD 4, bytes/s). Every case of every system runs
