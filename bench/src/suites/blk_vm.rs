@@ -4,6 +4,9 @@
 //!
 //! * `fido-vhost`: `fido blk serve NAME --file F` (a storage domain) and
 //!   `fido blk vhost NAME --socket S` → `-device vhost-user-blk-pci`;
+//!   `fido-vhost-ram`: the same with `fido blk serve NAME --ram SIZE` (the
+//!   blocks of the file's pattern the checks read written into it first
+//!   with `fido blk write`);
 //! * `qemu-virtio`: QEMU's own block layer, `-drive file=F,format=raw,
 //!   cache=writeback,aio=io_uring` on an iothread → `-device virtio-blk-pci`
 //!   (the settings a competent user picks for a file on tmpfs: the page
@@ -40,7 +43,7 @@ use super::blk::{have, start, wait_service, Server};
 use crate::Record;
 
 const SUITE: &str = "blk";
-pub(super) const SYSTEMS: &[&str] = &["fido-vhost", "qemu-virtio", "qsd-vhost"];
+pub(super) const SYSTEMS: &[&str] = &["fido-vhost", "fido-vhost-ram", "qemu-virtio", "qsd-vhost"];
 pub(super) const CASES: &[&str] = &["guest-write-1m", "guest-read-1m", "guest-4k-qd1-read"];
 const GUEST_MEM_MIB: u32 = 256;
 const LINE_PREFIX: &str = "fido-blk-guest:";
@@ -170,6 +173,21 @@ fn check_disk(path: &Path, n1m: u64) -> anyhow::Result<()> {
     f.read_exact_at(&mut buf, n1m << 20)?;
     if buf.iter().any(|&b| b != 0xa5) {
         bail!("MiB {n1m}, which the guest did not write, changed");
+    }
+    Ok(())
+}
+
+/// `fido blk ARGS` on `broker`, which must succeed.
+fn fido_blk_cli(fido: &Path, broker: &Path, args: &[&str]) -> anyhow::Result<()> {
+    let o = Command::new(fido)
+        .arg("blk")
+        .args(args)
+        .env("FIDO_BROKER", broker)
+        .stdin(Stdio::null())
+        .output()
+        .context("running fido blk")?;
+    if !o.status.success() {
+        bail!("fido blk {args:?} failed ({}): {}", o.status, String::from_utf8_lossy(&o.stderr).trim());
     }
     Ok(())
 }
@@ -363,13 +381,32 @@ pub(super) fn run(
             "vhost-user-blk-pci,chardev=vb,num-queues=1".into(),
         ];
         let disk_args = match system {
-            "fido-vhost" => {
+            "fido-vhost" | "fido-vhost-ram" => {
                 let log = dir.join("guest-serve.log");
                 let mut c = Command::new(fido);
-                c.args(["blk", "serve", "guest-disk", "--file", &disk_arg]).env("FIDO_BROKER", broker);
+                c.args(["blk", "serve", "guest-disk"]).env("FIDO_BROKER", broker);
+                if system == "fido-vhost-ram" {
+                    c.args(["--ram", &sizes.disk.to_string()]);
+                } else {
+                    c.args(["--file", &disk_arg]);
+                }
                 let mut s = start(c, "fido blk serve (guest disk)", &log)?;
                 wait_service(fido, broker, "guest-disk", &mut s, &log)?;
                 servers.push(s);
+                if system == "fido-vhost-ram" {
+                    // What the guest and `check_disk` read of the host's
+                    // pattern: the MiB after the guest's writes and the
+                    // marker (the guest writes everything else it reads).
+                    // Piecewise: `fido blk write` of the whole 256 MiB file
+                    // runs out of its arena.
+                    let pattern = dir.join("pattern.bin");
+                    std::fs::write(&pattern, vec![0xa5u8; 1 << 20])?;
+                    let at = (sizes.n1m << 20).to_string();
+                    fido_blk_cli(fido, broker, &["write", "guest-disk", &at, "--in", &pattern.display().to_string()])?;
+                    let at = (sizes.disk - 4096).to_string();
+                    let marker = dir.join("marker.bin").display().to_string();
+                    fido_blk_cli(fido, broker, &["write", "guest-disk", &at, "--in", &marker])?;
+                }
                 let log = dir.join("guest-vhost.log");
                 let mut c = Command::new(fido);
                 c.args(["blk", "vhost", "guest-disk", "--socket", &vsock_arg]).env("FIDO_BROKER", broker);
@@ -402,6 +439,15 @@ pub(super) fn run(
             }
         };
         let console = boot(&image, &sizes, &disk_args, dir, system);
+        // What the guest left on the disk, for `check_disk`: the file, or
+        // for a RAM disk the region read back while it still runs.
+        let mut written = disk.clone();
+        if system == "fido-vhost-ram" && console.is_ok() {
+            written = dir.join("guest-ram-readback.img");
+            let len = ((sizes.n1m + 1) << 20).to_string();
+            let out = written.display().to_string();
+            fido_blk_cli(fido, broker, &["read", "guest-disk", "0", &len, "--out", &out])?;
+        }
         // The front end's servers stop after their guest (last started first).
         while let Some(s) = servers.pop() {
             drop(s);
@@ -424,7 +470,7 @@ pub(super) fn run(
                 Ok(r)
             })
             .with_context(|| format!("{system}: guest console:\n{}", tail(&console)))?;
-        check_disk(&disk, sizes.n1m).with_context(|| format!("{system}: the disk file after the guest"))?;
+        check_disk(&written, sizes.n1m).with_context(|| format!("{system}: the disk file after the guest"))?;
         eprintln!("blk bench: {system}: guest clock {}", report.clock);
         for case in CASES {
             if !opts.wants(system, case) {
