@@ -8,6 +8,10 @@
 //!   floor any server on it is measured against.
 //! * **RAID-1**: the same NBD front end over a RAID-1 domain of two RAM
 //!   storage domains, against a single RAM storage domain.
+//! * **Inside a guest** ([`super::blk_vm`]): `dd` on a virtio-blk disk in a
+//!   QEMU guest, served by `fido blk vhost` (vhost-user-blk), QEMU's own
+//!   `-drive` and qemu-storage-daemon's vhost-user-blk export (cases
+//!   `guest-*`; skipped without QEMU).
 //!
 //! Cases: `randread-4k-qd32` and `randwrite-4k-qd32` (IO/s), `write-1m` and
 //! `read-1m` (sequential, QD 4, bytes/s). Every case of every system runs
@@ -46,9 +50,9 @@ const CASES: &[Case] = &[
 ];
 
 /// A server we started: SIGTERM, then SIGKILL after 5 s, on drop.
-struct Server {
-    child: Child,
-    what: String,
+pub(super) struct Server {
+    pub(super) child: Child,
+    pub(super) what: String,
 }
 
 impl Drop for Server {
@@ -69,7 +73,7 @@ impl Drop for Server {
     }
 }
 
-fn start(mut c: Command, what: &str, log: &Path) -> anyhow::Result<Server> {
+pub(super) fn start(mut c: Command, what: &str, log: &Path) -> anyhow::Result<Server> {
     let out = std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
     c.stdin(Stdio::null())
         .stdout(out.try_clone()?)
@@ -100,7 +104,7 @@ fn wait_socket(path: &Path, server: &mut Server, log: &Path) -> anyhow::Result<(
 }
 
 /// Whether `prog --version` (or `-V`) runs.
-fn have(prog: &str) -> bool {
+pub(super) fn have(prog: &str) -> bool {
     ["--version", "-V"].iter().any(|a| {
         Command::new(prog)
             .arg(a)
@@ -303,7 +307,7 @@ struct NbdSystem {
 }
 
 /// Waits until the block service `name` answers `fido blk info`.
-fn wait_service(fido: &Path, broker: &Path, name: &str, server: &mut Server, log: &Path) -> anyhow::Result<()> {
+pub(super) fn wait_service(fido: &Path, broker: &Path, name: &str, server: &mut Server, log: &Path) -> anyhow::Result<()> {
     let t = Instant::now();
     loop {
         let ok = Command::new(fido)
@@ -475,6 +479,9 @@ pub fn run(opts: &Opts) -> anyhow::Result<()> {
         }
     }
     drop(client);
+
+    // --- inside a guest: virtio-blk from fido blk vhost, QEMU, qemu-storage-daemon
+    super::blk_vm::run(opts, &fido, &bsock, dir, &mut records, &mut skipped)?;
     drop(broker);
 
     crate::print_table(&records);

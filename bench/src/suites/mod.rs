@@ -9,6 +9,7 @@
 //! `__pipe-role`, `__pipe-app`, `__demo-role`).
 
 pub mod blk;
+mod blk_vm;
 pub mod channel;
 pub mod net;
 pub mod pipe;

@@ -28,7 +28,7 @@
 
 mod endpoint;
 mod fidoops;
-mod rig;
+pub(crate) mod rig;
 mod stream;
 
 use std::io::Write as _;

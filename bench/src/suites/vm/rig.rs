@@ -63,7 +63,7 @@ pub struct Image {
 
 /// The workspace root: `$FIDO_REPO`, else two levels above this executable
 /// (`target/release/fido-bench`).
-fn repo_root() -> anyhow::Result<PathBuf> {
+pub(crate) fn repo_root() -> anyhow::Result<PathBuf> {
     if let Some(p) = std::env::var_os("FIDO_REPO") {
         return Ok(PathBuf::from(p));
     }
