@@ -326,8 +326,13 @@ impl Console {
         loop {
             probe += 1;
             // `FIDO''READY` comes back as FIDOREADY; the echoed input does not.
+            // Each probe starts with ^C: while the guest boots, the serial
+            // line can drop the start of a probe, and a lost `echo FIDO'`
+            // left the shell inside an open quote, taking every later probe
+            // as more of the same string. ^C discards whatever the shell
+            // has half read.
             let marker = format!("FIDOREADY-{}-{probe}\r", std::process::id());
-            self.send_line(&format!("echo FIDO''READY-{}-{probe}", std::process::id()))?;
+            self.send_line(&format!("\x03echo FIDO''READY-{}-{probe}", std::process::id()))?;
             let wait_end = deadline.min(Instant::now() + Duration::from_secs(1));
             match self.wait_until(wait_end, "the shell", |b| {
                 find(b, marker.as_bytes()).map(|i| i + marker.len())
