@@ -419,7 +419,18 @@ impl BlkClient {
 
     /// A buffer in this domain's arena for a write payload (64-byte aligned;
     /// block-multiple sizes are block aligned, as `--direct` servers need).
+    /// A full arena is retried once after collecting the releases the
+    /// server already published: the library collects them in batches
+    /// (when half the window is out), so a client writing large buffers
+    /// one at a time would otherwise run out of arena with most of it free.
     pub fn alloc(&self, len: usize) -> Result<Buf> {
-        Ok(self.domain.alloc(len)?)
+        match self.domain.alloc(len) {
+            Err(FidoError::Shm(_)) => {
+                let conn = self.conn.lock().clone();
+                let _ = conn.ch.reap();
+                Ok(self.domain.alloc(len)?)
+            }
+            other => Ok(other?),
+        }
     }
 }
