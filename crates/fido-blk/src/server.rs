@@ -157,10 +157,8 @@ struct Conn {
     /// Set when a reply could not be sent: the connection is given up.
     broken: AtomicBool,
     /// Bytes of READ replies the client has not released yet (storage
-    /// domain arena memory it holds).
-    /// Shared with the `HeldRead`s of replies in flight: they must not
-    /// hold the connection itself (its channel keeps them until the client
-    /// releases them — a cycle that kept a stopped server's channel open).
+    /// domain arena memory it holds). Shared with the replies' holds, which
+    /// must not own the connection: see [`HeldRead`].
     read_bytes_held: Arc<AtomicU64>,
 }
 
@@ -221,7 +219,7 @@ impl Replier {
         self.count_ok();
         let n = u64::from(self.len);
         self.conn.read_bytes_held.fetch_add(n, Ordering::Relaxed);
-        let held = HeldRead { held: self.conn.read_bytes_held.clone(), bytes: n };
+        let held = HeldRead { read_bytes_held: self.conn.read_bytes_held.clone(), bytes: n };
         let m: Message = data.into();
         self.send(m.tag(self.id).opcode(proto::STATUS_OK).hold((held, value)));
     }
@@ -263,14 +261,21 @@ impl Drop for Replier {
 }
 
 /// Counts a READ reply's bytes as held by the client until it releases them.
+///
+/// It holds the counter, never the connection: a reply is released while
+/// its channel collects releases (with the channel's send lock held), and a
+/// hold that owned the last reference to the connection would drop the
+/// channel there, which takes that same lock — a thread that deadlocked on
+/// itself (seen: a RAID-1 member thread collecting a closed client
+/// connection's forwarded READ replies hung every write after it).
 struct HeldRead {
-    held: Arc<AtomicU64>,
+    read_bytes_held: Arc<AtomicU64>,
     bytes: u64,
 }
 
 impl Drop for HeldRead {
     fn drop(&mut self) {
-        self.held.fetch_sub(self.bytes, Ordering::Relaxed);
+        self.read_bytes_held.fetch_sub(self.bytes, Ordering::Relaxed);
     }
 }
 

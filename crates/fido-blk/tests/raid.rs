@@ -452,3 +452,55 @@ fn writes_during_a_full_resync_end_up_on_both_mirrors() {
     assert_eq!(raid.status().resynced_regions, SIZE / raid.status().region, "copied whole");
     assert_eq!(rd.counters().bytes_copied, 0);
 }
+
+/// A client that read through the RAID (its READ replies are the members'
+/// buffers forwarded to it) and went away, then another that writes: every
+/// write completes. (The forwarded replies' releases used to drop the last
+/// reference to the closed connection inside a member thread's reap, which
+/// took the channel lock that reap held: that thread hung, and every write
+/// with it.)
+#[test]
+fn raid1_writes_complete_after_a_reading_client_went_away() {
+    let b = TestBroker::start();
+    let (s1, s2) = (b.join("store-1"), b.join("store-2"));
+    let _m1 = ram(&s1, "m1", 8 << 20);
+    let _m2 = ram(&s2, "m2", 8 << 20);
+    let rd = b.join("raid");
+    let raid = start(&rd, Layout::Mirror, &["m1", "m2"], true);
+    let _server = serve(&rd, "r1", raid.clone(), ServeOptions::default()).unwrap();
+    let blocks = (8u64 << 20) / 4096;
+    let cd = b.join("reader");
+    for round in 0..3u64 {
+        let reader = BlkClient::connect(&cd, "r1").unwrap();
+        for id in 0..32u64 {
+            reader.submit_read(id, (id * 37 + round) % blocks * 4096, 4096).unwrap();
+        }
+        for _ in 0..32 {
+            assert!(reader.complete(T).unwrap().result.unwrap().is_some());
+        }
+        // The connection closes with its replies released but not yet
+        // collected by the RAID (nothing more is sent on it); its server
+        // thread sees the close within its poll and lets the connection go.
+        drop(reader);
+        std::thread::sleep(Duration::from_millis(600));
+
+        let wd = b.join(&format!("writer-{round}"));
+        let writer = BlkClient::connect(&wd, "r1").unwrap();
+        let mut in_flight = 0;
+        for id in 0..512u64 {
+            if in_flight == 32 {
+                let c = writer.complete(Duration::from_secs(20)).expect("a write completes (no member thread hung)");
+                assert!(c.result.unwrap().is_none());
+                in_flight -= 1;
+            }
+            let mut buf = writer.alloc(4096).unwrap();
+            buf.fill(id as u8);
+            writer.submit_write(id, (id * 13 + round) % blocks * 4096, vec![buf], false).unwrap();
+            in_flight += 1;
+        }
+        for _ in 0..in_flight {
+            assert!(writer.complete(Duration::from_secs(20)).expect("a write completes").result.unwrap().is_none());
+        }
+    }
+    assert_eq!(raid.status().state, "clean");
+}

@@ -31,6 +31,11 @@ pub struct CommonArgs {
     /// The composition domain's arena.
     #[arg(long, value_parser = parse_size, default_value = "64M")]
     arena: u64,
+    /// How long a thread waiting for a client or a member spins before it
+    /// sleeps, in µs (0: sleep at once) [default: 50, or 0 on a machine of 2
+    /// CPUs or fewer].
+    #[arg(long, value_name = "US")]
+    spin_us: Option<u64>,
     /// Broker socket [default: $FIDO_BROKER, $XDG_RUNTIME_DIR/fido/broker.sock, /run/fido/broker.sock]
     #[arg(long)]
     socket: Option<PathBuf>,
@@ -115,7 +120,9 @@ fn run(a: CommonArgs, layout: Layout, assume_clean: bool, full_resync: bool) -> 
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         signal_hook::flag::register(sig, stop.clone())?;
     }
-    let d = join(&a.socket, &format!("blk-{}", a.name), a.arena)?;
+    let path = a.socket.clone().unwrap_or_else(fido::default_broker_path);
+    let d = Domain::join(JoinOptions::new(format!("blk-{}", a.name)).broker(&path).arena_len(a.arena).wait(crate::blk_cmd::serving_wait(a.spin_us)))
+        .with_context(|| format!("joining the broker at {}", path.display()))?;
     let opts = RaidOptions { layout, members: a.members.clone(), assume_clean, full_resync, connect_timeout: Duration::from_secs(a.wait) };
     let raid = Raid::start(&d, opts).with_context(|| format!("building {} {}", layout.name(), a.name))?;
     let server = fido_blk::serve(&d, &a.name, raid.clone(), ServeOptions { publish_stats: true, ..Default::default() })?;

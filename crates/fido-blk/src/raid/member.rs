@@ -215,13 +215,6 @@ impl Member {
         }
     }
 
-    /// A request with an inline header (READ, FLUSH, DISCARD, WRITE_ZEROES).
-    pub(crate) fn submit_header(&self, opcode: u16, offset: u64, len: u32, flags: u32, done: Completion) {
-        let header = proto::header_bytes(offset, len, flags);
-        let message = Message::inline(&header).expect("a 16-byte header fits inline");
-        self.submit(opcode, len, message, done);
-    }
-
     fn run(self: Arc<Self>, domain: Domain, events: Arc<dyn MemberEvents>) {
         let mut first = true;
         while !self.stop.load(Ordering::Relaxed) {

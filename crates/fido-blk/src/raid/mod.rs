@@ -617,7 +617,7 @@ impl Inner {
         self.members[i].fail(why);
     }
 
-    fn mirror_read(self: &Arc<Self>, offset: u64, len: u32, reply: Replier, tried: Vec<usize>, last_status: u16) {
+    fn mirror_read(self: &Arc<Self>, offset: u64, len: u32, reply: Replier, tried: Vec<usize>, last_status: u16, sink: &mut Sink<'_>) {
         let end = offset + u64::from(len);
         let Some(i) = self.read_target(offset, end, &tried) else {
             reply.error(if last_status == 0 { proto::EIO } else { last_status });
@@ -631,19 +631,27 @@ impl Inner {
                 me.mirror_failed(i, None, format!("READ failed: {}", proto::status_name(status)));
                 let mut tried = tried;
                 tried.push(i);
-                me.mirror_read(offset, len, reply, tried, status);
+                me.mirror_read(offset, len, reply, tried, status, &mut Sink::Now);
             }
         });
-        self.members[i].submit_header(proto::OP_READ, offset, len, 0, done);
+        self.send(sink, i, proto::OP_READ, len, header_message(offset, len, 0), done);
     }
 
     /// Registers a modifying request on [start, end) (waiting while the
     /// resync copies an overlapping region) and returns its id and the
     /// mirrors to send it to; the mirrors that are down get the range dirty.
-    fn begin_write(&self, start: u64, end: u64) -> (u64, Vec<usize>) {
+    fn begin_write(&self, start: u64, end: u64, sink: &mut Sink<'_>) -> (u64, Vec<usize>) {
         let m = self.mirrors();
         let mut st = m.lock.lock();
         while matches!(st.copying, Some((_, s, e)) if s < end && start < e) {
+            // The resync waits for the writes already registered, some of
+            // which may still be in our batch: send them before waiting.
+            if let Sink::Batch(batch) = sink {
+                if !batch.is_empty() {
+                    parking_lot::MutexGuard::unlocked(&mut st, || self.send_batch(batch));
+                    continue;
+                }
+            }
             m.changed.wait(&mut st);
         }
         let id = st.next_write;
@@ -677,7 +685,7 @@ impl Inner {
     }
 
     /// WRITE, DISCARD, WRITE_ZEROES and FLUSH on every live mirror.
-    fn mirror_modify(self: &Arc<Self>, req: Request) {
+    fn mirror_modify(self: &Arc<Self>, req: Request, sink: &mut Sink<'_>) {
         let Request { checked, msg, reply } = req;
         let flags = (if checked.fua { proto::REQ_FUA } else { 0 }) | (if checked.no_unmap { proto::REQ_NO_UNMAP } else { 0 });
         let (start, end) = if checked.op == Op::Flush { (0, 0) } else { (checked.offset, checked.offset + u64::from(checked.len)) };
@@ -686,7 +694,7 @@ impl Inner {
             let t = st.states.iter().enumerate().filter(|(_, s)| **s != MemberState::Down).map(|(i, _)| i).collect();
             (0, t)
         } else {
-            self.begin_write(start, end)
+            self.begin_write(start, end, sink)
         };
         if targets.is_empty() {
             if checked.op != Op::Flush {
@@ -751,13 +759,12 @@ impl Inner {
                     reply.error(if first_error == 0 { proto::EIO } else { first_error });
                 }
             });
-            let member = &self.members[i];
             // The writes hold the references to the client's message now
             // (ours went above): the last mirror to release it releases it.
             match (writes.next(), checked.op) {
-                (Some(message), _) => member.submit(proto::OP_WRITE, checked.len, message, done),
-                (None, Op::Flush) => member.submit_header(proto::OP_FLUSH, 0, 0, 0, done),
-                (None, op) => member.submit_header(op.opcode(), start, checked.len, flags, done),
+                (Some(message), _) => self.send(sink, i, proto::OP_WRITE, checked.len, message, done),
+                (None, Op::Flush) => self.send(sink, i, proto::OP_FLUSH, 0, header_message(0, 0, 0), done),
+                (None, op) => self.send(sink, i, op.opcode(), checked.len, header_message(start, checked.len, flags), done),
             }
         }
     }
@@ -898,7 +905,7 @@ impl Inner {
         parts
     }
 
-    fn plain_request(self: &Arc<Self>, req: Request) {
+    fn plain_request(self: &Arc<Self>, req: Request, sink: &mut Sink<'_>) {
         let Request { checked, msg, reply } = req;
         let flags = (if checked.fua { proto::REQ_FUA } else { 0 }) | (if checked.no_unmap { proto::REQ_NO_UNMAP } else { 0 });
         let parts: Vec<(usize, u64, u64, u64)> = if checked.op == Op::Flush {
@@ -957,12 +964,11 @@ impl Inner {
                     reply_read(reply, data);
                 }
             });
-            let m = &self.members[member];
             let len32 = len as u32;
             match (writes.next(), checked.op) {
-                (Some(message), _) => m.submit(proto::OP_WRITE, len32, message, done),
-                (None, Op::Flush) => m.submit_header(proto::OP_FLUSH, 0, 0, 0, done),
-                (None, op) => m.submit_header(op.opcode(), member_offset, len32, flags, done),
+                (Some(message), _) => self.send(sink, member, proto::OP_WRITE, len32, message, done),
+                (None, Op::Flush) => self.send(sink, member, proto::OP_FLUSH, 0, header_message(0, 0, 0), done),
+                (None, op) => self.send(sink, member, op.opcode(), len32, header_message(member_offset, len32, flags), done),
             }
         }
     }
@@ -993,24 +999,85 @@ fn reply_read(reply: Replier, data: Vec<Option<Msg>>) {
 }
 
 fn flush_message() -> Message {
-    Message::inline(&proto::header_bytes(0, 0, 0)).expect("fits")
+    header_message(0, 0, 0)
 }
 
-/// One client connection's queue: requests go straight to the members.
+/// A request with an inline header (READ, FLUSH, DISCARD, WRITE_ZEROES).
+fn header_message(offset: u64, len: u32, flags: u32) -> Message {
+    Message::inline(&proto::header_bytes(offset, len, flags)).expect("a 16-byte header fits inline")
+}
+
+/// A request to a member, built while a client connection's batch is taken
+/// in and sent at its end.
+struct Outgoing {
+    member: usize,
+    opcode: u16,
+    len: u32,
+    message: Message,
+    done: Completion,
+}
+
+/// Where requests to members go: at once (a READ retried from a member's
+/// thread), or into the batch of the client connection's thread.
+enum Sink<'a> {
+    Now,
+    Batch(&'a mut Vec<Outgoing>),
+}
+
+impl Inner {
+    fn send(&self, sink: &mut Sink<'_>, member: usize, opcode: u16, len: u32, message: Message, done: Completion) {
+        match sink {
+            Sink::Now => self.members[member].submit(opcode, len, message, done),
+            Sink::Batch(batch) => batch.push(Outgoing { member, opcode, len, message, done }),
+        }
+    }
+
+    /// Sends a batch, member by member (each member's requests in the order
+    /// they came): a member's storage domain finds the whole batch in its
+    /// ring when it wakes, instead of being woken for the first request and
+    /// taking them one at a time while we still send (on a loaded machine
+    /// each of those wake-ups costs a switch in every domain on the path).
+    fn send_batch(&self, batch: &mut Vec<Outgoing>) {
+        if batch.is_empty() {
+            return;
+        }
+        batch.sort_by_key(|o| o.member);
+        for o in batch.drain(..) {
+            self.members[o.member].submit(o.opcode, o.len, o.message, o.done);
+        }
+    }
+}
+
+/// One client connection's queue: each request's member requests are built
+/// at once and sent when the server has taken in what was waiting on the
+/// connection ([`BackendQueue::flush`]).
 struct Queue {
     inner: Arc<Inner>,
+    batch: Vec<Outgoing>,
 }
 
 impl BackendQueue for Queue {
     fn submit(&mut self, req: Request) {
+        let mut sink = Sink::Batch(&mut self.batch);
         match (self.inner.layout, req.checked.op) {
             (Layout::Mirror, Op::Read) => {
                 let c = req.checked;
-                self.inner.mirror_read(c.offset, c.len, req.reply, Vec::new(), 0);
+                self.inner.mirror_read(c.offset, c.len, req.reply, Vec::new(), 0, &mut sink);
             }
-            (Layout::Mirror, _) => self.inner.mirror_modify(req),
-            _ => self.inner.plain_request(req),
+            (Layout::Mirror, _) => self.inner.mirror_modify(req, &mut sink),
+            _ => self.inner.plain_request(req, &mut sink),
         }
+    }
+
+    fn flush(&mut self) {
+        self.inner.send_batch(&mut self.batch);
+    }
+}
+
+impl Drop for Queue {
+    fn drop(&mut self) {
+        // A connection that ends between a submit and its flush.
+        self.inner.send_batch(&mut self.batch);
     }
 }
 
@@ -1020,7 +1087,7 @@ impl BlockBackend for Raid {
     }
 
     fn open_queue(&self, _domain: &Domain) -> std::io::Result<Box<dyn BackendQueue>> {
-        Ok(Box::new(Queue { inner: self.inner.clone() }))
+        Ok(Box::new(Queue { inner: self.inner.clone(), batch: Vec::new() }))
     }
 }
 
