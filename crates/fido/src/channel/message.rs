@@ -185,6 +185,9 @@ impl Message {
     /// back undelivered), then drops it. For memory the message points at
     /// without owning it, e.g. an `Arc` of a cache entry a reply refers to:
     /// the entry cannot be freed while the peer may still read it.
+    /// The value is dropped while the channel collects releases, under the
+    /// channel's send lock: it must not own the channel it is sent on (the
+    /// channel's drop takes that lock).
     pub fn hold(mut self, value: impl std::any::Any + Send + Sync) -> Message {
         self.hold = Some(Box::new(value));
         self
