@@ -484,12 +484,98 @@ pub fn run(opts: &Opts) -> anyhow::Result<()> {
     super::blk_vm::run(opts, &fido, &bsock, dir, &mut records, &mut skipped)?;
     drop(broker);
 
+    let machine = machine();
+    println!("machine: {machine}");
     crate::print_table(&records);
     for s in &skipped {
         println!("skipped: {s}");
     }
+    for line in goal_lines(&records) {
+        println!("{line}");
+    }
     if let Some(path) = &opts.json {
-        crate::write_json(path, &records)?;
+        write_json(path, &records, &machine)?;
     }
     Ok(())
+}
+
+/// The machine the run measured: CPUs, kernel and the baselines' versions.
+fn machine() -> serde_json::Value {
+    let first_line = |cmd: &str, args: &[&str]| {
+        Command::new(cmd)
+            .args(args)
+            .output()
+            .ok()
+            .and_then(|o| String::from_utf8_lossy(&o.stdout).lines().next().map(str::to_string))
+            .unwrap_or_default()
+    };
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let cpu = cpuinfo
+        .lines()
+        .find(|l| l.starts_with("model name"))
+        .and_then(|l| l.split_once(':'))
+        .map(|(_, v)| v.trim().to_string())
+        .unwrap_or_default();
+    serde_json::json!({
+        "host": first_line("hostname", &[]),
+        "cpu": cpu,
+        "cpus": std::thread::available_parallelism().map_or(0, |n| n.get()),
+        "kernel": first_line("uname", &["-r"]),
+        "fio": first_line("fio", &["--version"]),
+        "nbdkit": first_line("nbdkit", &["--version"]),
+        "qemu": first_line("qemu-system-x86_64", &["--version"]),
+    })
+}
+
+/// One JSON object per record, with the machine (DESIGN §8).
+fn write_json(path: &Path, records: &[Record], machine: &serde_json::Value) -> anyhow::Result<()> {
+    let mut out = String::new();
+    for r in records {
+        let mut v = serde_json::to_value(r)?;
+        v["machine"] = machine.clone();
+        out.push_str(&serde_json::to_string(&v)?);
+        out.push('\n');
+    }
+    std::fs::write(path, out).with_context(|| format!("writing {}", path.display()))
+}
+
+/// The issue's goals, from this run's own ratios (a goal whose systems did
+/// not run is not printed).
+fn goal_lines(records: &[Record]) -> Vec<String> {
+    let value = |case: &str, system: &str| {
+        records.iter().find(|r| r.case == case && r.system == system).map(|r| r.value)
+    };
+    let mut out = Vec::new();
+    let mut goal = |what: &str, num: Option<f64>, den: Option<f64>, at_least: f64| {
+        if let (Some(n), Some(d)) = (num, den) {
+            if d > 0.0 {
+                let ratio = n / d;
+                let verdict = if ratio >= at_least { "met" } else { "NOT met" };
+                out.push(format!("goal: {what}: {ratio:.2}x (>= {at_least}x) {verdict}"));
+            }
+        }
+    };
+    for case in ["randread-4k-qd32", "write-1m"] {
+        goal(&format!("{case} NBD fido-ram vs nbdkit-memory"), value(case, "fido-ram"), value(case, "nbdkit-memory"), 1.0);
+        goal(&format!("{case} NBD fido-ram vs qemu-nbd"), value(case, "fido-ram"), value(case, "qemu-nbd"), 1.5);
+    }
+    goal(
+        "randread-4k-qd32 native vs NBD (fido-ram)",
+        value("randread-4k-qd32", "fido-native-ram"),
+        value("randread-4k-qd32", "fido-ram"),
+        1.5,
+    );
+    for case in ["write-1m", "randwrite-4k-qd32"] {
+        goal(
+            &format!("{case} RAID-1 vs one storage domain (native)"),
+            value(case, "fido-native-raid1-ram"),
+            value(case, "fido-native-ram"),
+            0.8,
+        );
+    }
+    for case in ["guest-write-1m", "guest-read-1m", "guest-4k-qd1-read"] {
+        goal(&format!("{case} fido-vhost vs qsd-vhost"), value(case, "fido-vhost"), value(case, "qsd-vhost"), 1.0);
+        goal(&format!("{case} fido-vhost vs qemu-virtio"), value(case, "fido-vhost"), value(case, "qemu-virtio"), 1.0);
+    }
+    out
 }
