@@ -20,6 +20,7 @@
 pub mod backing;
 pub mod client;
 pub mod proto;
+pub mod raid;
 pub mod server;
 
 pub use backing::{BackingOptions, FileBackend};

@@ -83,6 +83,14 @@ pub enum BlkCmd {
         #[command(flatten)]
         conn: ConnArgs,
     },
+    /// Serve NAME as a RAID-1 mirror of block devices (--member A --member B ...), in the foreground.
+    Raid1(crate::blk_raid_cmd::Raid1Args),
+    /// Serve NAME as a RAID-0 stripe of block devices (--chunk SIZE --member A ...), in the foreground.
+    Raid0(crate::blk_raid_cmd::Raid0Args),
+    /// Serve NAME as the concatenation of block devices (--member A ...), in the foreground.
+    Concat(crate::blk_raid_cmd::ConcatArgs),
+    /// Print a RAID composition's state: members, their states, resync progress.
+    RaidStatus(crate::blk_raid_cmd::StatusArgs),
     /// Print a storage domain's counters (published in the registry every second).
     Stats {
         name: String,
@@ -146,6 +154,10 @@ fn client(conn: &ConnArgs, name: &str) -> anyhow::Result<BlkClient> {
 pub fn run(cmd: BlkCmd) -> anyhow::Result<bool> {
     match cmd {
         BlkCmd::Serve(a) => serve(a).map(|_| true),
+        BlkCmd::Raid1(a) => crate::blk_raid_cmd::raid1(a).map(|_| true),
+        BlkCmd::Raid0(a) => crate::blk_raid_cmd::raid0(a).map(|_| true),
+        BlkCmd::Concat(a) => crate::blk_raid_cmd::concat(a).map(|_| true),
+        BlkCmd::RaidStatus(a) => crate::blk_raid_cmd::status(a).map(|_| true),
         BlkCmd::Info { name, conn } => {
             let c = client(&conn, &name)?;
             print_info(&name, &c.info());
@@ -168,6 +180,10 @@ pub fn run(cmd: BlkCmd) -> anyhow::Result<bool> {
                 bail!("no counters published for {name:?} (is `fido blk serve {name}` running?)")
             };
             print!("{}", Stats::from_text(&String::from_utf8_lossy(&v)).to_text());
+            // A RAID composition adds its state (members, resync progress).
+            if let Some(raid) = d.read(&fido_blk::raid::status_key(&name))? {
+                print!("{}", String::from_utf8_lossy(&raid));
+            }
             Ok(true)
         }
     }

@@ -23,6 +23,7 @@
 #![forbid(unsafe_code)]
 
 mod blk_cmd;
+mod blk_raid_cmd;
 mod broker;
 mod pipe_cli;
 mod pipe_cmd;

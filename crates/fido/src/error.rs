@@ -106,6 +106,10 @@ pub enum InvalidArgument {
     /// A request too large or malformed to encode.
     #[error("request: {0}")]
     Request(String),
+    /// A part of a received message that cannot be shared
+    /// ([`crate::Message::shared_part`]).
+    #[error("shared part: {0}")]
+    SharedPart(String),
     /// Our own ring block could not be laid out in the arena.
     #[error("ring block: {0}")]
     RingBlock(String),

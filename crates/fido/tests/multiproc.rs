@@ -400,3 +400,170 @@ fn a_peer_writing_our_memory_dies_alone() {
     let bufs = undelivered.into_iter().next().unwrap().message.into_bufs();
     assert_eq!(check(fido::PeerSlice::from_own(&bufs[0])).0, 1, "payload untouched");
 }
+
+/// Waits until `ch` has nothing in flight (collecting releases), or panics.
+fn wait_released(ch: &fido::Channel, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while ch.in_flight_checked().unwrap() > 0 {
+        assert!(Instant::now() < deadline, "{what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Three domains downstream of one: a message a forwarder shares with two
+/// peers (`forward_shared`, `Message::shared_part`) reaches both by pointer,
+/// and its sender gets the release only after both released it and the
+/// forwarder dropped its own reference; nothing is copied on the way.
+#[test]
+fn shared_forward_releases_upstream_after_the_last_downstream() {
+    let b = TestBroker::start();
+    let src = b.join_with(JoinOptions::new("source").arena_len(16 << 20));
+    let fwd = b.join_with(JoinOptions::new("forwarder").arena_len(16 << 20).swizzle(true));
+    let d1 = b.join_with(JoinOptions::new("mirror-1").arena_len(16 << 20).swizzle(true));
+    let d2 = b.join_with(JoinOptions::new("mirror-2").arena_len(16 << 20).swizzle(true));
+    let accept_from = |server: &Domain, client: &Domain, service: &str| {
+        let l = server.offer(service).unwrap();
+        let c = client.connect(service).unwrap();
+        (c, l.accept_timeout(Duration::from_secs(5)).unwrap())
+    };
+    let (src_out, fwd_in) = accept_from(&fwd, &src, "shared-in");
+    let (fwd_out1, d1_in) = accept_from(&d1, &fwd, "shared-d1");
+    let (fwd_out2, d2_in) = accept_from(&d2, &fwd, "shared-d2");
+
+    // A header and a payload, gathered, as a block client's write.
+    let mut header = src.alloc(16).unwrap();
+    header.fill(0xaa);
+    let mut payload = src.alloc(SIZE).unwrap();
+    let payload_g = payload.gptr().addr();
+    fill(&mut payload, 5, payload_g);
+    src_out.send(fido::Message::gather(vec![header, payload]).tag(42).opcode(2)).unwrap();
+    let m = std::sync::Arc::new(fwd_in.recv_timeout(Duration::from_secs(5)).unwrap());
+    let sent: Vec<(u64, usize)> = m.global_segments().map(|(g, l)| (g.addr(), l)).collect();
+    // Mirror 1 gets the message as received; mirror 2 a header of the
+    // forwarder's own and only the payload, by pointer.
+    fwd_out1.forward_shared(&m).unwrap();
+    let mut own_header = fwd.alloc(16).unwrap();
+    own_header.fill(0x55);
+    fwd_out2.send(fido::Message::shared_part(vec![own_header], &m, 16, SIZE).unwrap().tag(7)).unwrap();
+    drop(m);
+
+    let got1 = d1_in.recv_timeout(Duration::from_secs(5)).unwrap();
+    assert_eq!((got1.tag(), got1.opcode(), got1.len()), (42, 2, 16 + SIZE));
+    assert_eq!(got1.global_segments().map(|(g, l)| (g.addr(), l)).collect::<Vec<_>>(), sent, "the same pointers");
+    let got2 = d2_in.recv_timeout(Duration::from_secs(5)).unwrap();
+    assert_eq!((got2.tag(), got2.len(), got2.segment_count()), (7, 16 + SIZE, 2));
+    let segs2: Vec<(u64, usize)> = got2.global_segments().map(|(g, l)| (g.addr(), l)).collect();
+    assert_eq!(segs2[1], (payload_g, SIZE), "the payload by pointer");
+    assert!(got2.segments().next().unwrap().iter().all(|x| x == 0x55), "the forwarder's header");
+    let (seq, _) = check(got2.segments().nth(1).unwrap());
+    assert_eq!(seq, 5);
+
+    // Mirror 1 releases: the source still waits for mirror 2.
+    drop(got1);
+    wait_released(&fwd_out1, "mirror 1's release reached the forwarder");
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(src_out.in_flight_checked().unwrap(), 1, "released before mirror 2 did");
+    drop(got2);
+    wait_released(&fwd_out2, "mirror 2's release reached the forwarder");
+    wait_released(&src_out, "the source got its release after both mirrors");
+
+    // Pieces of two messages gathered into one, by pointer.
+    let mut pieces = Vec::new();
+    for seq in [1u64, 2] {
+        let mut buf = src.alloc(SIZE).unwrap();
+        let g = buf.gptr().addr();
+        fill(&mut buf, seq, g);
+        src_out.send(fido::Message::new(buf)).unwrap();
+        pieces.push((std::sync::Arc::new(fwd_in.recv_timeout(Duration::from_secs(5)).unwrap()), g));
+    }
+    let parts = vec![(pieces[0].0.clone(), 0..SIZE), (pieces[1].0.clone(), 100..300)];
+    fwd_out1.send(fido::Message::shared_gather(vec![], parts).unwrap()).unwrap();
+    let ranges: Vec<u64> = pieces.iter().map(|p| p.1).collect();
+    drop(pieces);
+    let got = d1_in.recv_timeout(Duration::from_secs(5)).unwrap();
+    let segs: Vec<(u64, usize)> = got.global_segments().map(|(g, l)| (g.addr(), l)).collect();
+    assert_eq!(segs, vec![(ranges[0], SIZE), (ranges[1] + 100, 200)]);
+    assert_eq!(check(got.segments().next().unwrap()).0, 1);
+    drop(got);
+    wait_released(&fwd_out1, "the gathered message released");
+    wait_released(&src_out, "both pieces released upstream");
+
+    // Parts that cannot be shared are refused; nothing was copied anywhere
+    // the payload went through.
+    src_out.send_inline(1, 0, b"inline").unwrap();
+    let inline = std::sync::Arc::new(fwd_in.recv_timeout(Duration::from_secs(5)).unwrap());
+    assert!(matches!(fido::Message::shared_part(vec![], &inline, 0, 3), Err(Error::Invalid(fido::InvalidArgument::SharedPart(_)))));
+    assert!(matches!(fido::Message::shared_part(vec![], &inline, 7, 0), Err(Error::Invalid(fido::InvalidArgument::SharedPart(_)))));
+    fwd_out1.forward_shared(&inline).unwrap();
+    drop(inline);
+    assert_eq!(d1_in.recv_timeout(Duration::from_secs(5)).unwrap().inline_bytes(), Some(&b"inline"[..]));
+    wait_released(&fwd_out1, "the inline forward released");
+    wait_released(&src_out, "the inline message released upstream");
+    assert_eq!(fwd.counters().bytes_copied, 0, "the forwarder copied nothing");
+    assert_eq!(src.counters().bytes_copied, 0);
+}
+
+/// A downstream that dies holding a shared message gives its reference back
+/// as undelivered: the upstream sender gets its release once the other
+/// downstream released and that undelivered message is dropped — once (a
+/// second release would be a lie that breaks the source's channel).
+#[test]
+fn shared_forward_to_a_dying_downstream_releases_once() {
+    let b = TestBroker::start();
+    let src = b.join_with(JoinOptions::new("source").arena_len(16 << 20));
+    let fwd = b.join_with(JoinOptions::new("forwarder").arena_len(16 << 20).swizzle(true));
+    let d1 = b.join_with(JoinOptions::new("mirror-1").arena_len(16 << 20).swizzle(true));
+    let l_in = fwd.offer("dying-in").unwrap();
+    let src_out = src.connect("dying-in").unwrap();
+    let fwd_in = l_in.accept_timeout(Duration::from_secs(5)).unwrap();
+    let l1 = d1.offer("dying-d1").unwrap();
+    let fwd_out1 = fwd.connect("dying-d1").unwrap();
+    let d1_in = l1.accept_timeout(Duration::from_secs(5)).unwrap();
+    let l2 = fwd.offer("dying-d2").unwrap();
+    let mut holder = ChildProc::spawn("holder", &b.socket, &[("FIDO_TEST_SERVICE", "dying-d2")]);
+    let fwd_out2 = l2.accept_timeout(Duration::from_secs(10)).unwrap();
+
+    for seq in 0..3u64 {
+        let mut buf = src.alloc(SIZE).unwrap();
+        let g = buf.gptr().addr();
+        fill(&mut buf, seq, g);
+        src_out.send(fido::Message::new(buf).tag(seq)).unwrap();
+        let m = std::sync::Arc::new(fwd_in.recv_timeout(Duration::from_secs(5)).unwrap());
+        fwd_out1.forward_shared(&m).unwrap();
+        fwd_out2.forward_shared(&m).unwrap();
+    }
+    while holder.expect_line("got", Duration::from_secs(10)) != "3" {}
+    for seq in 0..3u64 {
+        let m = d1_in.recv_timeout(Duration::from_secs(5)).unwrap();
+        assert_eq!(check(m.as_slice().unwrap()).0, seq);
+    }
+    wait_released(&fwd_out1, "mirror 1 released");
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(src_out.in_flight_checked().unwrap(), 3, "released while the holder still holds them");
+
+    holder.kill9();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let undelivered = loop {
+        let u = fwd_out2.take_undelivered();
+        if !u.is_empty() {
+            break u;
+        }
+        assert!(Instant::now() < deadline, "the dead holder's messages never came back");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(undelivered.iter().map(|u| u.tag).collect::<Vec<_>>(), vec![0, 1, 2]);
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(src_out.in_flight_checked().unwrap(), 3, "the undelivered messages still hold their references");
+    drop(undelivered);
+    wait_released(&src_out, "dropping the undelivered messages released them upstream");
+    // Exactly once: the source's channel is healthy and carries on.
+    let mut buf = src.alloc(SIZE).unwrap();
+    fill(&mut buf, 9, 0);
+    src_out.send(fido::Message::new(buf).tag(9)).unwrap();
+    let m = fwd_in.recv_timeout(Duration::from_secs(5)).unwrap();
+    assert_eq!(m.tag(), 9);
+    drop(m);
+    wait_released(&src_out, "a later message released");
+    assert!(src_out.is_open());
+    assert_eq!(fwd.counters().bytes_copied, 0);
+}

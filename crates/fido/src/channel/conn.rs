@@ -3,7 +3,7 @@
 //! connection's state, the release side, and the statistics.
 
 use super::connections::Connections;
-use super::message::{Message, Msg, Parts};
+use super::message::{Message, Parts};
 use super::recv::RxState;
 use super::send::{Outstanding, TxState};
 use crate::error::{Error, ProtocolError, Result};
@@ -356,11 +356,13 @@ impl Drop for ConnShared {
         // domain dies. (Messages handed to the application through
         // `take_undelivered` are its to resend or drop.)
         let tx = self.tx.get_mut();
-        let held: Vec<Msg> = tx
+        // A shared forward's reference is kept the same way: dropping it
+        // could be the last one, a release.
+        let held: Vec<Message> = tx
             .table
             .iter_mut()
             .filter_map(|slot| match slot.take() {
-                Some(Message { parts: Parts::Forward(m), .. }) => Some(*m),
+                Some(m @ Message { parts: Parts::Forward(_) | Parts::Shared(_), .. }) => Some(m),
                 _ => None,
             })
             .collect();

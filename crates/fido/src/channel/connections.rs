@@ -4,7 +4,7 @@
 //! messages nobody will release.
 
 use super::conn::ConnShared;
-use super::message::Msg;
+use super::message::Message;
 use crate::local_domain::LocalDomain;
 use fido_proto::{ConnId, Counters};
 use fido_ring::doorbell;
@@ -24,9 +24,9 @@ pub(crate) struct Connections {
     /// Channels that carried forwarded messages (their releases must flow
     /// upstream even while this domain only receives).
     pub(super) forwarding: Mutex<Vec<Weak<ConnShared>>>,
-    /// Forwarded messages whose downstream went away without releasing them:
-    /// held (never released upstream) for the life of the domain.
-    pub(super) orphaned: Mutex<Vec<Msg>>,
+    /// Forwarded messages (whole, or a shared forward's reference) whose
+    /// downstream went away without releasing them: held (never released upstream) for the life of the domain.
+    pub(super) orphaned: Mutex<Vec<Message>>,
     /// Counters of channels that are gone.
     pub(super) retired: Mutex<Counters>,
 }

@@ -17,8 +17,66 @@ pub(super) enum Parts {
     Bufs(SmallVec<[Buf; 2]>),
     /// Boxed: a `Msg` is large, and every `Message` is moved a few times.
     Forward(Box<Msg>),
+    /// A received message (or a part of it) that other sends share
+    /// ([`Message::shared`], [`Message::shared_part`]). Boxed like `Forward`.
+    Shared(Box<SharedParts>),
     /// Bytes carried in the descriptor itself (`FLAG_INLINE`).
     Inline { bytes: [u8; INLINE_BYTES], len: u8 },
+}
+
+/// What a shared forward sends: our own buffers first (a new header, say),
+/// then parts of one or more received messages, by pointer.
+pub(super) struct SharedParts {
+    pub(super) head: SmallVec<[Buf; 1]>,
+    pub(super) pieces: SmallVec<[SharedPiece; 1]>,
+}
+
+/// A part of one received message in a shared forward.
+pub(super) struct SharedPiece {
+    /// One of the references to the received message; the last one dropped,
+    /// here or in another send's slot or by the application, releases it
+    /// upstream.
+    pub(super) msg: Arc<Msg>,
+    /// `(offset, len)` in the payload; `None`: all of it, sent exactly as it
+    /// was received (inline bytes and SG list included).
+    pub(super) part: Option<(u64, u64)>,
+}
+
+impl SharedParts {
+    /// The received message sent whole and as received, if that is what
+    /// this is (its descriptor's layout is reused).
+    pub(super) fn as_received(&self) -> Option<&Msg> {
+        match (self.head.is_empty(), &self.pieces[..]) {
+            (true, [SharedPiece { msg, part: None }]) => Some(msg),
+            _ => None,
+        }
+    }
+    /// The global segments this sends, in order.
+    pub(super) fn segments(&self) -> SmallVec<[Segment; 4]> {
+        let mut out: SmallVec<[Segment; 4]> = self.head.iter().map(|b| Segment { addr: b.gptr().addr(), len: b.len() as u64 }).collect();
+        for piece in &self.pieces {
+            let (mut skip, mut want) = piece.part.unwrap_or((0, piece.msg.total_len));
+            for s in piece.msg.segs() {
+                if want == 0 {
+                    break;
+                }
+                let len = s.len as u64;
+                if skip >= len {
+                    skip -= len;
+                    continue;
+                }
+                let take = (len - skip).min(want);
+                out.push(Segment { addr: s.global_addr + skip, len: take });
+                want -= take;
+                skip = 0;
+            }
+        }
+        out
+    }
+    fn len(&self) -> u64 {
+        let head = self.head.iter().map(|b| b.len() as u64).sum::<u64>();
+        head + self.pieces.iter().map(|p| p.part.map_or(p.msg.total_len, |(_, len)| len)).sum::<u64>()
+    }
 }
 
 /// Why `len` bytes cannot be sent inline.
@@ -59,6 +117,58 @@ impl Message {
         let area = fido_ring::inline_area(bytes).ok_or_else(|| inline_too_long(bytes.len()))?;
         Ok(Message { tag: 0, opcode: 0, parts: Parts::Inline { bytes: area, len: bytes.len() as u8 }, hold: None })
     }
+    /// Forwards a received message that several sends share, by pointer:
+    /// each send (to as many channels as you like) carries the same global
+    /// pointers, and the upstream sender gets its release when the last
+    /// reference is gone — every downstream peer released (or its send came
+    /// back undelivered and was dropped) and you dropped your own `Arc`.
+    /// Same tag and opcode as received (change them with [`Message::tag`]).
+    pub fn shared(msg: &Arc<Msg>) -> Message {
+        let parts = SharedParts { head: SmallVec::new(), pieces: SmallVec::from_iter([SharedPiece { msg: msg.clone(), part: None }]) };
+        Message { tag: msg.tag, opcode: msg.opcode, parts: Parts::Shared(Box::new(parts)), hold: None }
+    }
+    /// [`Message::shared`] for a part of the payload, after buffers of our
+    /// own: `head` (e.g. a new header, possibly none) and then the `len`
+    /// bytes of `msg`'s payload that start at `offset`, by pointer (none
+    /// copied). For a domain that splits a request (a stripe over several
+    /// disks) or replaces its header with one it checked. Tag and opcode 0.
+    /// `Invalid` if the range is outside the payload, the message is empty,
+    /// a buffer in `head` is empty, or `msg` came inline (its bytes are a
+    /// copy in our memory, with no pointer to pass on; send them in a buffer).
+    pub fn shared_part(head: Vec<Buf>, msg: &Arc<Msg>, offset: usize, len: usize) -> Result<Message> {
+        Message::shared_gather(head, vec![(msg.clone(), offset..offset.saturating_add(len))])
+    }
+    /// [`Message::shared_part`] of several received messages: `head`, then
+    /// each range of each message's payload in turn, all by pointer (e.g.
+    /// the pieces of a read that several disks answered, as one reply).
+    /// Each message keeps one reference per send, released as for
+    /// [`Message::shared`]. `Invalid` as for `shared_part`, for any range.
+    pub fn shared_gather(head: Vec<Buf>, parts: Vec<(Arc<Msg>, std::ops::Range<usize>)>) -> Result<Message> {
+        let bad = |why: String| Error::Invalid(InvalidArgument::SharedPart(why));
+        if head.iter().any(|b| b.is_empty()) {
+            return Err(InvalidArgument::EmptyBuffer.into());
+        }
+        let mut pieces = SmallVec::new();
+        let mut total = head.len();
+        for (msg, range) in parts {
+            if range.start > range.end || range.end > msg.len() {
+                return Err(bad(format!("bytes {range:?} of a {}-byte message", msg.len())));
+            }
+            if range.is_empty() {
+                continue;
+            }
+            if matches!(msg.body, Body::Inline(_)) {
+                return Err(bad("an inline message has no pointers to share".into()));
+            }
+            total += range.len();
+            pieces.push(SharedPiece { msg, part: Some((range.start as u64, range.len() as u64)) });
+        }
+        if total == 0 {
+            return Err(bad("nothing to send".into()));
+        }
+        let parts = SharedParts { head: SmallVec::from_vec(head), pieces };
+        Ok(Message { tag: 0, opcode: 0, parts: Parts::Shared(Box::new(parts)), hold: None })
+    }
     /// An application-defined 64-bit tag (e.g. a sequence number).
     pub fn tag(mut self, tag: u64) -> Message {
         self.tag = tag;
@@ -79,10 +189,12 @@ impl Message {
         self.hold = Some(Box::new(value));
         self
     }
-    /// Takes the buffers back (empty for a forwarded message).
+    /// Takes the buffers back (empty for a forwarded message; our own
+    /// buffers, the head, of a shared one, whose reference is dropped).
     pub fn into_bufs(self) -> Vec<Buf> {
         match self.parts {
             Parts::Bufs(b) => b.into_vec(),
+            Parts::Shared(s) => s.head.into_vec(),
             Parts::Forward(_) | Parts::Inline { .. } => Vec::new(),
         }
     }
@@ -90,6 +202,7 @@ impl Message {
         match &self.parts {
             Parts::Bufs(b) => b.iter().map(|b| b.len() as u64).sum(),
             Parts::Forward(m) => m.len() as u64,
+            Parts::Shared(s) => s.len(),
             Parts::Inline { len, .. } => *len as u64,
         }
     }

@@ -6,7 +6,7 @@
 // allocation on every failed `try_send`, the call that polls a full window.
 #![allow(clippy::result_large_err)]
 
-use super::conn::Counter;
+use super::conn::{ConnShared, Counter};
 use super::message::{inline_too_long, Body, Hold, Message, Msg, Parts, SendError, Undelivered};
 use super::Channel;
 use crate::error::{Error, InvalidArgument, ProtocolError, Result};
@@ -189,6 +189,46 @@ impl TxState {
         }
         self.free = (0..self.table.len() as u32).rev().collect();
     }
+}
+
+/// Fills `desc` with a received message's layout, unchanged: its inline
+/// bytes, its SG list, or its segments.
+fn forward_as_received(desc: &mut Descriptor, m: &Msg) {
+    match &m.body {
+        // Validated on receipt: `total_len` ≤ INLINE_BYTES.
+        Body::Inline(area) => desc.set_inline(&area.bytes()[..m.total_len as usize]).expect("validated inline length"),
+        Body::Segs(list) if list.sg.is_some() => {
+            desc.flags = FLAG_SG_LIST;
+            desc.segments[0] = list.sg.as_ref().expect("just matched").0;
+        }
+        _ => {
+            for (i, s) in m.segs().iter().enumerate() {
+                desc.segments[i] = s.global();
+            }
+        }
+    }
+    desc.nseg = m.nseg;
+}
+
+/// Puts `segs` (1..=MAX_SEGMENTS, none empty: checked by the caller) in
+/// `desc`: in the descriptor itself when they fit, else in an SG list
+/// written in our arena, which is returned to be kept while in flight.
+fn lay_out_segments(sh: &ConnShared, desc: &mut Descriptor, segs: &[Segment]) -> Result<Option<Buf>> {
+    desc.nseg = segs.len() as u16;
+    if segs.len() <= INLINE_SEGMENTS {
+        desc.segments[..segs.len()].copy_from_slice(segs);
+        return Ok(None);
+    }
+    let bytes = std::mem::size_of_val(segs);
+    let mut list = sh.conns.local.arena.alloc(bytes)?;
+    list.truncate(bytes);
+    for (i, seg) in segs.iter().enumerate() {
+        list[i * 16..i * 16 + 8].copy_from_slice(&seg.addr.to_ne_bytes());
+        list[i * 16 + 8..i * 16 + 16].copy_from_slice(&seg.len.to_ne_bytes());
+    }
+    desc.flags = FLAG_SG_LIST;
+    desc.segments[0] = Segment { addr: list.gptr().addr(), len: bytes as u64 };
+    Ok(Some(list))
 }
 
 impl Channel {
@@ -439,41 +479,35 @@ impl Channel {
                         desc.segments[i] = Segment { addr: b.gptr().addr(), len: b.len() as u64 };
                     }
                 } else {
-                    let bytes = bufs.len() * std::mem::size_of::<Segment>();
-                    let mut list = match sh.conns.local.arena.alloc(bytes) {
-                        Ok(l) => l,
-                        Err(e) => return Err(SendError { error: e.into(), message: msg }),
-                    };
-                    list.truncate(bytes);
-                    for (i, b) in bufs.iter().enumerate() {
-                        list[i * 16..i * 16 + 8].copy_from_slice(&b.gptr().addr().to_ne_bytes());
-                        list[i * 16 + 8..i * 16 + 16].copy_from_slice(&(b.len() as u64).to_ne_bytes());
+                    let segs: Vec<Segment> = bufs.iter().map(|b| Segment { addr: b.gptr().addr(), len: b.len() as u64 }).collect();
+                    match lay_out_segments(sh, &mut desc, &segs) {
+                        Ok(list) => sg_buf = list,
+                        Err(error) => return Err(SendError { error, message: msg }),
                     }
-                    desc.flags = FLAG_SG_LIST;
-                    desc.segments[0] = Segment { addr: list.gptr().addr(), len: bytes as u64 };
-                    sg_buf = Some(list);
                 }
                 desc.nseg = bufs.len() as u16;
             }
             Parts::Forward(m) => {
-                if !sh.forwarding.swap(true, Ordering::Relaxed) {
-                    sh.conns.forwarding.lock().push(Arc::downgrade(&self.shared));
-                }
+                self.note_forwarding();
                 total = m.total_len;
-                match &m.body {
-                    // Validated on receipt: `total_len` ≤ INLINE_BYTES.
-                    Body::Inline(area) => desc.set_inline(&area.bytes()[..total as usize]).expect("validated inline length"),
-                    Body::Segs(list) if list.sg.is_some() => {
-                        desc.flags = FLAG_SG_LIST;
-                        desc.segments[0] = list.sg.as_ref().expect("just matched").0;
+                forward_as_received(&mut desc, m);
+            }
+            Parts::Shared(shared) => {
+                self.note_forwarding();
+                if let Some(m) = shared.as_received() {
+                    total = m.total_len;
+                    forward_as_received(&mut desc, m);
+                } else {
+                    let segs = shared.segments();
+                    if segs.len() > MAX_SEGMENTS {
+                        return Err(SendError { error: InvalidArgument::TooManySegments { count: segs.len() }.into(), message: msg });
                     }
-                    _ => {
-                        for (i, s) in m.segs().iter().enumerate() {
-                            desc.segments[i] = s.global();
-                        }
+                    total = segs.iter().map(|s| s.len).sum();
+                    match lay_out_segments(sh, &mut desc, &segs) {
+                        Ok(list) => sg_buf = list,
+                        Err(error) => return Err(SendError { error, message: msg }),
                     }
                 }
-                desc.nseg = m.nseg;
             }
             Parts::Inline { bytes, len } => {
                 total = *len as u64;
@@ -489,6 +523,25 @@ impl Channel {
         drop(tx);
         sh.publish_deferred();
         Ok(())
+    }
+
+    /// Remembers that this channel carries forwarded messages, whose
+    /// releases must flow upstream even while this domain only receives.
+    fn note_forwarding(&self) {
+        let sh = &self.shared;
+        if !sh.forwarding.swap(true, Ordering::Relaxed) {
+            sh.conns.forwarding.lock().push(Arc::downgrade(sh));
+        }
+    }
+
+    /// Forwards a received message to this channel's peer by pointer while
+    /// keeping it shared: `msg` can go to other channels too (one reference
+    /// per send), and the upstream sender gets its release once every
+    /// downstream peer released it and every `Arc` of it is dropped. What
+    /// comes back undelivered holds one reference; dropping it gives that up.
+    /// Same as `send(Message::shared(msg))`.
+    pub fn forward_shared(&self, msg: &Arc<Msg>) -> std::result::Result<(), SendError> {
+        self.send(Message::shared(msg))
     }
 
     /// Messages the peer never released before it died or closed. Call after an
