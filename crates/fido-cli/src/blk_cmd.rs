@@ -91,6 +91,8 @@ pub enum BlkCmd {
     Concat(crate::blk_raid_cmd::ConcatArgs),
     /// Print a RAID composition's state: members, their states, resync progress.
     RaidStatus(crate::blk_raid_cmd::StatusArgs),
+    /// Serve block device NAME to QEMU guests as a vhost-user-blk back end on --socket, in the foreground.
+    Vhost(crate::blk_vhost_cmd::VhostArgs),
     /// Print a storage domain's counters (published in the registry every second).
     Stats {
         name: String,
@@ -173,6 +175,7 @@ pub fn run(cmd: BlkCmd) -> anyhow::Result<bool> {
         BlkCmd::WriteZeroes { name, offset, len, no_unmap, conn } => {
             ranged(&client(&conn, &name)?, offset, len, |c, o, l| c.write_zeroes(o, l, false, no_unmap)).map(|_| true)
         }
+        BlkCmd::Vhost(a) => crate::blk_vhost_cmd::run(a).map(|_| true),
         BlkCmd::Stats { name, conn } => {
             proto::service_name(&name)?;
             let d = join(&conn, "fido-blk-stats", 1 << 20)?;

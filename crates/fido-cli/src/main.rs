@@ -24,6 +24,7 @@
 
 mod blk_cmd;
 mod blk_raid_cmd;
+mod blk_vhost_cmd;
 mod broker;
 mod pipe_cli;
 mod pipe_cmd;
