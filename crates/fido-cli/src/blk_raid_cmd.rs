@@ -118,7 +118,7 @@ fn run(a: CommonArgs, layout: Layout, assume_clean: bool, full_resync: bool) -> 
     let d = join(&a.socket, &format!("blk-{}", a.name), a.arena)?;
     let opts = RaidOptions { layout, members: a.members.clone(), assume_clean, full_resync, connect_timeout: Duration::from_secs(a.wait) };
     let raid = Raid::start(&d, opts).with_context(|| format!("building {} {}", layout.name(), a.name))?;
-    let server = fido_blk::serve(&d, &a.name, raid.clone(), ServeOptions { publish_stats: true })?;
+    let server = fido_blk::serve(&d, &a.name, raid.clone(), ServeOptions { publish_stats: true, ..Default::default() })?;
     let i = server.info();
     // Scripts and tests wait for this line.
     println!(

@@ -665,7 +665,10 @@ impl Inner {
         let m = self.mirrors();
         let mut st = m.lock.lock();
         st.writes.remove(&id);
-        m.changed.notify_all();
+        // Only the resync waits for writes to end (before it copies a region).
+        if st.copying.is_some() {
+            m.changed.notify_all();
+        }
         ok.iter().any(|&i| match st.states[i] {
             MemberState::Up => true,
             MemberState::Resyncing => m.dirty[i].is_clean(start / m.region, (end - 1) / m.region),
