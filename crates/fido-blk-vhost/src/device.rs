@@ -27,9 +27,14 @@ use vhost::vhost_user::Listener;
 use vhost_user_backend::{VhostUserBackend, VhostUserDaemon, VringRwLock, VringT};
 use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK};
 use virtio_queue::{DescriptorChain, QueueT};
-use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryMmap, VolatileSlice};
+use vm_memory::{
+    Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryMmap,
+    VolatileSlice,
+};
 use vmm_sys_util::epoll::EventSet;
-use vmm_sys_util::event::{new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier};
+use vmm_sys_util::event::{
+    new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
+};
 
 use crate::virtio::{self, Desc, Kind, Limits, Seg, ID_BYTES};
 
@@ -61,7 +66,12 @@ pub struct VhostBlkOptions {
 
 impl Default for VhostBlkOptions {
     fn default() -> Self {
-        VhostBlkOptions { num_queues: 1, queue_size: 256, read_only: false, serial: None }
+        VhostBlkOptions {
+            num_queues: 1,
+            queue_size: 256,
+            read_only: false,
+            serial: None,
+        }
     }
 }
 
@@ -207,10 +217,16 @@ impl VhostBlk {
     /// A back end that sends the guest's requests through `client`.
     pub fn new(client: BlkClient, opts: &VhostBlkOptions) -> Result<VhostBlk, VhostError> {
         if opts.num_queues == 0 || opts.num_queues > 64 {
-            return Err(VhostError::Invalid(format!("{} queues (1..=64)", opts.num_queues)));
+            return Err(VhostError::Invalid(format!(
+                "{} queues (1..=64)",
+                opts.num_queues
+            )));
         }
         if !opts.queue_size.is_power_of_two() || !(2..=1024).contains(&opts.queue_size) {
-            return Err(VhostError::Invalid(format!("queue size {} (a power of two, 2..=1024)", opts.queue_size)));
+            return Err(VhostError::Invalid(format!(
+                "queue size {} (a power of two, 2..=1024)",
+                opts.queue_size
+            )));
         }
         let info = client.info();
         let limits = Limits {
@@ -224,7 +240,10 @@ impl VhostBlk {
             num_queues: opts.num_queues,
             queue_size: opts.queue_size,
         };
-        let serial = opts.serial.clone().unwrap_or_else(|| format!("fido:{}", client.name()));
+        let serial = opts
+            .serial
+            .clone()
+            .unwrap_or_else(|| format!("fido:{}", client.name()));
         let mut id = [0u8; ID_BYTES];
         let id_len = serial.len().min(ID_BYTES);
         id[..id_len].copy_from_slice(&serial.as_bytes()[..id_len]);
@@ -239,8 +258,13 @@ impl VhostBlk {
             stopping: AtomicBool::new(false),
         });
         let worker = inner.clone();
-        let completer = std::thread::Builder::new().name("vhost-blk-complete".into()).spawn(move || worker.complete_loop())?;
-        Ok(VhostBlk { inner, completer: Some(completer) })
+        let completer = std::thread::Builder::new()
+            .name("vhost-blk-complete".into())
+            .spawn(move || worker.complete_loop())?;
+        Ok(VhostBlk {
+            inner,
+            completer: Some(completer),
+        })
     }
 
     /// The device as the guest sees it.
@@ -273,11 +297,26 @@ impl VhostBlk {
     /// is set; a front end that disconnects (QEMU quit or was killed) is
     /// followed by the next on the same socket. The socket file is removed
     /// on return. `on_listening` runs once the socket accepts connections.
-    pub fn serve(&self, socket: &Path, stop: &AtomicBool, on_listening: impl FnOnce()) -> Result<(), VhostError> {
-        let sock_err = |error: io::Error| VhostError::Socket { path: socket.to_path_buf(), error };
+    pub fn serve(
+        &self,
+        socket: &Path,
+        stop: &AtomicBool,
+        on_listening: impl FnOnce(),
+    ) -> Result<(), VhostError> {
+        let sock_err = |error: io::Error| VhostError::Socket {
+            path: socket.to_path_buf(),
+            error,
+        };
         match std::fs::symlink_metadata(socket) {
-            Ok(m) if std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()) => std::fs::remove_file(socket).map_err(sock_err)?,
-            Ok(_) => return Err(sock_err(io::Error::new(io::ErrorKind::AlreadyExists, "exists and is not a socket"))),
+            Ok(m) if std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()) => {
+                std::fs::remove_file(socket).map_err(sock_err)?
+            }
+            Ok(_) => {
+                return Err(sock_err(io::Error::new(
+                    io::ErrorKind::AlreadyExists,
+                    "exists and is not a socket",
+                )))
+            }
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
             Err(e) => return Err(sock_err(e)),
         }
@@ -305,8 +344,12 @@ impl VhostBlk {
             event_idx: AtomicBool::new(false),
         });
         let vhost_err = |e: vhost_user_backend::Error| VhostError::Vhost(e.to_string());
-        let mut daemon =
-            VhostUserDaemon::new("vhost-blk-conn".into(), backend, GuestMemoryAtomic::new(GuestMemoryMmap::new())).map_err(vhost_err)?;
+        let mut daemon = VhostUserDaemon::new(
+            "vhost-blk-conn".into(),
+            backend,
+            GuestMemoryAtomic::new(GuestMemoryMmap::new()),
+        )
+        .map_err(vhost_err)?;
         // A Listener made from a clone of our socket has no path: dropping
         // it does not remove the socket the next front end connects to.
         let mut accept = Listener::from(listener.try_clone()?);
@@ -335,7 +378,9 @@ impl VhostBlk {
         });
         match result {
             Ok(()) => tracing::info!("vhost-user-blk: the front end disconnected"),
-            Err(e) => tracing::info!(error = %e, "vhost-user-blk: the front end's connection ended"),
+            Err(e) => {
+                tracing::info!(error = %e, "vhost-user-blk: the front end's connection ended")
+            }
         }
         // Dropping the daemon stops its vring worker (the exit event) and
         // joins it. Requests still in flight complete into the memory of
@@ -365,7 +410,10 @@ impl Drop for RemoveOnDrop {
 /// Waits until `listener` has a connection (true) or `stop` is set (false).
 fn wait_readable(listener: &UnixListener, stop: &AtomicBool) -> io::Result<bool> {
     use rustix::event::{poll, PollFd, PollFlags, Timespec};
-    let timeout = Timespec { tv_sec: 0, tv_nsec: POLL.as_nanos() as i64 };
+    let timeout = Timespec {
+        tv_sec: 0,
+        tv_nsec: POLL.as_nanos() as i64,
+    };
     loop {
         if stop.load(Ordering::Relaxed) {
             return Ok(false);
@@ -441,12 +489,27 @@ impl Inner {
             }
             st.1
         };
-        self.answer(&req.track, &req.mem, req.head, req.status, status, if status == STATUS_OK { req.used_ok } else { 1 });
+        self.answer(
+            &req.track,
+            &req.mem,
+            req.head,
+            req.status,
+            status,
+            if status == STATUS_OK { req.used_ok } else { 1 },
+        );
         Some(req.track.clone())
     }
 
     /// Writes `status` into the chain's status byte and returns the chain.
-    fn answer(&self, track: &QueueTrack, mem: &GuestMemoryMmap, head: u16, at: GuestAddress, status: u8, used: u32) {
+    fn answer(
+        &self,
+        track: &QueueTrack,
+        mem: &GuestMemoryMmap,
+        head: u16,
+        at: GuestAddress,
+        status: u8,
+        used: u32,
+    ) {
         if status != STATUS_OK {
             bump(&self.counters.errors, 1);
         }
@@ -486,7 +549,13 @@ impl Inner {
                 // written by its owner meanwhile; we neither read the
                 // destination back nor decide anything from the bytes, so
                 // the worst is a torn copy in the guest's own buffer.
-                unsafe { std::ptr::copy_nonoverlapping(seg.as_ptr().add(cur_at), dst.ptr_guard_mut().as_ptr().add(done), n) };
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        seg.as_ptr().add(cur_at),
+                        dst.ptr_guard_mut().as_ptr().add(done),
+                        n,
+                    )
+                };
                 cur_at += n;
                 done += n;
                 copied += n as u64;
@@ -499,7 +568,13 @@ impl Inner {
 
     /// Copies bytes `at..at+buf.len()` of the guest request's `data` into
     /// `buf` (the one copy of the write path).
-    fn copy_from_guest(&self, mem: &GuestMemoryMmap, data: &[Seg], at: u64, buf: &mut [u8]) -> bool {
+    fn copy_from_guest(
+        &self,
+        mem: &GuestMemoryMmap,
+        data: &[Seg],
+        at: u64,
+        buf: &mut [u8],
+    ) -> bool {
         let mut done = 0usize;
         let ok = for_each_guest_slice(mem, data, at, buf.len() as u64, |src| {
             done += src.copy_to(&mut buf[done..]);
@@ -529,7 +604,13 @@ impl Inner {
 /// Calls `f` with the guest memory of bytes `at..at+len` of `data`, in
 /// order, one slice at a time. False if the range is not all guest memory or
 /// `f` said so.
-fn for_each_guest_slice(mem: &GuestMemoryMmap, data: &[Seg], mut at: u64, mut len: u64, mut f: impl FnMut(VolatileSlice<'_>) -> bool) -> bool {
+fn for_each_guest_slice(
+    mem: &GuestMemoryMmap,
+    data: &[Seg],
+    mut at: u64,
+    mut len: u64,
+    mut f: impl FnMut(VolatileSlice<'_>) -> bool,
+) -> bool {
     for seg in data {
         if len == 0 {
             break;
@@ -540,7 +621,9 @@ fn for_each_guest_slice(mem: &GuestMemoryMmap, data: &[Seg], mut at: u64, mut le
             continue;
         }
         let n = (seg_len - at).min(len);
-        let Some(start) = seg.addr.0.checked_add(at) else { return false };
+        let Some(start) = seg.addr.0.checked_add(at) else {
+            return false;
+        };
         for slice in GuestMemoryBackend::get_slices(mem, GuestAddress(start), n as usize) {
             match slice {
                 Ok(s) => {
@@ -584,21 +667,38 @@ impl ConnBackend {
         let mut tracks = self.tracks.lock();
         let slot = tracks.get_mut(q)?;
         Some(
-            slot.get_or_insert_with(|| Arc::new(QueueTrack { vring: vring.clone(), in_flight: Mutex::new(0), idle: Condvar::new() }))
-                .clone(),
+            slot.get_or_insert_with(|| {
+                Arc::new(QueueTrack {
+                    vring: vring.clone(),
+                    in_flight: Mutex::new(0),
+                    idle: Condvar::new(),
+                })
+            })
+            .clone(),
         )
     }
 
     /// Takes one chain: answers it at once (refused, GET_ID) or sends its
     /// fido-blk requests. True if the guest should be notified now.
-    fn start(&self, chain: DescriptorChain<Arc<GuestMemoryMmap>>, track: &Arc<QueueTrack>, mem: &Arc<GuestMemoryMmap>) -> bool {
+    fn start(
+        &self,
+        chain: DescriptorChain<Arc<GuestMemoryMmap>>,
+        track: &Arc<QueueTrack>,
+        mem: &Arc<GuestMemoryMmap>,
+    ) -> bool {
         let inner = &*self.inner;
         let c = &inner.counters;
         bump(&c.requests, 1);
         let head = chain.head_index();
         // One more than the limit, so that parse sees a chain that is too long.
-        let descs: Vec<Desc> =
-            chain.take(1025).map(|d| Desc { addr: d.addr().0, len: d.len(), writable: d.is_write_only() }).collect();
+        let descs: Vec<Desc> = chain
+            .take(1025)
+            .map(|d| Desc {
+                addr: d.addr().0,
+                len: d.len(),
+                writable: d.is_write_only(),
+            })
+            .collect();
         let req = virtio::parse(&descs, &**mem, &inner.limits);
         *track.in_flight.lock() += 1;
         let Some(status) = req.status else {
@@ -633,13 +733,33 @@ impl ConnBackend {
             }
             Kind::Read { offset, len, data } => {
                 bump(&c.reads, 1);
-                let plan = pieces(len, mt).map(|(at, n)| (at, SubOp::Read { offset: offset + at, len: n })).collect();
+                let plan = pieces(len, mt)
+                    .map(|(at, n)| {
+                        (
+                            at,
+                            SubOp::Read {
+                                offset: offset + at,
+                                len: n,
+                            },
+                        )
+                    })
+                    .collect();
                 let used = u32::try_from(len + 1).unwrap_or(u32::MAX);
                 (plan, data, used)
             }
             Kind::Write { offset, len, data } => {
                 bump(&c.writes, 1);
-                let plan = pieces(len, mt).map(|(at, n)| (at, SubOp::Write { offset: offset + at, len: n })).collect();
+                let plan = pieces(len, mt)
+                    .map(|(at, n)| {
+                        (
+                            at,
+                            SubOp::Write {
+                                offset: offset + at,
+                                len: n,
+                            },
+                        )
+                    })
+                    .collect();
                 (plan, data, 1)
             }
             Kind::Flush => {
@@ -650,7 +770,17 @@ impl ConnBackend {
                 bump(&c.discards, 1);
                 let plan = ranges
                     .iter()
-                    .flat_map(|r| pieces(r.len, lb).map(move |(at, n)| (0, SubOp::Discard { offset: r.offset + at, len: n })))
+                    .flat_map(|r| {
+                        pieces(r.len, lb).map(move |(at, n)| {
+                            (
+                                0,
+                                SubOp::Discard {
+                                    offset: r.offset + at,
+                                    len: n,
+                                },
+                            )
+                        })
+                    })
                     .collect();
                 (plan, Vec::new(), 1)
             }
@@ -659,7 +789,16 @@ impl ConnBackend {
                 let plan = ranges
                     .iter()
                     .flat_map(|r| {
-                        pieces(r.len, lb).map(move |(at, n)| (0, SubOp::WriteZeroes { offset: r.offset + at, len: n, unmap: r.unmap }))
+                        pieces(r.len, lb).map(move |(at, n)| {
+                            (
+                                0,
+                                SubOp::WriteZeroes {
+                                    offset: r.offset + at,
+                                    len: n,
+                                    unmap: r.unmap,
+                                },
+                            )
+                        })
                     })
                     .collect();
                 (plan, Vec::new(), 1)
@@ -691,7 +830,11 @@ impl ConnBackend {
             // is registered: a failure here is this piece's error.
             let payload = match op {
                 SubOp::Write { len, .. } => {
-                    let filled = inner.alloc(len as usize).and_then(|mut buf| inner.copy_from_guest(mem, &data, at, &mut buf).then_some(buf));
+                    let filled = inner.alloc(len as usize).and_then(|mut buf| {
+                        inner
+                            .copy_from_guest(mem, &data, at, &mut buf)
+                            .then_some(buf)
+                    });
                     if filled.is_none() {
                         notify_now |= inner.sub_done(&pending, false).is_some();
                         continue;
@@ -701,14 +844,29 @@ impl ConnBackend {
                 _ => None,
             };
             // Registered before it is sent: the reply may come at once.
-            inner.in_flight.lock().insert(id, Sub { req: pending.clone(), at, len });
+            inner.in_flight.lock().insert(
+                id,
+                Sub {
+                    req: pending.clone(),
+                    at,
+                    len,
+                },
+            );
             bump(&c.fido_requests, 1);
             let sent = match op {
                 SubOp::Read { offset, len } => inner.client.submit_read(id, offset, len),
-                SubOp::Write { offset, .. } => inner.client.submit_write(id, offset, payload.into_iter().collect(), false),
+                SubOp::Write { offset, .. } => {
+                    inner
+                        .client
+                        .submit_write(id, offset, payload.into_iter().collect(), false)
+                }
                 SubOp::Flush => inner.client.submit_flush(id),
-                SubOp::Discard { offset, len } => inner.client.submit_discard(id, offset, len, false),
-                SubOp::WriteZeroes { offset, len, unmap } => inner.client.submit_write_zeroes(id, offset, len, false, !unmap),
+                SubOp::Discard { offset, len } => {
+                    inner.client.submit_discard(id, offset, len, false)
+                }
+                SubOp::WriteZeroes { offset, len, unmap } => inner
+                    .client
+                    .submit_write_zeroes(id, offset, len, false, !unmap),
             };
             if let Err(e) = sent {
                 tracing::debug!(error = %e, "vhost-user-blk: sending a request");
@@ -760,7 +918,10 @@ impl VhostUserBackend for ConnBackend {
 
     fn set_config(&self, _offset: u32, _buf: &[u8]) -> io::Result<()> {
         // Nothing in virtio-blk's configuration is writable without CONFIG_WCE.
-        Err(io::Error::new(io::ErrorKind::PermissionDenied, "the configuration space is read-only"))
+        Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            "the configuration space is read-only",
+        ))
     }
 
     fn update_memory(&self, mem: Memory) -> io::Result<()> {
@@ -780,13 +941,22 @@ impl VhostUserBackend for ConnBackend {
 
     fn stop_vring(&self, queue_index: u32) -> io::Result<()> {
         // The front end takes the ring back: answer what it gave us first.
-        let track = self.tracks.lock().get(queue_index as usize).cloned().flatten();
+        let track = self
+            .tracks
+            .lock()
+            .get(queue_index as usize)
+            .cloned()
+            .flatten();
         if let Some(t) = track {
             let deadline = Instant::now() + STOP_TIMEOUT;
             let mut n = t.in_flight.lock();
             while *n > 0 {
                 if t.idle.wait_until(&mut n, deadline).timed_out() {
-                    tracing::warn!(queue = queue_index, in_flight = *n, "vhost-user-blk: stopping a queue with requests in flight");
+                    tracing::warn!(
+                        queue = queue_index,
+                        in_flight = *n,
+                        "vhost-user-blk: stopping a queue with requests in flight"
+                    );
                     break;
                 }
             }
@@ -794,7 +964,13 @@ impl VhostUserBackend for ConnBackend {
         Ok(())
     }
 
-    fn handle_event(&self, device_event: u16, evset: EventSet, vrings: &[Vring], _thread_id: usize) -> io::Result<()> {
+    fn handle_event(
+        &self,
+        device_event: u16,
+        evset: EventSet,
+        vrings: &[Vring],
+        _thread_id: usize,
+    ) -> io::Result<()> {
         // Errors returned here end the vring worker: whatever the guest did,
         // it is answered or logged, never returned.
         if evset != EventSet::IN {
@@ -802,9 +978,15 @@ impl VhostUserBackend for ConnBackend {
             return Ok(());
         }
         let q = usize::from(device_event);
-        let Some(vring) = vrings.get(q) else { return Ok(()) };
-        let Some(atomic) = self.mem.lock().clone() else { return Ok(()) };
-        let Some(track) = self.track(q, vring) else { return Ok(()) };
+        let Some(vring) = vrings.get(q) else {
+            return Ok(());
+        };
+        let Some(atomic) = self.mem.lock().clone() else {
+            return Ok(());
+        };
+        let Some(track) = self.track(q, vring) else {
+            return Ok(());
+        };
         let mut notify = false;
         loop {
             let event_idx = self.event_idx.load(Ordering::Relaxed);
@@ -814,7 +996,10 @@ impl VhostUserBackend for ConnBackend {
             let mem = atomic.memory().into_inner();
             loop {
                 // The vring's lock is held only to pop.
-                let chain = vring.get_mut().get_queue_mut().pop_descriptor_chain(mem.clone());
+                let chain = vring
+                    .get_mut()
+                    .get_queue_mut()
+                    .pop_descriptor_chain(mem.clone());
                 let Some(chain) = chain else { break };
                 notify |= self.start(chain, &track, &mem);
             }

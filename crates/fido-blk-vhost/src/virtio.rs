@@ -10,9 +10,10 @@
 use vm_memory::{Address, Bytes, GuestAddress, GuestMemory};
 
 use virtio_bindings::virtio_blk::{
-    virtio_blk_config, VIRTIO_BLK_F_BLK_SIZE, VIRTIO_BLK_F_DISCARD, VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_MQ, VIRTIO_BLK_F_RO,
-    VIRTIO_BLK_F_SEG_MAX, VIRTIO_BLK_F_SIZE_MAX, VIRTIO_BLK_F_WRITE_ZEROES, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_UNSUPP,
-    VIRTIO_BLK_T_DISCARD, VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
+    virtio_blk_config, VIRTIO_BLK_F_BLK_SIZE, VIRTIO_BLK_F_DISCARD, VIRTIO_BLK_F_FLUSH,
+    VIRTIO_BLK_F_MQ, VIRTIO_BLK_F_RO, VIRTIO_BLK_F_SEG_MAX, VIRTIO_BLK_F_SIZE_MAX,
+    VIRTIO_BLK_F_WRITE_ZEROES, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_UNSUPP, VIRTIO_BLK_T_DISCARD,
+    VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
     VIRTIO_BLK_T_WRITE_ZEROES, VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP,
 };
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
@@ -107,17 +108,50 @@ pub fn config_space(l: &Limits) -> Vec<u8> {
     let mut c = vec![0u8; std::mem::size_of::<virtio_blk_config>()];
     let mut put = |at: usize, bytes: &[u8]| c[at..at + bytes.len()].copy_from_slice(bytes);
     let ranged_sectors = (l.max_ranged() / SECTOR) as u32;
-    put(offset_of!(virtio_blk_config, capacity), &(l.capacity / SECTOR).to_le_bytes());
-    put(offset_of!(virtio_blk_config, size_max), &l.size_max().to_le_bytes());
-    put(offset_of!(virtio_blk_config, seg_max), &l.seg_max().to_le_bytes());
-    put(offset_of!(virtio_blk_config, blk_size), &l.logical_block.to_le_bytes());
-    put(offset_of!(virtio_blk_config, num_queues), &l.num_queues.to_le_bytes());
-    put(offset_of!(virtio_blk_config, max_discard_sectors), &ranged_sectors.to_le_bytes());
-    put(offset_of!(virtio_blk_config, max_discard_seg), &MAX_DWZ_SEGS.to_le_bytes());
-    put(offset_of!(virtio_blk_config, discard_sector_alignment), &(l.logical_block / SECTOR as u32).to_le_bytes());
-    put(offset_of!(virtio_blk_config, max_write_zeroes_sectors), &ranged_sectors.to_le_bytes());
-    put(offset_of!(virtio_blk_config, max_write_zeroes_seg), &MAX_DWZ_SEGS.to_le_bytes());
-    put(offset_of!(virtio_blk_config, write_zeroes_may_unmap), &[u8::from(l.discard)]);
+    put(
+        offset_of!(virtio_blk_config, capacity),
+        &(l.capacity / SECTOR).to_le_bytes(),
+    );
+    put(
+        offset_of!(virtio_blk_config, size_max),
+        &l.size_max().to_le_bytes(),
+    );
+    put(
+        offset_of!(virtio_blk_config, seg_max),
+        &l.seg_max().to_le_bytes(),
+    );
+    put(
+        offset_of!(virtio_blk_config, blk_size),
+        &l.logical_block.to_le_bytes(),
+    );
+    put(
+        offset_of!(virtio_blk_config, num_queues),
+        &l.num_queues.to_le_bytes(),
+    );
+    put(
+        offset_of!(virtio_blk_config, max_discard_sectors),
+        &ranged_sectors.to_le_bytes(),
+    );
+    put(
+        offset_of!(virtio_blk_config, max_discard_seg),
+        &MAX_DWZ_SEGS.to_le_bytes(),
+    );
+    put(
+        offset_of!(virtio_blk_config, discard_sector_alignment),
+        &(l.logical_block / SECTOR as u32).to_le_bytes(),
+    );
+    put(
+        offset_of!(virtio_blk_config, max_write_zeroes_sectors),
+        &ranged_sectors.to_le_bytes(),
+    );
+    put(
+        offset_of!(virtio_blk_config, max_write_zeroes_seg),
+        &MAX_DWZ_SEGS.to_le_bytes(),
+    );
+    put(
+        offset_of!(virtio_blk_config, write_zeroes_may_unmap),
+        &[u8::from(l.discard)],
+    );
     c
 }
 
@@ -150,12 +184,22 @@ pub struct Range {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Kind {
     /// IN: `len` bytes at `offset` into the device-writable `data`.
-    Read { offset: u64, len: u64, data: Vec<Seg> },
+    Read {
+        offset: u64,
+        len: u64,
+        data: Vec<Seg>,
+    },
     /// OUT: the device-readable `data` (`len` bytes) to `offset`.
-    Write { offset: u64, len: u64, data: Vec<Seg> },
+    Write {
+        offset: u64,
+        len: u64,
+        data: Vec<Seg>,
+    },
     Flush,
     /// GET_ID: up to [`ID_BYTES`] into `data`.
-    GetId { data: Vec<Seg> },
+    GetId {
+        data: Vec<Seg>,
+    },
     Discard(Vec<Range>),
     WriteZeroes(Vec<Range>),
 }
@@ -181,7 +225,14 @@ const UNSUPP: u8 = VIRTIO_BLK_S_UNSUPP as u8;
 /// aligned). Unknown types are UNSUPP, everything else that is wrong IOERR.
 pub fn parse<M: GuestMemory + ?Sized>(descs: &[Desc], mem: &M, l: &Limits) -> GuestRequest {
     let status = status_byte(descs);
-    GuestRequest { status, outcome: if status.is_some() { parse_kind(descs, mem, l) } else { Err(IOERR) } }
+    GuestRequest {
+        status,
+        outcome: if status.is_some() {
+            parse_kind(descs, mem, l)
+        } else {
+            Err(IOERR)
+        },
+    }
 }
 
 fn status_byte(descs: &[Desc]) -> Option<GuestAddress> {
@@ -189,7 +240,9 @@ fn status_byte(descs: &[Desc]) -> Option<GuestAddress> {
     if !last.writable || last.len == 0 {
         return None;
     }
-    last.addr.checked_add(u64::from(last.len) - 1).map(GuestAddress)
+    last.addr
+        .checked_add(u64::from(last.len) - 1)
+        .map(GuestAddress)
 }
 
 fn parse_kind<M: GuestMemory + ?Sized>(descs: &[Desc], mem: &M, l: &Limits) -> Result<Kind, u8> {
@@ -219,7 +272,11 @@ fn parse_kind<M: GuestMemory + ?Sized>(descs: &[Desc], mem: &M, l: &Limits) -> R
             if len > l.max_request() {
                 return Err(IOERR);
             }
-            Ok(Kind::Read { offset, len, data: out_area })
+            Ok(Kind::Read {
+                offset,
+                len,
+                data: out_area,
+            })
         }
         VIRTIO_BLK_T_OUT => {
             if l.read_only {
@@ -230,7 +287,11 @@ fn parse_kind<M: GuestMemory + ?Sized>(descs: &[Desc], mem: &M, l: &Limits) -> R
             if len > l.max_request() {
                 return Err(IOERR);
             }
-            Ok(Kind::Write { offset, len, data: after_header })
+            Ok(Kind::Write {
+                offset,
+                len,
+                data: after_header,
+            })
         }
         VIRTIO_BLK_T_FLUSH => {
             if l.flush {
@@ -261,7 +322,11 @@ fn parse_kind<M: GuestMemory + ?Sized>(descs: &[Desc], mem: &M, l: &Limits) -> R
                 let sectors = u32::from_le_bytes(s[8..12].try_into().expect("4 bytes"));
                 let flags = u32::from_le_bytes(s[12..16].try_into().expect("4 bytes"));
                 // A discard has no flags; write-zeroes knows only UNMAP.
-                let known = if discard { 0 } else { VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP };
+                let known = if discard {
+                    0
+                } else {
+                    VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP
+                };
                 if flags & !known != 0 {
                     return Err(UNSUPP);
                 }
@@ -270,9 +335,17 @@ fn parse_kind<M: GuestMemory + ?Sized>(descs: &[Desc], mem: &M, l: &Limits) -> R
                     return Err(IOERR);
                 }
                 let offset = check_range(l, sector, len)?;
-                ranges.push(Range { offset, len, unmap: flags & VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP != 0 });
+                ranges.push(Range {
+                    offset,
+                    len,
+                    unmap: flags & VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP != 0,
+                });
             }
-            Ok(if discard { Kind::Discard(ranges) } else { Kind::WriteZeroes(ranges) })
+            Ok(if discard {
+                Kind::Discard(ranges)
+            } else {
+                Kind::WriteZeroes(ranges)
+            })
         }
         _ => Err(UNSUPP),
     }
@@ -290,7 +363,14 @@ fn check_range(l: &Limits, sector: u64, len: u64) -> Result<u64, u8> {
 }
 
 fn segs(descs: &[Desc]) -> Vec<Seg> {
-    descs.iter().filter(|d| d.len > 0).map(|d| Seg { addr: GuestAddress(d.addr), len: d.len }).collect()
+    descs
+        .iter()
+        .filter(|d| d.len > 0)
+        .map(|d| Seg {
+            addr: GuestAddress(d.addr),
+            len: d.len,
+        })
+        .collect()
 }
 
 fn total(segs: &[Seg]) -> u64 {
@@ -325,10 +405,14 @@ fn gather<M: GuestMemory + ?Sized>(mem: &M, segs: &[Seg], dst: &mut [u8]) -> Res
             continue;
         }
         let n = want.min(s.len as usize);
-        mem.read_slice(&mut dst[done..done + n], s.addr).map_err(|_| IOERR)?;
+        mem.read_slice(&mut dst[done..done + n], s.addr)
+            .map_err(|_| IOERR)?;
         done += n;
         if n < s.len as usize {
-            rest.push(Seg { addr: s.addr.unchecked_add(n as u64), len: s.len - n as u32 });
+            rest.push(Seg {
+                addr: s.addr.unchecked_add(n as u64),
+                len: s.len - n as u32,
+            });
         }
     }
     if done < dst.len() {
@@ -368,10 +452,18 @@ mod tests {
     }
 
     fn r(addr: u64, len: u32) -> Desc {
-        Desc { addr, len, writable: false }
+        Desc {
+            addr,
+            len,
+            writable: false,
+        }
     }
     fn w(addr: u64, len: u32) -> Desc {
-        Desc { addr, len, writable: true }
+        Desc {
+            addr,
+            len,
+            writable: true,
+        }
     }
 
     #[test]
@@ -381,21 +473,75 @@ mod tests {
         header(&m, 0, VIRTIO_BLK_T_IN, 8);
         let req = parse(&[r(0, 16), w(0x1000, 4096), w(0x3000, 1)], &m, &l);
         assert_eq!(req.status, Some(GuestAddress(0x3000)));
-        assert_eq!(req.outcome, Ok(Kind::Read { offset: 4096, len: 4096, data: vec![Seg { addr: GuestAddress(0x1000), len: 4096 }] }));
+        assert_eq!(
+            req.outcome,
+            Ok(Kind::Read {
+                offset: 4096,
+                len: 4096,
+                data: vec![Seg {
+                    addr: GuestAddress(0x1000),
+                    len: 4096
+                }]
+            })
+        );
         // Data and status in one writable descriptor; header and data in one readable one.
         let req = parse(&[r(0, 16), w(0x1000, 513)], &m, &l);
-        assert_eq!(req.outcome.unwrap(), Kind::Read { offset: 4096, len: 512, data: vec![Seg { addr: GuestAddress(0x1000), len: 512 }] });
+        assert_eq!(
+            req.outcome.unwrap(),
+            Kind::Read {
+                offset: 4096,
+                len: 512,
+                data: vec![Seg {
+                    addr: GuestAddress(0x1000),
+                    len: 512
+                }]
+            }
+        );
         header(&m, 0, VIRTIO_BLK_T_OUT, 1);
         let req = parse(&[r(0, 16 + 1024), w(0x3000, 1)], &m, &l);
-        assert_eq!(req.outcome.unwrap(), Kind::Write { offset: 512, len: 1024, data: vec![Seg { addr: GuestAddress(16), len: 1024 }] });
+        assert_eq!(
+            req.outcome.unwrap(),
+            Kind::Write {
+                offset: 512,
+                len: 1024,
+                data: vec![Seg {
+                    addr: GuestAddress(16),
+                    len: 1024
+                }]
+            }
+        );
         header(&m, 0, VIRTIO_BLK_T_FLUSH, 0);
-        assert_eq!(parse(&[r(0, 16), w(0x3000, 1)], &m, &l).outcome, Ok(Kind::Flush));
+        assert_eq!(
+            parse(&[r(0, 16), w(0x3000, 1)], &m, &l).outcome,
+            Ok(Kind::Flush)
+        );
         header(&m, 0, VIRTIO_BLK_T_GET_ID, 0);
-        assert_eq!(parse(&[r(0, 16), w(0x1000, 20), w(0x3000, 1)], &m, &l).outcome.unwrap(), Kind::GetId { data: vec![Seg { addr: GuestAddress(0x1000), len: 20 }] });
+        assert_eq!(
+            parse(&[r(0, 16), w(0x1000, 20), w(0x3000, 1)], &m, &l)
+                .outcome
+                .unwrap(),
+            Kind::GetId {
+                data: vec![Seg {
+                    addr: GuestAddress(0x1000),
+                    len: 20
+                }]
+            }
+        );
         // A header split over two descriptors.
         header(&m, 0x100, VIRTIO_BLK_T_IN, 2);
-        let req = parse(&[r(0x100, 5), r(0x105, 11), w(0x1000, 512), w(0x3000, 1)], &m, &l);
-        assert!(matches!(req.outcome, Ok(Kind::Read { offset: 1024, len: 512, .. })));
+        let req = parse(
+            &[r(0x100, 5), r(0x105, 11), w(0x1000, 512), w(0x3000, 1)],
+            &m,
+            &l,
+        );
+        assert!(matches!(
+            req.outcome,
+            Ok(Kind::Read {
+                offset: 1024,
+                len: 512,
+                ..
+            })
+        ));
     }
 
     #[test]
@@ -409,37 +555,105 @@ mod tests {
         assert_eq!(parse(&[r(0, 16), w(0x1000, 0)], &m, &l).status, None);
         assert_eq!(parse(&[], &m, &l).status, None);
         // Readable after writable.
-        assert_eq!(parse(&[r(0, 16), w(0x1000, 512), r(0x2000, 16), w(0x3000, 1)], &m, &l).outcome, ioerr);
+        assert_eq!(
+            parse(
+                &[r(0, 16), w(0x1000, 512), r(0x2000, 16), w(0x3000, 1)],
+                &m,
+                &l
+            )
+            .outcome,
+            ioerr
+        );
         // Short header.
         assert_eq!(parse(&[r(0, 15), w(0x3000, 1)], &m, &l).outcome, ioerr);
         // Header outside guest memory.
-        assert_eq!(parse(&[r(2 << 20, 16), w(0x3000, 1)], &m, &l).outcome, ioerr);
+        assert_eq!(
+            parse(&[r(2 << 20, 16), w(0x3000, 1)], &m, &l).outcome,
+            ioerr
+        );
         // An address that wraps.
-        assert_eq!(parse(&[r(0, 16), w(u64::MAX - 10, 512), w(0x3000, 1)], &m, &l).outcome, ioerr);
+        assert_eq!(
+            parse(&[r(0, 16), w(u64::MAX - 10, 512), w(0x3000, 1)], &m, &l).outcome,
+            ioerr
+        );
         // Sector * 512 overflows; past the end; misaligned length; too long.
         header(&m, 0, VIRTIO_BLK_T_IN, u64::MAX / 256);
-        assert_eq!(parse(&[r(0, 16), w(0x1000, 512), w(0x3000, 1)], &m, &l).outcome, ioerr);
+        assert_eq!(
+            parse(&[r(0, 16), w(0x1000, 512), w(0x3000, 1)], &m, &l).outcome,
+            ioerr
+        );
         header(&m, 0, VIRTIO_BLK_T_IN, (1 << 20) / 512 - 1);
-        assert_eq!(parse(&[r(0, 16), w(0x1000, 1024), w(0x3000, 1)], &m, &l).outcome, ioerr);
-        assert!(parse(&[r(0, 16), w(0x1000, 512), w(0x3000, 1)], &m, &l).outcome.is_ok());
+        assert_eq!(
+            parse(&[r(0, 16), w(0x1000, 1024), w(0x3000, 1)], &m, &l).outcome,
+            ioerr
+        );
+        assert!(parse(&[r(0, 16), w(0x1000, 512), w(0x3000, 1)], &m, &l)
+            .outcome
+            .is_ok());
         header(&m, 0, VIRTIO_BLK_T_IN, 0);
-        assert_eq!(parse(&[r(0, 16), w(0x1000, 100), w(0x3000, 1)], &m, &l).outcome, ioerr);
-        let big = Limits { capacity: 1 << 40, queue_size: 4, ..l };
-        assert_eq!(parse(&[r(0, 16), w(0x1000, 4 << 20), w(0x3000, 1)], &m, &big).outcome, ioerr, "over seg_max × size_max");
-        let block4k = Limits { logical_block: 4096, ..l };
+        assert_eq!(
+            parse(&[r(0, 16), w(0x1000, 100), w(0x3000, 1)], &m, &l).outcome,
+            ioerr
+        );
+        let big = Limits {
+            capacity: 1 << 40,
+            queue_size: 4,
+            ..l
+        };
+        assert_eq!(
+            parse(&[r(0, 16), w(0x1000, 4 << 20), w(0x3000, 1)], &m, &big).outcome,
+            ioerr,
+            "over seg_max × size_max"
+        );
+        let block4k = Limits {
+            logical_block: 4096,
+            ..l
+        };
         header(&m, 0, VIRTIO_BLK_T_IN, 1);
-        assert_eq!(parse(&[r(0, 16), w(0x1000, 4096), w(0x3000, 1)], &m, &block4k).outcome, ioerr, "offset not 4 KiB aligned");
+        assert_eq!(
+            parse(&[r(0, 16), w(0x1000, 4096), w(0x3000, 1)], &m, &block4k).outcome,
+            ioerr,
+            "offset not 4 KiB aligned"
+        );
         // Unknown type; flush without FLUSH; write to a read-only device.
         header(&m, 0, 77, 0);
-        assert_eq!(parse(&[r(0, 16), w(0x3000, 1)], &m, &l).outcome, Err(UNSUPP));
+        assert_eq!(
+            parse(&[r(0, 16), w(0x3000, 1)], &m, &l).outcome,
+            Err(UNSUPP)
+        );
         header(&m, 0, VIRTIO_BLK_T_FLUSH, 0);
-        assert_eq!(parse(&[r(0, 16), w(0x3000, 1)], &m, &Limits { flush: false, ..l }).outcome, Err(UNSUPP));
+        assert_eq!(
+            parse(&[r(0, 16), w(0x3000, 1)], &m, &Limits { flush: false, ..l }).outcome,
+            Err(UNSUPP)
+        );
         header(&m, 0, VIRTIO_BLK_T_OUT, 0);
-        assert_eq!(parse(&[r(0, 16 + 512), w(0x3000, 1)], &m, &Limits { read_only: true, ..l }).outcome, ioerr);
+        assert_eq!(
+            parse(
+                &[r(0, 16 + 512), w(0x3000, 1)],
+                &m,
+                &Limits {
+                    read_only: true,
+                    ..l
+                }
+            )
+            .outcome,
+            ioerr
+        );
         // Too many descriptors.
         let mut many = vec![r(0, 16)];
         many.extend((0..MAX_CHAIN).map(|i| w(0x1000 + i as u64 * 512, 512)));
-        assert_eq!(parse(&many, &m, &Limits { capacity: 1 << 40, ..l }).outcome, ioerr);
+        assert_eq!(
+            parse(
+                &many,
+                &m,
+                &Limits {
+                    capacity: 1 << 40,
+                    ..l
+                }
+            )
+            .outcome,
+            ioerr
+        );
     }
 
     #[test]
@@ -459,11 +673,25 @@ mod tests {
         let req = parse(&[r(0, 48), w(0x3000, 1)], &m, &l);
         assert_eq!(
             req.outcome.unwrap(),
-            Kind::WriteZeroes(vec![Range { offset: 2048, len: 4096, unmap: true }, Range { offset: 51200, len: 512, unmap: false }])
+            Kind::WriteZeroes(vec![
+                Range {
+                    offset: 2048,
+                    len: 4096,
+                    unmap: true
+                },
+                Range {
+                    offset: 51200,
+                    len: 512,
+                    unmap: false
+                }
+            ])
         );
         // Unknown flag; a partial segment; past the end; zero sectors; discard with UNMAP.
         seg(16, 4, 8, 2);
-        assert_eq!(parse(&[r(0, 32), w(0x3000, 1)], &m, &l).outcome, Err(UNSUPP));
+        assert_eq!(
+            parse(&[r(0, 32), w(0x3000, 1)], &m, &l).outcome,
+            Err(UNSUPP)
+        );
         seg(16, 4, 8, 0);
         assert_eq!(parse(&[r(0, 40), w(0x3000, 1)], &m, &l).outcome, Err(IOERR));
         seg(16, 2047, 2, 0);
@@ -472,24 +700,68 @@ mod tests {
         assert_eq!(parse(&[r(0, 32), w(0x3000, 1)], &m, &l).outcome, Err(IOERR));
         header(&m, 0, VIRTIO_BLK_T_DISCARD, 0);
         seg(16, 0, 8, VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP);
-        assert_eq!(parse(&[r(0, 32), w(0x3000, 1)], &m, &l).outcome, Err(UNSUPP));
+        assert_eq!(
+            parse(&[r(0, 32), w(0x3000, 1)], &m, &l).outcome,
+            Err(UNSUPP)
+        );
         seg(16, 0, 8, 0);
-        assert_eq!(parse(&[r(0, 32), w(0x3000, 1)], &m, &l).outcome.unwrap(), Kind::Discard(vec![Range { offset: 0, len: 4096, unmap: false }]));
-        assert_eq!(parse(&[r(0, 32), w(0x3000, 1)], &m, &Limits { discard: false, ..l }).outcome, Err(UNSUPP));
+        assert_eq!(
+            parse(&[r(0, 32), w(0x3000, 1)], &m, &l).outcome.unwrap(),
+            Kind::Discard(vec![Range {
+                offset: 0,
+                len: 4096,
+                unmap: false
+            }])
+        );
+        assert_eq!(
+            parse(
+                &[r(0, 32), w(0x3000, 1)],
+                &m,
+                &Limits {
+                    discard: false,
+                    ..l
+                }
+            )
+            .outcome,
+            Err(UNSUPP)
+        );
         // Too many segments.
-        assert_eq!(parse(&[r(0, 16), r(0x4000, 16 * (MAX_DWZ_SEGS + 1)), w(0x3000, 1)], &m, &l).outcome, Err(IOERR));
+        assert_eq!(
+            parse(
+                &[r(0, 16), r(0x4000, 16 * (MAX_DWZ_SEGS + 1)), w(0x3000, 1)],
+                &m,
+                &l
+            )
+            .outcome,
+            Err(IOERR)
+        );
     }
 
     #[test]
     fn config_space_fields() {
         let l = limits();
         let c = config_space(&l);
-        assert_eq!(u64::from_le_bytes(c[0..8].try_into().unwrap()), 2048, "capacity in sectors");
-        assert_eq!(u32::from_le_bytes(c[20..24].try_into().unwrap()), 512, "blk_size");
-        assert_eq!(u16::from_le_bytes(c[34..36].try_into().unwrap()), 1, "num_queues");
+        assert_eq!(
+            u64::from_le_bytes(c[0..8].try_into().unwrap()),
+            2048,
+            "capacity in sectors"
+        );
+        assert_eq!(
+            u32::from_le_bytes(c[20..24].try_into().unwrap()),
+            512,
+            "blk_size"
+        );
+        assert_eq!(
+            u16::from_le_bytes(c[34..36].try_into().unwrap()),
+            1,
+            "num_queues"
+        );
         let f = device_features(&l);
         assert!(f & (1 << VIRTIO_BLK_F_FLUSH) != 0 && f & (1 << VIRTIO_BLK_F_RO) == 0);
-        let ro = device_features(&Limits { read_only: true, ..l });
+        let ro = device_features(&Limits {
+            read_only: true,
+            ..l
+        });
         assert!(ro & (1 << VIRTIO_BLK_F_RO) != 0 && ro & (1 << VIRTIO_BLK_F_DISCARD) == 0);
     }
 }

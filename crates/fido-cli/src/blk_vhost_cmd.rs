@@ -48,10 +48,24 @@ pub fn run(a: VhostArgs) -> anyhow::Result<()> {
         signal_hook::flag::register(sig, stop.clone())?;
     }
     let broker = a.broker.clone().unwrap_or_else(fido::default_broker_path);
-    let d = Domain::join(JoinOptions::new(format!("blk-vhost-{}", a.name)).broker(&broker).arena_len(a.arena))
-        .with_context(|| format!("joining the broker at {}", broker.display()))?;
-    let client = BlkClient::connect(&d, &a.name).with_context(|| format!("connecting to block device {:?} (service blk:{})", a.name, a.name))?;
-    let opts = VhostBlkOptions { num_queues: a.queues, queue_size: a.queue_size, read_only: a.readonly, serial: a.serial.clone() };
+    let d = Domain::join(
+        JoinOptions::new(format!("blk-vhost-{}", a.name))
+            .broker(&broker)
+            .arena_len(a.arena),
+    )
+    .with_context(|| format!("joining the broker at {}", broker.display()))?;
+    let client = BlkClient::connect(&d, &a.name).with_context(|| {
+        format!(
+            "connecting to block device {:?} (service blk:{})",
+            a.name, a.name
+        )
+    })?;
+    let opts = VhostBlkOptions {
+        num_queues: a.queues,
+        queue_size: a.queue_size,
+        read_only: a.readonly,
+        serial: a.serial.clone(),
+    };
     let dev = VhostBlk::new(client, &opts)?;
     let l = dev.limits();
     dev.serve(&a.socket, &stop, || {
