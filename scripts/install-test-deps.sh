@@ -28,6 +28,8 @@
 #   nbdkit, libnbd-bin
 #                    fido-blk's EIO test: an nbdkit memory disk behind its error filter,
 #                    exposed as a file by nbdfuse (libnbd-bin)
+#   e2fsprogs        mke2fs/e2fsck that scripts/vm-image.sh puts into the test guest:
+#                    the ext4 of `fido demo --blk` (usually installed already)
 # Not needed: pkg-config (SQLite is bundled), libclang (iceoryx2 runs bindgen
 # only on QNX), procps (no test shells out to ps).
 #
@@ -75,6 +77,7 @@ apt_install iproute2
 apt_install python3
 apt_install qemu-system-x86 busybox-static cpio xz-utils
 apt_install nbdkit libnbd-bin
+apt_install e2fsprogs
 
 # Rust (stable, via rustup) if there is no cargo at all.
 if [[ -x "$HOME/.cargo/bin/cargo" ]]; then export PATH="$HOME/.cargo/bin:$PATH"; fi

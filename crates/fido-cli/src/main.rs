@@ -117,6 +117,12 @@ enum Cmd {
         /// scripts/vm-image.sh; docs/VM.md).
         #[arg(long)]
         vm: bool,
+        /// The storage appliance: a VM's ext4 on a virtio-blk disk served by
+        /// a RAID-1 of two storage domains, one killed with SIGKILL mid-write
+        /// and restarted, then fsck and every checksum (QEMU and the test
+        /// image of scripts/vm-image.sh; docs/BLK.md).
+        #[arg(long, conflicts_with_all = ["vm", "size", "hops"])]
+        blk: bool,
     },
     /// Start, list and stop VM domains: QEMU guests whose programs use Fido
     /// like any other domain (docs/VM.md).
@@ -203,11 +209,13 @@ fn main() -> ExitCode {
             socket,
             cmd,
         } => run::run(no_accel, socket, cmd),
+        Cmd::Demo { blk: true, .. } => fido_demo::blk::run(),
         Cmd::Demo {
             seconds,
             size,
             hops,
             vm: true,
+            ..
         } => {
             let _ = hops;
             fido_demo::vm::run(fido_demo::vm::VmDemoArgs {
@@ -220,6 +228,7 @@ fn main() -> ExitCode {
             size,
             hops,
             vm: false,
+            ..
         } => demo::run(demo::DemoArgs {
             seconds,
             size: size.unwrap_or(1 << 20),
