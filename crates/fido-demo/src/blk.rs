@@ -64,6 +64,11 @@ const STOP_TIMEOUT: Duration = Duration::from_secs(15);
 const MEMBERS: [&str; 2] = ["m1", "m2"];
 const DISK: &str = "disk";
 
+/// Bytes in MiB, one decimal.
+fn mib(bytes: u64) -> String {
+    format!("{:.1} MiB", bytes as f64 / f64::from(1u32 << 20))
+}
+
 /// Times every line from the demo's start.
 struct Clock(Instant);
 
@@ -385,7 +390,7 @@ fn appliance(image: &vm::Image, clock: &Clock, f: &mut Findings) -> anyhow::Resu
     let v = guest_event(&mut guest, &mut raid, "mounted", Instant::now() + STEP_TIMEOUT, clock, &mut seen)?;
     clock.say(format!("guest: mkfs.ext4 /dev/vda ({}), mounted", size_str((num(&v, "sectors")? * 512) as usize)));
     let v = guest_event(&mut guest, &mut raid, "half", Instant::now() + STEP_TIMEOUT, clock, &mut seen)?;
-    clock.say(format!("guest: {} files written ({}), syncing every {SYNC_EVERY}; it writes on", num(&v, "files")?, size_str(num(&v, "bytes")? as usize)));
+    clock.say(format!("guest: {} files written ({}), syncing every {SYNC_EVERY}; it writes on", num(&v, "files")?, mib(num(&v, "bytes")?)));
 
     // kill -9 of m2 while the guest writes the second half.
     let victim = members[1].take().expect("m2 runs");
@@ -399,7 +404,7 @@ fn appliance(image: &vm::Image, clock: &Clock, f: &mut Findings) -> anyhow::Resu
     clock.say(format!(
         "guest: all {} files written ({} in {} directories), synced, SHA-256 of each recorded (in the guest's RAM)",
         f.files,
-        size_str(f.bytes as usize),
+        mib(f.bytes),
         f.dirs
     ));
     if !f.degraded_while_writing {
@@ -459,7 +464,7 @@ fn appliance(image: &vm::Image, clock: &Clock, f: &mut Findings) -> anyhow::Resu
         Ok((bytes, nonzero)) => clock.say(format!(
             "mirrors read from the host: m1.img and m2.img identical ({} compared, {} not zero)",
             size_str(bytes as usize),
-            size_str(nonzero as usize)
+            mib(nonzero)
         )),
         Err(at) => clock.say(format!("mirrors read from the host: m1.img and m2.img DIFFER at byte {at}")),
     }
@@ -493,7 +498,7 @@ pub fn run() -> anyhow::Result<bool> {
         return Ok(false);
     }
 
-    let mb = |b: u64| size_str(b as usize);
+    let mb = mib;
     let mut checks: Vec<(&str, bool, String)> = vec![
         (
             "guest wrote its tree",
