@@ -166,6 +166,15 @@ fn hidden(args: &[String]) -> Option<anyhow::Result<()>> {
     }
 }
 
+/// A `fido blk` helper of `fido demo --blk` (it sets the parent's pid in
+/// the environment) dies with the demo, even when the demo is SIGKILLed.
+fn die_with_demo() -> anyhow::Result<()> {
+    if std::env::var_os(proc::PARENT_ENV).is_some() {
+        proc::child_prologue()?;
+    }
+    Ok(())
+}
+
 fn main() -> ExitCode {
     init_logging();
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -200,7 +209,7 @@ fn main() -> ExitCode {
         })
         .map(|_| true),
         Cmd::Pipe { cmd } => pipe_cmd::run(cmd),
-        Cmd::Blk { cmd } => blk_cmd::run(cmd),
+        Cmd::Blk { cmd } => die_with_demo().and_then(|()| blk_cmd::run(cmd)),
         Cmd::Vm { cmd } => vm::run(cmd),
         Cmd::Guest { cmd } => guest::run(cmd),
         Cmd::Status { json, socket } => status::run(json, socket).map(|_| true),
