@@ -393,3 +393,62 @@ fn a_lying_member_costs_errors_or_nothing_never_a_crash() {
     assert!(c0.read_at(0, 64 << 10).unwrap().to_vec() == pattern(64 << 10, 2));
     assert_eq!(rd.counters().bytes_copied, 0);
 }
+
+/// Writes that race with a resync (a RAM mirror restarted empty, copied
+/// whole) land on both mirrors: the region being copied holds them back
+/// and the copy waits for the writes in flight there, so no write is
+/// overwritten by an older copy.
+#[test]
+fn writes_during_a_full_resync_end_up_on_both_mirrors() {
+    const SIZE: u64 = 32 << 20;
+    const LEN: usize = 16 << 10;
+    let b = TestBroker::start();
+    let (s1, s2) = (b.join("store-1"), b.join("store-2"));
+    let _m1 = ram(&s1, "f1", SIZE);
+    let m2 = ram(&s2, "f2", SIZE);
+    let rd = b.join("raid");
+    let mut o = RaidOptions::new(Layout::Mirror, vec!["f1".into(), "f2".into()]);
+    o.assume_clean = true;
+    o.full_resync = true;
+    let raid = Raid::start(&rd, o).unwrap();
+    let _server = serve(&rd, "rf", raid.clone(), ServeOptions::default()).unwrap();
+    let cd = b.join("client");
+    let c = BlkClient::connect(&cd, "rf").unwrap();
+    let mut model = vec![0u8; SIZE as usize];
+    for k in 0..SIZE / (1 << 20) {
+        let data = pattern(1 << 20, k);
+        c.write_at(k << 20, &data, false).unwrap();
+        model[(k << 20) as usize..((k + 1) << 20) as usize].copy_from_slice(&data);
+    }
+    // The second mirror goes away and comes back empty.
+    m2.stop();
+    wait_for("degraded", T, || raid.status().state == "degraded");
+    let _m2 = ram(&s2, "f2", SIZE);
+    let mut during = 0;
+    let mut after = 0;
+    let mut x = 0x1234_5678_9abc_def1u64;
+    let deadline = Instant::now() + T;
+    while after < 64 {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let offset = (x % (SIZE / LEN as u64)) * LEN as u64;
+        let data = pattern(LEN, x);
+        c.write_at(offset, &data, false).unwrap();
+        model[offset as usize..offset as usize + LEN].copy_from_slice(&data);
+        match raid.status().state {
+            "resyncing" => during += 1,
+            "clean" => after += 1,
+            _ => {}
+        }
+        assert!(Instant::now() < deadline, "the resync never finished");
+    }
+    assert!(during > 0, "no write raced with the resync");
+    c.flush().unwrap();
+    for m in ["f1", "f2"] {
+        let direct = BlkClient::connect(&cd, m).unwrap();
+        assert!(read_all(&direct, 0, SIZE as usize) == model, "mirror {m} after {during} writes during the resync");
+    }
+    assert_eq!(raid.status().resynced_regions, SIZE / raid.status().region, "copied whole");
+    assert_eq!(rd.counters().bytes_copied, 0);
+}
