@@ -244,9 +244,7 @@ fn hostile_chains_are_answered_and_nothing_else_is_written() {
         &storage,
         "h",
         Arc::new(FileBackend::ram(DISK, &opts).unwrap()),
-        ServeOptions {
-            publish_stats: false,
-        },
+        ServeOptions::default(),
     )
     .unwrap();
     let front = Domain::join(
@@ -476,6 +474,7 @@ fn hostile_chains_are_answered_and_nothing_else_is_written() {
     // 5. The storage domain goes away: the guest's requests fail (IOERR, no
     //    hang); once a storage domain serves `h` again they succeed.
     server.stop();
+    storage.leave().unwrap();
     g.header(hdr(1), T_IN, 16);
     g.submit(&[vec![
         (hdr(1), 16, false),
@@ -484,13 +483,17 @@ fn hostile_chains_are_answered_and_nothing_else_is_written() {
     ]]);
     g.used(1);
     assert_eq!(g.byte(st(1)), S_IOERR, "no storage domain");
+    let storage = Domain::join(
+        JoinOptions::new("storage2")
+            .broker(&b.socket)
+            .arena_len(64 << 20),
+    )
+    .unwrap();
     let server = fido_blk::serve(
         &storage,
         "h",
         Arc::new(FileBackend::ram(DISK, &opts).unwrap()),
-        ServeOptions {
-            publish_stats: false,
-        },
+        ServeOptions::default(),
     )
     .unwrap();
     let deadline = Instant::now() + Duration::from_secs(30);
