@@ -79,10 +79,10 @@ impl Clock {
 }
 
 /// The guest's script (busybox sh; e2fsprogs by full path: busybox sh
-/// runs its own applets of the same names first). `H` files, a `half` event, the other
-/// half, checksums, a `written` event; then, after the demo's `go`, fsck,
-/// remount, the checksums checked, and a `verified` event. A failed step
-/// is a `failed` event naming it.
+/// runs its own applets of the same names first): mkfs and mount, half the
+/// files, a `half` event, the other half, the checksums, a `written` event;
+/// then, after the demo's `go`, fsck, remount, the checksums checked, and a
+/// `verified` event. A failed step is a `failed` event naming it.
 fn guest_script() -> String {
     let half = FILES / 2;
     format!(
