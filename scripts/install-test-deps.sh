@@ -32,6 +32,8 @@
 #                    the real NBD clients of the `fido blk nbd` tests (qemu-img, qemu-io,
 #                    qemu-nbd; nbdinfo, nbdcopy; fio's nbd engine) and the NBD baselines
 #                    (nbdkit memory/file, qemu-nbd) of the blk bench suite
+#   e2fsprogs        mke2fs/e2fsck that scripts/vm-image.sh puts into the test guest:
+#                    the ext4 of `fido demo --blk` (usually installed already)
 # Not needed: pkg-config (SQLite is bundled), libclang (iceoryx2 runs bindgen
 # only on QNX), procps (no test shells out to ps).
 #
@@ -79,6 +81,7 @@ apt_install iproute2
 apt_install python3
 apt_install qemu-system-x86 busybox-static cpio xz-utils
 apt_install nbdkit libnbd-bin qemu-utils fio
+apt_install e2fsprogs
 
 # Rust (stable, via rustup) if there is no cargo at all.
 if [[ -x "$HOME/.cargo/bin/cargo" ]]; then export PATH="$HOME/.cargo/bin:$PATH"; fi

@@ -33,10 +33,15 @@
 #            debug info, with the shared libraries ldd lists.
 #   --add SRC:DST   more files (test programs) at DST in the guest; ELF
 #            files get their shared libraries too, and lose their debug info.
+#   e2fsprogs  mke2fs and e2fsck of the host's e2fsprogs (Debian package
+#            e2fsprogs), with their libraries, at /sbin/mke2fs and /sbin/e2fsck
+#            (also mkfs.ext4 and fsck.ext4), replacing busybox's mke2fs: the
+#            ext4 of `fido demo --blk`. Left out, saying so in the manifest
+#            ("e2fsprogs: missing"), where the host has none.
 #
 # The guest's /init: mounts proc, sys, devtmpfs, devpts, tmpfs (/tmp, /dev/shm,
-# /run); loads virtio (pci, console, net, blk, rng) and VFIO (vfio,
-# vfio_iommu_type1, vfio-pci) with their dependencies; brings lo up and eth0 if
+# /run); loads virtio (pci, console, net, blk, rng), VFIO (vfio,
+# vfio_iommu_type1, vfio-pci) and ext4 (with crc32c) with their dependencies; brings lo up and eth0 if
 # the command line has fido.ip=ADDR/LEN (fido.gw=GW optional); sets the
 # hostname from fido.hostname=; then runs fido.run="CMD" and powers off, or
 # without it a root shell on the serial console, forever (no login).
@@ -108,8 +113,10 @@ flock "$cache_lock"
 # Built in (CONFIG_*=y in Debian's config, checked below): PCIe ports and
 # hotplug (ACPI, pciehp), MSI, intel-iommu with interrupt remapping, the 8250
 # serial port, devtmpfs, tmpfs, unix/inet sockets, initramfs.
+# ext4 finds its checksum through the crypto API (not a symbol dependency):
+# crc32c_generic must be loaded by name.
 wanted_modules=(virtio_pci virtio_console virtio_net virtio_blk virtio-rng
-    vfio vfio_iommu_type1 vfio-pci)
+    vfio vfio_iommu_type1 vfio-pci crc32c_generic ext4)
 builtin_configs=(CONFIG_PVH CONFIG_PCI_MSI CONFIG_PCIEPORTBUS CONFIG_HOTPLUG_PCI_PCIE
     CONFIG_HOTPLUG_PCI_ACPI CONFIG_INTEL_IOMMU CONFIG_IRQ_REMAP CONFIG_SERIAL_8250
     CONFIG_DEVTMPFS CONFIG_TMPFS CONFIG_UNIX CONFIG_INET CONFIG_BLK_DEV_INITRD)
@@ -176,6 +183,18 @@ fi
 [[ -x $fido_bin ]] || die "fido binary $fido_bin is not executable"
 fido_bin=$(realpath "$fido_bin")
 
+# ---- e2fsprogs (optional) ------------------------------------------------------
+# Looked for in the sbin directories too: they are not on a user's PATH.
+e2fs_tools=()
+for tool in mke2fs e2fsck; do
+    found=$(PATH="$PATH:/usr/sbin:/sbin" command -v "$tool" || true)
+    # busybox's applets of the same name are not e2fsprogs.
+    if [[ -n $found && $(realpath "$found") != "$(realpath "$busybox_bin")" ]]; then
+        e2fs_tools+=("$(realpath "$found"):/sbin/$tool")
+    fi
+done
+[[ ${#e2fs_tools[@]} == 2 ]] || e2fs_tools=()
+
 # ---- cache keys --------------------------------------------------------------
 script_hash=$(sha256sum "$script_path" | cut -d' ' -f1)
 kernel_key=$(printf '%s\n' "$script_hash" "$kernel_pkg_id" | sha256sum | cut -d' ' -f1)
@@ -183,6 +202,7 @@ kernel_key=$(printf '%s\n' "$script_hash" "$kernel_pkg_id" | sha256sum | cut -d'
     echo "$kernel_key"
     sha256sum "$fido_bin" | cut -d' ' -f1
     sha256sum "$busybox_bin" | cut -d' ' -f1
+    for tool in "${e2fs_tools[@]}"; do echo "$tool $(sha256sum "${tool%%:/*}" | cut -d' ' -f1)"; done
     for add in "${adds[@]}"; do
         src=${add%%:/*}
         [[ -f $src ]] || die "--add: '$src' is not a file"
@@ -307,6 +327,9 @@ cp "$kstage/load-order" "$root/etc/fido-modules"
 copy_with_libs() {
     local src=$1 dst=$2 lib
     mkdir -p "$root$(dirname "$dst")"
+    # DST may be a busybox applet's link: replace the link, never write
+    # through it (its target, /bin/busybox, is absolute: the host's).
+    rm -f "$root$dst"
     cp -L "$src" "$root$dst"
     chmod a+rx,u+w "$root$dst"
     if [[ $(head -c4 "$src" | od -An -tx1 | tr -d ' ') == 7f454c46 ]]; then
@@ -326,10 +349,16 @@ strip_debug() {
 }
 copy_with_libs "$fido_bin" /bin/fido
 strip_debug "$root/bin/fido"
-for add in "${adds[@]}"; do
+for add in "${e2fs_tools[@]}" "${adds[@]}"; do
     copy_with_libs "${add%%:/*}" "/${add#*:/}"
     strip_debug "$root/${add#*:/}"
 done
+if [[ ${#e2fs_tools[@]} == 2 ]]; then
+    for fs in ext2 ext3 ext4; do
+        ln -sf mke2fs "$root/sbin/mkfs.$fs"
+        ln -sf e2fsck "$root/sbin/fsck.$fs"
+    done
+fi
 
 cat >"$root/init" <<'INIT'
 #!/bin/sh
@@ -433,6 +462,11 @@ echo "console=ttyS0 intel_iommu=on panic=-1 quiet cryptomgr.notests no_timer_che
     echo "fido: $fido_bin sha256 $(sha256sum "$fido_bin" | cut -d' ' -f1)"
     echo "fido --version: $("$fido_bin" --version 2>&1 | head -n1 || true)"
     echo "initrd: $(stat -c %s "$work/initrd.img") bytes, newc cpio"
+    if [[ ${#e2fs_tools[@]} == 2 ]]; then
+        echo "e2fsprogs: $("${e2fs_tools[0]%%:/*}" -V 2>&1 | head -n1)"
+    else
+        echo "e2fsprogs: missing (the build host has no mke2fs/e2fsck; Debian package e2fsprogs)"
+    fi
     echo "modules (load order):"
     sed 's/^/  /' "$kstage/load-order"
     echo "files:"

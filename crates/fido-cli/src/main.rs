@@ -118,6 +118,12 @@ enum Cmd {
         /// scripts/vm-image.sh; docs/VM.md).
         #[arg(long)]
         vm: bool,
+        /// The storage appliance: a VM's ext4 on a virtio-blk disk served by
+        /// a RAID-1 of two storage domains, one killed with SIGKILL mid-write
+        /// and restarted, then fsck and every checksum (QEMU and the test
+        /// image of scripts/vm-image.sh; docs/BLK.md).
+        #[arg(long, conflicts_with_all = ["vm", "size", "hops"])]
+        blk: bool,
     },
     /// Start, list and stop VM domains: QEMU guests whose programs use Fido
     /// like any other domain (docs/VM.md).
@@ -161,6 +167,15 @@ fn hidden(args: &[String]) -> Option<anyhow::Result<()>> {
     }
 }
 
+/// A `fido blk` helper of `fido demo --blk` (it sets the parent's pid in
+/// the environment) dies with the demo, even when the demo is SIGKILLed.
+fn die_with_demo() -> anyhow::Result<()> {
+    if std::env::var_os(proc::PARENT_ENV).is_some() {
+        proc::child_prologue()?;
+    }
+    Ok(())
+}
+
 fn main() -> ExitCode {
     init_logging();
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -195,7 +210,7 @@ fn main() -> ExitCode {
         })
         .map(|_| true),
         Cmd::Pipe { cmd } => pipe_cmd::run(cmd),
-        Cmd::Blk { cmd } => blk_cmd::run(cmd),
+        Cmd::Blk { cmd } => die_with_demo().and_then(|()| blk_cmd::run(cmd)),
         Cmd::Vm { cmd } => vm::run(cmd),
         Cmd::Guest { cmd } => guest::run(cmd),
         Cmd::Status { json, socket } => status::run(json, socket).map(|_| true),
@@ -204,11 +219,13 @@ fn main() -> ExitCode {
             socket,
             cmd,
         } => run::run(no_accel, socket, cmd),
+        Cmd::Demo { blk: true, .. } => fido_demo::blk::run(),
         Cmd::Demo {
             seconds,
             size,
             hops,
             vm: true,
+            ..
         } => {
             let _ = hops;
             fido_demo::vm::run(fido_demo::vm::VmDemoArgs {
@@ -221,6 +238,7 @@ fn main() -> ExitCode {
             size,
             hops,
             vm: false,
+            ..
         } => demo::run(demo::DemoArgs {
             seconds,
             size: size.unwrap_or(1 << 20),

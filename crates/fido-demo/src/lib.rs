@@ -10,6 +10,9 @@
 //! * [`demo`]: `fido demo` — both pipelines, throughput at full load and
 //!   latency with one message in flight, with the checks that decide its
 //!   exit status.
+//! * [`vm`]: `fido demo --vm`, the forwarders inside QEMU guests.
+//! * [`blk`]: `fido demo --blk`, a guest's ext4 on a RAID-1 of storage
+//!   domains, one killed and restarted mid-write.
 //! * [`text`]: plain-text tables for the terminal.
 //!
 //! The running binary must dispatch the hidden subcommand `__demo-role` to
@@ -43,6 +46,7 @@ macro_rules! say_raw {
     }};
 }
 
+pub mod blk;
 pub mod demo;
 pub mod measure;
 pub mod pipeline;

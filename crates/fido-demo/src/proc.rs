@@ -126,14 +126,25 @@ impl Kid {
         if let Some(b) = broker {
             cmd.env("FIDO_BROKER", b);
         }
-        cmd.args(args)
-            .env(PARENT_ENV, std::process::id().to_string())
-            .stdin(Stdio::null())
+        cmd.args(args).env(PARENT_ENV, std::process::id().to_string());
+        Self::spawn_command(cmd, format!("fido {}", args.join(" ")))
+    }
+
+    /// Spawns another program, `program args...`, as a helper (stdout read
+    /// line by line, stderr inherited, killed and reaped when dropped). It
+    /// dies with this process only if it sees to that itself (or runs under
+    /// `setpriv --pdeathsig KILL`).
+    pub fn spawn_program(program: &str, args: &[String]) -> anyhow::Result<Kid> {
+        let mut cmd = Command::new(program);
+        cmd.args(args);
+        Self::spawn_command(cmd, format!("{program} {}", args.join(" ")))
+    }
+
+    fn spawn_command(mut cmd: Command, what: String) -> anyhow::Result<Kid> {
+        cmd.stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
-        let mut child = cmd
-            .spawn()
-            .with_context(|| format!("spawning `fido {}`", args.join(" ")))?;
+        let mut child = cmd.spawn().with_context(|| format!("spawning `{what}`"))?;
         let out = child.stdout.take().expect("piped");
         let (tx, rx) = mpsc::channel();
         let reader = read_lines(&mut child, "fido-kid-stdout".into(), out, move |line| {
@@ -142,7 +153,7 @@ impl Kid {
         })?;
         Ok(Kid {
             child: Some(child),
-            what: args.join(" "),
+            what,
             lines: rx,
             reader: Some(reader),
             eof: false,
@@ -165,16 +176,38 @@ impl Kid {
             check_interrupt()?;
             if self.eof {
                 let note = self.status_note();
-                bail!("`fido {}` exited without reporting{note}", self.what);
+                bail!("`{}` exited without reporting{note}", self.what);
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                bail!("`fido {}` reported nothing in time", self.what);
+                bail!("`{}` reported nothing in time", self.what);
             }
             match self.lines.recv_timeout(left.min(Duration::from_millis(50))) {
                 Ok(Some(line)) if line.trim().is_empty() => {}
                 Ok(Some(line)) => return Ok(line),
                 Ok(None) | Err(mpsc::RecvTimeoutError::Disconnected) => self.eof = true,
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+            }
+        }
+    }
+
+    /// The next non-empty stdout line if one comes within `wait`, else
+    /// `None` (failing on interrupt or EOF): for watching a helper that
+    /// reports now and then while waiting for something else.
+    pub fn poll_line(&mut self, wait: Duration) -> anyhow::Result<Option<String>> {
+        let until = Instant::now() + wait;
+        loop {
+            check_interrupt()?;
+            if self.eof {
+                let note = self.status_note();
+                bail!("`{}` exited{note}", self.what);
+            }
+            let left = until.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left.min(Duration::from_millis(50))) {
+                Ok(Some(line)) if line.trim().is_empty() => {}
+                Ok(Some(line)) => return Ok(Some(line)),
+                Ok(None) | Err(mpsc::RecvTimeoutError::Disconnected) => self.eof = true,
+                Err(mpsc::RecvTimeoutError::Timeout) if left.is_zero() => return Ok(None),
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
             }
         }
@@ -187,11 +220,11 @@ impl Kid {
             check_interrupt()?;
             if self.eof {
                 let note = self.status_note();
-                bail!("`fido {}` exited without reporting{note}", self.what);
+                bail!("`{}` exited without reporting{note}", self.what);
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                bail!("`fido {}` reported nothing in time", self.what);
+                bail!("`{}` reported nothing in time", self.what);
             }
             match self.lines.recv_timeout(left.min(Duration::from_millis(50))) {
                 Ok(Some(line)) => {
@@ -199,7 +232,7 @@ impl Kid {
                         continue;
                     }
                     return serde_json::from_str(&line).with_context(|| {
-                        format!("`fido {}` printed a non-JSON line: {line}", self.what)
+                        format!("`{}` printed a non-JSON line: {line}", self.what)
                     });
                 }
                 Ok(None) | Err(mpsc::RecvTimeoutError::Disconnected) => self.eof = true,
@@ -216,7 +249,7 @@ impl Kid {
     ) -> anyhow::Result<serde_json::Value> {
         let v = self.next_json(deadline)?;
         if v.get("event").and_then(|e| e.as_str()) != Some(event) {
-            bail!("`fido {}`: expected a `{event}` line, got {v}", self.what);
+            bail!("`{}`: expected a `{event}` line, got {v}", self.what);
         }
         Ok(v)
     }
@@ -250,10 +283,7 @@ impl Kid {
                 if interrupted() {
                     bail!("interrupted");
                 }
-                bail!(
-                    "`fido {}` did not exit within {timeout:?}; killed",
-                    self.what
-                );
+                bail!("`{}` did not exit within {timeout:?}; killed", self.what);
             }
             std::thread::sleep(Duration::from_millis(2));
         };
@@ -261,7 +291,7 @@ impl Kid {
             let _ = r.join();
         }
         if !status.success() {
-            bail!("`fido {}` exited with {status}", self.what);
+            bail!("`{}` exited with {status}", self.what);
         }
         Ok(status)
     }

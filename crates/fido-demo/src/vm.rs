@@ -73,10 +73,13 @@ pub struct VmDemoArgs {
 }
 
 /// The test guest: what `scripts/vm-image.sh` wrote.
-struct Image {
-    kernel: PathBuf,
-    initrd: PathBuf,
-    cmdline: String,
+pub(crate) struct Image {
+    pub(crate) dir: PathBuf,
+    pub(crate) kernel: PathBuf,
+    pub(crate) initrd: PathBuf,
+    pub(crate) cmdline: String,
+    /// What the script says is inside (`manifest`; empty if unreadable).
+    pub(crate) manifest: String,
 }
 
 /// `FIDO_VM_IMAGE_DIR`, else `vm-image` beside this binary's profile
@@ -91,9 +94,10 @@ fn image_dir() -> anyhow::Result<PathBuf> {
     Ok(profile.parent().unwrap_or(profile).join("vm-image"))
 }
 
-/// Finds the image and checks that its `/bin/fido` is this binary (the guest
-/// runs this binary's roles; another build may not speak them).
-fn find_image() -> anyhow::Result<Image> {
+/// Finds the image and, with `same_fido`, checks that its `/bin/fido` is
+/// this binary (a guest that runs this binary's roles needs that: another
+/// build may not speak them).
+pub(crate) fn find_image(same_fido: bool) -> anyhow::Result<Image> {
     let dir = image_dir()?;
     let how = format!(
         "build it with `bash scripts/vm-image.sh --out {}` from the repository (it downloads Debian's kernel package with apt-get and packs this workspace's target/release/fido), or point FIDO_VM_IMAGE_DIR at one",
@@ -116,7 +120,7 @@ fn find_image() -> anyhow::Result<Image> {
         .and_then(|l| l.split_once(" sha256 "))
         .map(|(_, sum)| sum.trim().to_string());
     let exe = std::env::current_exe().context("current_exe")?;
-    if let (Some(packed), Some(ours)) = (packed, sha256_of(&exe)) {
+    if let (true, Some(packed), Some(ours)) = (same_fido, packed, sha256_of(&exe)) {
         if packed != ours {
             bail!(
                 "the test guest image in {} holds another fido binary than {} (sha256 {packed} ≠ {ours}): rebuild it with `scripts/vm-image.sh --fido {}`",
@@ -127,9 +131,11 @@ fn find_image() -> anyhow::Result<Image> {
         }
     }
     Ok(Image {
+        dir,
         kernel,
         initrd,
         cmdline,
+        manifest,
     })
 }
 
@@ -303,9 +309,9 @@ impl Net {
 /// A console line, or the console closing (`None`).
 type Line = Option<String>;
 
-/// One VM running this demo's forwarder roles: its `fido vm run` child and
-/// its serial console.
-struct GuestVm {
+/// One VM running this demo's forwarder roles (or `fido demo --blk`'s
+/// guest script): its `fido vm run` child and its serial console.
+pub(crate) struct GuestVm {
     name: String,
     supervisor: Kid,
     console: UnixStream,
@@ -328,12 +334,26 @@ impl GuestVm {
         net: &Net,
         index: usize,
     ) -> anyhow::Result<GuestVm> {
-        let console_path = dir.join(format!("{name}.console"));
         let (guest_addr, net_args) = net.vm(index);
-        let append = format!(
-            "{} fido.hostname={name} fido.ip={guest_addr} fido.run=\"{script}\"",
-            image.cmdline
-        );
+        let params = format!("fido.hostname={name} fido.ip={guest_addr} fido.run=\"{script}\"");
+        Self::start(name, image, &params, dir, broker, &net.wrapper(), net_args)
+    }
+
+    /// Starts `fido vm run NAME` with the image (through `wrapper`), the
+    /// image's kernel command line followed by `params`, its console on a
+    /// socket in `dir`, and `extra` arguments of `fido vm run` (QEMU's after
+    /// a `--`).
+    pub(crate) fn start(
+        name: &str,
+        image: &Image,
+        params: &str,
+        dir: &Path,
+        broker: &Path,
+        wrapper: &[String],
+        extra: Vec<String>,
+    ) -> anyhow::Result<GuestVm> {
+        let console_path = dir.join(format!("{name}.console"));
+        let append = format!("{} {params}", image.cmdline);
         let path = |p: &Path| p.display().to_string();
         let args = vec![
             "vm".to_string(),
@@ -350,18 +370,82 @@ impl GuestVm {
             "--socket".into(),
             path(broker),
         ];
-        let args: Vec<String> = args.into_iter().chain(net_args).collect();
-        let mut supervisor = Kid::spawn_wrapped(&net.wrapper(), &args, Some(broker))?;
+        let args: Vec<String> = args.into_iter().chain(extra).collect();
+        let supervisor = Kid::spawn_wrapped(wrapper, &args, Some(broker))?;
+        Self::attach(name, supervisor, &console_path, "`fido vm run`")
+    }
+
+    /// Starts QEMU itself (not a Fido VM domain: no arena, no doorbells,
+    /// no broker) with the image, the image's kernel command line followed
+    /// by `params`, `memory_mib` of RAM, its console on a socket in `dir`,
+    /// and `extra` QEMU arguments; under TCG, as the tests' plain guests.
+    /// QEMU runs under `setpriv --pdeathsig KILL` (util-linux): it dies
+    /// with this process.
+    pub(crate) fn start_qemu(
+        name: &str,
+        image: &Image,
+        params: &str,
+        dir: &Path,
+        memory_mib: u32,
+        extra: &[String],
+    ) -> anyhow::Result<GuestVm> {
+        let console_path = dir.join(format!("{name}.console"));
+        let path = |p: &Path| p.display().to_string();
+        let mut args: Vec<String> = [
+            "--pdeathsig",
+            "KILL",
+            "--",
+            "qemu-system-x86_64",
+            "-name",
+            name,
+            "-machine",
+            "q35",
+            "-accel",
+            "tcg,thread=multi",
+            "-cpu",
+            "max",
+            "-nographic",
+            "-nodefaults",
+            "-no-user-config",
+            "-no-reboot",
+            "-device",
+            "intel-iommu,intremap=on",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        args.extend([
+            "-m".into(),
+            format!("{memory_mib}M"),
+            "-chardev".into(),
+            format!("socket,id=console,path={},server=on,wait=off", path(&console_path)),
+            "-serial".into(),
+            "chardev:console".into(),
+            "-kernel".into(),
+            path(&image.kernel),
+            "-initrd".into(),
+            path(&image.initrd),
+            "-append".into(),
+            format!("{} {params}", image.cmdline),
+        ]);
+        args.extend(extra.iter().cloned());
+        let qemu = Kid::spawn_program("setpriv", &args)
+            .context("starting QEMU under setpriv --pdeathsig KILL (setpriv is util-linux's)")?;
+        Self::attach(name, qemu, &console_path, "QEMU")
+    }
+
+    /// Connects to the console of the VM `supervisor` (`what`) starts.
+    fn attach(name: &str, mut supervisor: Kid, console_path: &Path, what: &str) -> anyhow::Result<GuestVm> {
         // QEMU makes the console socket as it starts; the kernel prints
         // nothing we need for seconds after that.
         let deadline = Instant::now() + READY_TIMEOUT;
         let console = loop {
             proc::check_interrupt()?;
-            if let Ok(s) = UnixStream::connect(&console_path) {
+            if let Ok(s) = UnixStream::connect(console_path) {
                 break s;
             }
             if let Some(st) = supervisor.exited() {
-                bail!("VM {name}: `fido vm run` exited ({st}) before its console opened (its messages are above)");
+                bail!("VM {name}: {what} exited ({st}) before its console opened (its messages are above)");
             }
             if Instant::now() > deadline {
                 bail!("VM {name}: no console at {} after {READY_TIMEOUT:?}", console_path.display());
@@ -398,7 +482,7 @@ impl GuestVm {
     }
 
     /// What the guest printed lately, for an error message.
-    fn said(&self) -> String {
+    pub(crate) fn said(&self) -> String {
         if self.transcript.is_empty() {
             return String::new();
         }
@@ -449,14 +533,57 @@ impl GuestVm {
 
     /// Lets the role that printed `waiting` start (`gate=1`).
     fn go(&mut self) -> anyhow::Result<()> {
+        self.send(b"go\n")
+    }
+
+    /// Writes `bytes` to the guest's console (its input).
+    pub(crate) fn send(&mut self, bytes: &[u8]) -> anyhow::Result<()> {
         self.console
-            .write_all(b"go\n")
+            .write_all(bytes)
             .with_context(|| format!("VM {}: writing to its console", self.name))
     }
 
+    /// The next event line (`{"event":...}`, any event) if one comes within
+    /// `wait`, else `None`; other lines are kept as the transcript. Fails
+    /// when the console closed or on interrupt.
+    pub(crate) fn poll_event(&mut self, wait: Duration) -> anyhow::Result<Option<Value>> {
+        let until = Instant::now() + wait;
+        loop {
+            proc::check_interrupt()?;
+            if self.closed {
+                bail!("VM {}: the console closed{}", self.name, self.said());
+            }
+            let left = until.saturating_duration_since(Instant::now());
+            let line = match self.lines.recv_timeout(left.min(Duration::from_millis(50))) {
+                Ok(Some(line)) => line,
+                Ok(None) | Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    self.closed = true;
+                    continue;
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) if left.is_zero() => return Ok(None),
+                Err(mpsc::RecvTimeoutError::Timeout) => continue,
+            };
+            let parsed = line
+                .find('{')
+                .and_then(|at| serde_json::from_str::<Value>(&line[at..]).ok())
+                .filter(|v| v.get("event").is_some_and(Value::is_string));
+            match parsed {
+                Some(v) => return Ok(Some(v)),
+                None if line.is_empty() => {}
+                None => {
+                    if self.transcript.len() == TRANSCRIPT_LINES {
+                        self.transcript.pop_front();
+                    }
+                    self.transcript.push_back(line);
+                }
+            }
+        }
+    }
+
+
     /// Waits for the guest to power off (its script ends) and its supervisor
     /// to exit successfully.
-    fn finish(self, timeout: Duration) -> anyhow::Result<()> {
+    pub(crate) fn finish(self, timeout: Duration) -> anyhow::Result<()> {
         let name = self.name.clone();
         self.supervisor
             .finish(timeout)
@@ -500,7 +627,7 @@ pub fn run(a: VmDemoArgs) -> anyhow::Result<bool> {
     if !crate::vm::have_qemu() {
         bail!("qemu-system-x86_64 is not on PATH: `fido demo --vm` runs its forwarders in QEMU guests (Debian: apt-get install qemu-system-x86)");
     }
-    let image = find_image()?;
+    let image = find_image(true)?;
     let duration = Duration::from_secs_f64(a.seconds);
     let warmup = (duration / 4).min(Duration::from_millis(500));
     let pings = PingPhase {
