@@ -12,22 +12,13 @@ use fido_blk::proto::{self, ReqHeader};
 use fido_blk::{serve, BackingOptions, BlkClient, BlkError, FileBackend, ServeOptions};
 use fido_test_support::domains::Patient;
 
+mod common;
+use common::pattern;
+
 type TestBroker = fido_test_support::TestBroker<Patient>;
 
 const T: Duration = Duration::from_secs(30);
 
-/// Deterministic bytes of block `n` of a write pass `pass`.
-fn pattern(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
 
 fn file_backend(dir: &std::path::Path, size: u64, opts: &BackingOptions) -> (std::path::PathBuf, Arc<FileBackend>) {
     let path = dir.join("disk.img");

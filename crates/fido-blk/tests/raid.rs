@@ -17,21 +17,13 @@ use fido_blk::{serve, BackingOptions, BlkClient, BlkError, FileBackend, ServeOpt
 use fido_test_support::domains::Patient;
 use fido_test_support::ChildProc;
 
+mod common;
+use common::pattern;
+
 type TestBroker = fido_test_support::TestBroker<Patient>;
 
 const T: Duration = Duration::from_secs(30);
 
-fn pattern(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
 
 /// Entry point of child processes (storage domains a test can kill); a
 /// no-op when run as an ordinary test.
