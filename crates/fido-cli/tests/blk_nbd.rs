@@ -3,78 +3,31 @@
 //! (Debian's; each part skips with a message when its tool is missing), and
 //! the storage domain killed and restarted under it.
 
-use std::io::{BufRead, BufReader};
+use std::io::BufReader;
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdout, Command, Output, Stdio};
+use std::process::{Command, Output, Stdio};
+
+use fido_test_support::ChildProc;
 use std::time::{Duration, Instant};
 
 const FIDO: &str = env!("CARGO_BIN_EXE_fido");
 const MIB: usize = 1 << 20;
 
-/// A child killed (SIGKILL) and reaped when dropped.
-struct Proc {
-    child: Child,
-    out: BufReader<ChildStdout>,
+/// A `fido` subcommand against the test's broker, stdout piped (its ready
+/// line), killed and reaped when dropped.
+fn start(args: &[&str], broker: &Path) -> ChildProc {
+    let mut cmd = Command::new(FIDO);
+    cmd.args(args).arg("--socket").arg(broker).env_remove("RUST_LOG").stdin(Stdio::null());
+    ChildProc::start(cmd)
 }
 
-impl Proc {
-    fn start(args: &[&str], broker: &Path) -> Proc {
-        let mut child = Command::new(FIDO)
-            .args(args)
-            .arg("--socket")
-            .arg(broker)
-            .env_remove("RUST_LOG")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap();
-        let out = BufReader::new(child.stdout.take().unwrap());
-        Proc { child, out }
-    }
-
-    /// Waits for a line starting with `prefix` (the "ready" line).
-    fn expect(&mut self, prefix: &str) -> String {
-        let mut line = String::new();
-        loop {
-            line.clear();
-            if self.out.read_line(&mut line).unwrap() == 0 {
-                panic!("child exited before printing {prefix:?}");
-            }
-            if line.starts_with(prefix) {
-                return line;
-            }
-        }
-    }
-
-    fn signal(&self, sig: rustix::process::Signal) {
-        rustix::process::kill_process(rustix::process::Pid::from_raw(self.child.id() as i32).unwrap(), sig).unwrap();
-    }
-
-    fn wait(&mut self, limit: Duration) -> std::process::ExitStatus {
-        let end = Instant::now() + limit;
-        loop {
-            if let Some(s) = self.child.try_wait().unwrap() {
-                return s;
-            }
-            assert!(Instant::now() < end, "child did not exit within {limit:?}");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+const READY: Duration = Duration::from_secs(60);
 
 struct Setup {
     dir: tempfile::TempDir,
     broker_sock: PathBuf,
     nbd_sock: PathBuf,
-    _broker: Proc,
+    _broker: ChildProc,
 }
 
 impl Setup {
@@ -94,7 +47,7 @@ impl Setup {
             .unwrap();
         let mut broker = broker;
         let out = BufReader::new(broker.stdout.take().unwrap());
-        let mut broker = Proc { child: broker, out };
+        let mut broker = ChildProc { child: broker, out };
         let t = Instant::now();
         while !broker_sock.exists() {
             assert!(t.elapsed() < Duration::from_secs(20), "broker never bound");
@@ -109,18 +62,18 @@ impl Setup {
         format!("nbd+unix:///disk?socket={}", self.nbd_sock.display())
     }
 
-    fn serve(&self, args: &[&str]) -> Proc {
+    fn serve(&self, args: &[&str]) -> ChildProc {
         let mut a = vec!["blk", "serve", "disk"];
         a.extend_from_slice(args);
-        let mut p = Proc::start(&a, &self.broker_sock);
-        p.expect("serving blk:disk");
+        let mut p = start(&a, &self.broker_sock);
+        p.expect_line("serving blk:disk", READY);
         p
     }
 
-    fn nbd(&self) -> Proc {
+    fn nbd(&self) -> ChildProc {
         let sock = self.nbd_sock.to_str().unwrap();
-        let mut p = Proc::start(&["blk", "nbd", "disk", "--unix", sock], &self.broker_sock);
-        let line = p.expect("nbd: serving");
+        let mut p = start(&["blk", "nbd", "disk", "--unix", sock], &self.broker_sock);
+        let line = p.expect_line("nbd: serving", READY);
         assert!(line.contains("export \"disk\""), "{line}");
         p
     }
@@ -281,7 +234,7 @@ fn real_nbd_clients_through_a_storage_domain() {
 
     // SIGTERM: the server stops and takes its socket with it.
     nbd.signal(rustix::process::Signal::TERM);
-    assert!(nbd.wait(Duration::from_secs(20)).success());
+    nbd.wait_success(Duration::from_secs(20));
     assert!(!s.nbd_sock.exists(), "the NBD socket outlived the server");
 }
 
@@ -321,8 +274,7 @@ fn the_storage_domain_dies_and_comes_back() {
             .unwrap()
     });
     std::thread::sleep(Duration::from_secs(1));
-    storage.signal(rustix::process::Signal::KILL);
-    storage.wait(Duration::from_secs(10));
+    storage.kill9();
     if let Some(mut fio) = fio {
         let t = Instant::now();
         let status = loop {
