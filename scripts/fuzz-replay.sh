@@ -15,9 +15,16 @@ targets=("$@")
 [[ ${#targets[@]} -gt 0 ]] || targets=("${FUZZ_TARGETS[@]}")
 
 echo "fuzz-replay: building ${targets[*]} (${FUZZ_CARGO[*]}, target dir $CARGO_TARGET_DIR)"
-for t in "${targets[@]}"; do
-    "${FUZZ_CARGO[@]}" build "$t"
-done
+if [[ $# -eq 0 ]]; then
+    # Every target in one cargo invocation: the shared crates are built once
+    # and the nine ASan binaries link in parallel (one `build` per target
+    # linked them one after another).
+    "${FUZZ_CARGO[@]}" build
+else
+    for t in "${targets[@]}"; do
+        "${FUZZ_CARGO[@]}" build "$t"
+    done
+fi
 for t in "${targets[@]}"; do
     n=$(find "corpus/$t" -type f | wc -l)
     echo "fuzz-replay: $t: $n inputs"
