@@ -14,6 +14,7 @@
 //! (scripts/install-test-deps.sh).
 
 use fido_test_support::mmnet::*;
+use fido_test_support::child::ChildProc;
 use fido_test_support::wait::*;
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -438,4 +439,70 @@ fn socat_and_ncat_bulk_with_half_close() {
     assert!(n >= 2 && sent >= 64 << 20, "socat accelerated {n}, sent {sent}: {:?}", b.stats());
     let (n, sent, recv) = b.wait_accelerated("ncat", 3);
     assert!(n >= 3 && sent >= 64 << 20 && recv >= 64 << 20, "ncat accelerated {n}, sent {sent}: {:?}", b.stats());
+}
+
+const PY_MANY: &str = r#"
+import resource, socket, sys, time
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+port, n = int(sys.argv[2]), int(sys.argv[3])
+if sys.argv[1] == "server":
+    import selectors
+    l = socket.create_server(("127.0.0.1", port), backlog=1024)
+    sel = selectors.DefaultSelector()
+    sel.register(l, selectors.EVENT_READ)
+    while True:
+        for key, _ in sel.select():
+            if key.fileobj is l:
+                c, _ = l.accept()
+                sel.register(c, selectors.EVENT_READ)
+            else:
+                d = key.fileobj.recv(4096)
+                if d:
+                    key.fileobj.sendall(d)
+                else:
+                    sel.unregister(key.fileobj)
+                    key.fileobj.close()
+socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(n)]
+for i, s in enumerate(socks):
+    s.sendall(b"x%05d" % i)
+    assert s.recv(16) == b"x%05d" % i
+print("holding", flush=True)
+time.sleep(float(sys.argv[4]))
+"#;
+
+/// A process with many accelerated connections open (asyncio programs hold
+/// thousands) still publishes its statistics: its value once grew past the
+/// registry's limit and was refused whole (`fido status` and the
+/// acceleration counters saw nothing while the connections were open).
+#[test]
+fn statistics_of_a_process_with_1000_open_connections_are_published() {
+    require(&["python3"]);
+    let b = Broker::start();
+    let dir = b.dir.path();
+    let py = dir.join("many.py");
+    std::fs::write(&py, PY_MANY).unwrap();
+    let port = free_port();
+    let mut srv = b.accel("python3");
+    srv.arg(&py).args(["server", &port.to_string(), "0"]);
+    let _srv = spawn_logged(srv, &dir.join("server.log"));
+    wait_port(port);
+    b.wait_listener(port);
+    let mut cli = b.accel("python3");
+    cli.arg(&py).args(["client", &port.to_string(), "1000", "20"]);
+    let mut cli = ChildProc::start(cli);
+    cli.expect_line("holding", T);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let client_stats = loop {
+        let s = b.stats();
+        if let Some(v) = s.iter().find(|v| v["pid"] == cli.pid() && v["accelerated"].as_u64() >= Some(1000)) {
+            break v.clone();
+        }
+        assert!(Instant::now() < deadline, "the client's statistics were not published: {s:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(client_stats["open_total"], 1000, "{client_stats}");
+    let listed = client_stats["open"].as_array().unwrap().len();
+    assert!((1..1000).contains(&listed), "{listed} listed");
+    cli.kill9();
 }
