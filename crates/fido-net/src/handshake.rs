@@ -308,6 +308,12 @@ pub fn decide(c: &Conn) -> bool {
                 std::hint::spin_loop();
             } else {
                 std::thread::sleep(Duration::from_micros(200));
+                // Our offer lived in a broker that is gone: nobody can claim
+                // it any more, so do not wait out the limit.
+                if i % 16 == 0 && broker::lost() {
+                    debug!("client {} -> {}: broker lost", c.local, c.peer);
+                    break;
+                }
             }
             i += 1;
             st = h.state.load(Ordering::Acquire);

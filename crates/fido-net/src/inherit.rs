@@ -905,9 +905,8 @@ pub fn adopt() {
     for (fd, ino) in listeners {
         if same_socket(fd, ino) && config::enabled() {
             if let Some(a) = sock_name(fd, false) {
-                if let Some(key) = broker::publish_listener(fd, &a.ip, a.port) {
-                    table::add_listener(fd, key);
-                }
+                let key = broker::publish_listener(fd, &a.ip, a.port);
+                table::add_listener(fd, key, broker::epoch());
             }
         }
     }

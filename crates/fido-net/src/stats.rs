@@ -21,7 +21,9 @@ static CLOSED_RECV: AtomicU64 = AtomicU64::new(0);
 /// a TCP send: lazy arming exists to make them rare).
 static CLOSED_DOORBELLS: AtomicU64 = AtomicU64::new(0);
 static STATS_PID: AtomicU64 = AtomicU64::new(0);
-static LAST: Mutex<String> = Mutex::new(String::new());
+/// What was last published, and under which broker session (a restarted
+/// broker gets it again).
+static LAST: Mutex<(u64, String)> = Mutex::new((0, String::new()));
 
 pub fn count_plain() {
     PLAIN_LOCAL.fetch_add(1, Ordering::Relaxed);
@@ -53,6 +55,10 @@ fn publish_from_now_on() {
             .name("fido-net-stats".into())
             .spawn(|| loop {
                 std::thread::sleep(std::time::Duration::from_millis(200));
+                // Also where a broker that came back learns our listeners
+                // again (and a lost one is joined again, off the program's
+                // own calls).
+                broker::republish();
                 publish_stats();
                 if STATS_PID.load(Ordering::SeqCst) != std::process::id() as u64 {
                     return;
@@ -108,16 +114,16 @@ pub fn publish_stats() {
         return;
     }
     let s = stats_json();
+    let Some(d) = broker::domain() else { return };
+    let epoch = broker::epoch();
     {
         let mut last = LAST.lock();
-        if *last == s {
+        if last.0 == epoch && last.1 == s {
             return;
         }
-        *last = s.clone();
+        *last = (epoch, s.clone());
     }
-    if let Some(d) = broker::domain() {
-        let _ = d.write(&format!("/net/stats/{}", d.id()), s.as_bytes());
-    }
+    let _ = d.write(&format!("/net/stats/{}", d.id()), s.as_bytes());
 }
 
 /// `fork` (atfork child): the child publishes its own statistics once it
