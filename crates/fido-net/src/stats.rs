@@ -69,7 +69,12 @@ fn publish_from_now_on() {
     }
 }
 
+/// Set at exit: the process's sockets close with it, so its last statistics
+/// list no open connection (programs such as socat exit without closing).
+static EXITING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 extern "C" fn at_exit() {
+    EXITING.store(true, Ordering::SeqCst);
     publish_stats();
 }
 
@@ -77,6 +82,7 @@ fn stats_json() -> String {
     let mut sent = CLOSED_SENT.load(Ordering::Relaxed);
     let mut recv = CLOSED_RECV.load(Ordering::Relaxed);
     let mut doorbells = CLOSED_DOORBELLS.load(Ordering::Relaxed);
+    let exiting = EXITING.load(Ordering::SeqCst);
     let open: Vec<serde_json::Value> = table::all()
         .iter()
         .map(|c| {
@@ -101,7 +107,7 @@ fn stats_json() -> String {
         "bytes_sent": sent,
         "bytes_received": recv,
         "doorbells": doorbells,
-        "open": open,
+        "open": if exiting { Vec::new() } else { open },
     })
     .to_string()
 }

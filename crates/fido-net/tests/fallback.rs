@@ -231,3 +231,81 @@ fn a_killed_broker_leaves_running_programs_plain_tcp_at_once_and_a_new_one_accel
         accelerated_total(&sock, "fallback", spid) == 2 * N as u64
     });
 }
+
+/// `fido status --json`'s `net` entries of process `pid`.
+fn status_entry(sock: &Path, pid: u32) -> Option<serde_json::Value> {
+    let out = Command::new(fido())
+        .args(["status", "--json", "--socket"])
+        .arg(sock)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    v["net"].as_array()?.iter().find(|e| e["pid"] == pid).cloned()
+}
+
+/// Issue #19 item 9: a process that exits without closing its accelerated
+/// socket (socat does), or is killed, is not listed with open connections
+/// by `fido status` (its entries stayed "open" forever).
+#[test]
+fn status_lists_no_open_connection_of_an_exited_or_killed_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let prog = program(dir.path());
+    let sock = dir.path().join("run/broker.sock");
+    let _broker = start_broker(&sock, &dir.path().join("state"));
+    // One single-threaded server per holder (each serves one at a time).
+    let mut servers = Vec::new();
+    let mut ports = Vec::new();
+    for _ in 0..2 {
+        let port = free_port();
+        let mut server = Proc::start({
+            let mut c = accel(&prog, &sock);
+            c.args(["server", &port.to_string()]);
+            c
+        });
+        server.line("listening", Duration::from_secs(20));
+        eventually("the listener published", Duration::from_secs(20), || {
+            listeners(&sock, port) == 1
+        });
+        servers.push(server);
+        ports.push(port);
+    }
+    let holder = |port: u16| {
+        let mut c = accel(&prog, &sock);
+        c.args(["linger", &port.to_string()]);
+        let mut p = Proc::start(c);
+        p.line("held", Duration::from_secs(30));
+        p
+    };
+    let mut exits = holder(ports[0]);
+    let mut killed = holder(ports[1]);
+    let (exits_pid, killed_pid) = (exits.child.id(), killed.child.id());
+    // While they run, each lists its open connection.
+    for pid in [exits_pid, killed_pid] {
+        eventually("the open connection listed", Duration::from_secs(10), || {
+            status_entry(&sock, pid).is_some_and(|e| e["open"].as_array().unwrap().len() == 1)
+        });
+    }
+    exits.close_stdin();
+    assert!(exits.child.wait().unwrap().success());
+    killed.kill9();
+    for pid in [exits_pid, killed_pid] {
+        eventually("no open connection of a dead process", Duration::from_secs(10), || {
+            status_entry(&sock, pid).is_some_and(|e| e["open"].as_array().unwrap().is_empty())
+        });
+    }
+    // The text output lists no connection of theirs either.
+    let text = Command::new(fido())
+        .args(["status", "--socket"])
+        .arg(&sock)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&text.stdout);
+    let open_part = text.split("accelerated connections open").nth(1).unwrap_or("");
+    for pid in [exits_pid, killed_pid] {
+        assert!(
+            !open_part.lines().any(|l| l.split_whitespace().next() == Some(&pid.to_string())),
+            "{text}"
+        );
+    }
+}
