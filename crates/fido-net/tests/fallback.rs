@@ -309,3 +309,54 @@ fn status_lists_no_open_connection_of_an_exited_or_killed_process() {
         );
     }
 }
+
+/// Issue #19 item 6: two listeners share a port (`SO_REUSEPORT`), one under
+/// `fido run` and one not. The broker sees the plain one and refuses every
+/// offer for the port: no client waits for an attach that never comes (each
+/// one routed to the plain listener waited `FIDO_NET_ATTACH_MS`); every byte
+/// is right. Two listeners both under `fido run` still accelerate.
+#[test]
+fn a_port_shared_with_a_plain_listener_stays_plain_tcp_without_waiting() {
+    let dir = tempfile::tempdir().unwrap();
+    let prog = program(dir.path());
+    let sock = dir.path().join("run/broker.sock");
+    let _broker = start_broker(&sock, &dir.path().join("state"));
+    const N: usize = 40;
+    for both_accelerated in [false, true] {
+        let port = free_port();
+        let mut servers = Vec::new();
+        for accelerated in [true, both_accelerated] {
+            let mut c = if accelerated {
+                accel(&prog, &sock)
+            } else {
+                Command::new(&prog)
+            };
+            c.args(["server", &port.to_string(), "reuseport"]);
+            let mut s = Proc::start(c);
+            s.line("listening", Duration::from_secs(20));
+            servers.push(s);
+        }
+        let published = if both_accelerated { 2 } else { 1 };
+        eventually("the listeners published", Duration::from_secs(20), || {
+            listeners(&sock, port) == published
+        });
+        let mut c = accel(&prog, &sock);
+        // The default attach wait: what a user's client waits.
+        c.env_remove("FIDO_NET_ATTACH_MS")
+            .args(["loop", &port.to_string(), &N.to_string(), "1000"]);
+        let mut client = Proc::start(c);
+        let ok = client.line("ok", Duration::from_secs(60));
+        let (max, p99) = latencies(&ok, N);
+        eprintln!("SO_REUSEPORT, second listener accelerated: {both_accelerated}: {N} connect/echo/close, p99 {p99} us, max {max} us");
+        let cpid = client.child.id();
+        assert!(client.child.wait().unwrap().success());
+        if both_accelerated {
+            eventually("every connection accelerated", Duration::from_secs(10), || {
+                accelerated_total(&sock, "fallback", cpid) == N as u64
+            });
+        } else {
+            assert!(p99 < 50_000 && max < 300_000, "a client waited: {ok}");
+            assert_eq!(accelerated_total(&sock, "fallback", cpid), 0);
+        }
+    }
+}
