@@ -133,6 +133,7 @@ pub unsafe fn close(fd: c_int) -> c_int {
 }
 
 pub unsafe fn shutdown(fd: c_int, how: c_int) -> c_int {
+    crate::handshake::first_use(fd);
     if let Some(c) = table::lookup(fd) {
         c.shutdown(how);
     }
