@@ -1132,6 +1132,19 @@ impl Conn {
     /// closed (`fd` is still open). If we were the last holder anywhere,
     /// prepare the socket so its close is a FIN (or a RST when data is unread).
     pub fn release(&self, fd: c_int) {
+        if self.me == crate::seg::SERVER && self.state() == crate::seg::PENDING {
+            // Claimed and never used: the last holder gives it up at once,
+            // so the client does not wait for an attach.
+            if self.seg.side(self.me).holders.fetch_sub(1, Ordering::SeqCst) == 1 {
+                let _ = self.seg.hdr().state.compare_exchange(
+                    crate::seg::PENDING,
+                    crate::seg::ABANDONED,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                );
+            }
+            return;
+        }
         if self.state() != crate::seg::ATTACHED {
             // Never carried data on the ring: nothing to prepare.
             let m = self.memfd.swap(-1, Ordering::SeqCst);

@@ -206,22 +206,11 @@ pub fn attach(nfd: c_int, flags: c_int) {
     segm.side(seg::SERVER)
         .pid
         .store(std::process::id(), Ordering::Relaxed);
-    if segm
-        .hdr()
-        .state
-        .compare_exchange(
-            seg::PENDING,
-            seg::ATTACHED,
-            Ordering::AcqRel,
-            Ordering::Acquire,
-        )
-        .is_err()
-    {
-        // The client gave up waiting: plain TCP on both ends.
-        debug!("accept fd {nfd}: client already abandoned");
-        stats::count_plain();
-        return;
-    }
+    // Claimed, not yet attached: the connection goes on the ring at this
+    // socket's first use (`server_attach`), so a socket handed to another
+    // process before any I/O (`SCM_RIGHTS`: Node's cluster, preforked
+    // workers) is decided by its sender as plain TCP (`passing`) instead of
+    // reaching a process that does not know the ring.
     let nonblock = flags & libc::SOCK_NONBLOCK != 0;
     let c = Arc::new(Conn::new(
         segm,
@@ -233,13 +222,51 @@ pub fn attach(nfd: c_int, flags: c_int) {
         format!("{}:{}", local.ip, local.port),
         format!("{}:{}", peer.ip, peer.port),
     ));
-    sockopt::take_over(nfd, &c.tcp_opts);
     table::insert(nfd, c);
     debug!(
-        "accept fd {nfd}: attached {}:{} <- {}:{}",
+        "accept fd {nfd}: claimed {}:{} <- {}:{}",
         local.ip, local.port, peer.ip, peer.port
     );
-    stats::count_accelerated();
+}
+
+/// Server, at the first use of a claimed connection: attach (one CAS
+/// `PENDING -> ATTACHED` decides for both ends). False: the client gave up
+/// waiting, or the socket was handed away; plain TCP.
+fn server_attach(c: &Conn) -> bool {
+    match c.seg.hdr().state.compare_exchange(
+        seg::PENDING,
+        seg::ATTACHED,
+        Ordering::AcqRel,
+        Ordering::Acquire,
+    ) {
+        Ok(_) => {
+            debug!("server {} <- {}: attached", c.local, c.peer);
+            stats::count_accelerated();
+            true
+        }
+        Err(now) => {
+            if now == seg::ABANDONED {
+                debug!("server {} <- {}: client already abandoned; plain TCP", c.local, c.peer);
+                stats::count_plain();
+            }
+            now == seg::ATTACHED
+        }
+    }
+}
+
+/// The first use of `fd` by this process if it names a claimed, not yet
+/// attached server connection: attach it now (poll, select, epoll_ctl and
+/// shutdown call this; the data path does it through `active`).
+pub fn first_use(fd: c_int) {
+    if let Some(c) = table::lookup(fd) {
+        if c.me == seg::SERVER && c.state() == seg::PENDING {
+            let e = errno();
+            if guard(false, || server_attach(&c)) {
+                sockopt::take_over(fd, &c.tcp_opts);
+            }
+            set_errno(e);
+        }
+    }
 }
 
 /// The connection behind `fd`, if its data travels on a ring now.
@@ -276,6 +303,9 @@ pub fn active(fd: c_int) -> Option<Arc<Conn>> {
 /// waiting for a pending decision: a wait wrapper leaves those to the kernel).
 pub fn attached(fd: c_int) -> Option<Arc<Conn>> {
     let c = table::lookup(fd)?;
+    if c.me == seg::SERVER && c.state() == seg::PENDING {
+        first_use(fd);
+    }
     if c.state() != seg::ATTACHED || c.broken.load(Ordering::Relaxed) {
         return None;
     }
@@ -294,9 +324,12 @@ fn on_ring(fd: c_int, c: &Conn) {
 }
 
 /// Client, before its first byte: wait (bounded) for the server to
-/// attach; if it does not, abandon so both ends stay plain TCP.
-/// Returns true when the ring is to be used.
+/// attach; if it does not, abandon so both ends stay plain TCP. Server, at
+/// its first use: attach. Returns true when the ring is to be used.
 pub fn decide(c: &Conn) -> bool {
+    if c.me == seg::SERVER {
+        return server_attach(c);
+    }
     let h = c.seg.hdr();
     let mut st = h.state.load(Ordering::Acquire);
     if st == seg::PENDING {
@@ -308,6 +341,12 @@ pub fn decide(c: &Conn) -> bool {
                 std::hint::spin_loop();
             } else {
                 std::thread::sleep(Duration::from_micros(200));
+                // Our offer lived in a broker that is gone: nobody can claim
+                // it any more, so do not wait out the limit.
+                if i % 16 == 0 && broker::lost() {
+                    debug!("client {} -> {}: broker lost", c.local, c.peer);
+                    break;
+                }
             }
             i += 1;
             st = h.state.load(Ordering::Acquire);

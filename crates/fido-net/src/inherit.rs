@@ -117,6 +117,13 @@ fn prepare(mut kind: Kind, loads: bool) -> (Option<String>, Undo) {
     let mut out = String::from("1");
     for (c, fds) in groups {
         let surv: Vec<c_int> = fds.iter().copied().filter(|&fd| !cloexec(fd)).collect();
+        if c.me == seg::SERVER && c.state() == seg::PENDING && !surv.is_empty() && loads {
+            // A claimed connection handed to the new image (inetd style):
+            // its first use is here, so the new image adopts it attached.
+            // (One that cannot load the library is abandoned below: plain
+            // TCP, which it can read.)
+            crate::handshake::first_use(surv[0]);
+        }
         if c.state() == seg::PENDING {
             if !surv.is_empty()
                 && c.seg
@@ -905,9 +912,8 @@ pub fn adopt() {
     for (fd, ino) in listeners {
         if same_socket(fd, ino) && config::enabled() {
             if let Some(a) = sock_name(fd, false) {
-                if let Some(key) = broker::publish_listener(fd, &a.ip, a.port) {
-                    table::add_listener(fd, key);
-                }
+                let key = broker::publish_listener(fd, &a.ip, a.port);
+                table::add_listener(fd, key, broker::epoch());
             }
         }
     }

@@ -46,6 +46,7 @@ mod handshake;
 mod inherit;
 mod io;
 mod netns;
+mod passing;
 mod poll;
 mod process;
 mod real;
@@ -195,7 +196,10 @@ pub unsafe extern "C" fn readv(fd: c_int, iov: *const iovec, cnt: c_int) -> ssiz
 #[no_mangle]
 pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut msghdr, flags: c_int) -> ssize_t {
     // SAFETY: the program's arguments, under recvmsg(2)'s contract.
-    unsafe { io::recvmsg(fd, msg, flags) }
+    let n = unsafe { io::recvmsg(fd, msg, flags) };
+    // SAFETY: the msghdr the kernel just filled in (descriptors received).
+    unsafe { passing::after_recv(msg, n) };
+    n
 }
 
 #[no_mangle]
@@ -231,6 +235,8 @@ pub unsafe extern "C" fn writev(fd: c_int, iov: *const iovec, cnt: c_int) -> ssi
 
 #[no_mangle]
 pub unsafe extern "C" fn sendmsg(fd: c_int, msg: *const msghdr, flags: c_int) -> ssize_t {
+    // SAFETY: the program's msghdr (descriptors it passes leave the ring first).
+    unsafe { passing::before_send(msg) };
     // SAFETY: the program's arguments, under sendmsg(2)'s contract.
     unsafe { io::sendmsg(fd, msg, flags) }
 }

@@ -30,9 +30,9 @@ pub unsafe fn listen(fd: c_int, backlog: c_int) -> c_int {
         guard((), || {
             if is_tcp_stream(fd) {
                 if let Some(a) = sock_name(fd, false) {
-                    if let Some(key) = broker::publish_listener(fd, &a.ip, a.port) {
-                        table::add_listener(fd, key);
-                    }
+                    // Kept unpublished too: a broker that comes back gets it.
+                    let key = broker::publish_listener(fd, &a.ip, a.port);
+                    table::add_listener(fd, key, broker::epoch());
                 }
             }
         });
@@ -96,7 +96,11 @@ pub unsafe fn accept4(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t, flags
     let nfd = unsafe { real::accept4(fd, addr, len, flags) };
     if nfd >= 0 && config::enabled() {
         let e = errno();
-        guard((), || attach(nfd, flags));
+        guard((), || {
+            attach(nfd, flags);
+            // A broker that came back since we listened knows no listener of ours.
+            broker::republish();
+        });
         set_errno(e);
     }
     nfd
@@ -129,6 +133,7 @@ pub unsafe fn close(fd: c_int) -> c_int {
 }
 
 pub unsafe fn shutdown(fd: c_int, how: c_int) -> c_int {
+    crate::handshake::first_use(fd);
     if let Some(c) = table::lookup(fd) {
         c.shutdown(how);
     }

@@ -21,7 +21,9 @@ static CLOSED_RECV: AtomicU64 = AtomicU64::new(0);
 /// a TCP send: lazy arming exists to make them rare).
 static CLOSED_DOORBELLS: AtomicU64 = AtomicU64::new(0);
 static STATS_PID: AtomicU64 = AtomicU64::new(0);
-static LAST: Mutex<String> = Mutex::new(String::new());
+/// What was last published, and under which broker session (a restarted
+/// broker gets it again).
+static LAST: Mutex<(u64, String)> = Mutex::new((0, String::new()));
 
 pub fn count_plain() {
     PLAIN_LOCAL.fetch_add(1, Ordering::Relaxed);
@@ -53,6 +55,10 @@ fn publish_from_now_on() {
             .name("fido-net-stats".into())
             .spawn(|| loop {
                 std::thread::sleep(std::time::Duration::from_millis(200));
+                // Also where a broker that came back learns our listeners
+                // again (and a lost one is joined again, off the program's
+                // own calls).
+                broker::republish();
                 publish_stats();
                 if STATS_PID.load(Ordering::SeqCst) != std::process::id() as u64 {
                     return;
@@ -63,7 +69,12 @@ fn publish_from_now_on() {
     }
 }
 
+/// Set at exit: the process's sockets close with it, so its last statistics
+/// list no open connection (programs such as socat exit without closing).
+static EXITING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 extern "C" fn at_exit() {
+    EXITING.store(true, Ordering::SeqCst);
     publish_stats();
 }
 
@@ -78,8 +89,9 @@ fn stats_json() -> String {
     let mut sent = CLOSED_SENT.load(Ordering::Relaxed);
     let mut recv = CLOSED_RECV.load(Ordering::Relaxed);
     let mut doorbells = CLOSED_DOORBELLS.load(Ordering::Relaxed);
+    let exiting = EXITING.load(Ordering::SeqCst);
     let all = table::all();
-    let open_total = all.len();
+    let open_total = if exiting { 0 } else { all.len() };
     let open: Vec<serde_json::Value> = all
         .iter()
         .enumerate()
@@ -105,7 +117,7 @@ fn stats_json() -> String {
         "bytes_sent": sent,
         "bytes_received": recv,
         "doorbells": doorbells,
-        "open": open,
+        "open": if exiting { Vec::new() } else { open },
         "open_total": open_total,
     })
     .to_string()
@@ -119,16 +131,16 @@ pub fn publish_stats() {
         return;
     }
     let s = stats_json();
+    let Some(d) = broker::domain() else { return };
+    let epoch = broker::epoch();
     {
         let mut last = LAST.lock();
-        if *last == s {
+        if last.0 == epoch && last.1 == s {
             return;
         }
-        *last = s.clone();
+        *last = (epoch, s.clone());
     }
-    if let Some(d) = broker::domain() {
-        let _ = d.write(&format!("/net/stats/{}", d.id()), s.as_bytes());
-    }
+    let _ = d.write(&format!("/net/stats/{}", d.id()), s.as_bytes());
 }
 
 /// `fork` (atfork child): the child publishes its own statistics once it

@@ -15,8 +15,20 @@ static CONNS: RwLock<Option<HashMap<i32, Arc<Conn>>>> = RwLock::new(None);
 /// process without accelerated connections is one relaxed load.
 static COUNT: AtomicUsize = AtomicUsize::new(0);
 
-/// Listening sockets we published: fd -> (registry key, publishing pid).
-static LISTENERS: Mutex<Option<HashMap<i32, (String, u32)>>> = Mutex::new(None);
+/// Listening sockets of this process (published or not: a broker that
+/// comes back gets them again). See [`Listener`].
+static LISTENERS: Mutex<Option<HashMap<i32, Listener>>> = Mutex::new(None);
+
+/// A listening TCP socket of the program.
+#[derive(Clone)]
+struct Listener {
+    /// Its `/net/listen` key; `None` while unpublished (no broker, or refused).
+    key: Option<String>,
+    /// The process that publishes (and withdraws) it; 0 for a duplicate.
+    pid: u32,
+    /// The broker epoch (`broker::epoch`) it was last published under.
+    epoch: u64,
+}
 
 /// Descriptors naming accelerated connections (0: nothing to interpose).
 pub fn count() -> usize {
@@ -102,18 +114,51 @@ pub fn fds() -> Vec<i32> {
     v
 }
 
-pub fn add_listener(fd: i32, key: String) {
-    LISTENERS
-        .lock()
-        .get_or_insert_with(HashMap::new)
-        .insert(fd, (key, std::process::id()));
+pub fn add_listener(fd: i32, key: Option<String>, epoch: u64) {
+    LISTENERS.lock().get_or_insert_with(HashMap::new).insert(
+        fd,
+        Listener {
+            key,
+            pid: std::process::id(),
+            epoch,
+        },
+    );
 }
 
 /// The key to withdraw when `fd` closes (only in the process that published it).
 pub fn remove_listener(fd: i32) -> Option<String> {
     let mut g = LISTENERS.lock();
-    let (key, pid) = g.as_mut()?.remove(&fd)?;
-    (pid == std::process::id()).then_some(key)
+    let l = g.as_mut()?.remove(&fd)?;
+    if l.pid == std::process::id() {
+        l.key
+    } else {
+        None
+    }
+}
+
+/// Whether this process publishes any listener (cheap when it has none).
+pub fn has_own_listeners() -> bool {
+    let pid = std::process::id();
+    LISTENERS
+        .lock()
+        .as_ref()
+        .is_some_and(|m| m.values().any(|l| l.pid == pid))
+}
+
+/// Listeners this process publishes that were not published under broker
+/// epoch `epoch` (the broker restarted, or was away when they listened).
+pub fn stale_listeners(epoch: u64) -> Vec<i32> {
+    let pid = std::process::id();
+    LISTENERS
+        .lock()
+        .as_ref()
+        .map(|m| {
+            m.iter()
+                .filter(|(_, l)| l.pid == pid && l.epoch != epoch)
+                .map(|(fd, _)| *fd)
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 pub fn is_listener(fd: i32) -> bool {
@@ -126,9 +171,10 @@ pub fn is_listener(fd: i32) -> bool {
 pub fn dup_listener(old: i32, new: i32) {
     let mut g = LISTENERS.lock();
     if let Some(m) = g.as_mut() {
-        if let Some(v) = m.get(&old).cloned() {
-            // The duplicate never withdraws the key (pid 0).
-            m.insert(new, (v.0, 0));
+        if let Some(mut v) = m.get(&old).cloned() {
+            // The duplicate never withdraws (or republishes) the key.
+            v.pid = 0;
+            m.insert(new, v);
         }
     }
 }
