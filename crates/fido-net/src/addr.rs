@@ -120,3 +120,13 @@ pub fn in_our_netns(ip: &str) -> Option<bool> {
         netns::Route::Other => None,
     }
 }
+
+/// The inode behind descriptor `fd` (a socket's, a memfd's), or `None` when
+/// `fd` is not open: what tells the library whether a descriptor number it
+/// remembers still names the same object.
+pub fn fd_inode(fd: c_int) -> Option<u64> {
+    // SAFETY: zeroed plain data, filled by fstat.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstat into a local.
+    (unsafe { libc::fstat(fd, &mut st) } == 0).then_some(st.st_ino)
+}

@@ -43,6 +43,18 @@ pub fn set_broker_path(p: std::path::PathBuf) {
     *BROKER_PATH.lock() = Some(p);
 }
 
+thread_local! {
+    /// This thread holds `NET` (joining): descriptors the join creates pass
+    /// through our interposers (`socket::fresh_fd`), which must not call
+    /// back into this module.
+    static HOLDS_NET: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether this thread is inside `domain()`'s join (see `HOLDS_NET`).
+pub fn busy_here() -> bool {
+    HOLDS_NET.with(|b| b.get())
+}
+
 /// This process's domain, joining on first use. `None` when there is no
 /// broker (then everything stays plain TCP).
 pub fn domain() -> Option<Domain> {
@@ -66,7 +78,10 @@ pub fn domain() -> Option<Domain> {
     if let Some(p) = BROKER_PATH.lock().clone() {
         opts = opts.broker(p);
     }
-    let dom = match Domain::join(opts) {
+    HOLDS_NET.with(|b| b.set(true));
+    let joined = Domain::join(opts);
+    HOLDS_NET.with(|b| b.set(false));
+    let dom = match joined {
         Ok(d) => Some(d),
         Err(e) => {
             debug!("no broker ({e}): plain TCP");

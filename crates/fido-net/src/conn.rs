@@ -129,6 +129,9 @@ pub struct Conn {
     pub nonblock: AtomicBool,
     /// Descriptors of this process naming the connection.
     pub local_refs: AtomicU32,
+    /// The real socket's inode (set when its first descriptor is recorded):
+    /// a descriptor number whose inode differs no longer names it.
+    pub sock_ino: AtomicU64,
     /// Client: the segment's memfd, kept until the fate is decided (-1 after).
     pub memfd: AtomicI32,
     /// Client: the broker's id of its offer (withdrawn if never attached).
@@ -253,6 +256,7 @@ impl Conn {
             me,
             nonblock: AtomicBool::new(nonblock),
             local_refs: AtomicU32::new(0),
+            sock_ino: AtomicU64::new(0),
             memfd: AtomicI32::new(memfd),
             offer,
             broken: AtomicBool::new(false),
@@ -1185,6 +1189,38 @@ impl Conn {
         let m = self.memfd.swap(-1, Ordering::SeqCst);
         if m >= 0 {
             // SAFETY: our own memfd.
+            unsafe { real::close(m) };
+        }
+    }
+
+    /// The last descriptor of this process naming the connection was closed
+    /// in a way we did not see (a raw system call, io_uring): the socket is
+    /// gone from this process, and its number may already name something
+    /// else, so nothing is done through it. Only the shared bookkeeping
+    /// follows: our holder count, and `closed` (so the peer's writes go to
+    /// the kernel, which reports what TCP reports) when we were the last.
+    pub fn release_gone(&self) {
+        if self.state() == crate::seg::ATTACHED {
+            let me = self.seg.side(self.me);
+            if me.holders.fetch_sub(1, Ordering::SeqCst) == 1 {
+                me.closed.store(1, Ordering::SeqCst);
+                self.seg
+                    .ring(self.rx())
+                    .data_arm
+                    .0
+                    .store(0, Ordering::SeqCst);
+                self.seg
+                    .ring(self.tx())
+                    .space_arm
+                    .0
+                    .store(0, Ordering::SeqCst);
+            }
+        }
+        let m = self.memfd.swap(-1, Ordering::SeqCst);
+        if m >= 0 {
+            // SAFETY: our own memfd (the library's descriptors are closed
+            // only through `real`, and a program closing one of them is
+            // noticed by `seg::forget_kept`).
             unsafe { real::close(m) };
         }
     }

@@ -20,8 +20,8 @@ use crate::conn::Conn;
 use crate::sys::{debug, errno, guard, set_errno};
 use crate::{broker, config, real, seg, sockopt, stats, table};
 use libc::{c_int, c_void, sockaddr, socklen_t};
-use std::sync::atomic::Ordering;
 use std::os::fd::IntoRawFd;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 

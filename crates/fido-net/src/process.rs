@@ -73,3 +73,34 @@ pub fn syscall_observed(n: libc::c_long) {
     }
     guard((), || wait::raw_syscall(n));
 }
+
+/// Whether system call `n`, made through `syscall(2)`, returns a new
+/// descriptor (whose number may carry stale state: `socket::fresh_fd`).
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+pub fn creates_descriptor(n: libc::c_long) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if [
+        libc::SYS_open,
+        libc::SYS_creat,
+        libc::SYS_epoll_create,
+        libc::SYS_eventfd,
+    ]
+    .contains(&n)
+    {
+        return true;
+    }
+    [
+        libc::SYS_openat,
+        libc::SYS_openat2,
+        libc::SYS_socket,
+        libc::SYS_eventfd2,
+        libc::SYS_memfd_create,
+        libc::SYS_epoll_create1,
+        libc::SYS_timerfd_create,
+        libc::SYS_signalfd4,
+        libc::SYS_inotify_init1,
+        libc::SYS_pidfd_open,
+        libc::SYS_io_uring_setup,
+    ]
+    .contains(&n)
+}

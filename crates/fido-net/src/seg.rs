@@ -113,6 +113,10 @@ pub struct Segment {
     /// be handed to a new image across `exec` (see `inherit`); -1 when not
     /// kept (over budget) or when the program closed that descriptor number.
     kept: Arc<AtomicI32>,
+    /// The memfd's inode: the kept descriptor is closed only while its
+    /// number still names this memfd (a close we did not see may have freed
+    /// the number for one of the program's descriptors).
+    ino: u64,
 }
 
 /// Kept segment descriptors by number, so a program closing (or `dup2`-ing
@@ -141,15 +145,22 @@ fn kept_budget() -> usize {
 }
 
 /// The program is closing (or replacing) descriptor `fd`: if it was a kept
-/// segment descriptor, it is no longer ours.
-pub fn forget_kept(fd: i32) {
+/// segment descriptor, it is no longer ours. Returns whether it was.
+pub fn forget_kept(fd: i32) -> bool {
     if KEPT_COUNT.load(Ordering::Relaxed) == 0 {
-        return;
+        return false;
     }
     if let Some(k) = KEPT.lock().as_mut().and_then(|m| m.remove(&fd)) {
         KEPT_COUNT.fetch_sub(1, Ordering::Relaxed);
         k.store(-1, Ordering::SeqCst);
+        return true;
     }
+    false
+}
+
+/// Whether any segment descriptor is kept (one relaxed load).
+pub fn remembers_any() -> bool {
+    KEPT_COUNT.load(Ordering::Relaxed) != 0
 }
 
 /// Descriptors kept for segments.
@@ -196,6 +207,7 @@ impl Segment {
             len,
             ring_len,
             kept: Arc::new(AtomicI32::new(-1)),
+            ino: crate::addr::fd_inode(fd).unwrap_or(0),
         })
     }
 
@@ -237,8 +249,11 @@ impl Segment {
         let fd = self.kept.swap(-1, Ordering::SeqCst);
         if fd >= 0 {
             forget_kept(fd);
-            // SAFETY: our own kept descriptor.
-            unsafe { crate::real::close(fd) };
+            if crate::addr::fd_inode(fd) == Some(self.ino) {
+                // SAFETY: our own kept descriptor (its number still names
+                // our memfd).
+                unsafe { crate::real::close(fd) };
+            }
         }
     }
 

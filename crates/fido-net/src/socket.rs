@@ -42,6 +42,12 @@ pub unsafe fn listen(fd: c_int, backlog: c_int) -> c_int {
 }
 
 pub unsafe fn connect(fd: c_int, addr: *const sockaddr, len: socklen_t) -> c_int {
+    // An entry for a descriptor the program connects again is either a
+    // connect on a connected socket (the kernel answers EISCONN) or stale:
+    // the number was closed where we could not see and names a new socket.
+    if table::lookup(fd).is_some() && !table::entry_is_current(fd) {
+        guard((), || forget_gone(fd));
+    }
     let prepared = if config::enabled() && table::lookup(fd).is_none() {
         guard(None, || {
             let mut dst = parse_addr(addr, len)?;
@@ -94,6 +100,7 @@ pub unsafe fn connect(fd: c_int, addr: *const sockaddr, len: socklen_t) -> c_int
 pub unsafe fn accept4(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t, flags: c_int) -> c_int {
     // SAFETY: forwarding the caller's arguments.
     let nfd = unsafe { real::accept4(fd, addr, len, flags) };
+    fresh_fd(nfd);
     if nfd >= 0 && config::enabled() {
         let e = errno();
         guard((), || attach(nfd, flags));
@@ -119,6 +126,44 @@ fn forget_fd(fd: c_int) {
     }
     if let Some(key) = table::remove_listener(fd) {
         broker::withdraw(&key);
+    }
+}
+
+/// `fd` was closed where we could not see (a raw system call, io_uring, a
+/// helper linked statically): forget what we knew about that number without
+/// touching it — it may name one of the program's new descriptors already.
+fn forget_gone(fd: c_int) {
+    if seg::forget_kept(fd) {
+        crate::sys::debug!("fd {fd}: a kept segment descriptor was closed behind our back");
+    }
+    wait::forget(fd);
+    if let Some((c, last)) = table::remove(fd) {
+        crate::sys::debug!("fd {fd}: closed without our seeing it; its connection is forgotten");
+        if last {
+            stats::count_closed(&c);
+            if c.me == seg::CLIENT && c.state() == seg::PENDING && !broker::busy_here() {
+                if let Some(o) = c.offer {
+                    broker::withdraw_offer(o);
+                }
+            }
+            c.release_gone();
+        }
+    }
+    if let Some(key) = table::remove_listener(fd) {
+        // Not from inside the broker join (the descriptor is the join's
+        // own): the key goes with the domain, an offer after 60 s.
+        if !broker::busy_here() {
+            broker::withdraw(&key);
+        }
+    }
+}
+
+/// A call that creates descriptors just returned `fd`: the number was free,
+/// so anything we remember under it is stale (closed behind our back).
+/// Costs two relaxed loads while we remember nothing.
+pub fn fresh_fd(fd: c_int) {
+    if fd >= 0 && (table::remembers_any() || seg::remembers_any()) {
+        guard((), || forget_gone(fd));
     }
 }
 
@@ -150,6 +195,7 @@ fn dup_into(old: c_int, new: c_int) {
 pub unsafe fn dup(fd: c_int) -> c_int {
     // SAFETY: forwarding.
     let r = unsafe { real::dup(fd) };
+    fresh_fd(r);
     guard((), || dup_into(fd, r));
     r
 }
@@ -189,7 +235,10 @@ pub unsafe fn fcntl(fd: c_int, cmd: c_int, arg: c_ulong) -> c_int {
     let r = unsafe { real::fcntl(fd, cmd, arg) };
     if r >= 0 {
         match cmd {
-            libc::F_DUPFD | libc::F_DUPFD_CLOEXEC => guard((), || dup_into(fd, r)),
+            libc::F_DUPFD | libc::F_DUPFD_CLOEXEC => {
+                fresh_fd(r);
+                guard((), || dup_into(fd, r))
+            }
             libc::F_SETFL => {
                 if let Some(c) = table::lookup(fd) {
                     c.nonblock
