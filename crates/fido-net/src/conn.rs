@@ -152,6 +152,9 @@ pub struct Conn {
     /// kernel, which reports an error once: kept for the program's next
     /// receive (or `SO_ERROR`), which would otherwise see a plain EOF.
     pub kernel_err: AtomicI32,
+    /// The kernel reported the real socket reset: no more bytes go into the
+    /// ring (the kernel answers every later write: `EPIPE`, as TCP).
+    pub dead: AtomicBool,
 }
 
 /// Disconnects TCP socket `fd` with a RST (`connect(AF_UNSPEC)`): the peer
@@ -266,6 +269,7 @@ impl Conn {
             peer,
             tcp_opts: TcpOpts::default(),
             kernel_err: AtomicI32::new(0),
+            dead: AtomicBool::new(false),
         }
     }
 
@@ -640,6 +644,7 @@ impl Conn {
                     e if self.is_artifact_reset(e) => return,
                     e => {
                         // Reset: the error is the program's to see.
+                        self.dead.store(true, Ordering::Relaxed);
                         let _ = self.kernel_err.compare_exchange(
                             0,
                             e,
@@ -765,6 +770,16 @@ impl Conn {
                 libc::EINTR => KState::Empty,
                 e if self.is_artifact_reset(e) => KState::Eof,
                 e => {
+                    // A peer that died with our bytes unread reset the
+                    // connection as TCP would; its FIN may have come first
+                    // (no doorbell was unread), turning the RST our probe
+                    // drew into `EPIPE`. TCP says `ECONNRESET`.
+                    let e = if e == libc::EPIPE && self.seg.used(self.tx()).is_ok_and(|u| u > 0) {
+                        libc::ECONNRESET
+                    } else {
+                        e
+                    };
+                    self.dead.store(true, Ordering::Relaxed);
                     // Taken from the kernel by this peek: keep it until a
                     // receive reports it (`take_kernel_err`).
                     let _ =
@@ -774,6 +789,45 @@ impl Conn {
                 }
             },
         }
+    }
+
+    /// A writer found the real socket reset (or hung up) with the ring full.
+    /// When the peer left our bytes unread, TCP's answer is `ECONNRESET`
+    /// (a close with unread data is a RST), then `EPIPE`: but a peer killed
+    /// while it had no doorbell unread closed its socket with a FIN, and our
+    /// probe's RST then arrived in `CLOSE_WAIT`, where the kernel says
+    /// `EPIPE` (with `SIGPIPE`). So with our data unread, the socket's
+    /// pending error is taken and `ECONNRESET` reported once; later writes
+    /// go to the kernel (`EPIPE`, `SIGPIPE`). Otherwise the kernel answers.
+    fn peer_gone(&self, fd: c_int) -> Out {
+        self.dead.store(true, Ordering::Relaxed);
+        if self.seg.used(self.tx()).unwrap_or(0) == 0 {
+            return Out::Kernel;
+        }
+        let kept = self.kernel_err.swap(0, Ordering::SeqCst);
+        let mut err: c_int = 0;
+        let mut len = std::mem::size_of::<c_int>() as libc::socklen_t;
+        // SAFETY: getsockopt(SO_ERROR) into an int (takes the pending error).
+        unsafe {
+            real::getsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                libc::SO_ERROR,
+                &mut err as *mut c_int as *mut libc::c_void,
+                &mut len,
+            )
+        };
+        match if kept != 0 { kept } else { err } {
+            0 | libc::EPIPE | libc::ECONNRESET => Out::Err(libc::ECONNRESET),
+            e => Out::Err(e),
+        }
+    }
+
+    /// Whether an error taken from the kernel by one of our peeks waits for
+    /// the program (poll and epoll report it as `POLLERR`, as the kernel
+    /// would have before the peek).
+    pub fn has_kernel_err(&self) -> bool {
+        self.kernel_err.load(Ordering::Relaxed) != 0
     }
 
     /// The kept socket error, reported once (like the kernel's `sk_err`).
@@ -997,7 +1051,10 @@ impl Conn {
         }
         let me = self.seg.side(self.me);
         let peer = self.seg.side(self.peer_side());
-        if me.shut_wr.load(Ordering::Relaxed) != 0 || peer.closed.load(Ordering::SeqCst) != 0 {
+        if me.shut_wr.load(Ordering::Relaxed) != 0
+            || peer.closed.load(Ordering::SeqCst) != 0
+            || self.dead.load(Ordering::Relaxed)
+        {
             return Out::Kernel;
         }
         let total: usize = bufs.iter().map(|b| b.len()).sum();
@@ -1050,7 +1107,11 @@ impl Conn {
             // SAFETY: poll on one pollfd we own, not waiting.
             unsafe { real::poll(&mut p, 1, 0) };
             if p.revents & (libc::POLLERR | libc::POLLHUP) != 0 {
-                return Out::moved_or(sent, Out::Kernel);
+                if sent > 0 {
+                    // The error comes with the next call, as over TCP.
+                    return Out::Done(sent);
+                }
+                return self.peer_gone(fd);
             }
             if p.revents & libc::POLLRDHUP != 0 && !probed {
                 // The peer shut down or exited. A probe byte makes a dead

@@ -317,7 +317,19 @@ pub unsafe fn getsockopt(
         return 0;
     }
     // SAFETY: forwarding the caller's arguments.
-    unsafe { real::getsockopt(fd, level, name, val, len) }
+    let r = unsafe { real::getsockopt(fd, level, name, val, len) };
+    if r == 0 && level == libc::SOL_SOCKET && name == libc::SO_ERROR && !val.is_null() {
+        // SAFETY: the kernel wrote an int there.
+        let e = unsafe { (val as *const c_int).read_unaligned() };
+        if e == libc::ECONNRESET || e == libc::EPIPE {
+            // The program took the reset: later writes are the kernel's
+            // (`EPIPE`), as over TCP, instead of filling a dead ring.
+            if let Some(c) = table::lookup(fd) {
+                c.dead.store(true, Ordering::Relaxed);
+            }
+        }
+    }
+    r
 }
 
 pub unsafe fn ioctl(fd: c_int, req: c_ulong, arg: *mut c_void) -> c_int {
