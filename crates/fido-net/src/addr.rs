@@ -130,3 +130,10 @@ pub fn fd_inode(fd: c_int) -> Option<u64> {
     // SAFETY: fstat into a local.
     (unsafe { libc::fstat(fd, &mut st) } == 0).then_some(st.st_ino)
 }
+
+/// Whether descriptor `fd` is close-on-exec (an exec cannot hand it on).
+pub fn fd_cloexec(fd: c_int) -> bool {
+    // SAFETY: F_GETFD has no argument.
+    let fl = unsafe { real::fcntl(fd, libc::F_GETFD, 0) };
+    fl >= 0 && fl & libc::FD_CLOEXEC != 0
+}

@@ -132,8 +132,11 @@ pub struct Conn {
     /// The real socket's inode (set when its first descriptor is recorded):
     /// a descriptor number whose inode differs no longer names it.
     pub sock_ino: AtomicU64,
-    /// Client: the segment's memfd, kept until the fate is decided (-1 after).
-    pub memfd: AtomicI32,
+    /// Client: the server's decision (attach or not) has not been seen yet.
+    /// (The segment's memfd itself is closed once offered: the mapping is
+    /// what both ends use, and a descriptor per pending connection would
+    /// eat the program's descriptor budget.)
+    pub undecided: AtomicBool,
     /// Client: the broker's id of its offer (withdrawn if never attached).
     pub offer: Option<u64>,
     /// Set when the segment was found corrupt: the connection was reset.
@@ -245,7 +248,7 @@ impl Conn {
         seg: Segment,
         me: usize,
         nonblock: bool,
-        memfd: i32,
+        undecided: bool,
         offer: Option<u64>,
         connected: bool,
         local: String,
@@ -260,7 +263,7 @@ impl Conn {
             nonblock: AtomicBool::new(nonblock),
             local_refs: AtomicU32::new(0),
             sock_ino: AtomicU64::new(0),
-            memfd: AtomicI32::new(memfd),
+            undecided: AtomicBool::new(undecided),
             offer,
             broken: AtomicBool::new(false),
             stuck_at: AtomicU64::new(u64::MAX),
@@ -1199,11 +1202,6 @@ impl Conn {
     pub fn release(&self, fd: c_int) {
         if self.state() != crate::seg::ATTACHED {
             // Never carried data on the ring: nothing to prepare.
-            let m = self.memfd.swap(-1, Ordering::SeqCst);
-            if m >= 0 {
-                // SAFETY: our own memfd.
-                unsafe { real::close(m) };
-            }
             return;
         }
         let me = self.seg.side(self.me);
@@ -1247,11 +1245,6 @@ impl Conn {
                 }
             }
         }
-        let m = self.memfd.swap(-1, Ordering::SeqCst);
-        if m >= 0 {
-            // SAFETY: our own memfd.
-            unsafe { real::close(m) };
-        }
     }
 
     /// The last descriptor of this process naming the connection was closed
@@ -1276,13 +1269,6 @@ impl Conn {
                     .0
                     .store(0, Ordering::SeqCst);
             }
-        }
-        let m = self.memfd.swap(-1, Ordering::SeqCst);
-        if m >= 0 {
-            // SAFETY: our own memfd (the library's descriptors are closed
-            // only through `real`, and a program closing one of them is
-            // noticed by `seg::forget_kept`).
-            unsafe { real::close(m) };
         }
     }
 

@@ -362,9 +362,17 @@ pub unsafe extern "C" fn closefrom(low: c_int) {
 // stale (closed where we could not see: a raw system call, io_uring, a static
 // helper) and is forgotten (`socket::fresh_fd`) before the program can use it.
 
-/// Passes on the result of a descriptor-creating call, having forgotten
-/// stale state under the number it returned.
-fn fresh(r: c_int) -> c_int {
+/// Makes a descriptor-creating call and forgets stale state under the
+/// number it returned. When the program is out of descriptor numbers
+/// (`EMFILE`) while the library keeps some, they are given back and the
+/// call made again: the library never costs a program a descriptor TCP
+/// alone would have left it (the calls fail with `EMFILE` before creating
+/// anything, so a retry is the same call).
+fn fresh(call: impl Fn() -> c_int) -> c_int {
+    let mut r = call();
+    if r < 0 && sys::errno() == libc::EMFILE && seg::give_back_kept() {
+        r = call();
+    }
     socket::fresh_fd(r);
     r
 }
@@ -373,7 +381,11 @@ fn fresh(r: c_int) -> c_int {
 ///
 /// # Safety
 /// `fds` points to two ints when `r == 0`.
-unsafe fn fresh_pair(r: c_int, fds: *mut c_int) -> c_int {
+unsafe fn fresh_pair(call: impl Fn() -> c_int, fds: *mut c_int) -> c_int {
+    let mut r = call();
+    if r < 0 && sys::errno() == libc::EMFILE && seg::give_back_kept() {
+        r = call();
+    }
     if r == 0 && !fds.is_null() {
         // SAFETY: the call succeeded and filled both.
         let (a, b) = unsafe { (*fds, *fds.add(1)) };
@@ -386,7 +398,7 @@ unsafe fn fresh_pair(r: c_int, fds: *mut c_int) -> c_int {
 #[no_mangle]
 pub unsafe extern "C" fn socket(domain: c_int, ty: c_int, proto: c_int) -> c_int {
     // SAFETY: the program's arguments, under socket(2)'s contract.
-    fresh(unsafe { real::socket(domain, ty, proto) })
+    fresh(|| unsafe { real::socket(domain, ty, proto) })
 }
 
 #[no_mangle]
@@ -397,31 +409,31 @@ pub unsafe extern "C" fn socketpair(
     sv: *mut c_int,
 ) -> c_int {
     // SAFETY: the program's arguments, under socketpair(2)'s contract.
-    unsafe { fresh_pair(real::socketpair(domain, ty, proto, sv), sv) }
+    unsafe { fresh_pair(|| real::socketpair(domain, ty, proto, sv), sv) }
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn pipe(fds: *mut c_int) -> c_int {
     // SAFETY: the program's arguments, under pipe(2)'s contract.
-    unsafe { fresh_pair(real::pipe(fds), fds) }
+    unsafe { fresh_pair(|| real::pipe(fds), fds) }
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn pipe2(fds: *mut c_int, flags: c_int) -> c_int {
     // SAFETY: the program's arguments, under pipe2(2)'s contract.
-    unsafe { fresh_pair(real::pipe2(fds, flags), fds) }
+    unsafe { fresh_pair(|| real::pipe2(fds, flags), fds) }
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn eventfd(init: c_uint, flags: c_int) -> c_int {
     // SAFETY: the program's arguments, under eventfd(2)'s contract.
-    fresh(unsafe { real::eventfd(init, flags) })
+    fresh(|| unsafe { real::eventfd(init, flags) })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn memfd_create(name: *const c_char, flags: c_uint) -> c_int {
     // SAFETY: the program's arguments, under memfd_create(2)'s contract.
-    fresh(unsafe { real::memfd_create(name, flags) })
+    fresh(|| unsafe { real::memfd_create(name, flags) })
 }
 
 /// `open` and friends are C-variadic (the mode); they take it as a fixed
@@ -434,7 +446,7 @@ macro_rules! open_like {
         pub unsafe extern "C" fn $name(path: *const c_char, flags: c_int, mode: c_uint) -> c_int {
             static SLOT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
             // SAFETY: the program's arguments, under open(2)'s contract.
-            fresh(unsafe {
+            fresh(|| unsafe {
                 real::open_named(&SLOT, concat!(stringify!($name), "\0"), path, flags, mode)
             })
         }
@@ -455,7 +467,7 @@ macro_rules! openat_like {
         ) -> c_int {
             static SLOT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
             // SAFETY: the program's arguments, under openat(2)'s contract.
-            fresh(unsafe {
+            fresh(|| unsafe {
                 real::openat_named(
                     &SLOT,
                     concat!(stringify!($name), "\0"),
@@ -474,25 +486,25 @@ openat_like!(openat64);
 #[no_mangle]
 pub unsafe extern "C" fn __open_2(path: *const c_char, flags: c_int) -> c_int {
     // SAFETY: the program's arguments (fortified open without a mode).
-    fresh(unsafe { real::__open_2(path, flags) })
+    fresh(|| unsafe { real::__open_2(path, flags) })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn __open64_2(path: *const c_char, flags: c_int) -> c_int {
     // SAFETY: as for __open_2.
-    fresh(unsafe { real::__open64_2(path, flags) })
+    fresh(|| unsafe { real::__open64_2(path, flags) })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn __openat_2(dirfd: c_int, path: *const c_char, flags: c_int) -> c_int {
     // SAFETY: the program's arguments (fortified openat without a mode).
-    fresh(unsafe { real::__openat_2(dirfd, path, flags) })
+    fresh(|| unsafe { real::__openat_2(dirfd, path, flags) })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn __openat64_2(dirfd: c_int, path: *const c_char, flags: c_int) -> c_int {
     // SAFETY: as for __openat_2.
-    fresh(unsafe { real::__openat64_2(dirfd, path, flags) })
+    fresh(|| unsafe { real::__openat64_2(dirfd, path, flags) })
 }
 
 // ---- waiting: poll, select, epoll ----------------------------------------------

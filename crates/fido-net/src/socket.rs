@@ -99,7 +99,13 @@ pub unsafe fn connect(fd: c_int, addr: *const sockaddr, len: socklen_t) -> c_int
 /// valid for the kernel to write a peer address of `*len` bytes.
 pub unsafe fn accept4(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t, flags: c_int) -> c_int {
     // SAFETY: forwarding the caller's arguments.
-    let nfd = unsafe { real::accept4(fd, addr, len, flags) };
+    let mut nfd = unsafe { real::accept4(fd, addr, len, flags) };
+    if nfd < 0 && errno() == libc::EMFILE && seg::give_back_kept() {
+        // Our kept descriptors yield their numbers to the program.
+        // SAFETY: as above (the kernel checks the descriptor budget before
+        // taking a connection off the queue: nothing was consumed).
+        nfd = unsafe { real::accept4(fd, addr, len, flags) };
+    }
     fresh_fd(nfd);
     if nfd >= 0 && config::enabled() {
         let e = errno();
@@ -181,12 +187,23 @@ pub unsafe fn shutdown(fd: c_int, how: c_int) -> c_int {
     unsafe { real::shutdown(fd, how) }
 }
 
+/// `fd` names accelerated connection `c`: if an exec could now hand it on
+/// (not close-on-exec) and no segment descriptor is kept for it, keep one.
+fn keep_if_inheritable(c: &Conn, fd: c_int) {
+    if c.seg.kept_fd() < 0 && !crate::addr::fd_cloexec(fd) && !c.seg.keep_from_mapping() {
+        crate::sys::debug!(
+            "fd {fd}: inheritable, but its segment cannot be kept: an exec resets it"
+        );
+    }
+}
+
 fn dup_into(old: c_int, new: c_int) {
     if new < 0 {
         return;
     }
     wait::duplicated(old);
     if let Some(c) = table::lookup(old) {
+        keep_if_inheritable(&c, new);
         table::insert(new, c);
     }
     table::dup_listener(old, new);
@@ -238,6 +255,11 @@ pub unsafe fn fcntl(fd: c_int, cmd: c_int, arg: c_ulong) -> c_int {
             libc::F_DUPFD | libc::F_DUPFD_CLOEXEC => {
                 fresh_fd(r);
                 guard((), || dup_into(fd, r))
+            }
+            libc::F_SETFD if arg as c_int & libc::FD_CLOEXEC == 0 => {
+                if let Some(c) = table::lookup(fd) {
+                    guard((), || keep_if_inheritable(&c, fd));
+                }
             }
             libc::F_SETFL => {
                 if let Some(c) = table::lookup(fd) {
