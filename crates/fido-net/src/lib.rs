@@ -507,6 +507,28 @@ pub unsafe extern "C" fn __openat64_2(dirfd: c_int, path: *const c_char, flags: 
     fresh(|| unsafe { real::__openat64_2(dirfd, path, flags) })
 }
 
+// ---- seccomp ---------------------------------------------------------------------
+
+/// `prctl(2)` is C-variadic; like `syscall` below it takes its four
+/// argument words as fixed parameters (sound on the ABIs explained there)
+/// and passes all of them on. `PR_SET_SECCOMP` is noticed before the call:
+/// the library confines itself first (`process::restrict`).
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+#[no_mangle]
+pub unsafe extern "C" fn prctl(
+    option: c_int,
+    a2: c_ulong,
+    a3: c_ulong,
+    a4: c_ulong,
+    a5: c_ulong,
+) -> c_int {
+    if process::installs_seccomp(true, option as libc::c_long, a2 as libc::c_long) {
+        process::restrict("prctl(PR_SET_SECCOMP)");
+    }
+    // SAFETY: the program's arguments, under prctl(2)'s contract.
+    unsafe { real::prctl(option, a2, a3, a4, a5) }
+}
+
 // ---- waiting: poll, select, epoll ----------------------------------------------
 
 #[no_mangle]

@@ -177,6 +177,30 @@ pub unsafe fn fcntl(fd: c_int, cmd: c_int, arg: libc::c_ulong) -> c_int {
     unsafe { f(fd, cmd, arg) }
 }
 
+/// libc's `prctl` (variadic: four argument words).
+///
+/// # Safety
+/// Same contract as `prctl(2)` for `option`.
+pub unsafe fn prctl(
+    option: c_int,
+    a2: libc::c_ulong,
+    a3: libc::c_ulong,
+    a4: libc::c_ulong,
+    a5: libc::c_ulong,
+) -> c_int {
+    static SLOT: AtomicUsize = AtomicUsize::new(0);
+    let mut f = SLOT.load(Ordering::Relaxed);
+    if f == 0 {
+        f = resolve("prctl\0");
+        SLOT.store(f, Ordering::Relaxed);
+    }
+    // SAFETY: libc's prctl has this variadic prototype.
+    let f: unsafe extern "C" fn(c_int, ...) -> c_int =
+        unsafe { std::mem::transmute::<usize, _>(f) };
+    // SAFETY: the caller upholds prctl's contract.
+    unsafe { f(option, a2, a3, a4, a5) }
+}
+
 /// libc's `ioctl` (variadic).
 ///
 /// # Safety
