@@ -79,6 +79,7 @@ apt_install curl wrk nginx-light libnginx-mod-stream fonts-dejavu-core
 apt_install redis-server redis-tools iperf3 sockperf util-linux
 apt_install iproute2
 apt_install python3
+apt_install openssh-server openssh-client
 apt_install qemu-system-x86 busybox-static cpio xz-utils
 apt_install nbdkit libnbd-bin qemu-utils fio
 apt_install e2fsprogs
