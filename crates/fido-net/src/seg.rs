@@ -121,7 +121,9 @@ pub struct Segment {
 
 /// Kept segment descriptors by number, so a program closing (or `dup2`-ing
 /// over) one of them — daemons close every descriptor — is noticed.
-static KEPT: Mutex<Option<HashMap<i32, (Arc<AtomicI32>, u64)>>> = Mutex::new(None);
+/// A kept descriptor's slot in its segment, and the memfd's inode.
+type KeptEntry = (Arc<AtomicI32>, u64);
+static KEPT: Mutex<Option<HashMap<i32, KeptEntry>>> = Mutex::new(None);
 static KEPT_COUNT: AtomicUsize = AtomicUsize::new(0);
 
 /// At most this many descriptors are kept (a quarter of the soft
