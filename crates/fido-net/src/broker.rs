@@ -68,6 +68,18 @@ fn request_timeout() -> Duration {
     crate::config::attach_wait().max(Duration::from_secs(1))
 }
 
+thread_local! {
+    /// This thread holds `NET` (joining): descriptors the join creates pass
+    /// through our interposers (`socket::fresh_fd`), which must not call
+    /// back into this module.
+    static HOLDS_NET: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether this thread is inside `domain()`'s join (see `HOLDS_NET`).
+pub fn busy_here() -> bool {
+    HOLDS_NET.with(|b| b.get())
+}
+
 /// This process's domain, joining on first use. `None` when there is no
 /// broker (then everything stays plain TCP) — decided at once: while the
 /// broker is away (killed, restarting) requests would wait for it, so its
@@ -119,7 +131,10 @@ pub fn domain() -> Option<Domain> {
     if let Some(p) = BROKER_PATH.lock().clone() {
         opts = opts.broker(p);
     }
-    let dom = match Domain::join(opts) {
+    HOLDS_NET.with(|b| b.set(true));
+    let joined = Domain::join(opts);
+    HOLDS_NET.with(|b| b.set(false));
+    let dom = match joined {
         Ok(d) => Some(d),
         Err(e) => {
             debug!("no broker ({e}): plain TCP");

@@ -20,8 +20,8 @@ use crate::conn::Conn;
 use crate::sys::{debug, errno, guard, set_errno};
 use crate::{broker, config, real, seg, sockopt, stats, table};
 use libc::{c_int, c_void, sockaddr, socklen_t};
-use std::sync::atomic::Ordering;
 use std::os::fd::IntoRawFd;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -106,7 +106,12 @@ pub fn prepare_connect(fd: c_int, dst: &Addr, same: bool) -> Option<Arc<Conn>> {
         cleanup(memfd);
         return None;
     };
-    segm.retain(memfd);
+    // A descriptor of the segment is kept only for a socket an exec could
+    // hand on (not close-on-exec); `socket::dup_into` and `fcntl` get one
+    // when the program makes it inheritable later.
+    if !crate::addr::fd_cloexec(fd) {
+        segm.retain(memfd);
+    }
     let mut nb = [0u8; 8];
     // SAFETY: getrandom into a local buffer.
     unsafe { libc::getrandom(nb.as_mut_ptr() as *mut c_void, 8, 0) };
@@ -115,12 +120,15 @@ pub fn prepare_connect(fd: c_int, dst: &Addr, same: bool) -> Option<Arc<Conn>> {
     segm.side(seg::CLIENT)
         .pid
         .store(std::process::id(), Ordering::Relaxed);
-    let offer = match broker::offer(fd, memfd, remote, nonce, rl) {
+    let offered = broker::offer(fd, memfd, remote, nonce, rl);
+    // The broker holds the segment now and the mapping is ours: the
+    // descriptor would only take a number from the program's budget.
+    cleanup(memfd);
+    let offer = match offered {
         Ok(id) => id,
         Err(why) => {
             debug!("connect fd {fd}: request refused ({why}): plain TCP");
             stats::count_plain();
-            cleanup(memfd);
             return None;
         }
     };
@@ -132,7 +140,7 @@ pub fn prepare_connect(fd: c_int, dst: &Addr, same: bool) -> Option<Arc<Conn>> {
         segm,
         seg::CLIENT,
         fd_nonblock(fd),
-        memfd,
+        true,
         Some(offer),
         false,
         format!("{}:{}", local.ip, local.port),
@@ -180,7 +188,10 @@ pub fn attach(nfd: c_int, flags: c_int) {
         None
     };
     if let Some(s) = &segm {
-        s.retain(mfd);
+        // Kept only for a socket an exec could hand on (see prepare_connect).
+        if flags & libc::SOCK_CLOEXEC == 0 {
+            s.retain(mfd);
+        }
     }
     // SAFETY: our own descriptor (the mapping stays).
     unsafe { real::close(mfd) };
@@ -216,7 +227,7 @@ pub fn attach(nfd: c_int, flags: c_int) {
         segm,
         seg::SERVER,
         nonblock,
-        -1,
+        false,
         None,
         true,
         format!("{}:{}", local.ip, local.port),
@@ -319,7 +330,7 @@ pub fn attached(fd: c_int) -> Option<Arc<Conn>> {
 /// client that has not yet seen the decision closes its kept request state,
 /// and the real socket's Nagle and cork are taken over (`sockopt`).
 fn on_ring(fd: c_int, c: &Conn) {
-    if c.me == seg::CLIENT && c.memfd.load(Ordering::Relaxed) >= 0 {
+    if c.me == seg::CLIENT && c.undecided.load(Ordering::Relaxed) {
         decide(c);
     }
     sockopt::take_over(fd, &c.tcp_opts);
@@ -380,15 +391,8 @@ pub fn decide(c: &Conn) -> bool {
             };
         }
     }
-    if st != seg::PENDING {
-        let m = c.memfd.swap(-1, Ordering::SeqCst);
-        if m >= 0 {
-            if st == seg::ATTACHED {
-                stats::count_accelerated();
-            }
-            // SAFETY: our own memfd.
-            unsafe { real::close(m) };
-        }
+    if st != seg::PENDING && c.undecided.swap(false, Ordering::SeqCst) && st == seg::ATTACHED {
+        stats::count_accelerated();
     }
     st == seg::ATTACHED
 }

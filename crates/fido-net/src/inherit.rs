@@ -173,10 +173,17 @@ fn prepare(mut kind: Kind, loads: bool) -> (Option<String>, Undo) {
         // into the child (they cannot be read back): offer every connection;
         // the child adopts the ones whose socket it finds.
         let surv = if surv.is_empty() { fds.clone() } else { surv };
+        // A connection whose socket was close-on-exec when set up, or whose
+        // descriptor was given back under descriptor pressure, has none
+        // kept: get one from our mapping if the kernel lets us.
+        if loads && c.seg.kept_fd() < 0 {
+            c.seg.keep_from_mapping();
+        }
         let segfd = c.seg.kept_fd();
         if !loads || segfd < 0 {
             let why = if loads {
-                "its segment descriptor was not kept (descriptor budget)"
+                "its segment descriptor was not kept (descriptor pressure) and \
+                 /proc/self/map_files is not open to us"
             } else {
                 "the new image will not load the library"
             };
@@ -859,7 +866,7 @@ pub fn adopt() {
                     s,
                     first.side,
                     fd_nonblock(fd),
-                    -1,
+                    false,
                     None,
                     true,
                     local,

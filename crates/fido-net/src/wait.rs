@@ -377,6 +377,9 @@ fn poll_fixup(fds: &mut [pollfd], watches: &[(usize, Arc<Conn>)]) -> c_int {
         } else {
             p.revents &= !RD;
         }
+        if c.has_kernel_err() {
+            p.revents |= libc::POLLERR;
+        }
     }
     fds.iter().filter(|p| p.revents != 0).count() as c_int
 }
@@ -664,6 +667,9 @@ fn ep_fixup(evs: &mut [epoll_event], n: usize, watches: &mut [EpWatch], start: u
                 w.last_head = head;
             } else {
                 e.events &= !IN;
+            }
+            if w.conn.has_kernel_err() {
+                e.events |= libc::EPOLLERR as u32;
             }
             if e.events == 0 {
                 continue;
