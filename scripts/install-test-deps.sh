@@ -86,7 +86,6 @@ apt_install memcached libmemcached-tools mariadb-server sysbench
 apt_install openssh-server openssh-client nodejs socat ncat
 apt_install iproute2
 apt_install python3
-apt_install openssh-server openssh-client
 apt_install qemu-system-x86 busybox-static cpio xz-utils
 apt_install nbdkit libnbd-bin qemu-utils fio
 apt_install e2fsprogs
