@@ -20,6 +20,11 @@
 #   redis-server redis-tools nginx-light curl wrk iperf3 sockperf util-linux
 #                    the real programs of the fido-net (MMNet) tests and `fido-bench net`
 #                    (setpriv from util-linux runs the setuid fallback test)
+#   memcached libmemcached-tools mariadb-server sysbench openssh-server
+#   openssh-client nodejs socat ncat
+#                    the programs of issue #19 (fido-net tests/apps.rs, `fido-bench
+#                    net-apps`): memcached + memcslap/memccp/memccat, MariaDB +
+#                    sysbench, sshd + ssh, node (http, cluster), socat, ncat
 #   iproute2         `ip netns` / veth pairs of the fido-net cross-namespace test
 #   qemu-system-x86, busybox-static, cpio, xz-utils
 #                    the VM domain tests, `fido demo --vm`, `fido-bench vm`: QEMU, and
@@ -77,6 +82,8 @@ apt_install() {
 apt_install build-essential ucx-utils
 apt_install curl wrk nginx-light libnginx-mod-stream fonts-dejavu-core
 apt_install redis-server redis-tools iperf3 sockperf util-linux
+apt_install memcached libmemcached-tools mariadb-server sysbench
+apt_install openssh-server openssh-client nodejs socat ncat
 apt_install iproute2
 apt_install python3
 apt_install qemu-system-x86 busybox-static cpio xz-utils

@@ -7,6 +7,9 @@
 //!   uds, tarpc, capnp-rpc, tonic and XML-RPC.
 //! * `fido-bench pipe`: piped I/O — fido pipe vs sendfile/splice, read/write, nginx.
 //! * `fido-bench net`: real TCP programs over plain TCP and under MMNet.
+//! * `fido-bench net-apps`: the programs people run (memcached, MariaDB, ssh,
+//!   node, socat, ncat, python asyncio, a connect/echo/close loop, redis, nginx):
+//!   accelerated or not, correct or not, fido/tcp ratio (docs/NET.md's table).
 //! * `fido-bench vm`: host↔VM and VM↔VM latency and throughput — fido vs TCP
 //!   over virtio-net and virtio-serial, in the same QEMU guests; the guest side
 //!   is this binary too (`fido-bench vm-endpoint --mode agent`, in the image).
@@ -79,6 +82,19 @@ enum Suite {
     /// plain TCP and under `fido run` (MMNet), in one invocation.
     Net {
         /// 1 s per point (and fewer redis requests) instead of 5 s.
+        #[arg(long)]
+        quick: bool,
+        /// Also write one JSON object per result to FILE.
+        #[arg(long, value_name = "FILE")]
+        json: Option<PathBuf>,
+        /// Only points whose system or case contains this substring.
+        #[arg(long, value_name = "S")]
+        filter: Option<String>,
+    },
+    /// The programs of issue #19 over plain TCP and under `fido run`: version,
+    /// accelerated or not, correct or not, figure and fido/tcp ratio.
+    NetApps {
+        /// 2 s per point and 128 MiB files instead of 5 s and 1 GiB.
         #[arg(long)]
         quick: bool,
         /// Also write one JSON object per result to FILE.
@@ -233,6 +249,16 @@ fn main() -> ExitCode {
             json,
             filter,
         } => suites::net::run(&fido_bench::Opts {
+            quick,
+            json,
+            filter,
+        })
+        .map(|_| true),
+        Suite::NetApps {
+            quick,
+            json,
+            filter,
+        } => suites::net_apps::run(&fido_bench::Opts {
             quick,
             json,
             filter,

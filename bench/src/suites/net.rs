@@ -16,12 +16,12 @@ use fido_demo::proc::EmbeddedBroker;
 
 const SUITE: &str = "net";
 
-struct Env<'a> {
-    lib: PathBuf,
-    broker: &'a Path,
-    dir: &'a Path,
-    secs: u64,
-    quick: bool,
+pub(super) struct Env<'a> {
+    pub(super) lib: PathBuf,
+    pub(super) broker: &'a Path,
+    pub(super) dir: &'a Path,
+    pub(super) secs: u64,
+    pub(super) quick: bool,
 }
 
 impl Env<'_> {
@@ -38,7 +38,7 @@ impl Env<'_> {
         Ok(text)
     }
 
-    fn cmd(&self, system: &str, prog: &str) -> Command {
+    pub(super) fn cmd(&self, system: &str, prog: &str) -> Command {
         let mut c = Command::new(prog);
         if system == "fido" {
             // Generous attach wait: a figure is only reported for accelerated
@@ -55,7 +55,7 @@ impl Env<'_> {
     }
 }
 
-struct Server(Child);
+pub(super) struct Server(pub(super) Child);
 impl Drop for Server {
     fn drop(&mut self) {
         // SAFETY: signalling our own child.
@@ -73,14 +73,14 @@ impl Drop for Server {
 }
 
 /// SIGTERM to a child we started (it may already be gone: ignored).
-fn terminate(pid: i32) {
+pub(super) fn terminate(pid: i32) {
     let _ = rustix::process::kill_process(
         rustix::process::Pid::from_raw(pid).expect("child pid"),
         rustix::process::Signal::TERM,
     );
 }
 
-fn spawn_server(mut c: Command, port: u16) -> anyhow::Result<Server> {
+pub(super) fn spawn_server(mut c: Command, port: u16) -> anyhow::Result<Server> {
     c.stdout(Stdio::null()).stderr(Stdio::null());
     let s = Server(c.spawn().with_context(|| format!("starting {c:?}"))?);
     let t = Instant::now();
@@ -93,7 +93,7 @@ fn spawn_server(mut c: Command, port: u16) -> anyhow::Result<Server> {
     Ok(s)
 }
 
-fn output(mut c: Command, secs: u64) -> anyhow::Result<String> {
+pub(super) fn output(mut c: Command, secs: u64) -> anyhow::Result<String> {
     c.stdout(Stdio::piped()).stderr(Stdio::piped());
     let child = c.spawn().with_context(|| format!("running {c:?}"))?;
     let pid = child.id() as i32;
@@ -120,14 +120,14 @@ fn output(mut c: Command, secs: u64) -> anyhow::Result<String> {
     Ok(text)
 }
 
-fn free_port() -> anyhow::Result<u16> {
+pub(super) fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port())
 }
 
 /// Connections the named program accelerated so far (from `/net/stats`).
-fn accelerated(broker: &Path, name: &str) -> u64 {
+pub(super) fn accelerated(broker: &Path, name: &str) -> u64 {
     let Ok(d) = Domain::join(
         JoinOptions::new("fido-bench-net")
             .broker(broker)
@@ -150,7 +150,7 @@ fn accelerated(broker: &Path, name: &str) -> u64 {
     n
 }
 
-fn after_number(text: &str, key: &str) -> Option<f64> {
+pub(super) fn after_number(text: &str, key: &str) -> Option<f64> {
     let i = text.find(key)? + key.len();
     let rest = text[i..].trim_start_matches([' ', '=', ':']);
     let num: String = rest
@@ -244,7 +244,7 @@ fn iperf3(e: &Env, system: &str, opts: &Opts, out: &mut Vec<Record>) -> anyhow::
     Ok(())
 }
 
-fn redis(e: &Env, system: &str, opts: &Opts, out: &mut Vec<Record>) -> anyhow::Result<()> {
+pub(super) fn redis(e: &Env, system: &str, opts: &Opts, out: &mut Vec<Record>) -> anyhow::Result<()> {
     if !opts.wants(system, "redis-get") && !opts.wants(system, "redis-set") {
         return Ok(());
     }
@@ -301,7 +301,7 @@ fn redis(e: &Env, system: &str, opts: &Opts, out: &mut Vec<Record>) -> anyhow::R
     Ok(())
 }
 
-fn nginx(e: &Env, system: &str, opts: &Opts, out: &mut Vec<Record>) -> anyhow::Result<()> {
+pub(super) fn nginx(e: &Env, system: &str, opts: &Opts, out: &mut Vec<Record>) -> anyhow::Result<()> {
     if !opts.wants(system, "nginx-wrk") {
         return Ok(());
     }
@@ -443,7 +443,7 @@ pub fn run(opts: &Opts) -> anyhow::Result<()> {
 /// MMNet's preload library: `$FIDO_NET_LIB`, else `libfido_net.so` beside this
 /// executable (the cargo target directory `cargo build --release --workspace`
 /// fills), as `fido run` looks for it first.
-fn find_library() -> anyhow::Result<PathBuf> {
+pub(super) fn find_library() -> anyhow::Result<PathBuf> {
     if let Some(p) = std::env::var_os("FIDO_NET_LIB") {
         let p = PathBuf::from(p);
         if p.is_file() {

@@ -15,7 +15,7 @@ use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::time::Duration;
 
 pub use fido_netlink::{
-    attrs, canonical, diag_request_body, find_socket, nsid_of, parse_diag_reply, parse_link_reply,
+    attrs, canonical, diag_request_body, find_socket, listening_sockets, nsid_of, parse_diag_reply, parse_link_reply,
     parse_nsid_reply, parse_route_reply, reply_payload, route, DiagSocket, Route, RouteAnswer,
     TCP_ESTABLISHED, TCP_SYN_SENT,
 };

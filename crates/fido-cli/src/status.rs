@@ -33,7 +33,8 @@ pub fn run(json_out: bool, socket: Option<PathBuf>) -> anyhow::Result<()> {
         other => Err(anyhow!("unexpected answer to Status: {other:?}")),
     })
     .with_context(|| format!("asking the broker at {} for its status", path.display()))?;
-    let net = net_stats(&mut broker);
+    let live: Vec<u64> = st.domains.iter().map(|d| d.domain).collect();
+    let net = net_stats(&mut broker, &live);
     let mut out = String::new();
     if json_out {
         let mut v = to_json(&st);
@@ -312,7 +313,10 @@ fn print_text(out: &mut String, st: &Status, path: &std::path::Path) {
 
 /// MMNet statistics each process under `fido run` publishes at
 /// `/net/stats/<domain>` (JSON; see docs/NET.md), oldest domain first.
-fn net_stats(d: &mut Observer) -> Vec<Value> {
+/// A process whose domain is gone (`live` lists those the broker knows)
+/// exited — maybe killed, or without closing its sockets: its connections
+/// died with it, so none of them is listed as open (`"alive": false`).
+fn net_stats(d: &mut Observer, live: &[u64]) -> Vec<Value> {
     let listed = fido_proto::ListCursor::walk("/net/stats", |req| match d.ask(req)? {
         Reply::KeysPage { keys, next } => Ok((keys, next)),
         other => Err(anyhow!("unexpected answer to ListPage: {other:?}")),
@@ -333,6 +337,11 @@ fn net_stats(d: &mut Observer) -> Vec<Value> {
             };
             let mut v: Value = serde_json::from_slice(&raw).ok()?;
             v["domain"] = json!(id);
+            let alive = live.contains(id);
+            v["alive"] = json!(alive);
+            if !alive {
+                v["open"] = json!([]);
+            }
             Some(v)
         })
         .collect()
@@ -346,7 +355,11 @@ fn print_net(out: &mut String, net: &[Value]) {
             vec![
                 v["domain"].to_string(),
                 v["name"].as_str().unwrap_or("?").to_string(),
-                v["pid"].to_string(),
+                if v["alive"] == false {
+                    format!("{} (exited)", v["pid"])
+                } else {
+                    v["pid"].to_string()
+                },
                 v["accelerated"].to_string(),
                 v["plain_local"].to_string(),
                 format!(

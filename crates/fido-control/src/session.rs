@@ -25,8 +25,13 @@ const JOIN_POLL: Duration = Duration::from_millis(200);
 /// How a [`Session`] behaves.
 #[derive(Debug, Clone)]
 pub struct Options {
-    /// How long [`Session::request`] waits for the link and then for the reply.
+    /// How long [`Session::request`] waits for the reply (and, unless
+    /// `link_wait` says otherwise, for the link first).
     pub request_timeout: Duration,
+    /// How long a request waits for the link while the session reconnects;
+    /// `None`: the request timeout. `Some(ZERO)` fails at once while the
+    /// broker is away (for callers that must never wait on a lost broker).
+    pub link_wait: Option<Duration>,
     /// What losing the broker does: `None` ends the session (every later
     /// request fails at once); `Some` reconnects with this back-off and
     /// re-registers with what [`Handler::rejoin`] supplies.
@@ -35,7 +40,7 @@ pub struct Options {
 
 impl Default for Options {
     fn default() -> Options {
-        Options { request_timeout: REQUEST_TIMEOUT, reconnect: None }
+        Options { request_timeout: REQUEST_TIMEOUT, link_wait: None, reconnect: None }
     }
 }
 
@@ -205,9 +210,24 @@ impl Session {
         }
     }
 
-    /// Sends a request and waits for its reply, up to the request timeout.
+    /// Sends a request and waits for its reply, up to the request timeout
+    /// (and first for the link, up to the link wait).
     pub fn request(&self, body: Request, fds: &[OwnedFd]) -> Answer {
-        self.request_timeout(body, fds, self.shared.options.request_timeout)
+        let o = &self.shared.options;
+        let mut pending = self.shared.start_request(body, fds, o.link_wait.unwrap_or(o.request_timeout))?;
+        pending.wait_timeout(o.request_timeout).unwrap_or(Err(ControlError::NoReply(o.request_timeout)))
+    }
+
+    /// Whether the link to the broker is up now (false while the session
+    /// reconnects and after it ended).
+    pub fn connected(&self) -> bool {
+        self.shared.link.lock().transport.is_some()
+    }
+
+    /// Whether the session ended for good (stopped, or the broker refused
+    /// to resume this domain): every request fails at once.
+    pub fn ended(&self) -> bool {
+        self.shared.link.lock().ended.is_some()
     }
 
     /// Sends a request and waits for its reply: up to `timeout` for the link
@@ -220,7 +240,8 @@ impl Session {
     /// Sends a request and returns at once; the answer comes through the
     /// [`Pending`], which waits as long as the caller likes.
     pub fn start_request(&self, body: Request, fds: &[OwnedFd]) -> Result<Pending> {
-        self.shared.start_request(body, fds, self.shared.options.request_timeout)
+        let o = &self.shared.options;
+        self.shared.start_request(body, fds, o.link_wait.unwrap_or(o.request_timeout))
     }
 
     /// Sends a request whose reply nobody wants. Best effort: nothing is sent

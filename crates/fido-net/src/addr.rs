@@ -120,3 +120,28 @@ pub fn in_our_netns(ip: &str) -> Option<bool> {
         netns::Route::Other => None,
     }
 }
+
+/// The inode behind descriptor `fd` (a socket's, a memfd's), or `None` when
+/// `fd` is not open: what tells the library whether a descriptor number it
+/// remembers still names the same object.
+pub fn fd_inode(fd: c_int) -> Option<u64> {
+    // Under a seccomp filter fstat may be forbidden: unknown (the callers
+    // then leave a descriptor alone).
+    if crate::config::restricted() {
+        return None;
+    }
+    // SAFETY: zeroed plain data, filled by fstat.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstat into a local.
+    (unsafe { libc::fstat(fd, &mut st) } == 0).then_some(st.st_ino)
+}
+
+/// Whether descriptor `fd` is close-on-exec (an exec cannot hand it on).
+pub fn fd_cloexec(fd: c_int) -> bool {
+    if crate::config::restricted() {
+        return true; // no fcntl; and no exec will follow under a filter we know of
+    }
+    // SAFETY: F_GETFD has no argument.
+    let fl = unsafe { real::fcntl(fd, libc::F_GETFD, 0) };
+    fl >= 0 && fl & libc::FD_CLOEXEC != 0
+}

@@ -27,57 +27,162 @@
 //! slow — every failure here means "plain TCP".
 
 use crate::sys::debug;
-use fido::{Domain, JoinOptions};
+use fido::{BrokerLink, Domain, JoinOptions};
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// A lost broker is joined again at most this often (a failed join costs a
+/// `connect` to its socket; a program's calls must not pay it each time).
+const REJOIN_EVERY: Duration = Duration::from_secs(1);
 
 struct Net {
     pid: u32,
     dom: Option<Domain>,
+    /// When a join was last tried.
+    tried: Instant,
+    /// The broker session the epoch counts: (domain id, reconnects).
+    session: Option<(u64, u64)>,
 }
 
 static NET: Mutex<Option<Net>> = Mutex::new(None);
 static BROKER_PATH: Mutex<Option<std::path::PathBuf>> = Mutex::new(None);
+/// Counts broker sessions this process has had (a join, a resumption after a
+/// broker restart): a new broker knows none of our listeners.
+static EPOCH: AtomicU64 = AtomicU64::new(0);
 
 pub fn set_broker_path(p: std::path::PathBuf) {
     *BROKER_PATH.lock() = Some(p);
 }
 
+/// The broker session listeners were last published under (see `republish`).
+pub fn epoch() -> u64 {
+    EPOCH.load(Ordering::Acquire)
+}
+
+/// How long one broker request may take before the connection stays plain:
+/// a claim answered after the client stopped waiting (`FIDO_NET_ATTACH_MS`)
+/// is useless anyway, and no program call may wait the control session's
+/// default 15 s on a broker that stopped answering.
+fn request_timeout() -> Duration {
+    crate::config::attach_wait().max(Duration::from_secs(1))
+}
+
+thread_local! {
+    /// This thread holds `NET` (joining): descriptors the join creates pass
+    /// through our interposers (`socket::fresh_fd`), which must not call
+    /// back into this module.
+    static HOLDS_NET: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether this thread is inside `domain()`'s join (see `HOLDS_NET`).
+pub fn busy_here() -> bool {
+    HOLDS_NET.with(|b| b.get())
+}
+
 /// This process's domain, joining on first use. `None` when there is no
-/// broker (then everything stays plain TCP).
+/// broker (then everything stays plain TCP) — decided at once: while the
+/// broker is away (killed, restarting) requests would wait for it, so its
+/// absence answers `None` without a request, and a join is retried at most
+/// once per [`REJOIN_EVERY`].
 pub fn domain() -> Option<Domain> {
     let pid = std::process::id();
     let mut g = NET.lock();
-    if let Some(n) = g.as_ref() {
-        if n.pid == pid {
-            return n.dom.clone();
+    match g.as_mut() {
+        Some(n) if n.pid == pid => {
+            if let Some(d) = &n.dom {
+                match d.broker_link() {
+                    BrokerLink::Up { reconnects } => {
+                        let session = (d.id(), reconnects);
+                        if n.session != Some(session) {
+                            // Resumed with a restarted broker: it forgot our listeners.
+                            n.session = Some(session);
+                            EPOCH.fetch_add(1, Ordering::AcqRel);
+                        }
+                        return Some(d.clone());
+                    }
+                    // The control thread reconnects in the background.
+                    BrokerLink::Reconnecting => return None,
+                    BrokerLink::Ended => {
+                        debug!("the broker refused to resume our domain: joining again");
+                        n.dom = None;
+                    }
+                }
+            }
+            if n.tried.elapsed() < REJOIN_EVERY {
+                return None;
+            }
         }
-    }
-    // First use in this process (or a forked child: the parent's domain and
-    // its control thread are not ours; leave it untouched).
-    if let Some(old) = g.take() {
-        std::mem::forget(old);
+        // First use in this process (or a forked child: the parent's domain
+        // and its control thread are not ours; leave them untouched).
+        _ => {
+            if let Some(old) = g.take() {
+                std::mem::forget(old);
+            }
+        }
     }
     let name = format!("net-{}", exe_name());
     let mut opts = JoinOptions::new(name)
         .arena_len(64 << 10)
         .ring_entries(2)
-        .swizzle(true);
+        .swizzle(true)
+        .request_timeout(request_timeout())
+        .link_wait(Duration::ZERO);
     if let Some(p) = BROKER_PATH.lock().clone() {
         opts = opts.broker(p);
     }
-    let dom = match Domain::join(opts) {
+    HOLDS_NET.with(|b| b.set(true));
+    let joined = Domain::join(opts);
+    HOLDS_NET.with(|b| b.set(false));
+    let dom = match joined {
         Ok(d) => Some(d),
         Err(e) => {
             debug!("no broker ({e}): plain TCP");
             None
         }
     };
+    let session = dom.as_ref().map(|d| (d.id(), 0));
+    if session.is_some() {
+        EPOCH.fetch_add(1, Ordering::AcqRel);
+    }
     *g = Some(Net {
         pid,
         dom: dom.clone(),
+        tried: Instant::now(),
+        session,
     });
     dom
+}
+
+/// Whether this process had a broker and lost it (it is away, or refused to
+/// resume us): what was offered there will never be claimed.
+pub fn lost() -> bool {
+    let g = NET.lock();
+    match g.as_ref() {
+        Some(n) if n.pid == std::process::id() => n
+            .dom
+            .as_ref()
+            .is_some_and(|d| !matches!(d.broker_link(), BrokerLink::Up { .. })),
+        _ => false,
+    }
+}
+
+/// Publishes again the listeners the current broker does not know (it was
+/// away when they started listening, or restarted since): called where the
+/// program enters the library anyway (accept, the statistics thread).
+pub fn republish() {
+    if !crate::table::has_own_listeners() || domain().is_none() {
+        return;
+    }
+    // `domain()` moved the epoch on if the broker session changed.
+    let epoch = epoch();
+    for fd in crate::table::stale_listeners(epoch) {
+        if let Some(a) = crate::addr::sock_name(fd, false) {
+            let key = publish_listener(fd, &a.ip, a.port);
+            debug!("listener fd {fd} published again: {key:?}");
+            crate::table::add_listener(fd, key, epoch);
+        }
+    }
 }
 
 pub fn fork_prepare() {

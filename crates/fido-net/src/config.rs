@@ -42,6 +42,21 @@ pub fn enabled() -> bool {
     !OFF.load(Ordering::Relaxed)
 }
 
+/// A seccomp filter confines this process (see `process::restrict`): the
+/// library makes no system call the program itself does not make on its
+/// sockets (read, write, poll; futex for the ring locks) and sets nothing up.
+static RESTRICTED: AtomicBool = AtomicBool::new(false);
+
+pub fn set_restricted() {
+    RESTRICTED.store(true, Ordering::SeqCst);
+    set_off();
+}
+
+/// Whether a seccomp filter confines this process.
+pub fn restricted() -> bool {
+    RESTRICTED.load(Ordering::Relaxed)
+}
+
 /// Lazy arming allowed in this process (`FIDO_NET_LAZY`, default on) and not
 /// yet given up (see `wait::all_eager`).
 static LAZY: AtomicBool = AtomicBool::new(true);
@@ -99,6 +114,10 @@ pub fn debug_on() -> bool {
 /// How long a blocking call spins on the ring before sleeping on the socket
 /// (`FIDO_NET_SPIN_US`, default 20).
 pub fn spin_budget() -> Duration {
+    if restricted() {
+        // A spin yields the CPU (sched_yield), which a filter may forbid.
+        return Duration::ZERO;
+    }
     static NS: AtomicU64 = AtomicU64::new(u64::MAX);
     let mut v = NS.load(Ordering::Relaxed);
     if v == u64::MAX {

@@ -57,7 +57,7 @@ pub(crate) fn spin_until(budget: Duration, ready: impl Fn() -> bool) -> bool {
             return true;
         }
         i = i.wrapping_add(1);
-        if i % 16 == 0 {
+        if i % 16 == 0 && !config::restricted() {
             std::thread::yield_now();
         } else {
             std::hint::spin_loop();
@@ -129,8 +129,14 @@ pub struct Conn {
     pub nonblock: AtomicBool,
     /// Descriptors of this process naming the connection.
     pub local_refs: AtomicU32,
-    /// Client: the segment's memfd, kept until the fate is decided (-1 after).
-    pub memfd: AtomicI32,
+    /// The real socket's inode (set when its first descriptor is recorded):
+    /// a descriptor number whose inode differs no longer names it.
+    pub sock_ino: AtomicU64,
+    /// Client: the server's decision (attach or not) has not been seen yet.
+    /// (The segment's memfd itself is closed once offered: the mapping is
+    /// what both ends use, and a descriptor per pending connection would
+    /// eat the program's descriptor budget.)
+    pub undecided: AtomicBool,
     /// Client: the broker's id of its offer (withdrawn if never attached).
     pub offer: Option<u64>,
     /// Set when the segment was found corrupt: the connection was reset.
@@ -149,6 +155,14 @@ pub struct Conn {
     /// kernel, which reports an error once: kept for the program's next
     /// receive (or `SO_ERROR`), which would otherwise see a plain EOF.
     pub kernel_err: AtomicI32,
+    /// The kernel reported the real socket reset: no more bytes go into the
+    /// ring (the kernel answers every later write: `EPIPE`, as TCP).
+    pub dead: AtomicBool,
+    /// Under a seccomp filter (`config::restricted`) doorbells cannot be
+    /// peeked at (`recv` may be forbidden; `read` consumes): a current
+    /// doorbell read off the socket is held here (-1: none) as if it were
+    /// still queued in front of it, until a later drain finds it stale.
+    held: AtomicI32,
 }
 
 /// Disconnects TCP socket `fd` with a RST (`connect(AF_UNSPEC)`): the peer
@@ -209,6 +223,10 @@ fn advance(bufs: &mut Vec<&[u8]>, mut n: usize) {
 }
 
 fn timeout_opt(fd: c_int, opt: c_int) -> Option<Duration> {
+    if config::restricted() {
+        // getsockopt may be forbidden: no SO_RCVTIMEO/SO_SNDTIMEO deadline.
+        return None;
+    }
     let mut tv = libc::timeval {
         tv_sec: 0,
         tv_usec: 0,
@@ -239,7 +257,7 @@ impl Conn {
         seg: Segment,
         me: usize,
         nonblock: bool,
-        memfd: i32,
+        undecided: bool,
         offer: Option<u64>,
         connected: bool,
         local: String,
@@ -253,7 +271,8 @@ impl Conn {
             me,
             nonblock: AtomicBool::new(nonblock),
             local_refs: AtomicU32::new(0),
-            memfd: AtomicI32::new(memfd),
+            sock_ino: AtomicU64::new(0),
+            undecided: AtomicBool::new(undecided),
             offer,
             broken: AtomicBool::new(false),
             stuck_at: AtomicU64::new(u64::MAX),
@@ -262,6 +281,8 @@ impl Conn {
             peer,
             tcp_opts: TcpOpts::default(),
             kernel_err: AtomicI32::new(0),
+            dead: AtomicBool::new(false),
+            held: AtomicI32::new(-1),
         }
     }
 
@@ -310,14 +331,26 @@ impl Conn {
     fn doorbell(&self, fd: c_int, b: u8) {
         let s = self.seg.side(self.me);
         let r = loop {
-            // SAFETY: one byte from a local onto the real socket.
-            let r = unsafe {
-                real::send(
-                    fd,
-                    &b as *const u8 as *const libc::c_void,
-                    1,
-                    libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
-                )
+            let r = if config::restricted() {
+                // Under a seccomp filter only what the program itself does
+                // to its socket is safe: `write` (sshd's filter kills on
+                // `sendto`). A doorbell goes only to a reader that armed,
+                // and at most one per arm, so the send buffer never fills;
+                // `SIGPIPE` could come only from a peer that died armed
+                // after our check of `closed`, where TCP would raise it on
+                // the program's own next write.
+                // SAFETY: one byte from a local onto the real socket.
+                unsafe { real::write(fd, &b as *const u8 as *const libc::c_void, 1) }
+            } else {
+                // SAFETY: one byte from a local onto the real socket.
+                unsafe {
+                    real::send(
+                        fd,
+                        &b as *const u8 as *const libc::c_void,
+                        1,
+                        libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
+                    )
+                }
             };
             // Interrupted before anything was queued: the armed reader
             // still needs its byte (as fido-ring's `doorbell::ring`).
@@ -606,6 +639,9 @@ impl Conn {
     /// two drains from consuming the same bytes) and found the ring empty
     /// after arming.
     fn drain_locked(&self, fd: c_int, keep_data: bool, wait: bool) {
+        if config::restricted() {
+            return self.drain_restricted(fd, keep_data, wait);
+        }
         let me = self.seg.side(self.me);
         let peer = self.seg.side(self.peer_side());
         let mut buf = [0u8; 256];
@@ -636,6 +672,7 @@ impl Conn {
                     e if self.is_artifact_reset(e) => return,
                     e => {
                         // Reset: the error is the program's to see.
+                        self.dead.store(true, Ordering::Relaxed);
                         let _ = self.kernel_err.compare_exchange(
                             0,
                             e,
@@ -695,11 +732,86 @@ impl Conn {
                 return;
             }
             waits += 1;
-            if waits < 20 {
+            if waits < 20 && !config::restricted() {
                 std::thread::yield_now();
             } else {
                 std::thread::sleep(Duration::from_micros(50));
             }
+        }
+    }
+
+    /// `drain_locked` under a seccomp filter: with only `poll` and `read`
+    /// (no peek), bytes are read one at a time; a current one is held in
+    /// `held` as though still queued (see there).
+    fn drain_restricted(&self, fd: c_int, keep_data: bool, wait: bool) {
+        let me = self.seg.side(self.me);
+        let peer = self.seg.side(self.peer_side());
+        let t0 = Instant::now();
+        loop {
+            let sent = peer.doorbells_sent.load(Ordering::SeqCst);
+            let pend = sent.wrapping_sub(me.doorbells_drained.load(Ordering::SeqCst));
+            if pend == 0 || pend > 1 << 40 {
+                return;
+            }
+            let b = match self.held.swap(-1, Ordering::SeqCst) {
+                h if h >= 0 => h as u8,
+                _ => {
+                    let mut p = libc::pollfd {
+                        fd,
+                        events: libc::POLLIN,
+                        revents: 0,
+                    };
+                    // SAFETY: poll on one pollfd we own, not waiting.
+                    unsafe { real::poll(&mut p, 1, 0) };
+                    if p.revents & libc::POLLIN == 0 {
+                        // Counted bytes still on their way (see drain_locked).
+                        if !wait
+                            || self.stuck_at.load(Ordering::Relaxed) == sent
+                            || p.revents & (libc::POLLHUP | libc::POLLERR) != 0
+                        {
+                            return;
+                        }
+                        if t0.elapsed() > Duration::from_secs(1) {
+                            self.stuck_at.store(sent, Ordering::Relaxed);
+                            return;
+                        }
+                        std::thread::sleep(Duration::from_micros(50));
+                        continue;
+                    }
+                    let mut b = 0u8;
+                    // SAFETY: one byte into a local; the socket is readable
+                    // and we hold the read lock, so this does not block.
+                    let r = unsafe { real::read(fd, &mut b as *mut u8 as *mut libc::c_void, 1) };
+                    if r == 0 {
+                        return; // EOF: nothing more can land
+                    }
+                    if r < 0 {
+                        match errno() {
+                            libc::EAGAIN | libc::EINTR => continue,
+                            e if self.is_artifact_reset(e) => return,
+                            e => {
+                                self.dead.store(true, Ordering::Relaxed);
+                                let _ = self.kernel_err.compare_exchange(
+                                    0,
+                                    e,
+                                    Ordering::SeqCst,
+                                    Ordering::SeqCst,
+                                );
+                                return;
+                            }
+                        }
+                    }
+                    b
+                }
+            };
+            let data_gen = me.data_gen.load(Ordering::SeqCst) as u8;
+            let waiters = me.space_waiters.load(Ordering::SeqCst) > 0;
+            let space_gen = me.space_gen.load(Ordering::SeqCst) as u8;
+            if (keep_data && b == data_gen) || (waiters && b == space_gen) {
+                self.held.store(b as i32, Ordering::SeqCst);
+                return;
+            }
+            me.doorbells_drained.fetch_add(1, Ordering::SeqCst);
         }
     }
 
@@ -743,6 +855,9 @@ impl Conn {
         if kept != 0 {
             return KState::Err(kept);
         }
+        if config::restricted() {
+            return self.kernel_state_restricted(fd);
+        }
         let mut b = 0u8;
         // SAFETY: peek one byte into a local.
         let n = unsafe {
@@ -761,6 +876,16 @@ impl Conn {
                 libc::EINTR => KState::Empty,
                 e if self.is_artifact_reset(e) => KState::Eof,
                 e => {
+                    // A peer that died with our bytes unread reset the
+                    // connection as TCP would; its FIN may have come first
+                    // (no doorbell was unread), turning the RST our probe
+                    // drew into `EPIPE`. TCP says `ECONNRESET`.
+                    let e = if e == libc::EPIPE && self.seg.used(self.tx()).is_ok_and(|u| u > 0) {
+                        libc::ECONNRESET
+                    } else {
+                        e
+                    };
+                    self.dead.store(true, Ordering::Relaxed);
                     // Taken from the kernel by this peek: keep it until a
                     // receive reports it (`take_kernel_err`).
                     let _ =
@@ -770,6 +895,106 @@ impl Conn {
                 }
             },
         }
+    }
+
+    /// A writer found the real socket reset (or hung up) with the ring full.
+    /// When the peer left our bytes unread, TCP's answer is `ECONNRESET`
+    /// (a close with unread data is a RST), then `EPIPE`: but a peer killed
+    /// while it had no doorbell unread closed its socket with a FIN, and our
+    /// probe's RST then arrived in `CLOSE_WAIT`, where the kernel says
+    /// `EPIPE` (with `SIGPIPE`). So with our data unread, the socket's
+    /// pending error is taken and `ECONNRESET` reported once; later writes
+    /// go to the kernel (`EPIPE`, `SIGPIPE`). Otherwise the kernel answers.
+    fn peer_gone(&self, fd: c_int) -> Out {
+        self.dead.store(true, Ordering::Relaxed);
+        if self.seg.used(self.tx()).unwrap_or(0) == 0 {
+            return Out::Kernel;
+        }
+        let kept = self.kernel_err.swap(0, Ordering::SeqCst);
+        if config::restricted() {
+            // No getsockopt under a filter: the kernel's error stays queued
+            // (the next call reports it); ours is TCP's first answer.
+            return Out::Err(if kept != 0 { kept } else { libc::ECONNRESET });
+        }
+        let mut err: c_int = 0;
+        let mut len = std::mem::size_of::<c_int>() as libc::socklen_t;
+        // SAFETY: getsockopt(SO_ERROR) into an int (takes the pending error).
+        unsafe {
+            real::getsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                libc::SO_ERROR,
+                &mut err as *mut c_int as *mut libc::c_void,
+                &mut len,
+            )
+        };
+        match if kept != 0 { kept } else { err } {
+            0 | libc::EPIPE | libc::ECONNRESET => Out::Err(libc::ECONNRESET),
+            e => Out::Err(e),
+        }
+    }
+
+    /// Whether an error taken from the kernel by one of our peeks waits for
+    /// the program (poll and epoll report it as `POLLERR`, as the kernel
+    /// would have before the peek).
+    pub fn has_kernel_err(&self) -> bool {
+        self.kernel_err.load(Ordering::Relaxed) != 0
+    }
+
+    /// `kernel_state` under a seccomp filter, from `poll` alone (no peek):
+    /// a held doorbell or one queued is `Bytes`; `POLLIN` with the peer's
+    /// FIN and no doorbell outstanding is `Eof`; an error is read (`read`
+    /// returns it, taking it from the kernel) and kept for the program.
+    fn kernel_state_restricted(&self, fd: c_int) -> KState {
+        if self.held.load(Ordering::SeqCst) >= 0 {
+            return KState::Bytes;
+        }
+        let mut p = libc::pollfd {
+            fd,
+            events: libc::POLLIN | libc::POLLRDHUP,
+            revents: 0,
+        };
+        // SAFETY: poll on one pollfd we own, not waiting.
+        unsafe { real::poll(&mut p, 1, 0) };
+        if p.revents & libc::POLLERR != 0 {
+            let mut b = 0u8;
+            // SAFETY: one byte into a local (the pending error returns at once).
+            let r = unsafe { real::read(fd, &mut b as *mut u8 as *mut libc::c_void, 1) };
+            if r == 1 {
+                self.held.store(b as i32, Ordering::SeqCst);
+                return KState::Bytes;
+            }
+            if r == 0 {
+                return KState::Eof;
+            }
+            let e = errno();
+            if self.is_artifact_reset(e) {
+                return KState::Eof;
+            }
+            let e = if e == libc::EPIPE && self.seg.used(self.tx()).is_ok_and(|u| u > 0) {
+                libc::ECONNRESET
+            } else {
+                e
+            };
+            self.dead.store(true, Ordering::Relaxed);
+            let _ = self
+                .kernel_err
+                .compare_exchange(0, e, Ordering::SeqCst, Ordering::SeqCst);
+            return KState::Err(e);
+        }
+        if p.revents & libc::POLLIN == 0 {
+            return KState::Empty;
+        }
+        let me = self.seg.side(self.me);
+        let peer = self.seg.side(self.peer_side());
+        let pend = peer
+            .doorbells_sent
+            .load(Ordering::SeqCst)
+            .wrapping_sub(me.doorbells_drained.load(Ordering::SeqCst));
+        if p.revents & (libc::POLLRDHUP | libc::POLLHUP) != 0 && pend == 0 {
+            return KState::Eof;
+        }
+        KState::Bytes
     }
 
     /// The kept socket error, reported once (like the kernel's `sk_err`).
@@ -993,7 +1218,10 @@ impl Conn {
         }
         let me = self.seg.side(self.me);
         let peer = self.seg.side(self.peer_side());
-        if me.shut_wr.load(Ordering::Relaxed) != 0 || peer.closed.load(Ordering::SeqCst) != 0 {
+        if me.shut_wr.load(Ordering::Relaxed) != 0
+            || peer.closed.load(Ordering::SeqCst) != 0
+            || self.dead.load(Ordering::Relaxed)
+        {
             return Out::Kernel;
         }
         let total: usize = bufs.iter().map(|b| b.len()).sum();
@@ -1046,7 +1274,11 @@ impl Conn {
             // SAFETY: poll on one pollfd we own, not waiting.
             unsafe { real::poll(&mut p, 1, 0) };
             if p.revents & (libc::POLLERR | libc::POLLHUP) != 0 {
-                return Out::moved_or(sent, Out::Kernel);
+                if sent > 0 {
+                    // The error comes with the next call, as over TCP.
+                    return Out::Done(sent);
+                }
+                return self.peer_gone(fd);
             }
             if p.revents & libc::POLLRDHUP != 0 && !probed {
                 // The peer shut down or exited. A probe byte makes a dead
@@ -1132,13 +1364,21 @@ impl Conn {
     /// closed (`fd` is still open). If we were the last holder anywhere,
     /// prepare the socket so its close is a FIN (or a RST when data is unread).
     pub fn release(&self, fd: c_int) {
+        if self.me == crate::seg::SERVER && self.state() == crate::seg::PENDING {
+            // Claimed and never used: the last holder gives it up at once,
+            // so the client does not wait for an attach.
+            if self.seg.side(self.me).holders.fetch_sub(1, Ordering::SeqCst) == 1 {
+                let _ = self.seg.hdr().state.compare_exchange(
+                    crate::seg::PENDING,
+                    crate::seg::ABANDONED,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                );
+            }
+            return;
+        }
         if self.state() != crate::seg::ATTACHED {
             // Never carried data on the ring: nothing to prepare.
-            let m = self.memfd.swap(-1, Ordering::SeqCst);
-            if m >= 0 {
-                // SAFETY: our own memfd.
-                unsafe { real::close(m) };
-            }
             return;
         }
         let me = self.seg.side(self.me);
@@ -1167,14 +1407,31 @@ impl Conn {
             } else {
                 let mut buf = [0u8; 512];
                 for _ in 0..1024 {
-                    // SAFETY: draining doorbells into a local buffer.
-                    let r = unsafe {
-                        real::recv(
+                    let r = if config::restricted() {
+                        let mut p = libc::pollfd {
                             fd,
-                            buf.as_mut_ptr() as *mut libc::c_void,
-                            buf.len(),
-                            libc::MSG_DONTWAIT,
-                        )
+                            events: libc::POLLIN,
+                            revents: 0,
+                        };
+                        // SAFETY: poll on one pollfd we own, not waiting;
+                        // then a read that cannot block (readable).
+                        unsafe {
+                            real::poll(&mut p, 1, 0);
+                            if p.revents & libc::POLLIN == 0 {
+                                break;
+                            }
+                            real::read(fd, buf.as_mut_ptr() as *mut libc::c_void, buf.len())
+                        }
+                    } else {
+                        // SAFETY: draining doorbells into a local buffer.
+                        unsafe {
+                            real::recv(
+                                fd,
+                                buf.as_mut_ptr() as *mut libc::c_void,
+                                buf.len(),
+                                libc::MSG_DONTWAIT,
+                            )
+                        }
                     };
                     if r <= 0 {
                         break;
@@ -1182,10 +1439,30 @@ impl Conn {
                 }
             }
         }
-        let m = self.memfd.swap(-1, Ordering::SeqCst);
-        if m >= 0 {
-            // SAFETY: our own memfd.
-            unsafe { real::close(m) };
+    }
+
+    /// The last descriptor of this process naming the connection was closed
+    /// in a way we did not see (a raw system call, io_uring): the socket is
+    /// gone from this process, and its number may already name something
+    /// else, so nothing is done through it. Only the shared bookkeeping
+    /// follows: our holder count, and `closed` (so the peer's writes go to
+    /// the kernel, which reports what TCP reports) when we were the last.
+    pub fn release_gone(&self) {
+        if self.state() == crate::seg::ATTACHED {
+            let me = self.seg.side(self.me);
+            if me.holders.fetch_sub(1, Ordering::SeqCst) == 1 {
+                me.closed.store(1, Ordering::SeqCst);
+                self.seg
+                    .ring(self.rx())
+                    .data_arm
+                    .0
+                    .store(0, Ordering::SeqCst);
+                self.seg
+                    .ring(self.tx())
+                    .space_arm
+                    .0
+                    .store(0, Ordering::SeqCst);
+            }
         }
     }
 

@@ -20,8 +20,8 @@ use crate::conn::Conn;
 use crate::sys::{debug, errno, guard, set_errno};
 use crate::{broker, config, real, seg, sockopt, stats, table};
 use libc::{c_int, c_void, sockaddr, socklen_t};
-use std::sync::atomic::Ordering;
 use std::os::fd::IntoRawFd;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -106,7 +106,12 @@ pub fn prepare_connect(fd: c_int, dst: &Addr, same: bool) -> Option<Arc<Conn>> {
         cleanup(memfd);
         return None;
     };
-    segm.retain(memfd);
+    // A descriptor of the segment is kept only for a socket an exec could
+    // hand on (not close-on-exec); `socket::dup_into` and `fcntl` get one
+    // when the program makes it inheritable later.
+    if !crate::addr::fd_cloexec(fd) {
+        segm.retain(memfd);
+    }
     let mut nb = [0u8; 8];
     // SAFETY: getrandom into a local buffer.
     unsafe { libc::getrandom(nb.as_mut_ptr() as *mut c_void, 8, 0) };
@@ -115,12 +120,15 @@ pub fn prepare_connect(fd: c_int, dst: &Addr, same: bool) -> Option<Arc<Conn>> {
     segm.side(seg::CLIENT)
         .pid
         .store(std::process::id(), Ordering::Relaxed);
-    let offer = match broker::offer(fd, memfd, remote, nonce, rl) {
+    let offered = broker::offer(fd, memfd, remote, nonce, rl);
+    // The broker holds the segment now and the mapping is ours: the
+    // descriptor would only take a number from the program's budget.
+    cleanup(memfd);
+    let offer = match offered {
         Ok(id) => id,
         Err(why) => {
             debug!("connect fd {fd}: request refused ({why}): plain TCP");
             stats::count_plain();
-            cleanup(memfd);
             return None;
         }
     };
@@ -132,7 +140,7 @@ pub fn prepare_connect(fd: c_int, dst: &Addr, same: bool) -> Option<Arc<Conn>> {
         segm,
         seg::CLIENT,
         fd_nonblock(fd),
-        memfd,
+        true,
         Some(offer),
         false,
         format!("{}:{}", local.ip, local.port),
@@ -180,7 +188,10 @@ pub fn attach(nfd: c_int, flags: c_int) {
         None
     };
     if let Some(s) = &segm {
-        s.retain(mfd);
+        // Kept only for a socket an exec could hand on (see prepare_connect).
+        if flags & libc::SOCK_CLOEXEC == 0 {
+            s.retain(mfd);
+        }
     }
     // SAFETY: our own descriptor (the mapping stays).
     unsafe { real::close(mfd) };
@@ -206,40 +217,69 @@ pub fn attach(nfd: c_int, flags: c_int) {
     segm.side(seg::SERVER)
         .pid
         .store(std::process::id(), Ordering::Relaxed);
-    if segm
-        .hdr()
-        .state
-        .compare_exchange(
-            seg::PENDING,
-            seg::ATTACHED,
-            Ordering::AcqRel,
-            Ordering::Acquire,
-        )
-        .is_err()
-    {
-        // The client gave up waiting: plain TCP on both ends.
-        debug!("accept fd {nfd}: client already abandoned");
-        stats::count_plain();
-        return;
-    }
+    // Claimed, not yet attached: the connection goes on the ring at this
+    // socket's first use (`server_attach`), so a socket handed to another
+    // process before any I/O (`SCM_RIGHTS`: Node's cluster, preforked
+    // workers) is decided by its sender as plain TCP (`passing`) instead of
+    // reaching a process that does not know the ring.
     let nonblock = flags & libc::SOCK_NONBLOCK != 0;
     let c = Arc::new(Conn::new(
         segm,
         seg::SERVER,
         nonblock,
-        -1,
+        false,
         None,
         true,
         format!("{}:{}", local.ip, local.port),
         format!("{}:{}", peer.ip, peer.port),
     ));
-    sockopt::take_over(nfd, &c.tcp_opts);
     table::insert(nfd, c);
     debug!(
-        "accept fd {nfd}: attached {}:{} <- {}:{}",
+        "accept fd {nfd}: claimed {}:{} <- {}:{}",
         local.ip, local.port, peer.ip, peer.port
     );
-    stats::count_accelerated();
+}
+
+/// Server, at the first use of a claimed connection: attach (one CAS
+/// `PENDING -> ATTACHED` decides for both ends). False: the client gave up
+/// waiting, or the socket was handed away; plain TCP.
+fn server_attach(c: &Conn) -> bool {
+    match c.seg.hdr().state.compare_exchange(
+        seg::PENDING,
+        seg::ATTACHED,
+        Ordering::AcqRel,
+        Ordering::Acquire,
+    ) {
+        Ok(_) => {
+            // The client may sleep on the state word (`decide`).
+            crate::sys::futex_wake(&c.seg.hdr().state, u32::MAX);
+            debug!("server {} <- {}: attached", c.local, c.peer);
+            stats::count_accelerated();
+            true
+        }
+        Err(now) => {
+            if now == seg::ABANDONED {
+                debug!("server {} <- {}: client already abandoned; plain TCP", c.local, c.peer);
+                stats::count_plain();
+            }
+            now == seg::ATTACHED
+        }
+    }
+}
+
+/// The first use of `fd` by this process if it names a claimed, not yet
+/// attached server connection: attach it now (poll, select, epoll_ctl and
+/// shutdown call this; the data path does it through `active`).
+pub fn first_use(fd: c_int) {
+    if let Some(c) = table::lookup(fd) {
+        if c.me == seg::SERVER && c.state() == seg::PENDING {
+            let e = errno();
+            if guard(false, || server_attach(&c)) {
+                sockopt::take_over(fd, &c.tcp_opts);
+            }
+            set_errno(e);
+        }
+    }
 }
 
 /// The connection behind `fd`, if its data travels on a ring now.
@@ -276,6 +316,9 @@ pub fn active(fd: c_int) -> Option<Arc<Conn>> {
 /// waiting for a pending decision: a wait wrapper leaves those to the kernel).
 pub fn attached(fd: c_int) -> Option<Arc<Conn>> {
     let c = table::lookup(fd)?;
+    if c.me == seg::SERVER && c.state() == seg::PENDING {
+        first_use(fd);
+    }
     if c.state() != seg::ATTACHED || c.broken.load(Ordering::Relaxed) {
         return None;
     }
@@ -287,16 +330,19 @@ pub fn attached(fd: c_int) -> Option<Arc<Conn>> {
 /// client that has not yet seen the decision closes its kept request state,
 /// and the real socket's Nagle and cork are taken over (`sockopt`).
 fn on_ring(fd: c_int, c: &Conn) {
-    if c.me == seg::CLIENT && c.memfd.load(Ordering::Relaxed) >= 0 {
+    if c.me == seg::CLIENT && c.undecided.load(Ordering::Relaxed) {
         decide(c);
     }
     sockopt::take_over(fd, &c.tcp_opts);
 }
 
 /// Client, before its first byte: wait (bounded) for the server to
-/// attach; if it does not, abandon so both ends stay plain TCP.
-/// Returns true when the ring is to be used.
+/// attach; if it does not, abandon so both ends stay plain TCP. Server, at
+/// its first use: attach. Returns true when the ring is to be used.
 pub fn decide(c: &Conn) -> bool {
+    if c.me == seg::SERVER {
+        return server_attach(c);
+    }
     let h = c.seg.hdr();
     let mut st = h.state.load(Ordering::Acquire);
     if st == seg::PENDING {
@@ -307,7 +353,18 @@ pub fn decide(c: &Conn) -> bool {
             if i < 1000 {
                 std::hint::spin_loop();
             } else {
-                std::thread::sleep(Duration::from_micros(200));
+                // Sleep on the state word: the server's attach wakes us at
+                // once (it used to be 200 µs sleeps, a quarter of a short
+                // connection's whole life). The 10 ms slices bound the
+                // checks below.
+                let left = limit.saturating_sub(t0.elapsed()).min(Duration::from_millis(10));
+                crate::sys::futex_wait(&h.state, seg::PENDING, left);
+                // Our offer lived in a broker that is gone: nobody can claim
+                // it any more, so do not wait out the limit.
+                if broker::lost() {
+                    debug!("client {} -> {}: broker lost", c.local, c.peer);
+                    break;
+                }
             }
             i += 1;
             st = h.state.load(Ordering::Acquire);
@@ -334,15 +391,8 @@ pub fn decide(c: &Conn) -> bool {
             };
         }
     }
-    if st != seg::PENDING {
-        let m = c.memfd.swap(-1, Ordering::SeqCst);
-        if m >= 0 {
-            if st == seg::ATTACHED {
-                stats::count_accelerated();
-            }
-            // SAFETY: our own memfd.
-            unsafe { real::close(m) };
-        }
+    if st != seg::PENDING && c.undecided.swap(false, Ordering::SeqCst) && st == seg::ATTACHED {
+        stats::count_accelerated();
     }
     st == seg::ATTACHED
 }

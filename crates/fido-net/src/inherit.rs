@@ -117,6 +117,13 @@ fn prepare(mut kind: Kind, loads: bool) -> (Option<String>, Undo) {
     let mut out = String::from("1");
     for (c, fds) in groups {
         let surv: Vec<c_int> = fds.iter().copied().filter(|&fd| !cloexec(fd)).collect();
+        if c.me == seg::SERVER && c.state() == seg::PENDING && !surv.is_empty() && loads {
+            // A claimed connection handed to the new image (inetd style):
+            // its first use is here, so the new image adopts it attached.
+            // (One that cannot load the library is abandoned below: plain
+            // TCP, which it can read.)
+            crate::handshake::first_use(surv[0]);
+        }
         if c.state() == seg::PENDING {
             if !surv.is_empty()
                 && c.seg
@@ -166,10 +173,17 @@ fn prepare(mut kind: Kind, loads: bool) -> (Option<String>, Undo) {
         // into the child (they cannot be read back): offer every connection;
         // the child adopts the ones whose socket it finds.
         let surv = if surv.is_empty() { fds.clone() } else { surv };
+        // A connection whose socket was close-on-exec when set up, or whose
+        // descriptor was given back under descriptor pressure, has none
+        // kept: get one from our mapping if the kernel lets us.
+        if loads && c.seg.kept_fd() < 0 {
+            c.seg.keep_from_mapping();
+        }
         let segfd = c.seg.kept_fd();
         if !loads || segfd < 0 {
             let why = if loads {
-                "its segment descriptor was not kept (descriptor budget)"
+                "its segment descriptor was not kept (descriptor pressure) and \
+                 /proc/self/map_files is not open to us"
             } else {
                 "the new image will not load the library"
             };
@@ -852,7 +866,7 @@ pub fn adopt() {
                     s,
                     first.side,
                     fd_nonblock(fd),
-                    -1,
+                    false,
                     None,
                     true,
                     local,
@@ -905,9 +919,8 @@ pub fn adopt() {
     for (fd, ino) in listeners {
         if same_socket(fd, ino) && config::enabled() {
             if let Some(a) = sock_name(fd, false) {
-                if let Some(key) = broker::publish_listener(fd, &a.ip, a.port) {
-                    table::add_listener(fd, key);
-                }
+                let key = broker::publish_listener(fd, &a.ip, a.port);
+                table::add_listener(fd, key, broker::epoch());
             }
         }
     }

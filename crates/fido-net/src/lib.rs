@@ -46,6 +46,7 @@ mod handshake;
 mod inherit;
 mod io;
 mod netns;
+mod passing;
 mod poll;
 mod process;
 mod real;
@@ -195,7 +196,10 @@ pub unsafe extern "C" fn readv(fd: c_int, iov: *const iovec, cnt: c_int) -> ssiz
 #[no_mangle]
 pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut msghdr, flags: c_int) -> ssize_t {
     // SAFETY: the program's arguments, under recvmsg(2)'s contract.
-    unsafe { io::recvmsg(fd, msg, flags) }
+    let n = unsafe { io::recvmsg(fd, msg, flags) };
+    // SAFETY: the msghdr the kernel just filled in (descriptors received).
+    unsafe { passing::after_recv(msg, n) };
+    n
 }
 
 #[no_mangle]
@@ -231,6 +235,8 @@ pub unsafe extern "C" fn writev(fd: c_int, iov: *const iovec, cnt: c_int) -> ssi
 
 #[no_mangle]
 pub unsafe extern "C" fn sendmsg(fd: c_int, msg: *const msghdr, flags: c_int) -> ssize_t {
+    // SAFETY: the program's msghdr (descriptors it passes leave the ring first).
+    unsafe { passing::before_send(msg) };
     // SAFETY: the program's arguments, under sendmsg(2)'s contract.
     unsafe { io::sendmsg(fd, msg, flags) }
 }
@@ -354,6 +360,179 @@ pub unsafe extern "C" fn close_range(first: c_uint, last: c_uint, flags: c_int) 
 pub unsafe extern "C" fn closefrom(low: c_int) {
     // SAFETY: same semantics as close_range(low, ~0, 0).
     unsafe { socket::close_range(low.max(0) as c_uint, c_uint::MAX, 0) };
+}
+
+// ---- calls that create descriptors ------------------------------------------------
+//
+// A number they return was free: whatever the library remembers under it is
+// stale (closed where we could not see: a raw system call, io_uring, a static
+// helper) and is forgotten (`socket::fresh_fd`) before the program can use it.
+
+/// Makes a descriptor-creating call and forgets stale state under the
+/// number it returned. When the program is out of descriptor numbers
+/// (`EMFILE`) while the library keeps some, they are given back and the
+/// call made again: the library never costs a program a descriptor TCP
+/// alone would have left it (the calls fail with `EMFILE` before creating
+/// anything, so a retry is the same call).
+fn fresh(call: impl Fn() -> c_int) -> c_int {
+    let mut r = call();
+    if r < 0 && sys::errno() == libc::EMFILE && seg::give_back_kept() {
+        r = call();
+    }
+    socket::fresh_fd(r);
+    r
+}
+
+/// As `fresh` for calls that fill a two-descriptor array.
+///
+/// # Safety
+/// `fds` points to two ints when `r == 0`.
+unsafe fn fresh_pair(call: impl Fn() -> c_int, fds: *mut c_int) -> c_int {
+    let mut r = call();
+    if r < 0 && sys::errno() == libc::EMFILE && seg::give_back_kept() {
+        r = call();
+    }
+    if r == 0 && !fds.is_null() {
+        // SAFETY: the call succeeded and filled both.
+        let (a, b) = unsafe { (*fds, *fds.add(1)) };
+        socket::fresh_fd(a);
+        socket::fresh_fd(b);
+    }
+    r
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn socket(domain: c_int, ty: c_int, proto: c_int) -> c_int {
+    // SAFETY: the program's arguments, under socket(2)'s contract.
+    fresh(|| unsafe { real::socket(domain, ty, proto) })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn socketpair(
+    domain: c_int,
+    ty: c_int,
+    proto: c_int,
+    sv: *mut c_int,
+) -> c_int {
+    // SAFETY: the program's arguments, under socketpair(2)'s contract.
+    unsafe { fresh_pair(|| real::socketpair(domain, ty, proto, sv), sv) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn pipe(fds: *mut c_int) -> c_int {
+    // SAFETY: the program's arguments, under pipe(2)'s contract.
+    unsafe { fresh_pair(|| real::pipe(fds), fds) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn pipe2(fds: *mut c_int, flags: c_int) -> c_int {
+    // SAFETY: the program's arguments, under pipe2(2)'s contract.
+    unsafe { fresh_pair(|| real::pipe2(fds, flags), fds) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn eventfd(init: c_uint, flags: c_int) -> c_int {
+    // SAFETY: the program's arguments, under eventfd(2)'s contract.
+    fresh(|| unsafe { real::eventfd(init, flags) })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn memfd_create(name: *const c_char, flags: c_uint) -> c_int {
+    // SAFETY: the program's arguments, under memfd_create(2)'s contract.
+    fresh(|| unsafe { real::memfd_create(name, flags) })
+}
+
+/// `open` and friends are C-variadic (the mode); they take it as a fixed
+/// third word, sound on the ABIs the `syscall` shim below explains, and
+/// built only there.
+macro_rules! open_like {
+    ($name:ident) => {
+        #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+        #[no_mangle]
+        pub unsafe extern "C" fn $name(path: *const c_char, flags: c_int, mode: c_uint) -> c_int {
+            static SLOT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+            // SAFETY: the program's arguments, under open(2)'s contract.
+            fresh(|| unsafe {
+                real::open_named(&SLOT, concat!(stringify!($name), "\0"), path, flags, mode)
+            })
+        }
+    };
+}
+open_like!(open);
+open_like!(open64);
+
+macro_rules! openat_like {
+    ($name:ident) => {
+        #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+        #[no_mangle]
+        pub unsafe extern "C" fn $name(
+            dirfd: c_int,
+            path: *const c_char,
+            flags: c_int,
+            mode: c_uint,
+        ) -> c_int {
+            static SLOT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+            // SAFETY: the program's arguments, under openat(2)'s contract.
+            fresh(|| unsafe {
+                real::openat_named(
+                    &SLOT,
+                    concat!(stringify!($name), "\0"),
+                    dirfd,
+                    path,
+                    flags,
+                    mode,
+                )
+            })
+        }
+    };
+}
+openat_like!(openat);
+openat_like!(openat64);
+
+#[no_mangle]
+pub unsafe extern "C" fn __open_2(path: *const c_char, flags: c_int) -> c_int {
+    // SAFETY: the program's arguments (fortified open without a mode).
+    fresh(|| unsafe { real::__open_2(path, flags) })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __open64_2(path: *const c_char, flags: c_int) -> c_int {
+    // SAFETY: as for __open_2.
+    fresh(|| unsafe { real::__open64_2(path, flags) })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __openat_2(dirfd: c_int, path: *const c_char, flags: c_int) -> c_int {
+    // SAFETY: the program's arguments (fortified openat without a mode).
+    fresh(|| unsafe { real::__openat_2(dirfd, path, flags) })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __openat64_2(dirfd: c_int, path: *const c_char, flags: c_int) -> c_int {
+    // SAFETY: as for __openat_2.
+    fresh(|| unsafe { real::__openat64_2(dirfd, path, flags) })
+}
+
+// ---- seccomp ---------------------------------------------------------------------
+
+/// `prctl(2)` is C-variadic; like `syscall` below it takes its four
+/// argument words as fixed parameters (sound on the ABIs explained there)
+/// and passes all of them on. `PR_SET_SECCOMP` is noticed before the call:
+/// the library confines itself first (`process::restrict`).
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+#[no_mangle]
+pub unsafe extern "C" fn prctl(
+    option: c_int,
+    a2: c_ulong,
+    a3: c_ulong,
+    a4: c_ulong,
+    a5: c_ulong,
+) -> c_int {
+    if process::installs_seccomp(true, option as libc::c_long, a2 as libc::c_long) {
+        process::restrict("prctl(PR_SET_SECCOMP)");
+    }
+    // SAFETY: the program's arguments, under prctl(2)'s contract.
+    unsafe { real::prctl(option, a2, a3, a4, a5) }
 }
 
 // ---- waiting: poll, select, epoll ----------------------------------------------
@@ -670,7 +849,54 @@ pub unsafe extern "C" fn syscall(
     a5: libc::c_long,
     a6: libc::c_long,
 ) -> libc::c_long {
+    // Calls that change the descriptor table (libuv closes sockets with
+    // syscall(SYS_close)) take the same path as their libc wrappers, so the
+    // library's tables follow; the wrappers make the same system call.
+    // SAFETY: the program's arguments, under each call's contract.
+    unsafe {
+        match n {
+            libc::SYS_close => return socket::close(a1 as c_int) as libc::c_long,
+            libc::SYS_close_range => {
+                return socket::close_range(a1 as c_uint, a2 as c_uint, a3 as c_int) as libc::c_long
+            }
+            libc::SYS_dup => return socket::dup(a1 as c_int) as libc::c_long,
+            #[cfg(target_arch = "x86_64")]
+            libc::SYS_dup2 => return socket::dup3(a1 as c_int, a2 as c_int, None) as libc::c_long,
+            libc::SYS_dup3 => {
+                return socket::dup3(a1 as c_int, a2 as c_int, Some(a3 as c_int)) as libc::c_long
+            }
+            libc::SYS_fcntl => {
+                return socket::fcntl(a1 as c_int, a2 as c_int, a3 as c_ulong) as libc::c_long
+            }
+            libc::SYS_connect => {
+                return socket::connect(a1 as c_int, a2 as *const sockaddr, a3 as socklen_t)
+                    as libc::c_long
+            }
+            libc::SYS_listen => return socket::listen(a1 as c_int, a2 as c_int) as libc::c_long,
+            #[cfg(target_arch = "x86_64")]
+            libc::SYS_accept => {
+                return socket::accept4(a1 as c_int, a2 as *mut sockaddr, a3 as *mut socklen_t, 0)
+                    as libc::c_long
+            }
+            libc::SYS_accept4 => {
+                return socket::accept4(
+                    a1 as c_int,
+                    a2 as *mut sockaddr,
+                    a3 as *mut socklen_t,
+                    a4 as c_int,
+                ) as libc::c_long
+            }
+            libc::SYS_shutdown => {
+                return socket::shutdown(a1 as c_int, a2 as c_int) as libc::c_long
+            }
+            _ => {}
+        }
+    }
     process::syscall_observed(n);
     // SAFETY: forwarding the program's system call to libc's `syscall`.
-    unsafe { real::syscall(n, [a1, a2, a3, a4, a5, a6]) }
+    let r = unsafe { real::syscall(n, [a1, a2, a3, a4, a5, a6]) };
+    if r >= 0 && process::creates_descriptor(n) {
+        socket::fresh_fd(r as c_int);
+    }
+    r
 }

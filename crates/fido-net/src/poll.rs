@@ -27,6 +27,7 @@ fn wait_guard(f: impl FnOnce() -> c_int) -> c_int {
 pub unsafe fn epoll_create(size: c_int) -> c_int {
     // SAFETY: forwarding.
     let r = unsafe { real::epoll_create(size) };
+    crate::socket::fresh_fd(r);
     guard((), || wait::epoll_created(r));
     r
 }
@@ -34,6 +35,7 @@ pub unsafe fn epoll_create(size: c_int) -> c_int {
 pub unsafe fn epoll_create1(flags: c_int) -> c_int {
     // SAFETY: forwarding.
     let r = unsafe { real::epoll_create1(flags) };
+    crate::socket::fresh_fd(r);
     guard((), || wait::epoll_created(r));
     r
 }

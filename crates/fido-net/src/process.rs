@@ -17,6 +17,10 @@ pub fn load() {
     config::read_at_load();
     broker::set_broker_path(fido::default_broker_path());
     inherit::set_owner();
+    // A seccomp filter inherited from the process that exec'd us.
+    if guard(false, seccomp_filtered_at_load) {
+        restrict("a seccomp filter was in place at load");
+    }
     // Connections an earlier image passed across exec (FIDO_NET_INHERIT).
     guard((), inherit::adopt);
     // SAFETY: registering plain extern "C" handlers.
@@ -72,4 +76,78 @@ pub fn syscall_observed(n: libc::c_long) {
         config::set_off();
     }
     guard((), || wait::raw_syscall(n));
+}
+
+/// Whether system call `n`, made through `syscall(2)`, returns a new
+/// descriptor (whose number may carry stale state: `socket::fresh_fd`).
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+pub fn creates_descriptor(n: libc::c_long) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if [
+        libc::SYS_open,
+        libc::SYS_creat,
+        libc::SYS_epoll_create,
+        libc::SYS_eventfd,
+    ]
+    .contains(&n)
+    {
+        return true;
+    }
+    [
+        libc::SYS_openat,
+        libc::SYS_openat2,
+        libc::SYS_socket,
+        libc::SYS_eventfd2,
+        libc::SYS_memfd_create,
+        libc::SYS_epoll_create1,
+        libc::SYS_timerfd_create,
+        libc::SYS_signalfd4,
+        libc::SYS_inotify_init1,
+        libc::SYS_pidfd_open,
+        libc::SYS_io_uring_setup,
+    ]
+    .contains(&n)
+}
+
+/// Whether `/proc/self/status` says a seccomp filter confines us
+/// (`Seccomp: 2`; 1 is strict mode, where nothing but read/write/exit runs).
+fn seccomp_filtered_at_load() -> bool {
+    std::fs::read_to_string("/proc/self/status").is_ok_and(|s| {
+        s.lines()
+            .find_map(|l| l.strip_prefix("Seccomp:"))
+            .is_some_and(|v| v.trim() != "0")
+    })
+}
+
+/// The program confines itself with seccomp (`prctl(PR_SET_SECCOMP)`,
+/// `seccomp(2)`), or was confined when it started. From now on the library
+/// must never make a system call on the program's behalf that the filter
+/// could forbid — sshd's pre-auth child kills itself on `sendto`, and the
+/// library cannot know what a filter allows. So: new connections stay
+/// plain TCP (no broker, no memfd, no thread); established ones keep
+/// working with the calls the program itself makes on a socket — `read`,
+/// `write`, `poll`/`ppoll` — plus futex for the ring locks and
+/// rt_sigprocmask around a wait (see `config::restricted`), and statistics
+/// are no longer published. Called *before* the filter is installed, so
+/// what is decided here may still use any call.
+pub fn restrict(why: &str) {
+    if config::restricted() {
+        return;
+    }
+    crate::sys::debug!(
+        "{why}: new connections stay plain TCP; established ones use read/write/poll only"
+    );
+    config::set_restricted();
+}
+
+/// `prctl(2)` or `syscall(SYS_prctl/SYS_seccomp)` with these arguments is
+/// about to install a seccomp filter (or strict mode).
+pub fn installs_seccomp(prctl: bool, a1: libc::c_long, a2: libc::c_long) -> bool {
+    if prctl {
+        a1 == libc::PR_SET_SECCOMP as libc::c_long
+    } else {
+        // seccomp(SECCOMP_SET_MODE_STRICT | SECCOMP_SET_MODE_FILTER, …)
+        let _ = a2;
+        a1 == 0 || a1 == 1
+    }
 }

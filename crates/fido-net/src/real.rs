@@ -87,6 +87,68 @@ real_fns! {
     setsockopt(fd: c_int, level: c_int, name: c_int, val: *const c_void, len: socklen_t) -> c_int;
 }
 
+// Calls that create descriptors (see `socket::fresh_fd`).
+real_fns! {
+    socket(domain: c_int, ty: c_int, proto: c_int) -> c_int;
+    socketpair(domain: c_int, ty: c_int, proto: c_int, sv: *mut c_int) -> c_int;
+    pipe(fds: *mut c_int) -> c_int;
+    pipe2(fds: *mut c_int, flags: c_int) -> c_int;
+    eventfd(init: c_uint, flags: c_int) -> c_int;
+    memfd_create(name: *const c_char, flags: c_uint) -> c_int;
+    __open_2(path: *const c_char, flags: c_int) -> c_int;
+    __open64_2(path: *const c_char, flags: c_int) -> c_int;
+    __openat_2(dirfd: c_int, path: *const c_char, flags: c_int) -> c_int;
+    __openat64_2(dirfd: c_int, path: *const c_char, flags: c_int) -> c_int;
+}
+
+/// libc's `open`/`open64` (`name`, NUL-terminated; variadic: the mode is
+/// passed as the one variadic argument, read only with `O_CREAT`/`O_TMPFILE`).
+///
+/// # Safety
+/// Same contract as `open(2)`.
+pub unsafe fn open_named(
+    slot: &AtomicUsize,
+    name: &'static str,
+    path: *const c_char,
+    flags: c_int,
+    mode: c_uint,
+) -> c_int {
+    let mut f = slot.load(Ordering::Relaxed);
+    if f == 0 {
+        f = resolve(name);
+        slot.store(f, Ordering::Relaxed);
+    }
+    // SAFETY: libc's open has this variadic prototype.
+    let f: unsafe extern "C" fn(*const c_char, c_int, ...) -> c_int =
+        unsafe { std::mem::transmute::<usize, _>(f) };
+    // SAFETY: the caller upholds open's contract.
+    unsafe { f(path, flags, mode) }
+}
+
+/// libc's `openat`/`openat64` (variadic, as `open_named`).
+///
+/// # Safety
+/// Same contract as `openat(2)`.
+pub unsafe fn openat_named(
+    slot: &AtomicUsize,
+    name: &'static str,
+    dirfd: c_int,
+    path: *const c_char,
+    flags: c_int,
+    mode: c_uint,
+) -> c_int {
+    let mut f = slot.load(Ordering::Relaxed);
+    if f == 0 {
+        f = resolve(name);
+        slot.store(f, Ordering::Relaxed);
+    }
+    // SAFETY: libc's openat has this variadic prototype.
+    let f: unsafe extern "C" fn(c_int, *const c_char, c_int, ...) -> c_int =
+        unsafe { std::mem::transmute::<usize, _>(f) };
+    // SAFETY: the caller upholds openat's contract.
+    unsafe { f(dirfd, path, flags, mode) }
+}
+
 // The exec family and posix_spawn (see `inherit`).
 real_fns! {
     execve(path: *const c_char, argv: *const *const c_char, envp: *const *const c_char) -> c_int;
@@ -113,6 +175,30 @@ pub unsafe fn fcntl(fd: c_int, cmd: c_int, arg: libc::c_ulong) -> c_int {
         unsafe { std::mem::transmute::<usize, _>(f) };
     // SAFETY: the caller upholds fcntl's contract for `cmd`.
     unsafe { f(fd, cmd, arg) }
+}
+
+/// libc's `prctl` (variadic: four argument words).
+///
+/// # Safety
+/// Same contract as `prctl(2)` for `option`.
+pub unsafe fn prctl(
+    option: c_int,
+    a2: libc::c_ulong,
+    a3: libc::c_ulong,
+    a4: libc::c_ulong,
+    a5: libc::c_ulong,
+) -> c_int {
+    static SLOT: AtomicUsize = AtomicUsize::new(0);
+    let mut f = SLOT.load(Ordering::Relaxed);
+    if f == 0 {
+        f = resolve("prctl\0");
+        SLOT.store(f, Ordering::Relaxed);
+    }
+    // SAFETY: libc's prctl has this variadic prototype.
+    let f: unsafe extern "C" fn(c_int, ...) -> c_int =
+        unsafe { std::mem::transmute::<usize, _>(f) };
+    // SAFETY: the caller upholds prctl's contract.
+    unsafe { f(option, a2, a3, a4, a5) }
 }
 
 /// libc's `ioctl` (variadic).

@@ -12,7 +12,7 @@
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 pub const MAGIC: u64 = 0x6669_646f_6e65_7431; // "fidonet1"
@@ -113,11 +113,17 @@ pub struct Segment {
     /// be handed to a new image across `exec` (see `inherit`); -1 when not
     /// kept (over budget) or when the program closed that descriptor number.
     kept: Arc<AtomicI32>,
+    /// The memfd's inode: the kept descriptor is closed only while its
+    /// number still names this memfd (a close we did not see may have freed
+    /// the number for one of the program's descriptors).
+    ino: u64,
 }
 
 /// Kept segment descriptors by number, so a program closing (or `dup2`-ing
 /// over) one of them — daemons close every descriptor — is noticed.
-static KEPT: Mutex<Option<HashMap<i32, Arc<AtomicI32>>>> = Mutex::new(None);
+/// A kept descriptor's slot in its segment, and the memfd's inode.
+type KeptEntry = (Arc<AtomicI32>, u64);
+static KEPT: Mutex<Option<HashMap<i32, KeptEntry>>> = Mutex::new(None);
 static KEPT_COUNT: AtomicUsize = AtomicUsize::new(0);
 
 /// At most this many descriptors are kept (a quarter of the soft
@@ -141,15 +147,52 @@ fn kept_budget() -> usize {
 }
 
 /// The program is closing (or replacing) descriptor `fd`: if it was a kept
-/// segment descriptor, it is no longer ours.
-pub fn forget_kept(fd: i32) {
+/// segment descriptor, it is no longer ours. Returns whether it was.
+pub fn forget_kept(fd: i32) -> bool {
     if KEPT_COUNT.load(Ordering::Relaxed) == 0 {
-        return;
+        return false;
     }
-    if let Some(k) = KEPT.lock().as_mut().and_then(|m| m.remove(&fd)) {
+    if let Some((k, _)) = KEPT.lock().as_mut().and_then(|m| m.remove(&fd)) {
         KEPT_COUNT.fetch_sub(1, Ordering::Relaxed);
         k.store(-1, Ordering::SeqCst);
+        return true;
     }
+    false
+}
+
+/// The program ran out of descriptor numbers (`EMFILE`): every kept segment
+/// descriptor is closed so that its number is the program's — a program
+/// must never fail for lack of descriptors where TCP alone would not. The
+/// connections stay accelerated; an exec can hand them on only if their
+/// descriptor can be had again (`Segment::keep_from_mapping`), else they
+/// are reset then, as before for connections over the budget. Returns
+/// whether any was closed (then the program's call is worth retrying).
+pub fn give_back_kept() -> bool {
+    if KEPT_COUNT.load(Ordering::Relaxed) == 0 {
+        return false;
+    }
+    let taken = KEPT.lock().take();
+    let Some(m) = taken else { return false };
+    let mut n = 0;
+    for (fd, (k, ino)) in m {
+        KEPT_COUNT.fetch_sub(1, Ordering::Relaxed);
+        if k.swap(-1, Ordering::SeqCst) == fd && crate::addr::fd_inode(fd) == Some(ino) {
+            // SAFETY: our own kept descriptor (its number still names the memfd).
+            unsafe { crate::real::close(fd) };
+            n += 1;
+        }
+    }
+    GAVE_BACK.store(true, Ordering::Relaxed);
+    crate::sys::debug!("descriptor pressure: gave back {n} kept segment descriptors");
+    n > 0
+}
+
+/// Set once the program ran short of descriptors: no more are kept.
+static GAVE_BACK: AtomicBool = AtomicBool::new(false);
+
+/// Whether any segment descriptor is kept (one relaxed load).
+pub fn remembers_any() -> bool {
+    KEPT_COUNT.load(Ordering::Relaxed) != 0
 }
 
 /// Descriptors kept for segments.
@@ -196,13 +239,17 @@ impl Segment {
             len,
             ring_len,
             kept: Arc::new(AtomicI32::new(-1)),
+            ino: crate::addr::fd_inode(fd).unwrap_or(0),
         })
     }
 
     /// Keeps a close-on-exec duplicate of `fd` (the memfd this segment was
     /// mapped from), high in the descriptor table, within the budget.
     pub fn retain(&self, fd: i32) {
-        if KEPT_COUNT.load(Ordering::Relaxed) >= kept_budget() {
+        if KEPT_COUNT.load(Ordering::Relaxed) >= kept_budget()
+            || GAVE_BACK.load(Ordering::Relaxed)
+            || self.kept.load(Ordering::Relaxed) >= 0
+        {
             return;
         }
         // The upper half of the soft limit.
@@ -224,8 +271,41 @@ impl Segment {
         self.kept.store(fd, Ordering::SeqCst);
         KEPT.lock()
             .get_or_insert_with(HashMap::new)
-            .insert(fd, self.kept.clone());
+            .insert(fd, (self.kept.clone(), self.ino));
         KEPT_COUNT.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Keeps a descriptor of the segment again, opened from our own mapping
+    /// (`/proc/self/map_files`, which the kernel opens only for a process
+    /// with `CAP_SYS_ADMIN` or `CAP_CHECKPOINT_RESTORE`): for a connection
+    /// that had none (its socket was close-on-exec, or descriptors ran
+    /// short) when an exec may now hand it on. Returns whether one is kept.
+    pub fn keep_from_mapping(&self) -> bool {
+        if self.kept.load(Ordering::Relaxed) >= 0 {
+            return true;
+        }
+        let start = self.base.as_ptr() as usize;
+        let path = format!("/proc/self/map_files/{:x}-{:x}\0", start, start + self.len);
+        // SAFETY: a NUL-terminated path; the result is our own descriptor.
+        let fd = unsafe {
+            libc::syscall(
+                libc::SYS_openat,
+                libc::AT_FDCWD,
+                path.as_ptr(),
+                libc::O_RDWR | libc::O_CLOEXEC,
+                0,
+            )
+        } as i32;
+        if fd < 0 {
+            return false;
+        }
+        if crate::addr::fd_inode(fd) != Some(self.ino) {
+            // SAFETY: the descriptor we opened just above.
+            unsafe { crate::real::close(fd) };
+            return false;
+        }
+        self.adopt(fd);
+        true
     }
 
     /// Closes the kept descriptor (the connection will never carry data on
@@ -237,8 +317,11 @@ impl Segment {
         let fd = self.kept.swap(-1, Ordering::SeqCst);
         if fd >= 0 {
             forget_kept(fd);
-            // SAFETY: our own kept descriptor.
-            unsafe { crate::real::close(fd) };
+            if crate::addr::fd_inode(fd) == Some(self.ino) {
+                // SAFETY: our own kept descriptor (its number still names
+                // our memfd).
+                unsafe { crate::real::close(fd) };
+            }
         }
     }
 

@@ -30,9 +30,9 @@ pub unsafe fn listen(fd: c_int, backlog: c_int) -> c_int {
         guard((), || {
             if is_tcp_stream(fd) {
                 if let Some(a) = sock_name(fd, false) {
-                    if let Some(key) = broker::publish_listener(fd, &a.ip, a.port) {
-                        table::add_listener(fd, key);
-                    }
+                    // Kept unpublished too: a broker that comes back gets it.
+                    let key = broker::publish_listener(fd, &a.ip, a.port);
+                    table::add_listener(fd, key, broker::epoch());
                 }
             }
         });
@@ -42,6 +42,12 @@ pub unsafe fn listen(fd: c_int, backlog: c_int) -> c_int {
 }
 
 pub unsafe fn connect(fd: c_int, addr: *const sockaddr, len: socklen_t) -> c_int {
+    // An entry for a descriptor the program connects again is either a
+    // connect on a connected socket (the kernel answers EISCONN) or stale:
+    // the number was closed where we could not see and names a new socket.
+    if table::lookup(fd).is_some() && !table::entry_is_current(fd) {
+        guard((), || forget_gone(fd));
+    }
     let prepared = if config::enabled() && table::lookup(fd).is_none() {
         guard(None, || {
             let mut dst = parse_addr(addr, len)?;
@@ -93,10 +99,21 @@ pub unsafe fn connect(fd: c_int, addr: *const sockaddr, len: socklen_t) -> c_int
 /// valid for the kernel to write a peer address of `*len` bytes.
 pub unsafe fn accept4(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t, flags: c_int) -> c_int {
     // SAFETY: forwarding the caller's arguments.
-    let nfd = unsafe { real::accept4(fd, addr, len, flags) };
+    let mut nfd = unsafe { real::accept4(fd, addr, len, flags) };
+    if nfd < 0 && errno() == libc::EMFILE && seg::give_back_kept() {
+        // Our kept descriptors yield their numbers to the program.
+        // SAFETY: as above (the kernel checks the descriptor budget before
+        // taking a connection off the queue: nothing was consumed).
+        nfd = unsafe { real::accept4(fd, addr, len, flags) };
+    }
+    fresh_fd(nfd);
     if nfd >= 0 && config::enabled() {
         let e = errno();
-        guard((), || attach(nfd, flags));
+        guard((), || {
+            attach(nfd, flags);
+            // A broker that came back since we listened knows no listener of ours.
+            broker::republish();
+        });
         set_errno(e);
     }
     nfd
@@ -122,6 +139,44 @@ fn forget_fd(fd: c_int) {
     }
 }
 
+/// `fd` was closed where we could not see (a raw system call, io_uring, a
+/// helper linked statically): forget what we knew about that number without
+/// touching it — it may name one of the program's new descriptors already.
+fn forget_gone(fd: c_int) {
+    if seg::forget_kept(fd) {
+        crate::sys::debug!("fd {fd}: a kept segment descriptor was closed behind our back");
+    }
+    wait::forget(fd);
+    if let Some((c, last)) = table::remove(fd) {
+        crate::sys::debug!("fd {fd}: closed without our seeing it; its connection is forgotten");
+        if last {
+            stats::count_closed(&c);
+            if c.me == seg::CLIENT && c.state() == seg::PENDING && !broker::busy_here() {
+                if let Some(o) = c.offer {
+                    broker::withdraw_offer(o);
+                }
+            }
+            c.release_gone();
+        }
+    }
+    if let Some(key) = table::remove_listener(fd) {
+        // Not from inside the broker join (the descriptor is the join's
+        // own): the key goes with the domain, an offer after 60 s.
+        if !broker::busy_here() {
+            broker::withdraw(&key);
+        }
+    }
+}
+
+/// A call that creates descriptors just returned `fd`: the number was free,
+/// so anything we remember under it is stale (closed behind our back).
+/// Costs two relaxed loads while we remember nothing.
+pub fn fresh_fd(fd: c_int) {
+    if fd >= 0 && (table::remembers_any() || seg::remembers_any()) {
+        guard((), || forget_gone(fd));
+    }
+}
+
 pub unsafe fn close(fd: c_int) -> c_int {
     guard((), || forget_fd(fd));
     // SAFETY: forwarding.
@@ -129,11 +184,22 @@ pub unsafe fn close(fd: c_int) -> c_int {
 }
 
 pub unsafe fn shutdown(fd: c_int, how: c_int) -> c_int {
+    crate::handshake::first_use(fd);
     if let Some(c) = table::lookup(fd) {
         c.shutdown(how);
     }
     // SAFETY: forwarding.
     unsafe { real::shutdown(fd, how) }
+}
+
+/// `fd` names accelerated connection `c`: if an exec could now hand it on
+/// (not close-on-exec) and no segment descriptor is kept for it, keep one.
+fn keep_if_inheritable(c: &Conn, fd: c_int) {
+    if c.seg.kept_fd() < 0 && !crate::addr::fd_cloexec(fd) && !c.seg.keep_from_mapping() {
+        crate::sys::debug!(
+            "fd {fd}: inheritable, but its segment cannot be kept: an exec resets it"
+        );
+    }
 }
 
 fn dup_into(old: c_int, new: c_int) {
@@ -142,6 +208,7 @@ fn dup_into(old: c_int, new: c_int) {
     }
     wait::duplicated(old);
     if let Some(c) = table::lookup(old) {
+        keep_if_inheritable(&c, new);
         table::insert(new, c);
     }
     table::dup_listener(old, new);
@@ -150,6 +217,7 @@ fn dup_into(old: c_int, new: c_int) {
 pub unsafe fn dup(fd: c_int) -> c_int {
     // SAFETY: forwarding.
     let r = unsafe { real::dup(fd) };
+    fresh_fd(r);
     guard((), || dup_into(fd, r));
     r
 }
@@ -189,7 +257,15 @@ pub unsafe fn fcntl(fd: c_int, cmd: c_int, arg: c_ulong) -> c_int {
     let r = unsafe { real::fcntl(fd, cmd, arg) };
     if r >= 0 {
         match cmd {
-            libc::F_DUPFD | libc::F_DUPFD_CLOEXEC => guard((), || dup_into(fd, r)),
+            libc::F_DUPFD | libc::F_DUPFD_CLOEXEC => {
+                fresh_fd(r);
+                guard((), || dup_into(fd, r))
+            }
+            libc::F_SETFD if arg as c_int & libc::FD_CLOEXEC == 0 => {
+                if let Some(c) = table::lookup(fd) {
+                    guard((), || keep_if_inheritable(&c, fd));
+                }
+            }
             libc::F_SETFL => {
                 if let Some(c) = table::lookup(fd) {
                     c.nonblock
@@ -268,7 +344,19 @@ pub unsafe fn getsockopt(
         return 0;
     }
     // SAFETY: forwarding the caller's arguments.
-    unsafe { real::getsockopt(fd, level, name, val, len) }
+    let r = unsafe { real::getsockopt(fd, level, name, val, len) };
+    if r == 0 && level == libc::SOL_SOCKET && name == libc::SO_ERROR && !val.is_null() {
+        // SAFETY: the kernel wrote an int there.
+        let e = unsafe { (val as *const c_int).read_unaligned() };
+        if e == libc::ECONNRESET || e == libc::EPIPE {
+            // The program took the reset: later writes are the kernel's
+            // (`EPIPE`), as over TCP, instead of filling a dead ring.
+            if let Some(c) = table::lookup(fd) {
+                c.dead.store(true, Ordering::Relaxed);
+            }
+        }
+    }
+    r
 }
 
 pub unsafe fn ioctl(fd: c_int, req: c_ulong, arg: *mut c_void) -> c_int {

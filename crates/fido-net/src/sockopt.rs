@@ -73,7 +73,9 @@ fn set_int(fd: c_int, name: c_int, v: c_int) {
 /// on the real socket. Idempotent (another descriptor of the same connection,
 /// or the other thread that raced us, finds it done).
 pub fn take_over(fd: c_int, c: &TcpOpts) {
-    if c.taken.load(Ordering::Acquire) {
+    // Under a seccomp filter getsockopt/setsockopt may be forbidden: Nagle
+    // stays as the program set it (doorbells may be slower, never wrong).
+    if c.taken.load(Ordering::Acquire) || crate::config::restricted() {
         return;
     }
     if let Some(v) = get_int(fd, libc::TCP_NODELAY) {
@@ -145,6 +147,10 @@ pub unsafe fn get(c: &TcpOpts, name: c_int, val: *mut c_void, len: *mut socklen_
 
 /// `SO_LINGER` with a zero timeout on (the close sends a RST) or off.
 pub fn linger(fd: c_int, on: bool) {
+    if crate::config::restricted() {
+        // setsockopt may be forbidden: the close stays a FIN.
+        return;
+    }
     let l = libc::linger {
         l_onoff: on as c_int,
         l_linger: 0,

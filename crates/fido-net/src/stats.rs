@@ -21,7 +21,9 @@ static CLOSED_RECV: AtomicU64 = AtomicU64::new(0);
 /// a TCP send: lazy arming exists to make them rare).
 static CLOSED_DOORBELLS: AtomicU64 = AtomicU64::new(0);
 static STATS_PID: AtomicU64 = AtomicU64::new(0);
-static LAST: Mutex<String> = Mutex::new(String::new());
+/// What was last published, and under which broker session (a restarted
+/// broker gets it again).
+static LAST: Mutex<(u64, String)> = Mutex::new((0, String::new()));
 
 pub fn count_plain() {
     PLAIN_LOCAL.fetch_add(1, Ordering::Relaxed);
@@ -53,8 +55,14 @@ fn publish_from_now_on() {
             .name("fido-net-stats".into())
             .spawn(|| loop {
                 std::thread::sleep(std::time::Duration::from_millis(200));
+                // Also where a broker that came back learns our listeners
+                // again (and a lost one is joined again, off the program's
+                // own calls).
+                broker::republish();
                 publish_stats();
-                if STATS_PID.load(Ordering::SeqCst) != std::process::id() as u64 {
+                if crate::config::restricted()
+                    || STATS_PID.load(Ordering::SeqCst) != std::process::id() as u64
+                {
                     return;
                 }
             });
@@ -63,27 +71,43 @@ fn publish_from_now_on() {
     }
 }
 
+/// Set at exit: the process's sockets close with it, so its last statistics
+/// list no open connection (programs such as socat exit without closing).
+static EXITING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 extern "C" fn at_exit() {
+    EXITING.store(true, Ordering::SeqCst);
     publish_stats();
 }
+
+/// Open connections listed by name in the statistics. Each entry takes at
+/// most ~250 bytes, so the value stays well inside the registry's 64 KiB
+/// limit; a process with more (1000 asyncio connections) lists the first
+/// ones and `open_total` counts all (before, its whole value was refused
+/// and nothing was published at all).
+const MAX_LISTED_OPEN: usize = 150;
 
 fn stats_json() -> String {
     let mut sent = CLOSED_SENT.load(Ordering::Relaxed);
     let mut recv = CLOSED_RECV.load(Ordering::Relaxed);
     let mut doorbells = CLOSED_DOORBELLS.load(Ordering::Relaxed);
-    let open: Vec<serde_json::Value> = table::all()
+    let exiting = EXITING.load(Ordering::SeqCst);
+    let all = table::all();
+    let open_total = if exiting { 0 } else { all.len() };
+    let open: Vec<serde_json::Value> = all
         .iter()
-        .map(|c| {
+        .enumerate()
+        .filter_map(|(i, c)| {
             sent += c.bytes_sent();
             recv += c.bytes_received();
             doorbells += c.doorbells_sent();
-            serde_json::json!({
+            (i < MAX_LISTED_OPEN).then(|| serde_json::json!({
                 "local": c.local, "peer": c.peer,
                 "side": if c.me == seg::CLIENT { "client" } else { "server" },
                 "bytes_sent": c.bytes_sent(), "bytes_received": c.bytes_received(),
                 "doorbells": c.doorbells_sent(),
                 "arming": if c.is_lazy() { "lazy" } else { "eager" },
-            })
+            }))
         })
         .collect();
     serde_json::json!({
@@ -95,12 +119,17 @@ fn stats_json() -> String {
         "bytes_sent": sent,
         "bytes_received": recv,
         "doorbells": doorbells,
-        "open": open,
+        "open": if exiting { Vec::new() } else { open },
+        "open_total": open_total,
     })
     .to_string()
 }
 
 pub fn publish_stats() {
+    // Under a seccomp filter a broker request could be a forbidden call.
+    if crate::config::restricted() {
+        return;
+    }
     if ACCELERATED.load(Ordering::Relaxed) == 0
         && PLAIN_LOCAL.load(Ordering::Relaxed) == 0
         && INHERITED.load(Ordering::Relaxed) == 0
@@ -108,16 +137,16 @@ pub fn publish_stats() {
         return;
     }
     let s = stats_json();
+    let Some(d) = broker::domain() else { return };
+    let epoch = broker::epoch();
     {
         let mut last = LAST.lock();
-        if *last == s {
+        if last.0 == epoch && last.1 == s {
             return;
         }
-        *last = s.clone();
+        *last = (epoch, s.clone());
     }
-    if let Some(d) = broker::domain() {
-        let _ = d.write(&format!("/net/stats/{}", d.id()), s.as_bytes());
-    }
+    let _ = d.write(&format!("/net/stats/{}", d.id()), s.as_bytes());
 }
 
 /// `fork` (atfork child): the child publishes its own statistics once it

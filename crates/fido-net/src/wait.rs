@@ -31,7 +31,7 @@
 
 use crate::config::{self, lazy_allowed};
 use crate::conn::Conn;
-use crate::handshake::attached;
+use crate::handshake::{attached, first_use};
 use crate::sys::{debug, errno, set_errno};
 use crate::{real, table};
 use libc::{c_int, epoll_event, nfds_t, pollfd, sigset_t, timespec};
@@ -94,6 +94,10 @@ fn lazy_conn(fd: c_int) -> Option<Arc<Conn>> {
 
 /// After a successful `epoll_ctl`.
 pub fn epoll_ctl_done(epfd: c_int, op: c_int, fd: c_int, ev: Option<&epoll_event>) {
+    if op != libc::EPOLL_CTL_DEL {
+        // Registering a claimed connection is its first use (see `poll_common`).
+        first_use(fd);
+    }
     if is_epoll(fd) {
         all_eager("an epoll set nested in another");
     }
@@ -373,6 +377,9 @@ fn poll_fixup(fds: &mut [pollfd], watches: &[(usize, Arc<Conn>)]) -> c_int {
         } else {
             p.revents &= !RD;
         }
+        if c.has_kernel_err() {
+            p.revents |= libc::POLLERR;
+        }
     }
     fds.iter().filter(|p| p.revents != 0).count() as c_int
 }
@@ -394,6 +401,11 @@ pub unsafe fn poll_common(
     }
     // SAFETY: the program's array of `n` pollfds.
     let arr = unsafe { std::slice::from_raw_parts_mut(fds, n as usize) };
+    // Waiting on a claimed connection is its first use: it goes on the ring
+    // now (its client waits for that before writing).
+    for p in arr.iter() {
+        first_use(p.fd);
+    }
     let watches = poll_watches(arr);
     if watches.is_empty() {
         return forward();
@@ -469,15 +481,20 @@ pub unsafe fn select_common(
     zero: bool,
     sigmask: *const sigset_t,
 ) -> Option<c_int> {
-    if rd.is_null()
-        || table::count() == 0
-        || !lazy_allowed()
-        || !(0..=libc::FD_SETSIZE as c_int).contains(&nfds)
-    {
+    if table::count() == 0 || !(0..=libc::FD_SETSIZE as c_int).contains(&nfds) {
         return None;
     }
     // SAFETY: FD_ISSET on the program's sets below nfds.
     let isset = |s: *mut libc::fd_set, fd: c_int| !s.is_null() && unsafe { libc::FD_ISSET(fd, s) };
+    // Waiting on a claimed connection is its first use (see `poll_common`).
+    for fd in 0..nfds {
+        if isset(rd, fd) || isset(wr, fd) {
+            first_use(fd);
+        }
+    }
+    if rd.is_null() || !lazy_allowed() {
+        return None;
+    }
     if !(0..nfds).any(|fd| isset(rd, fd) && lazy_conn(fd).is_some()) {
         return None;
     }
@@ -650,6 +667,9 @@ fn ep_fixup(evs: &mut [epoll_event], n: usize, watches: &mut [EpWatch], start: u
                 w.last_head = head;
             } else {
                 e.events &= !IN;
+            }
+            if w.conn.has_kernel_err() {
+                e.events |= libc::EPOLLERR as u32;
             }
             if e.events == 0 {
                 continue;

@@ -213,7 +213,11 @@ fn b_a_copied_request_never_crosses_two_connections() {
         hex(&hello),
         "alice's second server got another connection's bytes (or doorbells)"
     );
-    assert_eq!(r1, hex(&secret), "alice's first server got doorbell bytes as data");
+    assert_eq!(
+        r1,
+        hex(&secret),
+        "alice's first server got doorbell bytes as data"
+    );
     assert_eq!(g2, hex(&hello));
     assert_eq!(g1, hex(&secret));
     drop(copier);
@@ -227,12 +231,8 @@ fn c_deleting_listener_keys_costs_a_victim_nothing() {
 
     // Bob deletes every listener key of the port as soon as it appears.
     let port = free_port();
-    let mut deleter = RoleChild::spawn(role(
-        Some(bob),
-        &b,
-        "delete",
-        &[("PORT", port.to_string())],
-    ));
+    let mut deleter =
+        RoleChild::spawn(role(Some(bob), &b, "delete", &[("PORT", port.to_string())]));
     deleter.line("deleting");
     let _server = RoleChild::spawn(preloaded(
         &b,
@@ -349,17 +349,30 @@ fn child_main() {
     };
     let env = |k: &str| std::env::var(k).unwrap_or_else(|_| panic!("{k} unset"));
     match role.as_str() {
-        "offer" => offer(env("PORT").parse().unwrap(), env("HOLD_MS").parse().unwrap()),
-        "forge" => forge(env("PORT").parse().unwrap(), env("SPORT").parse().unwrap(), env("HOLD_MS").parse().unwrap()),
+        "offer" => offer(
+            env("PORT").parse().unwrap(),
+            env("HOLD_MS").parse().unwrap(),
+        ),
+        "forge" => forge(
+            env("PORT").parse().unwrap(),
+            env("SPORT").parse().unwrap(),
+            env("HOLD_MS").parse().unwrap(),
+        ),
         "copy" => copy(&env("TARGET")),
         "delete" => delete(env("PORT").parse().unwrap()),
-        "fake-listener" => fake_listener(env("PORT").parse().unwrap(), env("VICTIM_UID").parse().unwrap()),
+        "fake-listener" => fake_listener(
+            env("PORT").parse().unwrap(),
+            env("VICTIM_UID").parse().unwrap(),
+        ),
         "client" => client(
             env("PORT").parse().unwrap(),
             std::env::var("SPORT").ok().map(|p| p.parse().unwrap()),
             &unhex(&env("MSG")),
         ),
-        "server" => server(env("PORT").parse().unwrap(), env("DELAY_MS").parse().unwrap()),
+        "server" => server(
+            env("PORT").parse().unwrap(),
+            env("DELAY_MS").parse().unwrap(),
+        ),
         other => panic!("unknown role {other}"),
     }
 }
@@ -372,12 +385,8 @@ fn unhex(s: &str) -> Vec<u8> {
 }
 
 fn join(name: &str) -> Domain {
-    Domain::join(
-        JoinOptions::new(name)
-            .arena_len(64 << 10)
-            .ring_entries(2),
-    )
-    .expect("joining the broker")
+    Domain::join(JoinOptions::new(name).arena_len(64 << 10).ring_entries(2))
+        .expect("joining the broker")
 }
 
 /// Blocks until the test closes our stdin (our domain stays alive meanwhile).
@@ -437,7 +446,11 @@ fn segment() -> (std::os::fd::OwnedFd, *mut u8) {
         assert!(fd >= 0);
         assert_eq!(libc::ftruncate(fd, len as libc::off_t), 0);
         assert_eq!(
-            libc::fcntl(fd, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK | libc::F_SEAL_GROW),
+            libc::fcntl(
+                fd,
+                libc::F_ADD_SEALS,
+                libc::F_SEAL_SHRINK | libc::F_SEAL_GROW
+            ),
             0
         );
         let p = libc::mmap(
@@ -487,7 +500,10 @@ fn offer(port: u16, hold_ms: u64) {
         a.sin_family = libc::AF_INET as libc::sa_family_t;
         a.sin_addr.s_addr = u32::from_ne_bytes([127, 0, 0, 1]);
         let alen = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
-        assert_eq!(libc::bind(fd, &a as *const _ as *const libc::sockaddr, alen), 0);
+        assert_eq!(
+            libc::bind(fd, &a as *const _ as *const libc::sockaddr, alen),
+            0
+        );
         std::os::fd::OwnedFd::from_raw_fd(fd)
     };
     let dst: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
@@ -631,9 +647,15 @@ fn client(port: u16, sport: Option<u16>, msg: &[u8]) {
             a.sin_addr.s_addr = u32::from_ne_bytes([127, 0, 0, 1]);
             a.sin_port = sp.to_be();
             let alen = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
-            assert_eq!(libc::bind(fd, &a as *const _ as *const libc::sockaddr, alen), 0);
+            assert_eq!(
+                libc::bind(fd, &a as *const _ as *const libc::sockaddr, alen),
+                0
+            );
             a.sin_port = port.to_be();
-            assert_eq!(libc::connect(fd, &a as *const _ as *const libc::sockaddr, alen), 0);
+            assert_eq!(
+                libc::connect(fd, &a as *const _ as *const libc::sockaddr, alen),
+                0
+            );
             std::net::TcpStream::from_raw_fd(fd)
         },
     };
@@ -659,7 +681,8 @@ fn server(port: u16, delay_ms: u64) {
             Ok(0) | Err(_) => break,
             Ok(k) => {
                 got.extend_from_slice(&buf[..k]);
-                s.set_read_timeout(Some(Duration::from_millis(300))).unwrap();
+                s.set_read_timeout(Some(Duration::from_millis(300)))
+                    .unwrap();
             }
         }
     }

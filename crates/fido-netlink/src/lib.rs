@@ -424,6 +424,98 @@ pub fn find_socket(
     parse_diag_reply(&buf, local, remote).map_err(str::to_string)
 }
 
+/// `TCP_LISTEN` (include/net/tcp_states.h).
+pub const TCP_LISTEN: u8 = 10;
+const NLMSG_DONE: u16 = 3;
+const NLM_F_DUMP: u16 = 0x300;
+/// A dump ends within this many answer datagrams (a bound against a kernel
+/// or a peer that never says `NLMSG_DONE`).
+const MAX_DUMP_DATAGRAMS: usize = 4096;
+
+/// The `inet_diag_req_v2` dump request for every listening TCP socket of
+/// `family` (`AF_INET` or `AF_INET6`).
+pub fn listeners_request(family: libc::c_int) -> Vec<u8> {
+    let mut b = vec![family as u8, libc::IPPROTO_TCP as u8, 0, 0];
+    b.extend_from_slice(&(1u32 << TCP_LISTEN).to_ne_bytes());
+    b.resize(56, 0); // inet_diag_sockid: all zero, the dump filters nothing else
+    let mut m = message(SOCK_DIAG_BY_FAMILY, &b, &[]);
+    m[6..8].copy_from_slice(&((libc::NLM_F_REQUEST as u16) | NLM_F_DUMP).to_ne_bytes());
+    m
+}
+
+/// The sockets in one datagram of an answer to [`listeners_request`]:
+/// (local address, inode) of each, and whether the dump ended (`NLMSG_DONE`).
+/// `Err` for an error message or anything malformed.
+pub fn parse_listeners_datagram(buf: &[u8], family: libc::c_int) -> Result<(Vec<(SocketAddr, u64)>, bool), &'static str> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    while at + NLMSG_HDR <= buf.len() {
+        let len = u32::from_ne_bytes(buf[at..at + 4].try_into().expect("4 bytes")) as usize;
+        let ty = u16::from_ne_bytes([buf[at + 4], buf[at + 5]]);
+        if len < NLMSG_HDR || at + len > buf.len() {
+            return Err("sock_diag dump: malformed message");
+        }
+        match ty {
+            NLMSG_DONE => return Ok((out, true)),
+            NLMSG_ERROR => return Err("sock_diag dump: error answer"),
+            SOCK_DIAG_BY_FAMILY => {
+                let p = &buf[at + NLMSG_HDR..at + len];
+                if p.len() < DIAG_MSG_LEN || i32::from(p[0]) != family {
+                    return Err("sock_diag dump: short answer or another family");
+                }
+                let port = u16::from_be_bytes([p[4], p[5]]);
+                let ip = if family == libc::AF_INET {
+                    IpAddr::from(<[u8; 4]>::try_from(&p[8..12]).expect("4 bytes"))
+                } else {
+                    IpAddr::from(<[u8; 16]>::try_from(&p[8..24]).expect("16 bytes"))
+                };
+                let inode = u64::from(u32::from_ne_bytes(p[68..72].try_into().expect("4 bytes")));
+                out.push((canonical(SocketAddr::new(ip, port)), inode));
+            }
+            _ => return Err("sock_diag dump: unexpected message"),
+        }
+        at += align4(len);
+    }
+    Ok((out, false))
+}
+
+/// Every listening TCP socket of `family` in the namespace of the sock_diag
+/// socket `diag`: (local address, inode).
+pub fn listening_sockets(diag: &OwnedFd, family: libc::c_int) -> Result<Vec<(SocketAddr, u64)>, String> {
+    let msg = listeners_request(family);
+    // SAFETY: sending our buffer on our socket to the kernel (zeroed sockaddr_nl).
+    let r = unsafe {
+        let mut sa: libc::sockaddr_nl = std::mem::zeroed();
+        sa.nl_family = libc::AF_NETLINK as libc::sa_family_t;
+        libc::sendto(
+            diag.as_raw_fd(),
+            msg.as_ptr() as *const libc::c_void,
+            msg.len(),
+            0,
+            &sa as *const _ as *const libc::sockaddr,
+            std::mem::size_of::<libc::sockaddr_nl>() as libc::socklen_t,
+        )
+    };
+    if r != msg.len() as isize {
+        return Err(format!("sock_diag dump: {}", io::Error::last_os_error()));
+    }
+    let mut all = Vec::new();
+    let mut buf = vec![0u8; 32768];
+    for _ in 0..MAX_DUMP_DATAGRAMS {
+        // SAFETY: receiving into our buffer of the length given.
+        let n = unsafe { libc::recv(diag.as_raw_fd(), buf.as_mut_ptr() as *mut libc::c_void, buf.len(), 0) };
+        if n < 0 {
+            return Err(format!("sock_diag dump: {}", io::Error::last_os_error()));
+        }
+        let (mut got, done) = parse_listeners_datagram(&buf[..n as usize], family)?;
+        all.append(&mut got);
+        if done {
+            return Ok(all);
+        }
+    }
+    Err("sock_diag dump: no end".into())
+}
+
 /// Where the route of `rt`'s namespace to `dst` leads (any failure to ask
 /// or to understand the answer: [`Route::Other`]).
 pub fn route(rt: &OwnedFd, dst: IpAddr) -> Route {

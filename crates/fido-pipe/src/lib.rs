@@ -277,6 +277,7 @@ impl Client {
         // ends the client (its pipes died with the broker's engine).
         let options = Options {
             request_timeout: REQUEST_TIMEOUT,
+            link_wait: None,
             reconnect: None,
         };
         let (session, joined) =

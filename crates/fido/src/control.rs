@@ -15,6 +15,14 @@ use std::path::PathBuf;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
+/// How long requests wait (`None`: the session's defaults); see
+/// [`crate::JoinOptions::request_timeout`] and [`crate::JoinOptions::link_wait`].
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Timeouts {
+    pub(crate) request: Option<Duration>,
+    pub(crate) link_wait: Option<Duration>,
+}
+
 pub(crate) struct Control {
     session: Session,
 }
@@ -22,14 +30,19 @@ pub(crate) struct Control {
 impl Control {
     /// Connects to the broker at `path` and sends `join` with the arena's
     /// descriptor. Nothing is read until [`start`](Control::start).
-    pub(crate) fn join(path: PathBuf, join: Request, arena: OwnedFd) -> Result<(Control, Joined)> {
-        Self::join_through(Arc::new(UnixConnector::new(path)), join, vec![arena])
+    pub(crate) fn join(path: PathBuf, join: Request, arena: OwnedFd, timeouts: Timeouts) -> Result<(Control, Joined)> {
+        Self::join_through(Arc::new(UnixConnector::new(path)), join, vec![arena], timeouts)
     }
 
     /// Joins through any carrier: a VM guest's link to its supervisor,
     /// which attaches the VM's arena itself (`fds` is then empty).
-    pub(crate) fn join_through(connector: Arc<dyn fido_control::Connect>, join: Request, fds: Vec<OwnedFd>) -> Result<(Control, Joined)> {
-        let options = Options { reconnect: Some(Backoff::default()), ..Options::default() };
+    pub(crate) fn join_through(connector: Arc<dyn fido_control::Connect>, join: Request, fds: Vec<OwnedFd>, timeouts: Timeouts) -> Result<(Control, Joined)> {
+        let defaults = Options::default();
+        let options = Options {
+            reconnect: Some(Backoff::default()),
+            request_timeout: timeouts.request.unwrap_or(defaults.request_timeout),
+            link_wait: timeouts.link_wait,
+        };
         let (session, joined) = Session::join(connector, join, fds, options)?;
         Ok((Control { session }, joined))
     }
@@ -37,6 +50,22 @@ impl Control {
     /// Starts the control thread, which serves the domain until it is dropped.
     pub(crate) fn start(&self, domain: Weak<dyn Handler>, thread_name: String) -> Result<()> {
         Ok(self.session.start(domain, thread_name)?)
+    }
+
+    /// Whether the link to the broker is up now.
+    pub(crate) fn connected(&self) -> bool {
+        self.session.connected()
+    }
+
+    /// Whether the session ended for good (the broker refused to resume
+    /// this domain, or it was stopped).
+    pub(crate) fn ended(&self) -> bool {
+        self.session.ended()
+    }
+
+    /// Successful reconnections after losing the broker.
+    pub(crate) fn reconnects(&self) -> u64 {
+        self.session.stats().reconnects
     }
 
     /// Sends a request and waits for its reply.

@@ -42,6 +42,11 @@ pub struct JoinOptions {
     pub ring_entries: u32,
     /// Default wait strategy of new channels.
     pub wait: WaitStrategy,
+    /// How long a request waits for the broker's reply (`None`: 15 s).
+    pub request_timeout: Option<Duration>,
+    /// How long a request waits for the link while the domain reconnects to
+    /// a restarted broker (`None`: the request timeout; zero: fail at once).
+    pub link_wait: Option<Duration>,
 }
 
 impl JoinOptions {
@@ -55,7 +60,17 @@ impl JoinOptions {
             broker: None,
             ring_entries: 256,
             wait: WaitStrategy::default(),
+            request_timeout: None,
+            link_wait: None,
         }
+    }
+    pub fn request_timeout(mut self, t: Duration) -> Self {
+        self.request_timeout = Some(t);
+        self
+    }
+    pub fn link_wait(mut self, t: Duration) -> Self {
+        self.link_wait = Some(t);
+        self
     }
     pub fn arena_len(mut self, len: u64) -> Self {
         self.arena_len = len;
@@ -85,6 +100,20 @@ impl JoinOptions {
         self.label = Some(label.into());
         self
     }
+}
+
+/// The state of a domain's link to the broker ([`Domain::broker_link`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BrokerLink {
+    /// Connected; `reconnects` counts the broker restarts the domain
+    /// resumed after (a change means the new broker forgot what only the
+    /// old one kept, e.g. MMNet's listeners).
+    Up { reconnects: u64 },
+    /// The broker went away; the control thread reconnects in the background
+    /// (requests wait up to [`JoinOptions::link_wait`] for it).
+    Reconnecting,
+    /// For good: the broker refused to resume this domain, or it left.
+    Ended,
 }
 
 /// A registry change seen by a watch.
@@ -236,12 +265,13 @@ impl Domain {
         fido_proto::check_name(&opts.name).map_err(|e| InvalidArgument::Name(e.to_string()))?;
         let explicit = opts.broker.is_some() || std::env::var_os("FIDO_BROKER").is_some_and(|b| !b.is_empty());
         let guest_port = if explicit { None } else { fido_guest::Guest::detect() };
+        let timeouts = crate::control::Timeouts { request: opts.request_timeout, link_wait: opts.link_wait };
         let (control, joined, arena, space, platform) = match guest_port {
             None => {
                 let path = opts.broker.clone().unwrap_or_else(fido_proto::default_broker_path);
                 let unplaced = UnplacedArena::create(opts.arena_len, opts.prefault)?;
                 let join = Request::Join { name: opts.name.clone(), label: opts.label.clone(), arena_len: unplaced.len(), resume: None };
-                let (control, joined) = Control::join(path, join, unplaced.ro_fd()?)?;
+                let (control, joined) = Control::join(path, join, unplaced.ro_fd()?, timeouts)?;
                 let space = Arc::new(AddressSpace::new(joined.geometry, opts.address_mode)?);
                 let arena = unplaced.place(&space, joined.slot, joined.domain)?;
                 (control, joined, arena, space, Platform::Host)
@@ -253,7 +283,7 @@ impl Domain {
                 let guest = fido_guest::Guest::open(&port).map_err(|e| Error::broker_protocol(format!("VM guest: {e}")))?;
                 let (arena_fd, arena_len) = guest.own_arena().map_err(|e| Error::broker_protocol(format!("VM guest: {e}")))?;
                 let join = Request::Join { name: opts.name.clone(), label: opts.label.clone(), arena_len, resume: None };
-                let (control, joined) = Control::join_through(guest.connector(), join, Vec::new())?;
+                let (control, joined) = Control::join_through(guest.connector(), join, Vec::new(), timeouts)?;
                 let space = Arc::new(AddressSpace::new(joined.geometry, opts.address_mode)?);
                 let arena = fido_shm::Arena::place_device(&space, joined.slot, joined.domain, arena_fd, arena_len)?;
                 (control, joined, arena, space, Platform::Guest(guest))
@@ -337,6 +367,18 @@ impl Domain {
     /// Counters of this domain's data path (all channels, past and present).
     pub fn counters(&self) -> Counters {
         self.inner.conns.counters()
+    }
+
+    /// The state of this domain's link to the broker now.
+    pub fn broker_link(&self) -> BrokerLink {
+        let c = &self.inner.control;
+        if c.ended() {
+            BrokerLink::Ended
+        } else if c.connected() {
+            BrokerLink::Up { reconnects: c.reconnects() }
+        } else {
+            BrokerLink::Reconnecting
+        }
     }
 
     /// Sends this domain's counters to the broker (shown by `fido status`).

@@ -39,7 +39,7 @@ pub mod validate;
 #[cfg(feature = "tokio")]
 pub use asynch::AsyncChannel;
 pub use channel::{Channel, Message, Msg, SendError, Undelivered};
-pub use domain::{Domain, JoinOptions, Listener, NetClaim, Watch, WatchEvent};
+pub use domain::{BrokerLink, Domain, JoinOptions, Listener, NetClaim, Watch, WatchEvent};
 pub use error::{Error, InvalidArgument, ProtocolError, Result};
 pub use fido_proto::{default_broker_path, Counters, DomainId, ErrorCode, PeerInfo, Status, TxnOp};
 pub use fido_ring::{Descriptor, Segment, WaitStrategy, INLINE_BYTES, MAX_SEGMENTS};

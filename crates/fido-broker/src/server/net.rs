@@ -68,8 +68,8 @@ struct Offer {
 pub(super) struct NetState {
     offers: std::collections::BTreeMap<u64, Offer>,
     next_offer: u64,
-    /// Published listener keys and their domains.
-    listeners: std::collections::BTreeMap<String, DomainId>,
+    /// Published listener keys: their domains and the inodes of the sockets.
+    listeners: std::collections::BTreeMap<String, (DomainId, u64)>,
 }
 
 /// A TCP socket as the kernel describes it.
@@ -256,7 +256,7 @@ impl Server {
             Request::NetClaim => self.net_claim(dom, fds),
             Request::NetListen => self.net_listen(dom, fds),
             Request::NetUnlisten { key } => {
-                if self.net.listeners.get(&key) != Some(&dom) {
+                if self.net.listeners.get(&key).map(|l| l.0) != Some(dom) {
                     return Err(err(ErrorCode::NoSuchKey, format!("{key} is not a listener of this domain")));
                 }
                 self.net.listeners.remove(&key);
@@ -306,7 +306,7 @@ impl Server {
             return Err(err(ErrorCode::BadRequest, "NetOffer: remote address of another family"));
         }
         check_segment(segment.as_fd(), ring_len)?;
-        let (_, netns) = socket_netns(socket.as_fd(), pid)?;
+        let (client_ns, netns) = socket_netns(socket.as_fd(), pid)?;
         drop(socket);
         if netns != own_netns() && !rustix::process::geteuid().is_root() {
             // Proving the connection would mean entering the client's
@@ -315,6 +315,10 @@ impl Server {
                 ErrorCode::Unavailable,
                 "MMNet across network namespaces needs a root broker",
             ));
+        }
+        if let Some(why) = self.unpublished_listener(client_ns.as_fd(), netns, remote) {
+            tracing::debug!(domain = dom, "MMNet offer refused: {why}");
+            return Err(err(ErrorCode::Unavailable, why));
         }
 
         let now = Instant::now();
@@ -345,6 +349,47 @@ impl Server {
             },
         );
         Ok(Some((Reply::NetOffered { offer: id }, Vec::new())))
+    }
+
+    /// Why a connection to `remote` from namespace `ns` (inode `ino`) may
+    /// reach a listener that is not a published Fido listener, so that no
+    /// server would ever claim the offer and the client would wait for it:
+    /// a port shared (`SO_REUSEPORT`) with a program not under `fido run`,
+    /// or a published key whose socket is no longer the one listening
+    /// (closed without the library seeing it, handed to another process).
+    /// `None` when every listening socket that could take the connection
+    /// in that namespace is published (or none listens there: a listener
+    /// in another namespace is the claim's business).
+    fn unpublished_listener(&self, ns: BorrowedFd<'_>, ino: u64, remote: SocketAddr) -> Option<String> {
+        let diag = match netlink(ns, ino, libc::NETLINK_SOCK_DIAG) {
+            Ok(fd) => fd,
+            Err(e) => return Some(format!("cannot list the listeners on port {}: {e}", remote.port())),
+        };
+        let mut listening = Vec::new();
+        for family in [libc::AF_INET, libc::AF_INET6] {
+            match netdiag::listening_sockets(&diag, family) {
+                Ok(mut l) => listening.append(&mut l),
+                Err(e) => return Some(format!("cannot list the listeners on port {}: {e}", remote.port())),
+            }
+        }
+        // Who may take a connection to `remote`: its exact address or a
+        // wildcard of the port (an IPv6 wildcard takes IPv4 too, unless
+        // IPV6_V6ONLY: counting it anyway only ever means plain TCP).
+        let takers: Vec<&(SocketAddr, u64)> = listening
+            .iter()
+            .filter(|(a, _)| {
+                a.port() == remote.port()
+                    && (a.ip() == remote.ip() || (a.ip().is_unspecified() && (a.is_ipv6() || remote.is_ipv4())))
+            })
+            .collect();
+        let published: std::collections::BTreeSet<u64> = self.net.listeners.values().map(|l| l.1).collect();
+        let foreign = takers.iter().find(|(_, inode)| !published.contains(inode))?;
+        Some(format!(
+            "listening socket {} on {} (one of {}) is not a published MMNet listener: plain TCP",
+            foreign.1,
+            foreign.0,
+            takers.len()
+        ))
     }
 
     fn net_claim(&mut self, dom: DomainId, fds: Vec<OwnedFd>) -> Handled {
@@ -473,7 +518,7 @@ impl Server {
         }
         let (_, netns) = socket_netns(socket.as_fd(), pid)?;
         drop(socket);
-        let held = self.net.listeners.values().filter(|d| **d == dom).count() as u64;
+        let held = self.net.listeners.values().filter(|l| l.0 == dom).count() as u64;
         if held >= limit {
             return Err(self.quota(
                 dom,
@@ -490,7 +535,7 @@ impl Server {
             .write(&key, pid.to_string().as_bytes())
             .map_err(|e| super::internal("registry write", e))?;
         self.deliver(events);
-        self.net.listeners.insert(key.clone(), dom);
+        self.net.listeners.insert(key.clone(), (dom, s.inode));
         Ok(Some((Reply::NetListening { key }, Vec::new())))
     }
 
@@ -501,7 +546,7 @@ impl Server {
             .net
             .listeners
             .iter()
-            .filter(|(_, d)| **d == dom)
+            .filter(|(_, l)| l.0 == dom)
             .map(|(k, _)| k.clone())
             .collect();
         for k in keys {

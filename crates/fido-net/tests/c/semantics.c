@@ -357,6 +357,91 @@ static void t_dup_fork(void) {
     close(s);
 }
 
+/* The errors TCP reports when a peer dies or resets, and in what order. */
+static void t_resets(void) {
+    int c, s; char b[64]; ssize_t r; int e;
+    pipes = 0;
+    signal(SIGPIPE, on_pipe);
+    /* a reader killed during a bulk send: ECONNRESET, then EPIPE + SIGPIPE
+     * (TCP: the dying reader's unread data makes its close a RST). The
+     * reader reads 256 KiB and stops; a helper kills it while the writer
+     * is blocked on full buffers. */
+    pair(&c, &s);
+    pid_t pid = fork();
+    if (pid == 0) {
+        close(s);
+        static char sink[1 << 18];
+        rd_all(c, sink, sizeof sink);
+        pause();
+        _exit(0);
+    }
+    close(c);
+    pid_t killer = fork();
+    if (killer == 0) { usleep(300000); kill(pid, SIGKILL); _exit(0); }
+    static char chunk[1 << 16];
+    e = 0;
+    for (int i = 0; i < 16384; i++) {
+        r = write(s, chunk, sizeof chunk);
+        if (r < 0) { e = errno; break; }
+    }
+    waitpid(pid, NULL, 0);
+    waitpid(killer, NULL, 0);
+    OUT("bulk send to a killed reader: %s sigpipe %d", ename(e), (int)pipes);
+    r = write(s, "y", 1);
+    e = errno;
+    OUT("next write: %zd %s sigpipe %d", r, ename(r < 0 ? e : 0), (int)pipes);
+    r = recv(s, b, sizeof b, MSG_DONTWAIT);
+    OUT("read after the reset: %zd %s", r, ename(r < 0 ? errno : 0));
+    int soerr = -1; socklen_t sl = sizeof soerr;
+    getsockopt(s, SOL_SOCKET, SO_ERROR, &soerr, &sl);
+    OUT("SO_ERROR after: %s", ename(soerr));
+    close(s);
+
+    /* a peer killed with our data unread: the reader of the other
+     * direction sees ECONNRESET, with POLLERR and POLLHUP */
+    pair(&c, &s);
+    pid = fork();
+    if (pid == 0) { close(s); wr_all(c, "r", 1); pause(); _exit(0); }
+    close(c);
+    rd_all(s, b, 1);
+    wr_all(s, "unread", 6);
+    usleep(50000);
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+    wait_readable(s);
+    struct pollfd p = {.fd = s, .events = POLLIN | POLLOUT | POLLRDHUP};
+    poll(&p, 1, 1000);
+    OUT("poll after the reset: in %d out %d err %d hup %d rdhup %d", !!(p.revents & POLLIN),
+        !!(p.revents & POLLOUT), !!(p.revents & POLLERR), !!(p.revents & POLLHUP),
+        !!(p.revents & POLLRDHUP));
+    soerr = -1; sl = sizeof soerr;
+    getsockopt(s, SOL_SOCKET, SO_ERROR, &soerr, &sl);
+    OUT("SO_ERROR: %s", ename(soerr));
+    r = recv(s, b, sizeof b, 0);
+    OUT("recv after SO_ERROR took it: %zd %s", r, ename(r < 0 ? errno : 0));
+    r = send(s, "z", 1, MSG_NOSIGNAL);
+    OUT("send after: %zd %s", r, ename(r < 0 ? errno : 0));
+    close(s);
+
+    /* the same without SO_ERROR: the receive reports the reset */
+    pair(&c, &s);
+    pid = fork();
+    if (pid == 0) { close(s); wr_all(c, "r", 1); pause(); _exit(0); }
+    close(c);
+    rd_all(s, b, 1);
+    wr_all(s, "unread", 6);
+    usleep(50000);
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+    wait_readable(s);
+    r = recv(s, b, sizeof b, 0);
+    OUT("recv from a killed peer that had our data: %zd %s", r, ename(r < 0 ? errno : 0));
+    r = recv(s, b, sizeof b, 0);
+    OUT("then: %zd %s", r, ename(r < 0 ? errno : 0));
+    close(s);
+    signal(SIGPIPE, SIG_DFL);
+}
+
 static void t_names(void) {
     int c, s; pair(&c, &s);
     struct sockaddr_in a1, a2, b1, b2; socklen_t l = sizeof a1;
@@ -678,6 +763,7 @@ int main(int argc, char **argv) {
     RUN(t_poll);
     RUN(t_close);
     RUN(t_dup_fork);
+    RUN(t_resets);
     RUN(t_names);
     RUN(t_nonblock_full);
     RUN(t_threads);
