@@ -204,12 +204,18 @@ fn fmt_value(v: f64, unit: &str) -> String {
     }
 }
 
-/// Prints an aligned table grouped by case (cases in order of first appearance). The
+/// Prints where it ran ([`crate::Machine`]: CPU, cores, placement, virtualization,
+/// kernel), then an aligned table grouped by case (cases in order of first appearance). The
 /// `vs fido` column is each value divided by the value of the first record of the same
 /// case and metric whose system starts with `fido` (latency: >1 means slower than fido;
 /// throughput: >1 means faster than fido).
 pub fn print_table(records: &[Record]) {
-    println!("# placement: {}", Placement::detect());
+    print_table_on(records, &crate::Machine::pinned());
+}
+
+/// [`print_table`] with the suite's own machine description (its placement).
+pub fn print_table_on(records: &[Record], machine: &crate::Machine) {
+    println!("{}", machine.header());
     print_rows(records);
 }
 
@@ -293,12 +299,21 @@ pub fn print_rows(records: &[Record]) {
     }
 }
 
-/// Writes one JSON object per line, fields exactly as [`Record`].
+/// Writes one JSON object per line, fields as [`Record`] plus `machine` (where it ran:
+/// [`crate::Machine::pinned`], the placement of the suites that pin with [`Placement`]).
 pub fn write_json(path: &Path, records: &[Record]) -> anyhow::Result<()> {
+    write_json_on(path, records, &crate::Machine::pinned())
+}
+
+/// [`write_json`] with the suite's own machine description (its placement, its tools).
+pub fn write_json_on(path: &Path, records: &[Record], machine: &crate::Machine) -> anyhow::Result<()> {
+    let machine = machine.to_json();
     let f = std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
     let mut w = std::io::BufWriter::new(f);
     for r in records {
-        serde_json::to_writer(&mut w, r)?;
+        let mut v = serde_json::to_value(r)?;
+        v["machine"] = machine.clone();
+        serde_json::to_writer(&mut w, &v)?;
         w.write_all(b"\n")?;
     }
     w.flush()?;

@@ -49,16 +49,18 @@ mod harness;
 pub mod rpc;
 pub mod suites;
 mod ice;
+mod machine;
 mod shm;
 mod sock;
 mod ucx;
 
 pub use harness::{
     PeerArgs,
-    fill, fold, latency_record, mono_ns, percentiles, pin_to, print_rows, print_table, quantile, size_label,
-    spawn_peer, spawn_peer_with, spin_until, time_round_trips, write_json, Histogram, Opts, Peer,
+    fill, fold, latency_record, mono_ns, percentiles, pin_to, print_rows, print_table, print_table_on, quantile, size_label,
+    spawn_peer, spawn_peer_with, spin_until, time_round_trips, write_json, write_json_on, Histogram, Opts, Peer,
     PinGuard, Placement, Record, Watchdog, PEER_FD0,
 };
+pub use machine::Machine;
 pub use sock::{uds_pipeline, Transport};
 
 /// Message sizes of the latency cases.
