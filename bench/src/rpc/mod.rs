@@ -632,9 +632,9 @@ pub fn run_suite(
         let floors: &[(&str, Floor)] = match case {
             Case::NullNotified => &[
                 (FUTEX_FLOOR, crate::shm::futex_floor),
-                (EVENTFD_FLOOR, |o| crate::shm::eventfd_floor(8, o)),
+                (EVENTFD_FLOOR, |o| Ok(crate::shm::eventfd_floor(8, o)?.0)),
             ],
-            Case::NullPolled => &[(SPIN_FLOOR, |o| crate::shm::spin_floor(8, o))],
+            Case::NullPolled => &[(SPIN_FLOOR, |o| Ok(crate::shm::spin_floor(8, o)?.0))],
             _ => &[],
         };
         for (fname, f) in floors {
