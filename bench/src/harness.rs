@@ -75,12 +75,15 @@ pub struct Opts {
 }
 
 impl Opts {
-    /// Whether the point (`system`, `case`) passes the filter.
+    /// Whether the point (`system`, `case`) passes the filter: the system or the
+    /// case contains one of its comma-separated parts (a part ending in `$` must
+    /// end it), as docs/BENCHMARKS.md says.
     pub fn wants(&self, system: &str, case: &str) -> bool {
-        match &self.filter {
-            None => true,
-            Some(f) => system.contains(f.as_str()) || case.contains(f.as_str()),
-        }
+        let Some(f) = &self.filter else { return true };
+        f.split(',').filter(|p| !p.is_empty()).any(|part| match part.strip_suffix('$') {
+            Some(end) => system.ends_with(end) || case.ends_with(end),
+            None => system.contains(part) || case.contains(part),
+        })
     }
 
     /// Measured time per point.
@@ -851,6 +854,18 @@ pub fn size_label(size: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn filter_parts_and_anchors() {
+        let o = |f: &str| Opts { filter: Some(f.into()), ..Opts::default() };
+        assert!(o("latency-polled-64B,latency-adaptive-64B").wants("fido", "latency-adaptive-64B"));
+        assert!(o("latency-polled-64B,latency-adaptive-64B").wants("uds", "latency-polled-64B"));
+        assert!(!o("latency-polled-64B,latency-adaptive-64B").wants("uds", "latency-notified-64B"));
+        assert!(o("4KiB$").wants("uds", "latency-notified-4KiB"));
+        assert!(!o("4KiB$").wants("uds", "throughput-4KiB-touch"));
+        assert!(o("uds").wants("uds", "anything"));
+        assert!(Opts::default().wants("x", "y"));
+    }
 
     /// The placement a suite reads after pinning its measuring thread is the one
     /// it read before: the peer still goes to another CPU (the `uds`/`tcp`
