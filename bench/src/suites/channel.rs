@@ -70,6 +70,17 @@ pub fn run(opts: &Opts) -> anyhow::Result<()> {
              #   so the figure is messages/s x size (uds -notouch still copies every byte twice in the kernel)."
         );
     }
+    println!(
+        "# baselines, each as a competent user would write it, pinned like fido (parent CPU / peer CPU above):\n\
+         #   uds: AF_UNIX SOCK_STREAM socketpair, blocking send(MSG_NOSIGNAL)/read_exact of the whole message, one \
+         buffer per side reused;\n\
+         #   tcp: loopback TCP, TCP_NODELAY both ends, otherwise as uds; eventfd-floor: shared memfd + one blocking \
+         eventfd per direction (read/write);\n\
+         #   spin-floor: shared memfd, both sides spin on one cache line; iceoryx2: ipc pub-sub, polling; \
+         ucx-posix: ucx_perftest am_lat / ucp_am_lat over the posix transport (bench/src/ucx.rs), polling.\n\
+         # latency-adaptive-*: each system's default (fido WaitStrategy::default(); the sockets and the eventfd \
+         block; the spin floor spins); cpu_ns_per_msg = both processes' CPU time in the measured window / messages."
+    );
     eprintln!(
         "({} records in {:.1} s)",
         records.len(),
