@@ -32,8 +32,13 @@
 //! * **Placement.** The measuring parent thread is pinned to the first CPU of its
 //!   affinity mask and the peer to the second (cross-CPU) — see [`Placement`]; with a
 //!   single allowed CPU both share it. `ucx_perftest` gets the same CPUs via `-c`.
-//!   Pipelines (hops+1 processes) are not pinned. [`print_table`] prints the placement
-//!   in its header line.
+//!   Pipelines (hops+1 processes) are not pinned. The placement is read once, from the
+//!   mask the process started with (never from a thread already pinned).
+//! * **Where it ran.** [`print_table`] prints the machine ([`Machine`]: CPU, cores,
+//!   allowed CPUs, NUMA, SMT, virtualization, kernel, cpuidle) and the placement in its
+//!   header; [`write_json`] puts the same in every record (field `machine`).
+//! * **CPU per message.** Latency cases also report `cpu_ns_per_msg`: both sides' CPU
+//!   time (scheduler accounting) over the measured window per message ([`CpuUse`]).
 //! * **Durations.** Quick mode ≈ 0.3 s measured per point (+80 ms warm-up); full mode
 //!   ≈ 2 s (+0.4 s).
 //!
