@@ -75,12 +75,15 @@ pub struct Opts {
 }
 
 impl Opts {
-    /// Whether the point (`system`, `case`) passes the filter.
+    /// Whether the point (`system`, `case`) passes the filter: the system or the
+    /// case contains one of its comma-separated parts (a part ending in `$` must
+    /// end it), as docs/BENCHMARKS.md says.
     pub fn wants(&self, system: &str, case: &str) -> bool {
-        match &self.filter {
-            None => true,
-            Some(f) => system.contains(f.as_str()) || case.contains(f.as_str()),
-        }
+        let Some(f) = &self.filter else { return true };
+        f.split(',').filter(|p| !p.is_empty()).any(|part| match part.strip_suffix('$') {
+            Some(end) => system.ends_with(end) || case.ends_with(end),
+            None => system.contains(part) || case.contains(part),
+        })
     }
 
     /// Measured time per point.
@@ -204,12 +207,18 @@ fn fmt_value(v: f64, unit: &str) -> String {
     }
 }
 
-/// Prints an aligned table grouped by case (cases in order of first appearance). The
+/// Prints where it ran ([`crate::Machine`]: CPU, cores, placement, virtualization,
+/// kernel), then an aligned table grouped by case (cases in order of first appearance). The
 /// `vs fido` column is each value divided by the value of the first record of the same
 /// case and metric whose system starts with `fido` (latency: >1 means slower than fido;
 /// throughput: >1 means faster than fido).
 pub fn print_table(records: &[Record]) {
-    println!("# placement: {}", Placement::detect());
+    print_table_on(records, &crate::Machine::pinned());
+}
+
+/// [`print_table`] with the suite's own machine description (its placement).
+pub fn print_table_on(records: &[Record], machine: &crate::Machine) {
+    println!("{}", machine.header());
     print_rows(records);
 }
 
@@ -293,12 +302,21 @@ pub fn print_rows(records: &[Record]) {
     }
 }
 
-/// Writes one JSON object per line, fields exactly as [`Record`].
+/// Writes one JSON object per line, fields as [`Record`] plus `machine` (where it ran:
+/// [`crate::Machine::pinned`], the placement of the suites that pin with [`Placement`]).
 pub fn write_json(path: &Path, records: &[Record]) -> anyhow::Result<()> {
+    write_json_on(path, records, &crate::Machine::pinned())
+}
+
+/// [`write_json`] with the suite's own machine description (its placement, its tools).
+pub fn write_json_on(path: &Path, records: &[Record], machine: &crate::Machine) -> anyhow::Result<()> {
+    let machine = machine.to_json();
     let f = std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
     let mut w = std::io::BufWriter::new(f);
     for r in records {
-        serde_json::to_writer(&mut w, r)?;
+        let mut v = serde_json::to_value(r)?;
+        v["machine"] = machine.clone();
+        serde_json::to_writer(&mut w, &v)?;
         w.write_all(b"\n")?;
     }
     w.flush()?;
@@ -309,17 +327,31 @@ pub fn write_json(path: &Path, records: &[Record]) -> anyhow::Result<()> {
 // Placement (CPU pinning)
 // ---------------------------------------------------------------------------------------
 
-/// Where the measuring parent and its peer run. Detected from the parent's affinity
-/// mask: the first allowed CPU for the parent, the second for the peer (cross-CPU); if
-/// only one CPU is allowed both share it.
+/// Where the measuring parent and its peer run. Detected from the affinity mask this
+/// process started with: the first allowed CPU for the parent, the second for the peer
+/// (cross-CPU); if only one CPU is allowed both share it.
+///
+/// The mask is read once, before any pinning ([`PinGuard::pin`] and [`pin_to`] make
+/// sure of it), and kept: read again from a thread already pinned to the parent's CPU
+/// it would allow one CPU and put the peer on the parent's CPU too. That is what the
+/// `uds` and `tcp` baselines did until 2026-11-26 (they detected the placement a second
+/// time after pinning): their "cross-CPU" ping-pongs ran on one CPU, where a wake-up
+/// needs no inter-processor interrupt, and looked 3.6× faster than the eventfd floor
+/// on a 16-core machine (issue #20, docs/ARCHITECTURE.md §5.1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Placement {
     pub parent: usize,
     pub peer: usize,
 }
 
+static PLACEMENT: std::sync::OnceLock<Placement> = std::sync::OnceLock::new();
+
 impl Placement {
     pub fn detect() -> Placement {
+        *PLACEMENT.get_or_init(Self::from_current_mask)
+    }
+
+    fn from_current_mask() -> Placement {
         let set = rustix::thread::sched_getaffinity(None).unwrap_or_else(|_| {
             let mut s = CpuSet::new();
             s.set(0);
@@ -364,6 +396,8 @@ impl fmt::Display for Placement {
 
 /// Pins the calling thread to `cpu`.
 pub fn pin_to(cpu: usize) -> anyhow::Result<()> {
+    // The placement is read from the mask before the first pinning narrows it.
+    Placement::detect();
     let mut set = CpuSet::new();
     set.set(cpu);
     rustix::thread::sched_setaffinity(None, &set).with_context(|| format!("pinning to CPU{cpu}"))
@@ -657,8 +691,20 @@ pub fn fold(buf: &[u8]) -> u64 {
 pub fn time_round_trips(
     warmup: Duration,
     duration: Duration,
-    mut round_trip: impl FnMut(u64) -> anyhow::Result<()>,
+    round_trip: impl FnMut(u64) -> anyhow::Result<()>,
 ) -> anyhow::Result<Vec<u64>> {
+    Ok(time_round_trips_cpu(warmup, duration, None, round_trip)?.0)
+}
+
+/// [`time_round_trips`] that also measures the CPU time both sides spent in the
+/// measured window (not the warm-up): this thread's and, with `peer`, every
+/// thread's of that process ([`CpuUse`]).
+pub fn time_round_trips_cpu(
+    warmup: Duration,
+    duration: Duration,
+    peer: Option<u32>,
+    mut round_trip: impl FnMut(u64) -> anyhow::Result<()>,
+) -> anyhow::Result<(Vec<u64>, CpuUse)> {
     let mut seq = 1u64;
     let start = Instant::now();
     while start.elapsed() < warmup {
@@ -666,6 +712,7 @@ pub fn time_round_trips(
         seq += 1;
     }
     let mut samples = Vec::with_capacity(1 << 16);
+    let cpu0 = CpuUse::now(peer);
     let start = Instant::now();
     let mut t0 = start;
     loop {
@@ -678,7 +725,71 @@ pub fn time_round_trips(
         }
         t0 = t1;
     }
-    Ok(samples)
+    let cpu = CpuUse::now(peer).since(&cpu0);
+    Ok((samples, cpu))
+}
+
+/// CPU time (ns on a CPU, user + system, from the scheduler's own accounting
+/// in `/proc/.../schedstat`: nanosecond resolution, unlike the tick-based
+/// `getrusage`) of the measuring thread and of the peer process.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct CpuUse {
+    /// The measuring thread (`/proc/thread-self/schedstat`): the parent process
+    /// may hold other threads (an embedded broker) that are not the measured side.
+    pub parent_ns: u64,
+    /// Every thread of the peer process (`/proc/<pid>/task/*/schedstat`), what a
+    /// user of that side pays; 0 without a peer.
+    pub peer_ns: u64,
+}
+
+impl CpuUse {
+    fn now(peer: Option<u32>) -> CpuUse {
+        let first = |path: &Path| -> u64 {
+            std::fs::read_to_string(path)
+                .ok()
+                .and_then(|s| s.split_whitespace().next().and_then(|v| v.parse().ok()))
+                .unwrap_or(0)
+        };
+        let peer_ns = peer.map_or(0, |pid| {
+            std::fs::read_dir(format!("/proc/{pid}/task"))
+                .map(|d| d.flatten().map(|t| first(&t.path().join("schedstat"))).sum())
+                .unwrap_or(0)
+        });
+        CpuUse {
+            parent_ns: first(Path::new("/proc/thread-self/schedstat")),
+            peer_ns,
+        }
+    }
+
+    fn since(&self, earlier: &CpuUse) -> CpuUse {
+        CpuUse {
+            parent_ns: self.parent_ns.saturating_sub(earlier.parent_ns),
+            peer_ns: self.peer_ns.saturating_sub(earlier.peer_ns),
+        }
+    }
+
+    /// Both sides' CPU time per message of `round_trips` ping-pongs (two
+    /// messages each), in ns.
+    pub fn ns_per_msg(&self, round_trips: usize) -> f64 {
+        (self.parent_ns + self.peer_ns) as f64 / (2 * round_trips.max(1)) as f64
+    }
+}
+
+/// The `cpu_ns_per_msg` record beside a latency record of the same case: both
+/// sides' CPU time over the measured window per message ([`CpuUse::ns_per_msg`]);
+/// p50 / p99 empty, `n` = messages.
+pub fn cpu_record(suite: &str, system: &str, case: &str, cpu: &CpuUse, round_trips: usize) -> Record {
+    Record {
+        suite: suite.into(),
+        case: case.into(),
+        system: system.into(),
+        metric: "cpu_ns_per_msg".into(),
+        value: cpu.ns_per_msg(round_trips),
+        unit: "ns".into(),
+        p50: None,
+        p99: None,
+        n: 2 * round_trips as u64,
+    }
 }
 
 /// Latency record from round-trip samples: one-way = RTT/2.
@@ -743,6 +854,35 @@ pub fn size_label(size: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn filter_parts_and_anchors() {
+        let o = |f: &str| Opts { filter: Some(f.into()), ..Opts::default() };
+        assert!(o("latency-polled-64B,latency-adaptive-64B").wants("fido", "latency-adaptive-64B"));
+        assert!(o("latency-polled-64B,latency-adaptive-64B").wants("uds", "latency-polled-64B"));
+        assert!(!o("latency-polled-64B,latency-adaptive-64B").wants("uds", "latency-notified-64B"));
+        assert!(o("4KiB$").wants("uds", "latency-notified-4KiB"));
+        assert!(!o("4KiB$").wants("uds", "throughput-4KiB-touch"));
+        assert!(o("uds").wants("uds", "anything"));
+        assert!(Opts::default().wants("x", "y"));
+    }
+
+    /// The placement a suite reads after pinning its measuring thread is the one
+    /// it read before: the peer still goes to another CPU (the `uds`/`tcp`
+    /// baselines read it again after pinning and put both ends on one CPU).
+    #[test]
+    fn placement_is_the_same_from_a_pinned_thread() {
+        let cpus = rustix::thread::sched_getaffinity(None).unwrap().count();
+        let before = Placement::detect();
+        assert_eq!(before.cross(), cpus >= 2, "{before:?} with {cpus} CPUs allowed");
+        std::thread::spawn(move || {
+            let _pin = PinGuard::pin(before.parent).unwrap();
+            assert_eq!(rustix::thread::sched_getaffinity(None).unwrap().count(), 1);
+            assert_eq!(Placement::detect(), before, "placement read from a pinned thread");
+        })
+        .join()
+        .unwrap();
+    }
 
     #[test]
     fn percentiles_nearest_rank() {

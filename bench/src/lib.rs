@@ -32,8 +32,13 @@
 //! * **Placement.** The measuring parent thread is pinned to the first CPU of its
 //!   affinity mask and the peer to the second (cross-CPU) — see [`Placement`]; with a
 //!   single allowed CPU both share it. `ucx_perftest` gets the same CPUs via `-c`.
-//!   Pipelines (hops+1 processes) are not pinned. [`print_table`] prints the placement
-//!   in its header line.
+//!   Pipelines (hops+1 processes) are not pinned. The placement is read once, from the
+//!   mask the process started with (never from a thread already pinned).
+//! * **Where it ran.** [`print_table`] prints the machine ([`Machine`]: CPU, cores,
+//!   allowed CPUs, NUMA, SMT, virtualization, kernel, cpuidle) and the placement in its
+//!   header; [`write_json`] puts the same in every record (field `machine`).
+//! * **CPU per message.** Latency cases also report `cpu_ns_per_msg`: both sides' CPU
+//!   time (scheduler accounting) over the measured window per message ([`CpuUse`]).
 //! * **Durations.** Quick mode ≈ 0.3 s measured per point (+80 ms warm-up); full mode
 //!   ≈ 2 s (+0.4 s).
 //!
@@ -49,16 +54,18 @@ mod harness;
 pub mod rpc;
 pub mod suites;
 mod ice;
+mod machine;
 mod shm;
 mod sock;
 mod ucx;
 
 pub use harness::{
     PeerArgs,
-    fill, fold, latency_record, mono_ns, percentiles, pin_to, print_rows, print_table, quantile, size_label,
-    spawn_peer, spawn_peer_with, spin_until, time_round_trips, write_json, Histogram, Opts, Peer,
+    fill, fold, latency_record, mono_ns, percentiles, pin_to, print_rows, print_table, print_table_on, quantile, size_label,
+    spawn_peer, spawn_peer_with, spin_until, time_round_trips, time_round_trips_cpu, cpu_record, CpuUse, write_json, write_json_on, Histogram, Opts, Peer,
     PinGuard, Placement, Record, Watchdog, PEER_FD0,
 };
+pub use machine::Machine;
 pub use sock::{uds_pipeline, Transport};
 
 /// Message sizes of the latency cases.
@@ -105,33 +112,39 @@ pub fn channel_baselines(opts: &Opts) -> anyhow::Result<Vec<Record>> {
         vec![latency_record(system, &case, rtts)]
     };
 
-    for &size in &LATENCY_SIZES {
-        let case = format!("latency-polled-{}", size_label(size));
-        point(opts, &mut out, "spin-floor", &case, || {
-            Ok(lat(
-                "spin-floor",
-                case.clone(),
-                shm::spin_floor(size, opts)?,
-            ))
-        });
+    // Latency with both sides' CPU time per message beside it: `latency-adaptive-*` is
+    // what a user gets by default from each system (Fido's `Adaptive`; a socket or an
+    // eventfd blocks in the kernel; the spin floor spins), `polled` / `notified` the
+    // forced modes.
+    let lat_cpu = |system: &'static str, case: String, (rtts, cpu): (Vec<u64>, CpuUse)| {
+        let n = rtts.len();
+        vec![latency_record(system, &case, rtts), cpu_record("channel", system, &case, &cpu, n)]
+    };
+    for kind in ["polled", "adaptive"] {
+        for &size in &LATENCY_SIZES {
+            let case = format!("latency-{kind}-{}", size_label(size));
+            point(opts, &mut out, "spin-floor", &case, || {
+                Ok(lat_cpu("spin-floor", case.clone(), shm::spin_floor(size, opts)?))
+            });
+        }
     }
-    for &size in &LATENCY_SIZES {
-        let case = format!("latency-notified-{}", size_label(size));
-        point(opts, &mut out, "eventfd-floor", &case, || {
-            Ok(lat(
-                "eventfd-floor",
-                case.clone(),
-                shm::eventfd_floor(size, opts)?,
-            ))
-        });
+    for kind in ["notified", "adaptive"] {
+        for &size in &LATENCY_SIZES {
+            let case = format!("latency-{kind}-{}", size_label(size));
+            point(opts, &mut out, "eventfd-floor", &case, || {
+                Ok(lat_cpu("eventfd-floor", case.clone(), shm::eventfd_floor(size, opts)?))
+            });
+        }
     }
     for t in [Transport::Uds, Transport::Tcp] {
         let system = t.system();
-        for &size in &LATENCY_SIZES {
-            let case = format!("latency-notified-{}", size_label(size));
-            point(opts, &mut out, system, &case, || {
-                Ok(lat(system, case.clone(), sock::latency(t, size, opts)?))
-            });
+        for kind in ["notified", "adaptive"] {
+            for &size in &LATENCY_SIZES {
+                let case = format!("latency-{kind}-{}", size_label(size));
+                point(opts, &mut out, system, &case, || {
+                    Ok(lat_cpu(system, case.clone(), sock::latency(t, size, opts)?))
+                });
+            }
         }
         for &size in &THROUGHPUT_SIZES {
             for touch in [true, false] {

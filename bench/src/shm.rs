@@ -147,8 +147,9 @@ fn check(got: u64, want: u64) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Parent side of `spin-floor` for one size. Returns round-trip samples.
-pub fn spin_floor(size: usize, opts: &Opts) -> anyhow::Result<Vec<u64>> {
+/// Parent side of `spin-floor` for one size. Returns round-trip samples and
+/// both sides' CPU time over the measured window.
+pub fn spin_floor(size: usize, opts: &Opts) -> anyhow::Result<(Vec<u64>, CpuUse)> {
     let place = Placement::detect();
     let (fd, region) = Region::create(size)?;
     let _pin = PinGuard::pin(place.parent)?;
@@ -163,7 +164,7 @@ pub fn spin_floor(size: usize, opts: &Opts) -> anyhow::Result<Vec<u64>> {
     let dog = Watchdog::new(peer.pid(), || {})?;
     let flag = region.flag();
     let abort = dog.flag();
-    let rtts = time_round_trips(opts.warmup(), opts.duration(), |k| {
+    let rtts = time_round_trips_cpu(opts.warmup(), opts.duration(), Some(peer.pid()), |k| {
         region.write(region.ab(), k);
         flag.store(2 * k - 1, Ordering::Release);
         spin_until(|| flag.load(Ordering::Acquire) == 2 * k, &abort, STALL)?;
@@ -217,8 +218,9 @@ fn efd_ring(fd: &OwnedFd) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Parent side of `eventfd-floor` for one size. Returns round-trip samples.
-pub fn eventfd_floor(size: usize, opts: &Opts) -> anyhow::Result<Vec<u64>> {
+/// Parent side of `eventfd-floor` for one size. Returns round-trip samples and
+/// both sides' CPU time over the measured window.
+pub fn eventfd_floor(size: usize, opts: &Opts) -> anyhow::Result<(Vec<u64>, CpuUse)> {
     let place = Placement::detect();
     let (fd, region) = Region::create(size)?;
     let to_peer = rustix::event::eventfd(0, EventfdFlags::CLOEXEC)?;
@@ -237,7 +239,7 @@ pub fn eventfd_floor(size: usize, opts: &Opts) -> anyhow::Result<Vec<u64>> {
         let _ = efd_ring(&wake);
     })?;
     let flag = region.flag();
-    let rtts = time_round_trips(opts.warmup(), opts.duration(), |k| {
+    let rtts = time_round_trips_cpu(opts.warmup(), opts.duration(), Some(peer.pid()), |k| {
         region.write(region.ab(), k);
         flag.store(2 * k - 1, Ordering::Release);
         efd_ring(&to_peer)?;

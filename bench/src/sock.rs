@@ -141,14 +141,15 @@ fn is_eof(e: &std::io::Error) -> bool {
     matches!(e.kind(), UnexpectedEof | BrokenPipe | ConnectionReset)
 }
 
-/// Ping-pong latency for one size. Returns round-trip samples.
-pub fn latency(t: Transport, size: usize, opts: &Opts) -> anyhow::Result<Vec<u64>> {
+/// Ping-pong latency for one size. Returns round-trip samples and both sides'
+/// CPU time over the measured window.
+pub fn latency(t: Transport, size: usize, opts: &Opts) -> anyhow::Result<(Vec<u64>, CpuUse)> {
     let place = Placement::detect();
     let _pin = PinGuard::pin(place.parent)?;
     let (mut s, peer) = connect_peer(t, &["sock-echo".into(), format!("size={size}")])?;
     let mut out = vec![0u8; size];
     let mut inb = vec![0u8; size];
-    let rtts = time_round_trips(opts.warmup(), opts.duration(), |k| {
+    let rtts = time_round_trips_cpu(opts.warmup(), opts.duration(), Some(peer.pid()), |k| {
         fill(&mut out, k);
         s.send_all(&out)?;
         s.read_exact(&mut inb).context("socket peer died")?;

@@ -88,7 +88,13 @@ fn rpc_quick_json_is_well_formed_and_checked() {
         ] {
             assert!(o.contains_key(k), "field {k} missing in {line}");
         }
-        assert_eq!(o.len(), 9, "extra fields in {line}");
+        assert_eq!(o.len(), 10, "extra fields in {line}");
+        // Where it ran (bench/src/machine.rs): CPU, cores, placement, virtualization, kernel.
+        let m = &v["machine"];
+        for k in ["cpu", "cpus", "cpus_allowed", "placement", "virt", "kernel"] {
+            assert!(!m[k].is_null(), "machine.{k} missing in {line}");
+        }
+        assert!(m["cpus"].as_u64().unwrap() >= 1, "{line}");
         assert_eq!(v["suite"], "rpc");
         let (case, system, metric) = (
             v["case"].as_str().unwrap().to_string(),

@@ -49,7 +49,13 @@ fn bench_writes_design_json_lines() {
         ] {
             assert!(keys.contains(&k), "field {k} missing in {line}");
         }
-        assert_eq!(o.len(), 9, "extra fields in {line}");
+        assert_eq!(o.len(), 10, "extra fields in {line}");
+        // Where it ran (bench/src/machine.rs): CPU, cores, placement, virtualization, kernel.
+        let m = &v["machine"];
+        for k in ["cpu", "cpus", "cpus_allowed", "placement", "virt", "kernel"] {
+            assert!(!m[k].is_null(), "machine.{k} missing in {line}");
+        }
+        assert!(m["cpus"].as_u64().unwrap() >= 1, "{line}");
         assert_eq!(v["suite"], "channel");
         assert_eq!(v["case"], "latency-polled-64B");
         assert!(v["value"].is_number() && v["n"].is_u64(), "{line}");

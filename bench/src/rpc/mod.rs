@@ -22,6 +22,9 @@
 //!   per round trip) and `eventfd-floor` (the same through two eventfds, with an
 //!   8-byte payload), both in `bench/src/shm.rs`. No call whose both ends block
 //!   between request and reply can beat the faster of the two.
+//! * `null-adaptive`: the same with each system's default wait — fido's
+//!   `WaitStrategy::default()` (adaptive, learned spin), every other system
+//!   blocks as in `null-notified`: what a user gets without choosing.
 //! * `null-polled`: the same with both ends busy-polling (only systems that can:
 //!   fido's `BusyPoll`, uds with `MSG_DONTWAIT` spinning); `spin-floor` is two
 //!   processes ping-ponging a shared cache line — the floor of any polled call.
@@ -104,6 +107,9 @@ pub const QUICK_LENS: [usize; 3] = [100, 10_000, 1_000_000];
 pub enum Case {
     NullNotified,
     NullPolled,
+    /// A null call with each system's default wait (fido `WaitStrategy::default()`,
+    /// adaptive; every other system blocks as in `null-notified`).
+    NullAdaptive,
     Seq {
         seq: Seq,
         dir: Dir,
@@ -120,6 +126,7 @@ impl Case {
         match self {
             Case::NullNotified => "null-notified".into(),
             Case::NullPolled => "null-polled".into(),
+            Case::NullAdaptive => "null-adaptive".into(),
             Case::Seq { seq, dir, len } => format!("{}-{}-{len}", seq.name(), dir.name()),
             Case::FileRead { size } => format!("file-read-{size}"),
         }
@@ -129,6 +136,7 @@ impl Case {
         Ok(match s {
             "null-notified" => Case::NullNotified,
             "null-polled" => Case::NullPolled,
+            "null-adaptive" => Case::NullAdaptive,
             _ if s.starts_with("file-read-") => Case::FileRead {
                 size: s["file-read-".len()..]
                     .parse()
@@ -150,7 +158,7 @@ impl Case {
 
     /// Every case of a run, in table order.
     pub fn all(quick: bool) -> Vec<Case> {
-        let mut v = vec![Case::NullNotified, Case::NullPolled];
+        let mut v = vec![Case::NullNotified, Case::NullPolled, Case::NullAdaptive];
         let lens: &[usize] = if quick { &QUICK_LENS } else { &LENS };
         for seq in Seq::ALL {
             for dir in [Dir::Send, Dir::Recv] {
@@ -370,7 +378,7 @@ pub fn client_loop(
 ) -> anyhow::Result<ClientResult> {
     let mut seed = 1u64;
     match case {
-        Case::NullNotified | Case::NullPolled => {
+        Case::NullNotified | Case::NullPolled | Case::NullAdaptive => {
             let rtts = crate::harness::time_round_trips(warm, dur, |_| c.null())?;
             let mut rtts = rtts;
             let (p50, p99) = crate::harness::percentiles(&mut rtts);
@@ -632,9 +640,9 @@ pub fn run_suite(
         let floors: &[(&str, Floor)] = match case {
             Case::NullNotified => &[
                 (FUTEX_FLOOR, crate::shm::futex_floor),
-                (EVENTFD_FLOOR, |o| crate::shm::eventfd_floor(8, o)),
+                (EVENTFD_FLOOR, |o| Ok(crate::shm::eventfd_floor(8, o)?.0)),
             ],
-            Case::NullPolled => &[(SPIN_FLOOR, |o| crate::shm::spin_floor(8, o))],
+            Case::NullPolled => &[(SPIN_FLOOR, |o| Ok(crate::shm::spin_floor(8, o)?.0))],
             _ => &[],
         };
         for (fname, f) in floors {
@@ -980,7 +988,7 @@ mod tests {
         for c in Case::all(false) {
             assert_eq!(Case::parse(&c.name()).unwrap(), c);
         }
-        assert_eq!(Case::all(false).len(), 2 + 3 * 2 * 6 + files::SIZES.len());
+        assert_eq!(Case::all(false).len(), 3 + 3 * 2 * 6 + files::SIZES.len());
         assert!(Case::parse("byteseq-sideways-10").is_err());
     }
 

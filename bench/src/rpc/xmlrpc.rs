@@ -47,7 +47,7 @@ impl RpcSystem for XmlRpc {
     }
     fn supports(&self, case: &Case) -> bool {
         // No busy-polling mode, and the case study is fido against tonic only.
-        matches!(case, Case::NullNotified | Case::Seq { .. })
+        matches!(case, Case::NullNotified | Case::NullAdaptive | Case::Seq { .. })
     }
     fn server(&self, addr: &str, _case: &Case, cpu: usize) -> Command {
         let mut c = Command::new(python());

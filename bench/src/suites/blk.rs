@@ -485,8 +485,8 @@ pub fn run(opts: &Opts) -> anyhow::Result<()> {
     drop(broker);
 
     let machine = machine();
-    println!("machine: {machine}");
-    crate::print_table(&records);
+    println!("{}", machine.header());
+    crate::print_rows(&records);
     for s in &skipped {
         println!("skipped: {s}");
     }
@@ -494,13 +494,13 @@ pub fn run(opts: &Opts) -> anyhow::Result<()> {
         println!("{line}");
     }
     if let Some(path) = &opts.json {
-        write_json(path, &records, &machine)?;
+        crate::write_json_on(path, &records, &machine)?;
     }
     Ok(())
 }
 
-/// The machine the run measured: CPUs, kernel and the baselines' versions.
-fn machine() -> serde_json::Value {
+/// The machine the run measured ([`crate::Machine`]) with the baselines' versions.
+fn machine() -> crate::Machine {
     let first_line = |cmd: &str, args: &[&str]| {
         Command::new(cmd)
             .args(args)
@@ -509,34 +509,10 @@ fn machine() -> serde_json::Value {
             .and_then(|o| String::from_utf8_lossy(&o.stdout).lines().next().map(str::to_string))
             .unwrap_or_default()
     };
-    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    let cpu = cpuinfo
-        .lines()
-        .find(|l| l.starts_with("model name"))
-        .and_then(|l| l.split_once(':'))
-        .map(|(_, v)| v.trim().to_string())
-        .unwrap_or_default();
-    serde_json::json!({
-        "host": first_line("hostname", &[]),
-        "cpu": cpu,
-        "cpus": std::thread::available_parallelism().map_or(0, |n| n.get()),
-        "kernel": first_line("uname", &["-r"]),
-        "fio": first_line("fio", &["--version"]),
-        "nbdkit": first_line("nbdkit", &["--version"]),
-        "qemu": first_line("qemu-system-x86_64", &["--version"]),
-    })
-}
-
-/// One JSON object per record, with the machine (DESIGN §8).
-fn write_json(path: &Path, records: &[Record], machine: &serde_json::Value) -> anyhow::Result<()> {
-    let mut out = String::new();
-    for r in records {
-        let mut v = serde_json::to_value(r)?;
-        v["machine"] = machine.clone();
-        out.push_str(&serde_json::to_string(&v)?);
-        out.push('\n');
-    }
-    std::fs::write(path, out).with_context(|| format!("writing {}", path.display()))
+    crate::Machine::describe("unpinned (fio, the NBD servers, the broker and QEMU scheduled by the kernel)")
+        .with("fio", first_line("fio", &["--version"]))
+        .with("nbdkit", first_line("nbdkit", &["--version"]))
+        .with("qemu", first_line("qemu-system-x86_64", &["--version"]))
 }
 
 /// The issue's goals, from this run's own ratios (a goal whose systems did

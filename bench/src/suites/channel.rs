@@ -12,7 +12,11 @@
 //!   **allocates a fresh buffer in its arena** (allocation is part of the cost),
 //!   writes every byte, sends; the peer folds every byte, releases it,
 //!   allocates and fills a reply; one-way = RTT/2. Polled: both sides
-//!   `WaitStrategy::BusyPoll`; notified: `WaitStrategy::Block`.
+//!   `WaitStrategy::BusyPoll`; notified: `WaitStrategy::Block`; adaptive: the
+//!   default (`WaitStrategy::default()`, what a user gets). Each latency case
+//!   also reports `cpu_ns_per_msg`: both processes' CPU time over the measured
+//!   window (scheduler accounting, every thread of the peer, the measuring
+//!   thread of the parent) per message, two messages per round trip.
 //! * `throughput-<size>-{touch,notouch}`: the peer streams (adaptive wait, one
 //!   fresh buffer per message), the parent receives for the measured window.
 //!   `touch`: the sender writes every byte of every message, the receiver
@@ -66,6 +70,17 @@ pub fn run(opts: &Opts) -> anyhow::Result<()> {
              #   so the figure is messages/s x size (uds -notouch still copies every byte twice in the kernel)."
         );
     }
+    println!(
+        "# baselines, each as a competent user would write it, pinned like fido (parent CPU / peer CPU above):\n\
+         #   uds: AF_UNIX SOCK_STREAM socketpair, blocking send(MSG_NOSIGNAL)/read_exact of the whole message, one \
+         buffer per side reused;\n\
+         #   tcp: loopback TCP, TCP_NODELAY both ends, otherwise as uds; eventfd-floor: shared memfd + one blocking \
+         eventfd per direction (read/write);\n\
+         #   spin-floor: shared memfd, both sides spin on one cache line; iceoryx2: ipc pub-sub, polling; \
+         ucx-posix: ucx_perftest am_lat / ucp_am_lat over the posix transport (bench/src/ucx.rs), polling.\n\
+         # latency-adaptive-*: each system's default (fido WaitStrategy::default(); the sockets and the eventfd \
+         block; the spin floor spins); cpu_ns_per_msg = both processes' CPU time in the measured window / messages."
+    );
     eprintln!(
         "({} records in {:.1} s)",
         records.len(),
@@ -106,6 +121,7 @@ pub fn fido_cases(opts: &Opts) -> anyhow::Result<Vec<Record>> {
     for (wait, kind) in [
         (WaitStrategy::BusyPoll, "polled"),
         (WaitStrategy::Block, "notified"),
+        (WaitStrategy::default(), "adaptive"),
     ] {
         for &size in &crate::LATENCY_SIZES {
             let case = format!("latency-{kind}-{}", size_label(size));
@@ -113,7 +129,12 @@ pub fn fido_cases(opts: &Opts) -> anyhow::Result<Vec<Record>> {
             cases.push((
                 case,
                 Box::new(move |ctx: &Ctx| {
-                    Ok(vec![latency_record(SYSTEM, &c2, ctx.latency(size, wait)?)])
+                    let (rtts, cpu) = ctx.latency(size, wait)?;
+                    let n = rtts.len();
+                    Ok(vec![
+                        latency_record(SYSTEM, &c2, rtts),
+                        crate::cpu_record("channel", SYSTEM, &c2, &cpu, n),
+                    ])
                 }),
             ));
         }
@@ -281,8 +302,9 @@ impl Ctx {
         Ok(rtts)
     }
 
-    /// Ping-pong; returns round-trip samples.
-    fn latency(&self, size: usize, wait: WaitStrategy) -> anyhow::Result<Vec<u64>> {
+    /// Ping-pong; returns round-trip samples and both sides' CPU time over the
+    /// measured window.
+    fn latency(&self, size: usize, wait: WaitStrategy) -> anyhow::Result<(Vec<u64>, crate::CpuUse)> {
         let place = Placement::detect();
         let svc = service("echo");
         let kid = self.spawn(
@@ -299,7 +321,7 @@ impl Ctx {
         ch.set_wait(wait);
         let rtts = {
             let _pin = PinGuard::pin(place.parent)?;
-            crate::time_round_trips(self.opts.warmup(), self.opts.duration(), |k| {
+            crate::time_round_trips_cpu(self.opts.warmup(), self.opts.duration(), Some(kid.pid()), |k| {
                 let mut b = d.alloc(size)?;
                 fill(&mut b, k);
                 ch.send(b)?;

@@ -202,7 +202,11 @@ pub fn run(o: &PipeBenchOpts) -> anyhow::Result<bool> {
     drop(cx);
     drop(_pin);
     // Print whatever was measured even if a later point failed.
-    crate::print_table(&records);
+    let machine = crate::Machine::describe(format!(
+        "pipe: the application and its busy loops on CPU{app_cpu}; the broker (pipe engine), sinks, sources \
+         and wrk on CPU{eng_cpu}"
+    ));
+    crate::print_table_on(&records, &machine);
     println!(
         "# app + busy loops on CPU{app_cpu}, broker (pipe engine), sinks/sources and wrk on CPU{eng_cpu}; \
          transfers {} MiB; cpu_s_per_gib = the application's CPU time per GiB moved",
@@ -214,7 +218,7 @@ pub fn run(o: &PipeBenchOpts) -> anyhow::Result<bool> {
         t.elapsed().as_secs_f64()
     );
     if let Some(p) = &o.json {
-        crate::write_json(p, &records)?;
+        crate::write_json_on(p, &records, &machine)?;
     }
     r?;
     Ok(ok)

@@ -485,7 +485,15 @@ pub fn run(opts: &Opts, plot: Option<PathBuf>) -> anyhow::Result<bool> {
     let run = run?;
     proc::check_interrupt()?;
     let records = run.records;
-    crate::print_table(&records);
+    let place = crate::Placement::detect();
+    let machine = crate::Machine::describe(format!(
+        "rpc: every point a fresh client process pinned to CPU{} and server process pinned to CPU{}{}; \
+         the driver unpinned",
+        place.parent,
+        place.peer,
+        if place.cross() { "" } else { " (one CPU allowed: the same CPU)" },
+    ));
+    crate::print_table_on(&records, &machine);
     println!(
         "# rpc: client pinned to the parent CPU, server to the peer CPU; value = p50 round trip \
          (null-*, file-read-*) or payload bytes/s (Table 2 volume); did_not_finish = over the per-point \
@@ -506,7 +514,7 @@ pub fn run(opts: &Opts, plot: Option<PathBuf>) -> anyhow::Result<bool> {
         t.elapsed().as_secs_f64()
     );
     if let Some(p) = &opts.json {
-        crate::write_json(p, &records)?;
+        crate::write_json_on(p, &records, &machine)?;
     }
     if let Some(p) = &plot {
         rpc::plot::draw(

@@ -238,6 +238,7 @@ fn blocking_wait_across_threads(futex: bool) {
                     bell: bell.as_fd(),
                     liveness: None,
                     futex: futex.then_some(peer.data_bell()),
+                    learned: &mut Default::default(),
                 },
                 || -> Result<bool, RingError> {
                     got = rx.poll()?;
@@ -330,6 +331,7 @@ fn a_bell_storm_moves_the_waiter_to_its_doorbell_and_a_publish_still_wakes_it() 
                     bell: bell.as_fd(),
                     liveness: None,
                     futex: Some(peer.data_bell()),
+                    learned: &mut Default::default(),
                 },
                 || -> Result<bool, RingError> {
                     got = rx.poll()?;
@@ -375,4 +377,99 @@ fn lap_marks_tell_a_slots_lap_from_the_previous_one() {
             }
         }
     }
+}
+
+/// CPU time the calling thread has used (user + system).
+fn thread_cpu() -> Duration {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+    Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
+}
+
+/// One adaptive wait (the default strategy) for the next descriptor, with the
+/// waiter's futex stage and its learned spin; returns the descriptor.
+fn adaptive_recv(side: &mut Side, epoch: &mut u64, learned: &mut wait::SpinBudget, timeout: Duration) -> Option<Descriptor> {
+    let bell = side.data_bell.clone();
+    let local = *side.rx.local();
+    let peer = side.rx.peer();
+    let rx = &mut side.rx;
+    let mut got = None;
+    let outcome = wait_until(
+        WaitStrategy::default(),
+        Some(Instant::now() + timeout),
+        SleepSite {
+            sleep: local.data_sleep(),
+            epoch,
+            bell: bell.as_fd(),
+            liveness: None,
+            futex: Some(peer.data_bell()),
+            learned,
+        },
+        || -> Result<bool, RingError> {
+            got = rx.poll()?;
+            Ok(got.is_some())
+        },
+    )
+    .unwrap();
+    assert!(outcome == WaitOutcome::Ready || got.is_none(), "{outcome:?}");
+    got
+}
+
+/// A quiet channel burns no CPU: a waiter with the default strategy that
+/// nobody sends to for a second spins once (at most its 50 µs), then sleeps.
+#[test]
+fn an_idle_adaptive_waiter_uses_almost_no_cpu() {
+    let pair = Pair::new(16);
+    let (_a, mut b) = connect(&pair, 16);
+    let (mut epoch, mut learned) = (0, wait::SpinBudget::default());
+    let cpu = thread_cpu();
+    let started = Instant::now();
+    assert!(adaptive_recv(&mut b, &mut epoch, &mut learned, Duration::from_secs(1)).is_none());
+    let (cpu, wall) = (thread_cpu() - cpu, started.elapsed());
+    assert!(wall >= Duration::from_secs(1), "{wall:?}");
+    assert!(cpu < Duration::from_millis(20), "an idle waiter used {cpu:?} of CPU in {wall:?}");
+}
+
+/// A peer that answers every millisecond (slower than any spin would wait):
+/// the adaptive waiter learns to sleep almost at once instead of spinning its
+/// whole 50 µs for nothing before every message.
+#[test]
+fn an_adaptive_waiter_learns_how_long_its_peer_takes() {
+    const N: u64 = 200;
+    let pair = Pair::new(16);
+    let (mut a, mut b) = connect(&pair, 16);
+    let (tx, rx) = std::sync::mpsc::channel::<Duration>();
+    let consumer = std::thread::spawn(move || {
+        let (mut epoch, mut learned) = (0, wait::SpinBudget::default());
+        // Slow phase: the producer sends one descriptor per millisecond.
+        let mut cpu = Duration::ZERO;
+        for i in 0..N {
+            let before = thread_cpu();
+            let d = adaptive_recv(&mut b, &mut epoch, &mut learned, Duration::from_secs(10)).expect("lost wake-up");
+            if i >= 10 {
+                cpu += thread_cpu() - before; // after learning
+            }
+            assert_eq!(d.cookie, i);
+            b.rel.release(d.cookie).unwrap();
+        }
+        tx.send(cpu).unwrap();
+        learned
+    });
+    for i in 0..N {
+        std::thread::sleep(Duration::from_millis(1));
+        while a.tx.poll_release().unwrap().is_some() {}
+        while a.tx.push(&desc(i)).is_err() {
+            assert!(!consumer.is_finished(), "consumer stopped early");
+            std::thread::yield_now();
+            while a.tx.poll_release().unwrap().is_some() {}
+        }
+        a.tx.publish().unwrap();
+    }
+    let cpu = rx.recv_timeout(Duration::from_secs(60)).expect("consumer stalled");
+    let learned = consumer.join().unwrap();
+    // Spinning 50 µs before each of the 190 sleeps would be 9.5 ms on its own;
+    // a sleep and a wake-up cost a few µs of CPU each (tens in a nested guest).
+    let per_msg = cpu / (N as u32 - 10);
+    eprintln!("adaptive waiter, peer answering every ms: {per_msg:?} of CPU per message");
+    assert!(per_msg < Duration::from_micros(35), "{per_msg:?} of CPU per message waited for (spin not learned)");
+    assert!(learned.spin(Duration::from_micros(50)) <= Duration::from_micros(4), "{learned:?}");
 }

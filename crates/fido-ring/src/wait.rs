@@ -27,7 +27,9 @@ use std::time::{Duration, Instant};
 pub enum WaitStrategy {
     /// Spin until the condition holds (or the deadline passes); never sleeps.
     BusyPoll,
-    /// Spin for `spin`, then sleep (futex, then doorbell). The default (50 µs).
+    /// Spin for at most `spin`, then sleep (futex, then doorbell). The default
+    /// (50 µs). How long it really spins is learned from the peer's recent
+    /// response times ([`SpinBudget`]).
     Adaptive { spin: Duration },
     /// Sleep at once (futex, then doorbell).
     Block,
@@ -58,6 +60,61 @@ pub struct SleepSite<'a> {
     pub liveness: Option<BorrowedFd<'a>>,
     /// `None`: skip the futex stage.
     pub futex: Option<&'a AtomicU32>,
+    /// What this waiter learned about its peer's response time (kept by the
+    /// caller from one wait to the next; only `Adaptive` uses it).
+    pub learned: &'a mut SpinBudget,
+}
+
+/// How long an `Adaptive { spin }` waiter spins before it sleeps, learned from
+/// its recent waits: spinning only pays when the peer answers within the spin
+/// (a wake-up costs ~10 µs here, a polled hand-off under 1 µs), and every
+/// microsecond spun for a peer that answers later is CPU burnt for nothing.
+///
+/// * A wait that ended after `t` < `spin` (caught spinning, or woken soon
+///   after sleeping): spin about 4·`t` next time (at most `spin`), falling
+///   from a longer budget by a quarter per wait, so a request/response peer
+///   on an idle core is caught spinning, as a polled channel would.
+/// * A wait that lasted `spin` or longer (the peer answered later than any
+///   spin would have waited): halve the budget, down to [`MIN_SPIN`]. A
+///   channel whose peer answers every millisecond spins a couple of
+///   microseconds per message instead of `spin`; a quiet channel sleeps at once.
+///
+/// Starts at `spin` (nothing learned yet).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SpinBudget {
+    /// The budget in ns; 0 = not learned yet (use the whole `spin`).
+    ns: u64,
+}
+
+/// The least an `Adaptive` waiter spins once it learned its peer is slow: a
+/// peer that becomes fast again is caught within this, and its wait teaches
+/// the longer budget back.
+pub const MIN_SPIN: Duration = Duration::from_micros(2);
+
+impl SpinBudget {
+    /// The spin for the next wait under `Adaptive { spin }`.
+    pub fn spin(&self, spin: Duration) -> Duration {
+        if self.ns == 0 {
+            spin
+        } else {
+            spin.min(Duration::from_nanos(self.ns))
+        }
+    }
+
+    /// Learns from a wait that ended, ready, `took` after it began.
+    pub fn learn(&mut self, took: Duration, spin: Duration) {
+        let max = spin.as_nanos() as u64;
+        let min = (MIN_SPIN.as_nanos() as u64).min(max);
+        let cur = if self.ns == 0 { max } else { self.ns };
+        let t = took.as_nanos() as u64;
+        self.ns = if t < max {
+            t.saturating_mul(4).max(cur - cur / 4).clamp(min, max)
+        } else {
+            (cur / 2).max(min)
+        };
+        // 0 means "not learned": a zero spin budget is stored as 1 ns.
+        self.ns = self.ns.max(1);
+    }
 }
 
 const LIVENESS_CHECK_EVERY: Duration = Duration::from_millis(2);
@@ -116,9 +173,25 @@ pub fn wait_until<E>(
     let start = Instant::now();
     let spin_for = match strategy {
         WaitStrategy::BusyPoll => None,
-        WaitStrategy::Adaptive { spin } => Some(spin),
+        WaitStrategy::Adaptive { spin } => Some(site.learned.spin(spin)),
         WaitStrategy::Block => Some(Duration::ZERO),
     };
+    let learned = &mut *site.learned;
+    let outcome = wait_stages(deadline, start, spin_for, SleepSite { learned: &mut SpinBudget::default(), ..site }, ready);
+    if let (Ok(WaitOutcome::Ready), WaitStrategy::Adaptive { spin }) = (&outcome, strategy) {
+        learned.learn(start.elapsed(), spin);
+    }
+    outcome
+}
+
+/// [`wait_until`]'s spin, futex and doorbell stages.
+fn wait_stages<E>(
+    deadline: Option<Instant>,
+    start: Instant,
+    spin_for: Option<Duration>,
+    site: SleepSite<'_>,
+    mut ready: impl FnMut() -> Result<bool, E>,
+) -> Result<WaitOutcome, E> {
     // Spin phase.
     let mut spins: u32 = 0;
     let mut last_liveness = start;
@@ -147,7 +220,7 @@ pub fn wait_until<E>(
         std::hint::spin_loop();
         spins = spins.wrapping_add(1);
     }
-    let SleepSite { sleep, epoch, bell, liveness, futex: word } = site;
+    let SleepSite { sleep, epoch, bell, liveness, futex: word, .. } = site;
     // Futex stage.
     if let Some(word) = word {
         let now = Instant::now();
@@ -212,5 +285,43 @@ pub fn wait_until<E>(
         if woke.peer_hangup {
             return Ok(WaitOutcome::PeerGone);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SPIN: Duration = Duration::from_micros(50);
+
+    #[test]
+    fn a_slow_peer_shrinks_the_spin_and_a_fast_one_grows_it_back() {
+        let mut b = SpinBudget::default();
+        assert_eq!(b.spin(SPIN), SPIN, "nothing learned: the whole spin");
+        // Answers after 1 ms: halved each time, down to the minimum.
+        for _ in 0..10 {
+            b.learn(Duration::from_millis(1), SPIN);
+        }
+        assert_eq!(b.spin(SPIN), MIN_SPIN);
+        // Woken 12 µs after it began (slept through a fast answer): spins 48 µs.
+        b.learn(Duration::from_micros(12), SPIN);
+        assert_eq!(b.spin(SPIN), Duration::from_micros(48));
+        // Caught after 1 µs, again and again: down a quarter at a time, never
+        // below 4x the answer time.
+        for _ in 0..50 {
+            b.learn(Duration::from_micros(1), SPIN);
+        }
+        assert_eq!(b.spin(SPIN), Duration::from_micros(4));
+        // Never above the strategy's spin, whatever was learned.
+        assert_eq!(b.spin(Duration::from_micros(3)), Duration::from_micros(3));
+        b.learn(Duration::from_micros(40), SPIN);
+        assert_eq!(b.spin(SPIN), SPIN);
+    }
+
+    #[test]
+    fn a_zero_spin_stays_zero() {
+        let mut b = SpinBudget::default();
+        b.learn(Duration::from_micros(5), Duration::ZERO);
+        assert_eq!(b.spin(Duration::ZERO), Duration::ZERO);
     }
 }

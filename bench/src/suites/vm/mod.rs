@@ -355,25 +355,16 @@ fn first_line(cmd: &str, args: &[&str]) -> String {
         .unwrap_or_default()
 }
 
-/// The machine a row was measured on: the host, its CPUs, QEMU, the accelerator.
-fn machine(image: &rig::Image) -> serde_json::Value {
-    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    let cpu = cpuinfo
-        .lines()
-        .find(|l| l.starts_with("model name"))
-        .and_then(|l| l.split_once(':'))
-        .map(|(_, v)| v.trim().to_string())
-        .unwrap_or_default();
-    json!({
-        "host": first_line("hostname", &[]),
-        "cpu": cpu,
-        "cpus": std::thread::available_parallelism().map_or(0, |n| n.get()),
-        "kernel": first_line("uname", &["-r"]),
-        "qemu": first_line("qemu-system-x86_64", &["--version"]),
-        "accel": rig::accel().0,
-        "accel_why": rig::accel().1,
-        "guest": format!("{} vCPU, {VM_MEM_MIB} MiB, {}", 1, image.kernel.display()),
-    })
+/// The machine a row was measured on ([`crate::Machine`]) with QEMU, the
+/// accelerator and the guests.
+fn machine(image: &rig::Image) -> crate::Machine {
+    crate::Machine::describe(
+        "QEMU guests unpinned (each VM 1 vCPU thread, scheduled by the host); host-side peers unpinned",
+    )
+    .with("qemu", first_line("qemu-system-x86_64", &["--version"]))
+    .with("accel", rig::accel().0)
+    .with("accel_why", rig::accel().1.clone())
+    .with("guest", format!("{} vCPU, {VM_MEM_MIB} MiB, {}", 1, image.kernel.display()))
 }
 
 fn find<'a>(rows: &'a [Row], case: &str, system: &str) -> Option<&'a Record> {
@@ -418,8 +409,9 @@ fn goal_lines(rows: &[Row]) -> Vec<String> {
 fn write_json(
     path: &std::path::Path,
     rows: &[Row],
-    machine: &serde_json::Value,
+    machine: &crate::Machine,
 ) -> anyhow::Result<()> {
+    let machine = machine.to_json();
     let mut w = std::io::BufWriter::new(
         std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?,
     );
@@ -690,12 +682,13 @@ pub fn run(opts: &Opts) -> anyhow::Result<()> {
             });
         }
     }
+    println!("{}", machine.header());
     crate::print_rows(&table);
     println!(
         "# vm: accel {} (every VM of the run), 2 VMs x 1 vCPU x {VM_MEM_MIB} MiB, {}; one_way_ns = RTT/2 \
          (host-vm: host clock, vm-vm: VM a's clock); throughput: VM -> host, VM a -> VM b, receiver folds every byte.",
         rig::accel().0,
-        machine["qemu"].as_str().unwrap_or("")
+        machine.extra["qemu"].as_str().unwrap_or("")
     );
     println!(
         "# virtio-net-tcp: tap on a bridge in a private network namespace (host at {}), vhost off, TCP_NODELAY \

@@ -142,10 +142,11 @@ impl Channel {
                 generation: 0,
                 epoch: 0,
                 wait,
+                learned: Default::default(),
                 undelivered: Vec::new(),
                 outstanding: outstanding.clone(),
             }),
-            rx: Mutex::new(RxState { ring: RxRing::new(local, peer_block), epoch: 0, wait, delivered: 0 }),
+            rx: Mutex::new(RxState { ring: RxRing::new(local, peer_block), epoch: 0, wait, learned: Default::default(), delivered: 0 }),
             forwarding: AtomicBool::new(false),
             outstanding,
         });

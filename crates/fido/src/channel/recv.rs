@@ -7,7 +7,7 @@ use super::Channel;
 use crate::error::{Error, ProtocolError, Result};
 use crate::validate::{check_inline, validate, Resolver};
 use fido_proto::GoneReason;
-use fido_ring::{wait_until, Descriptor, RingError, RxRing, SleepSite, WaitOutcome, WaitStrategy, FLAG_INLINE};
+use fido_ring::{wait::SpinBudget, wait_until, Descriptor, RingError, RxRing, SleepSite, WaitOutcome, WaitStrategy, FLAG_INLINE};
 use fido_shm::{GPtr, Mapping, ShmError};
 use std::os::fd::AsFd;
 use std::ptr::NonNull;
@@ -22,6 +22,8 @@ pub(super) struct RxState {
     pub(super) ring: RxRing,
     pub(super) epoch: u64,
     pub(super) wait: WaitStrategy,
+    /// How long an adaptive wait for a message spins, learned from the last ones.
+    pub(super) learned: SpinBudget,
     /// Messages handed out (each a `Msg`), for `ReleaseState`.
     pub(super) delivered: u64,
 }
@@ -201,6 +203,7 @@ impl Channel {
         let local = *rx.ring.local();
         let wait = rx.wait;
         let mut epoch = rx.epoch;
+        let mut learned = rx.learned;
         let ring = &rx.ring;
         let outcome = wait_until(
             wait,
@@ -211,10 +214,12 @@ impl Channel {
                 bell: sh.data_bell.wait.as_fd(),
                 liveness: Some(sh.liveness.as_fd()),
                 futex: sh.futex_reaches.then(|| sh.peer_block.data_bell()),
+                learned: &mut learned,
             },
             || -> std::result::Result<bool, RingError> { Ok(ring.pending()? || !sh.is_open() || ring.peer_closed()) },
         );
         rx.epoch = epoch;
+        rx.learned = learned;
         match outcome {
             Ok(WaitOutcome::Ready) => Ok(()),
             Ok(WaitOutcome::TimedOut) if deadline.is_none_or(|d| Instant::now() < d) => Ok(()),

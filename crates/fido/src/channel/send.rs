@@ -12,7 +12,7 @@ use super::Channel;
 use crate::error::{Error, InvalidArgument, ProtocolError, Result};
 use fido_proto::GoneReason;
 use fido_ring::{
-    doorbell, wait_until, Descriptor, Notify, Segment, SleepSite, TxRing, WaitOutcome, WaitStrategy, FLAG_SG_LIST, INLINE_BYTES,
+    doorbell, wait::SpinBudget, wait_until, Descriptor, Notify, Segment, SleepSite, TxRing, WaitOutcome, WaitStrategy, FLAG_SG_LIST, INLINE_BYTES,
     INLINE_SEGMENTS, MAX_SEGMENTS,
 };
 use fido_shm::Buf;
@@ -72,6 +72,8 @@ pub(super) struct TxState {
     pub(super) generation: u32,
     pub(super) epoch: u64,
     pub(super) wait: WaitStrategy,
+    /// How long an adaptive wait for space spins, learned from the last ones.
+    pub(super) learned: SpinBudget,
     pub(super) undelivered: Vec<Undelivered>,
     /// What the messages in `table` add up to. Written only under the
     /// lock; shared with `ConnShared` so it can be read without taking it.
@@ -354,6 +356,7 @@ impl Channel {
             let local = *tx.ring.local();
             let wait = tx.wait;
             let mut epoch = tx.epoch;
+            let mut learned = tx.learned;
             let outcome = {
                 let txr = &mut *tx;
                 wait_until(
@@ -365,6 +368,7 @@ impl Channel {
                         bell: sh.space_bell.wait.as_fd(),
                         liveness: Some(sh.liveness.as_fd()),
                         futex: sh.futex_reaches.then(|| sh.peer_block.space_bell()),
+                        learned: &mut learned,
                     },
                     || -> std::result::Result<bool, ProtocolError> {
                         txr.reap()?;
@@ -373,6 +377,7 @@ impl Channel {
                 )
             };
             tx.epoch = epoch;
+            tx.learned = learned;
             match outcome {
                 Ok(WaitOutcome::Ready) => {}
                 Ok(WaitOutcome::TimedOut) => return Err(Error::Timeout),
