@@ -21,6 +21,8 @@
 #                    the real programs of the fido-net (MMNet) tests and `fido-bench net`
 #                    (setpriv from util-linux runs the setuid fallback test)
 #   iproute2         `ip netns` / veth pairs of the fido-net cross-namespace test
+#   nodejs           Node's `cluster` (sockets passed to workers over SCM_RIGHTS) in the
+#                    fido-net fallback test
 #   qemu-system-x86, busybox-static, cpio, xz-utils
 #                    the VM domain tests, `fido demo --vm`, `fido-bench vm`: QEMU, and
 #                    what scripts/vm-image.sh builds the test guest's initramfs from
@@ -78,6 +80,7 @@ apt_install build-essential ucx-utils
 apt_install curl wrk nginx-light libnginx-mod-stream fonts-dejavu-core
 apt_install redis-server redis-tools iperf3 sockperf util-linux
 apt_install iproute2
+apt_install nodejs
 apt_install python3
 apt_install qemu-system-x86 busybox-static cpio xz-utils
 apt_install nbdkit libnbd-bin qemu-utils fio

@@ -416,3 +416,33 @@ fn sockets_passed_over_a_unix_socket_never_hang_and_answer_right() {
         assert!(client.child.wait().unwrap().success());
     }
 }
+
+/// Issue #19 item 4 with the real program: Node's `cluster` (the primary
+/// passes each accepted socket to a worker). Under `fido run` 0 of 6
+/// requests succeeded; now every echo is right and none waits.
+#[test]
+fn node_cluster_workers_answer_every_request() {
+    assert!(have("node"), "node missing: scripts/install-test-deps.sh installs nodejs");
+    let dir = tempfile::tempdir().unwrap();
+    let prog = program(dir.path());
+    let sock = dir.path().join("run/broker.sock");
+    let _broker = start_broker(&sock, &dir.path().join("state"));
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/js/cluster_echo.js");
+    let port = free_port();
+    let mut node = Proc::start({
+        let mut c = accel(Path::new("node"), &sock);
+        c.arg(&script).args([&port.to_string(), "2"]);
+        c
+    });
+    node.line("listening", Duration::from_secs(30));
+    const N: usize = 20;
+    let mut c = accel(&prog, &sock);
+    c.env_remove("FIDO_NET_ATTACH_MS")
+        .args(["loop", &port.to_string(), &N.to_string(), "20000"]);
+    let mut client = Proc::start(c);
+    let ok = client.line("ok", Duration::from_secs(60));
+    let (max, p99, p50) = latencies(&ok, N);
+    eprintln!("node cluster: {N} requests of 20000 bytes, p50 {p50} us, p99 {p99} us, max {max} us");
+    assert!(p50 < 50_000 && max < 300_000, "a request waited: {ok}");
+    assert!(client.child.wait().unwrap().success());
+}
