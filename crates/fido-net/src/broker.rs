@@ -156,7 +156,8 @@ pub fn lost() -> bool {
 /// away when they started listening, or restarted since): called where the
 /// program enters the library anyway (accept, the statistics thread).
 pub fn republish() {
-    if !crate::table::has_own_listeners() || domain().is_none() {
+    // Off (or confined): no broker I/O at all.
+    if !crate::config::enabled() || !crate::table::has_own_listeners() || domain().is_none() {
         return;
     }
     // `domain()` moved the epoch on if the broker session changed.

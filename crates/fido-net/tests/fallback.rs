@@ -151,7 +151,10 @@ fn accel(prog: &Path, sock: &Path) -> Command {
     c
 }
 
-/// "ok N max_us p99_us p50_us" -> (max, p99, p50) in microseconds.
+/// "ok N max_us p99_us p50_us" -> (max, p99, p50) in microseconds. Where a
+/// client starts fresh, its slowest connection includes its join to the
+/// broker; a connection that waits for an attach takes at least the default
+/// `FIDO_NET_ATTACH_MS` (500 ms), hence the bound of 450 ms on the slowest.
 fn latencies(ok: &str, n: usize) -> (u64, u64, u64) {
     let v: Vec<u64> = ok.split_whitespace().map(|x| x.parse().unwrap()).collect();
     assert_eq!(v[0], n as u64, "{ok}");
@@ -356,7 +359,7 @@ fn a_port_shared_with_a_plain_listener_stays_plain_tcp_without_waiting() {
             });
         } else {
             // (The slowest includes the client's join to the broker.)
-            assert!(p50 < 50_000 && max < 300_000, "a client waited: {ok}");
+            assert!(p50 < 50_000 && max < 450_000, "a client waited: {ok}");
             assert_eq!(accelerated_total(&sock, "fallback", cpid), 0);
         }
     }
@@ -412,7 +415,7 @@ fn sockets_passed_over_a_unix_socket_never_hang_and_answer_right() {
         let (max, p99, p50) = latencies(&ok, N);
         eprintln!("SCM_RIGHTS master accel {master_accel}, worker accel {worker_accel}: {N} requests, p50 {p50} us, p99 {p99} us, max {max} us");
         // (The slowest includes the client's join to the broker.)
-        assert!(p50 < 50_000 && max < 300_000, "a request waited: {ok}");
+        assert!(p50 < 50_000 && max < 450_000, "a request waited: {ok}");
         assert!(client.child.wait().unwrap().success());
     }
 }
@@ -443,6 +446,6 @@ fn node_cluster_workers_answer_every_request() {
     let ok = client.line("ok", Duration::from_secs(60));
     let (max, p99, p50) = latencies(&ok, N);
     eprintln!("node cluster: {N} requests of 20000 bytes, p50 {p50} us, p99 {p99} us, max {max} us");
-    assert!(p50 < 50_000 && max < 300_000, "a request waited: {ok}");
+    assert!(p50 < 50_000 && max < 450_000, "a request waited: {ok}");
     assert!(client.child.wait().unwrap().success());
 }
