@@ -449,3 +449,43 @@ fn node_cluster_workers_answer_every_request() {
     assert!(p50 < 50_000 && max < 450_000, "a request waited: {ok}");
     assert!(client.child.wait().unwrap().success());
 }
+
+/// Issue #19 item 4, a connection already on the ring when it is passed
+/// (the master peeked at the request first): the receiver cannot know the
+/// ring, so the sender resets it — the client gets a reset error at once,
+/// never a wrong byte or a hang.
+#[test]
+fn a_socket_passed_while_on_the_ring_is_reset_not_hung() {
+    let dir = tempfile::tempdir().unwrap();
+    let prog = program(dir.path());
+    let sock = dir.path().join("run/broker.sock");
+    let _broker = start_broker(&sock, &dir.path().join("state"));
+    let path = dir.path().join("worker.sock");
+    let mut worker = Proc::start({
+        let mut c = accel(&prog, &sock);
+        c.arg("worker").arg(&path);
+        c
+    });
+    worker.line("ready", Duration::from_secs(20));
+    let port = free_port();
+    let mut master = Proc::start({
+        let mut c = accel(&prog, &sock);
+        c.args(["master", &port.to_string()]).arg(&path).arg("peek");
+        c
+    });
+    master.line("listening", Duration::from_secs(20));
+    eventually("the listener published", Duration::from_secs(20), || {
+        listeners(&sock, port) == 1
+    });
+    let mut c = accel(&prog, &sock);
+    c.args(["loop", &port.to_string(), "1", "1000"]);
+    let t0 = Instant::now();
+    let (out, _) = run_limited(&mut c, Duration::from_secs(30));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("reset"),
+        "expected a reset: {out:?}"
+    );
+    assert!(t0.elapsed() < Duration::from_secs(10), "took {:?}", t0.elapsed());
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("mismatch"));
+}
