@@ -489,3 +489,50 @@ fn a_socket_passed_while_on_the_ring_is_reset_not_hung() {
     assert!(t0.elapsed() < Duration::from_secs(10), "took {:?}", t0.elapsed());
     assert!(!String::from_utf8_lossy(&out.stdout).contains("mismatch"));
 }
+
+/// Issue #19 item 1, a broker that stops answering without dying (stopped
+/// with SIGSTOP, hopelessly overloaded): a request waits at most
+/// `max(FIDO_NET_ATTACH_MS, 1 s)`, after which the process asks nothing
+/// for a second, then two, … up to 30 s — so few calls pay the wait
+/// (before, each connect and each accept waited 15 s).
+#[test]
+fn a_stopped_broker_costs_few_waits_not_one_per_connection() {
+    let dir = tempfile::tempdir().unwrap();
+    let prog = program(dir.path());
+    let sock = dir.path().join("run/broker.sock");
+    let broker = start_broker(&sock, &dir.path().join("state"));
+    let port = free_port();
+    let with_default_wait = |mut c: Command| {
+        c.env("FIDO_NET_ATTACH_MS", "500");
+        c
+    };
+    let mut server = Proc::start({
+        let mut c = with_default_wait(accel(&prog, &sock));
+        c.args(["server", &port.to_string()]);
+        c
+    });
+    server.line("listening", Duration::from_secs(20));
+    eventually("the listener published", Duration::from_secs(20), || {
+        listeners(&sock, port) == 1
+    });
+    const N: usize = 200;
+    let mut client = Proc::start({
+        let mut c = with_default_wait(accel(&prog, &sock));
+        c.args(["loop", &port.to_string(), &N.to_string(), "1000", "2"]);
+        c
+    });
+    client.line("ok", Duration::from_secs(60));
+    let broker_pid = rustix::process::Pid::from_raw(broker.child.id() as i32).unwrap();
+    rustix::process::kill_process(broker_pid, rustix::process::Signal::STOP).unwrap();
+    client.say("go");
+    let t0 = Instant::now();
+    let ok = client.line("ok", Duration::from_secs(40));
+    let took = t0.elapsed();
+    rustix::process::kill_process(broker_pid, rustix::process::Signal::CONT).unwrap();
+    let (max, p99, p50) = latencies(&ok, N);
+    eprintln!("broker stopped: {N} connect/echo/close in {took:?}, p50 {p50} us, p99 {p99} us, max {max} us");
+    assert!(p50 < 50_000, "most connections waited: {ok}");
+    // A few connections wait for the broker (client and server each at most
+    // once a second), never each one.
+    assert!(took < Duration::from_secs(15), "{N} connections took {took:?}: {ok}");
+}
