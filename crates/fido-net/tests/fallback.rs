@@ -52,16 +52,18 @@ impl Proc {
 
     /// The next line starting with `prefix` (the rest, trimmed), within `t`.
     fn line(&mut self, prefix: &str, t: Duration) -> String {
+        self.try_line(prefix, t)
+            .unwrap_or_else(|| panic!("no {prefix:?} line within {t:?} (hang or exit)"))
+    }
+
+    /// As `line`; `None` when the child exits or `t` passes first.
+    fn try_line(&mut self, prefix: &str, t: Duration) -> Option<String> {
         let deadline = Instant::now() + t;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(l) => {
-                    if let Some(rest) = l.strip_prefix(prefix) {
-                        return rest.trim().to_string();
-                    }
-                }
-                Err(_) => panic!("no {prefix:?} line within {t:?} (hang or exit)"),
+            let l = self.lines.recv_timeout(left).ok()?;
+            if let Some(rest) = l.strip_prefix(prefix) {
+                return Some(rest.trim().to_string());
             }
         }
     }
@@ -86,6 +88,23 @@ impl Drop for Proc {
     fn drop(&mut self) {
         self.kill9();
     }
+}
+
+/// Starts the listeners `make(port)` returns on a free port and waits until
+/// each prints "listening"; tries another port if one cannot listen there
+/// (a port `free_port` chose may meanwhile be a client's of another test).
+fn listening(make: impl Fn(u16) -> Vec<Command>) -> (Vec<Proc>, u16) {
+    for _ in 0..10 {
+        let port = free_port();
+        let mut procs: Vec<Proc> = make(port).into_iter().map(Proc::start).collect();
+        if procs
+            .iter_mut()
+            .all(|p| p.try_line("listening", Duration::from_secs(30)).is_some())
+        {
+            return (procs, port);
+        }
+    }
+    panic!("no free port to listen on in 10 tries");
 }
 
 /// `fido broker` as a child process (so a test can kill it with SIGKILL).
@@ -181,13 +200,12 @@ fn a_killed_broker_leaves_running_programs_plain_tcp_at_once_and_a_new_one_accel
     let sock = dir.path().join("run/broker.sock");
     let state = dir.path().join("state");
     let mut broker = start_broker(&sock, &state);
-    let port = free_port();
-    let mut server = Proc::start({
+    let (mut servers, port) = listening(|port| {
         let mut c = accel(&prog, &sock);
         c.args(["server", &port.to_string()]);
-        c
+        vec![c]
     });
-    server.line("listening", Duration::from_secs(20));
+    let server = servers.remove(0);
     eventually("the listener published", Duration::from_secs(20), || {
         listeners(&sock, port) == 1
     });
@@ -260,13 +278,12 @@ fn status_lists_no_open_connection_of_an_exited_or_killed_process() {
     let mut servers = Vec::new();
     let mut ports = Vec::new();
     for _ in 0..2 {
-        let port = free_port();
-        let mut server = Proc::start({
+        let (mut server, port) = listening(|port| {
             let mut c = accel(&prog, &sock);
             c.args(["server", &port.to_string()]);
-            c
+            vec![c]
         });
-        server.line("listening", Duration::from_secs(20));
+        let server = server.remove(0);
         eventually("the listener published", Duration::from_secs(20), || {
             listeners(&sock, port) == 1
         });
@@ -326,19 +343,20 @@ fn a_port_shared_with_a_plain_listener_stays_plain_tcp_without_waiting() {
     let _broker = start_broker(&sock, &dir.path().join("state"));
     const N: usize = 40;
     for both_accelerated in [false, true] {
-        let port = free_port();
-        let mut servers = Vec::new();
-        for accelerated in [true, both_accelerated] {
-            let mut c = if accelerated {
-                accel(&prog, &sock)
-            } else {
-                Command::new(&prog)
-            };
-            c.args(["server", &port.to_string(), "reuseport"]);
-            let mut s = Proc::start(c);
-            s.line("listening", Duration::from_secs(20));
-            servers.push(s);
-        }
+        let (_servers, port) = listening(|port| {
+            [true, both_accelerated]
+                .into_iter()
+                .map(|accelerated| {
+                    let mut c = if accelerated {
+                        accel(&prog, &sock)
+                    } else {
+                        Command::new(&prog)
+                    };
+                    c.args(["server", &port.to_string(), "reuseport"]);
+                    c
+                })
+                .collect()
+        });
         let published = if both_accelerated { 2 } else { 1 };
         eventually("the listeners published", Duration::from_secs(20), || {
             listeners(&sock, port) == published
@@ -395,13 +413,11 @@ fn sockets_passed_over_a_unix_socket_never_hang_and_answer_right() {
             c
         });
         worker.line("ready", Duration::from_secs(20));
-        let port = free_port();
-        let mut master = Proc::start({
+        let (_master, port) = listening(|port| {
             let mut c = cmd(master_accel);
             c.args(["master", &port.to_string()]).arg(&path);
-            c
+            vec![c]
         });
-        master.line("listening", Duration::from_secs(20));
         if master_accel {
             eventually("the listener published", Duration::from_secs(20), || {
                 listeners(&sock, port) == 1
@@ -431,13 +447,11 @@ fn node_cluster_workers_answer_every_request() {
     let sock = dir.path().join("run/broker.sock");
     let _broker = start_broker(&sock, &dir.path().join("state"));
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/js/cluster_echo.js");
-    let port = free_port();
-    let mut node = Proc::start({
+    let (_node, port) = listening(|port| {
         let mut c = accel(Path::new("node"), &sock);
         c.arg(&script).args([&port.to_string(), "2"]);
-        c
+        vec![c]
     });
-    node.line("listening", Duration::from_secs(30));
     const N: usize = 20;
     let mut c = accel(&prog, &sock);
     c.env_remove("FIDO_NET_ATTACH_MS")
@@ -467,13 +481,11 @@ fn a_socket_passed_while_on_the_ring_is_reset_not_hung() {
         c
     });
     worker.line("ready", Duration::from_secs(20));
-    let port = free_port();
-    let mut master = Proc::start({
+    let (_master, port) = listening(|port| {
         let mut c = accel(&prog, &sock);
         c.args(["master", &port.to_string()]).arg(&path).arg("peek");
-        c
+        vec![c]
     });
-    master.line("listening", Duration::from_secs(20));
     eventually("the listener published", Duration::from_secs(20), || {
         listeners(&sock, port) == 1
     });
@@ -501,17 +513,15 @@ fn a_stopped_broker_costs_few_waits_not_one_per_connection() {
     let prog = program(dir.path());
     let sock = dir.path().join("run/broker.sock");
     let broker = start_broker(&sock, &dir.path().join("state"));
-    let port = free_port();
     let with_default_wait = |mut c: Command| {
         c.env("FIDO_NET_ATTACH_MS", "500");
         c
     };
-    let mut server = Proc::start({
+    let (_server, port) = listening(|port| {
         let mut c = with_default_wait(accel(&prog, &sock));
         c.args(["server", &port.to_string()]);
-        c
+        vec![c]
     });
-    server.line("listening", Duration::from_secs(20));
     eventually("the listener published", Duration::from_secs(20), || {
         listeners(&sock, port) == 1
     });
