@@ -26,6 +26,8 @@
 #                    net-apps`): memcached + memcslap/memccp/memccat, MariaDB +
 #                    sysbench, sshd + ssh, node (http, cluster), socat, ncat
 #   iproute2         `ip netns` / veth pairs of the fido-net cross-namespace test
+#   nodejs           Node's `cluster` (sockets passed to workers over SCM_RIGHTS) in the
+#                    fido-net fallback test
 #   qemu-system-x86, busybox-static, cpio, xz-utils
 #                    the VM domain tests, `fido demo --vm`, `fido-bench vm`: QEMU, and
 #                    what scripts/vm-image.sh builds the test guest's initramfs from
@@ -85,6 +87,7 @@ apt_install redis-server redis-tools iperf3 sockperf util-linux
 apt_install memcached libmemcached-tools mariadb-server sysbench
 apt_install openssh-server openssh-client nodejs socat ncat
 apt_install iproute2
+apt_install nodejs
 apt_install python3
 apt_install qemu-system-x86 busybox-static cpio xz-utils
 apt_install nbdkit libnbd-bin qemu-utils fio

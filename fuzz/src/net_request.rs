@@ -9,8 +9,9 @@
 //! - 1: a sock_diag reply for a 4-tuple made of the next 38 bytes (two
 //!   16-byte addresses, IPv4 when the first byte is even, two ports); an
 //!   answer taken as a socket must describe exactly that 4-tuple;
-//! - 2: a route reply, 3: a link reply, 4: a namespace-id reply, other: the
-//!   generic netlink header and attribute walkers.
+//! - 2: a route reply, 3: a link reply, 4: a namespace-id reply, 5: a
+//!   datagram of the listening-socket dump (IPv4 when the next byte is
+//!   even), other: the generic netlink header and attribute walkers.
 //!
 //! Never a panic; every slice stays inside the input.
 
@@ -91,6 +92,18 @@ pub fn check(data: &[u8]) -> bool {
         ),
         3 => netlink::parse_link_reply(rest).is_some(),
         4 => netlink::parse_nsid_reply(rest).is_some(),
+        // A datagram of the listening-socket dump (SO_REUSEPORT check).
+        5 => {
+            let family = if rest.first().is_some_and(|b| b % 2 == 0) { libc::AF_INET } else { libc::AF_INET6 };
+            match netlink::parse_listeners_datagram(rest.get(1..).unwrap_or(&[]), family) {
+                Ok((sockets, _)) => {
+                    // Each listed socket took at least one full message.
+                    assert!(sockets.len() * (netlink::NLMSG_HDR + netlink::DIAG_MSG_LEN) <= rest.len());
+                    !sockets.is_empty()
+                }
+                Err(_) => false,
+            }
+        }
         _ => {
             let want = u16::from_ne_bytes([mode, mode]);
             if let Ok(p) = netlink::reply_payload(rest, want) {

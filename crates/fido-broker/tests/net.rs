@@ -51,6 +51,27 @@ fn claim(raw: &mut Raw, accepted: &std::net::TcpStream) -> (Result<Reply, Remote
     raw.request_fds(Request::NetClaim, &[accepted.as_fd()])
 }
 
+/// A listener on `127.0.0.1`, published by `server` (`NetListen`): offers
+/// are made only to ports whose every listener is published.
+fn published_listener(server: &mut Raw) -> std::net::TcpListener {
+    let lst = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    assert!(matches!(
+        server.request_fds(Request::NetListen, &[lst.as_fd()]).0,
+        Ok(Reply::NetListening { .. })
+    ));
+    lst
+}
+
+/// A listening socket on `127.0.0.1:port` with `SO_REUSEPORT` (0: any port).
+fn shared_listener(port: u16) -> OwnedFd {
+    let s = rustix::net::socket(AddressFamily::INET, SocketType::STREAM, None).unwrap();
+    rustix::net::sockopt::set_socket_reuseport(&s, true).unwrap();
+    let a: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    rustix::net::bind(&s, &a).unwrap();
+    rustix::net::listen(&s, 8).unwrap();
+    s
+}
+
 fn joined(b: &TestBroker, name: &str) -> Raw {
     let mut r = b.client();
     r.join(name);
@@ -62,7 +83,7 @@ fn an_offer_goes_only_to_the_server_of_that_very_connection() {
     let b = TestBroker::start();
     let mut client = joined(&b, "net-client");
     let mut server = joined(&b, "net-server");
-    let lst = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let lst = published_listener(&mut server);
     let dst = lst.local_addr().unwrap();
 
     let sock = bound(0);
@@ -96,7 +117,7 @@ fn a_claim_needs_the_offering_socket_not_just_its_address() {
     let b = TestBroker::start();
     let mut client = joined(&b, "net-client");
     let mut server = joined(&b, "net-server");
-    let lst = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let lst = published_listener(&mut server);
     let dst = lst.local_addr().unwrap();
     // Offered from a socket that then goes; another socket takes its port
     // and connects: same 4-tuple, another socket.
@@ -129,7 +150,7 @@ fn offers_are_checked_counted_withdrawn_by_their_domain_and_dropped_with_it() {
     let b = TestBroker::start_with(|c| c.policy = Arc::new(p));
     let mut client = joined(&b, "net-client");
     let mut server = joined(&b, "net-server");
-    let lst = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let lst = published_listener(&mut server);
     let dst = lst.local_addr().unwrap();
     let sock = bound(0);
     let bad = |r: Result<Reply, RemoteError>, code: ErrorCode| {
@@ -194,4 +215,37 @@ fn offers_are_checked_counted_withdrawn_by_their_domain_and_dropped_with_it() {
         }
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
+}
+
+/// Issue #19 item 6: a port where some listening socket that could take the
+/// connection is not a published listener (`SO_REUSEPORT` with a program not
+/// under `fido run`; a key whose socket was closed and replaced) gets no
+/// offer — `Unavailable` at once, plain TCP — since no server would claim it
+/// and the client would wait for the attach.
+#[test]
+fn an_offer_to_a_port_with_an_unpublished_listener_is_refused() {
+    let b = TestBroker::start();
+    let mut client = joined(&b, "net-client");
+    let mut server = joined(&b, "net-server");
+    let fido_side = shared_listener(0);
+    let port = local_port(&fido_side);
+    assert!(matches!(
+        server.request_fds(Request::NetListen, &[fido_side.as_fd()]).0,
+        Ok(Reply::NetListening { .. })
+    ));
+    let dst: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    // Only published listeners: offered.
+    assert!(matches!(offer(&mut client, &bound(0), dst), Ok(Reply::NetOffered { .. })));
+    // A plain program shares the port: refused.
+    let plain = shared_listener(port);
+    let r = offer(&mut client, &bound(0), dst);
+    assert!(matches!(&r, Err(e) if e.code == ErrorCode::Unavailable), "{r:?}");
+    drop(plain);
+    assert!(matches!(offer(&mut client, &bound(0), dst), Ok(Reply::NetOffered { .. })));
+    // The published socket closed, another (unpublished) listens there now:
+    // the key outlived its socket, refused.
+    drop(fido_side);
+    let _successor = shared_listener(port);
+    let r = offer(&mut client, &bound(0), dst);
+    assert!(matches!(&r, Err(e) if e.code == ErrorCode::Unavailable), "{r:?}");
 }

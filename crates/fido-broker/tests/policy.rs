@@ -898,6 +898,12 @@ fn net_policy_refuses_the_mmnet_handshake_and_follows_reloads() {
     let offer = |raw: &mut Raw| {
         let sock = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let dst = sock.local_addr().unwrap();
+        // Published (always allowed): the broker offers only to ports whose
+        // every listener is published.
+        assert!(matches!(
+            raw.request_fds(Request::NetListen, &[sock.as_fd()]).0,
+            Ok(Reply::NetListening { .. })
+        ));
         let client = rustix::net::socket(
             rustix::net::AddressFamily::INET,
             rustix::net::SocketType::STREAM,

@@ -43,7 +43,17 @@ struct Net {
     tried: Instant,
     /// The broker session the epoch counts: (domain id, reconnects).
     session: Option<(u64, u64)>,
+    /// A request went unanswered (a stopped or overloaded broker): until
+    /// then every connection is plain without asking, so at most one call
+    /// per `quiet_for` waits for it.
+    quiet_until: Option<Instant>,
+    /// How long the last quiet period was: doubled (up to [`QUIET_MAX`]) while
+    /// the broker keeps not answering, forgotten once it answers.
+    quiet_for: Duration,
 }
+
+/// The longest a process asks nothing of a broker that stopped answering.
+const QUIET_MAX: Duration = Duration::from_secs(30);
 
 static NET: Mutex<Option<Net>> = Mutex::new(None);
 static BROKER_PATH: Mutex<Option<std::path::PathBuf>> = Mutex::new(None);
@@ -90,6 +100,9 @@ pub fn domain() -> Option<Domain> {
     let mut g = NET.lock();
     match g.as_mut() {
         Some(n) if n.pid == pid => {
+            if n.quiet_until.is_some_and(|t| Instant::now() < t) {
+                return None;
+            }
             if let Some(d) = &n.dom {
                 match d.broker_link() {
                     BrokerLink::Up { reconnects } => {
@@ -150,8 +163,27 @@ pub fn domain() -> Option<Domain> {
         dom: dom.clone(),
         tried: Instant::now(),
         session,
+        quiet_until: None,
+        quiet_for: Duration::ZERO,
     });
     dom
+}
+
+/// Passes a request's result on, noting a broker that did not answer in
+/// time (see `Net::quiet_until`) or that answers again.
+pub fn noted<T>(r: fido::Result<T>) -> fido::Result<T> {
+    let unavailable = matches!(&r, Err(fido::Error::BrokerUnavailable(_)));
+    let mut g = NET.lock();
+    if let Some(n) = g.as_mut().filter(|n| n.pid == std::process::id()) {
+        if unavailable {
+            n.quiet_for = (n.quiet_for * 2).clamp(REJOIN_EVERY, QUIET_MAX);
+            n.quiet_until = Some(Instant::now() + n.quiet_for);
+            debug!("broker unavailable: plain TCP for {:?}", n.quiet_for);
+        } else if r.is_ok() {
+            n.quiet_for = Duration::ZERO;
+        }
+    }
+    r
 }
 
 /// Whether this process had a broker and lost it (it is away, or refused to
@@ -171,7 +203,8 @@ pub fn lost() -> bool {
 /// away when they started listening, or restarted since): called where the
 /// program enters the library anyway (accept, the statistics thread).
 pub fn republish() {
-    if !crate::table::has_own_listeners() || domain().is_none() {
+    // Off (or confined): no broker I/O at all.
+    if !crate::config::enabled() || !crate::table::has_own_listeners() || domain().is_none() {
         return;
     }
     // `domain()` moved the epoch on if the broker session changed.
@@ -271,7 +304,7 @@ pub fn publish_listener(fd: i32, ip: &str, port: u16) -> Option<String> {
     let d = domain()?;
     // SAFETY: `fd` is the program's listening socket, open for this call.
     let sock = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
-    match d.net_listen(sock) {
+    match noted(d.net_listen(sock)) {
         Ok(key) => Some(key),
         Err(e) => {
             match policy_refusal(&e) {
@@ -285,7 +318,7 @@ pub fn publish_listener(fd: i32, ip: &str, port: u16) -> Option<String> {
 
 pub fn withdraw(key: &str) {
     if let Some(d) = domain() {
-        let _ = d.net_unlisten(key);
+        let _ = noted(d.net_unlisten(key));
     }
 }
 
@@ -303,7 +336,7 @@ pub enum Target {
 /// into counts (see `netns`).
 pub fn find_listener(ip: &str, v4: bool, port: u16, local: bool) -> Option<Target> {
     let d = domain()?;
-    let names = d.list(&format!("/net/listen/{port}")).ok()?;
+    let names = noted(d.list(&format!("/net/listen/{port}"))).ok()?;
     let me = netns();
     let dst: Option<std::net::IpAddr> = ip.parse().ok();
     for n in names {
@@ -326,7 +359,7 @@ pub fn find_listener(ip: &str, v4: bool, port: u16, local: bool) -> Option<Targe
         if local != (ns == me) {
             continue;
         }
-        if !matches!(d.read(&format!("/domain/{dom}/pid")), Ok(Some(_))) {
+        if !matches!(noted(d.read(&format!("/domain/{dom}/pid"))), Ok(Some(_))) {
             continue;
         }
         if local {
@@ -360,14 +393,14 @@ pub fn offer(
             std::os::fd::BorrowedFd::borrow_raw(memfd),
         )
     };
-    d.net_offer(sock, seg, remote, ring_len as u64, nonce)
+    noted(d.net_offer(sock, seg, remote, ring_len as u64, nonce))
         .map_err(|e| policy_refusal(&e).unwrap_or_else(|| e.to_string()))
 }
 
 /// Withdraws an offer nobody claimed (the client gave up or closed).
 pub fn withdraw_offer(offer: u64) {
     if let Some(d) = domain() {
-        let _ = d.net_withdraw(offer);
+        let _ = noted(d.net_withdraw(offer));
     }
 }
 
@@ -379,5 +412,5 @@ pub fn claim(fd: i32) -> Result<fido::NetClaim, String> {
     };
     // SAFETY: the accepted socket, open for this call.
     let sock = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
-    d.net_claim(sock).map_err(|e| e.to_string())
+    noted(d.net_claim(sock)).map_err(|e| e.to_string())
 }

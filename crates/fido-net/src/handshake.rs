@@ -349,7 +349,23 @@ pub fn decide(c: &Conn) -> bool {
         let t0 = Instant::now();
         let limit = config::attach_wait();
         let mut i = 0u32;
+        let me = std::process::id();
         while st == seg::PENDING && t0.elapsed() < limit {
+            // The server end was claimed by this very process (a program
+            // talking to itself, one thread or several): it attaches at its
+            // first use, which may come only after this write returns, so
+            // attach for it now — the ring is read by this process.
+            if c.seg.side(seg::SERVER).pid.load(Ordering::Relaxed) == me
+                && h
+                    .state
+                    .compare_exchange(seg::PENDING, seg::ATTACHED, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+            {
+                debug!("client {} -> {}: server end is ours: attached", c.local, c.peer);
+                stats::count_accelerated();
+                st = seg::ATTACHED;
+                break;
+            }
             if i < 1000 {
                 std::hint::spin_loop();
             } else {

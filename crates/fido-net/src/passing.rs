@@ -80,7 +80,9 @@ pub unsafe fn before_send(msg: *const msghdr) {
             if undecided {
                 debug!("fd {fd} passed over a Unix socket before any I/O: plain TCP");
                 stats::count_plain();
-                if let Some(o) = c.offer {
+                // (A process that may not talk to the broker any more lets
+                // the offer expire there.)
+                if let Some(o) = c.offer.filter(|_| config::enabled()) {
                     broker::withdraw_offer(o);
                 }
             } else if c.state() == seg::ATTACHED && !c.broken.load(Ordering::Relaxed) {

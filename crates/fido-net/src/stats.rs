@@ -146,7 +146,7 @@ pub fn publish_stats() {
         }
         *last = (epoch, s.clone());
     }
-    let _ = d.write(&format!("/net/stats/{}", d.id()), s.as_bytes());
+    let _ = broker::noted(d.write(&format!("/net/stats/{}", d.id()), s.as_bytes()));
 }
 
 /// `fork` (atfork child): the child publishes its own statistics once it

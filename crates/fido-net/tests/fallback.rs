@@ -52,16 +52,18 @@ impl Proc {
 
     /// The next line starting with `prefix` (the rest, trimmed), within `t`.
     fn line(&mut self, prefix: &str, t: Duration) -> String {
+        self.try_line(prefix, t)
+            .unwrap_or_else(|| panic!("no {prefix:?} line within {t:?} (hang or exit)"))
+    }
+
+    /// As `line`; `None` when the child exits or `t` passes first.
+    fn try_line(&mut self, prefix: &str, t: Duration) -> Option<String> {
         let deadline = Instant::now() + t;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(l) => {
-                    if let Some(rest) = l.strip_prefix(prefix) {
-                        return rest.trim().to_string();
-                    }
-                }
-                Err(_) => panic!("no {prefix:?} line within {t:?} (hang or exit)"),
+            let l = self.lines.recv_timeout(left).ok()?;
+            if let Some(rest) = l.strip_prefix(prefix) {
+                return Some(rest.trim().to_string());
             }
         }
     }
@@ -86,6 +88,23 @@ impl Drop for Proc {
     fn drop(&mut self) {
         self.kill9();
     }
+}
+
+/// Starts the listeners `make(port)` returns on a free port and waits until
+/// each prints "listening"; tries another port if one cannot listen there
+/// (a port `free_port` chose may meanwhile be a client's of another test).
+fn listening(make: impl Fn(u16) -> Vec<Command>) -> (Vec<Proc>, u16) {
+    for _ in 0..10 {
+        let port = free_port();
+        let mut procs: Vec<Proc> = make(port).into_iter().map(Proc::start).collect();
+        if procs
+            .iter_mut()
+            .all(|p| p.try_line("listening", Duration::from_secs(30)).is_some())
+        {
+            return (procs, port);
+        }
+    }
+    panic!("no free port to listen on in 10 tries");
 }
 
 /// `fido broker` as a child process (so a test can kill it with SIGKILL).
@@ -151,7 +170,10 @@ fn accel(prog: &Path, sock: &Path) -> Command {
     c
 }
 
-/// "ok N max_us p99_us p50_us" -> (max, p99, p50) in microseconds.
+/// "ok N max_us p99_us p50_us" -> (max, p99, p50) in microseconds. Where a
+/// client starts fresh, its slowest connection includes its join to the
+/// broker; a connection that waits for an attach takes at least the default
+/// `FIDO_NET_ATTACH_MS` (500 ms), hence the bound of 450 ms on the slowest.
 fn latencies(ok: &str, n: usize) -> (u64, u64, u64) {
     let v: Vec<u64> = ok.split_whitespace().map(|x| x.parse().unwrap()).collect();
     assert_eq!(v[0], n as u64, "{ok}");
@@ -178,13 +200,12 @@ fn a_killed_broker_leaves_running_programs_plain_tcp_at_once_and_a_new_one_accel
     let sock = dir.path().join("run/broker.sock");
     let state = dir.path().join("state");
     let mut broker = start_broker(&sock, &state);
-    let port = free_port();
-    let mut server = Proc::start({
+    let (mut servers, port) = listening(|port| {
         let mut c = accel(&prog, &sock);
         c.args(["server", &port.to_string()]);
-        c
+        vec![c]
     });
-    server.line("listening", Duration::from_secs(20));
+    let server = servers.remove(0);
     eventually("the listener published", Duration::from_secs(20), || {
         listeners(&sock, port) == 1
     });
@@ -257,13 +278,12 @@ fn status_lists_no_open_connection_of_an_exited_or_killed_process() {
     let mut servers = Vec::new();
     let mut ports = Vec::new();
     for _ in 0..2 {
-        let port = free_port();
-        let mut server = Proc::start({
+        let (mut server, port) = listening(|port| {
             let mut c = accel(&prog, &sock);
             c.args(["server", &port.to_string()]);
-            c
+            vec![c]
         });
-        server.line("listening", Duration::from_secs(20));
+        let server = server.remove(0);
         eventually("the listener published", Duration::from_secs(20), || {
             listeners(&sock, port) == 1
         });
@@ -323,19 +343,20 @@ fn a_port_shared_with_a_plain_listener_stays_plain_tcp_without_waiting() {
     let _broker = start_broker(&sock, &dir.path().join("state"));
     const N: usize = 40;
     for both_accelerated in [false, true] {
-        let port = free_port();
-        let mut servers = Vec::new();
-        for accelerated in [true, both_accelerated] {
-            let mut c = if accelerated {
-                accel(&prog, &sock)
-            } else {
-                Command::new(&prog)
-            };
-            c.args(["server", &port.to_string(), "reuseport"]);
-            let mut s = Proc::start(c);
-            s.line("listening", Duration::from_secs(20));
-            servers.push(s);
-        }
+        let (_servers, port) = listening(|port| {
+            [true, both_accelerated]
+                .into_iter()
+                .map(|accelerated| {
+                    let mut c = if accelerated {
+                        accel(&prog, &sock)
+                    } else {
+                        Command::new(&prog)
+                    };
+                    c.args(["server", &port.to_string(), "reuseport"]);
+                    c
+                })
+                .collect()
+        });
         let published = if both_accelerated { 2 } else { 1 };
         eventually("the listeners published", Duration::from_secs(20), || {
             listeners(&sock, port) == published
@@ -356,7 +377,7 @@ fn a_port_shared_with_a_plain_listener_stays_plain_tcp_without_waiting() {
             });
         } else {
             // (The slowest includes the client's join to the broker.)
-            assert!(p50 < 50_000 && max < 300_000, "a client waited: {ok}");
+            assert!(p50 < 50_000 && max < 450_000, "a client waited: {ok}");
             assert_eq!(accelerated_total(&sock, "fallback", cpid), 0);
         }
     }
@@ -392,13 +413,11 @@ fn sockets_passed_over_a_unix_socket_never_hang_and_answer_right() {
             c
         });
         worker.line("ready", Duration::from_secs(20));
-        let port = free_port();
-        let mut master = Proc::start({
+        let (_master, port) = listening(|port| {
             let mut c = cmd(master_accel);
             c.args(["master", &port.to_string()]).arg(&path);
-            c
+            vec![c]
         });
-        master.line("listening", Duration::from_secs(20));
         if master_accel {
             eventually("the listener published", Duration::from_secs(20), || {
                 listeners(&sock, port) == 1
@@ -412,7 +431,118 @@ fn sockets_passed_over_a_unix_socket_never_hang_and_answer_right() {
         let (max, p99, p50) = latencies(&ok, N);
         eprintln!("SCM_RIGHTS master accel {master_accel}, worker accel {worker_accel}: {N} requests, p50 {p50} us, p99 {p99} us, max {max} us");
         // (The slowest includes the client's join to the broker.)
-        assert!(p50 < 50_000 && max < 300_000, "a request waited: {ok}");
+        assert!(p50 < 50_000 && max < 450_000, "a request waited: {ok}");
         assert!(client.child.wait().unwrap().success());
     }
+}
+
+/// Issue #19 item 4 with the real program: Node's `cluster` (the primary
+/// passes each accepted socket to a worker). Under `fido run` 0 of 6
+/// requests succeeded; now every echo is right and none waits.
+#[test]
+fn node_cluster_workers_answer_every_request() {
+    assert!(have("node"), "node missing: scripts/install-test-deps.sh installs nodejs");
+    let dir = tempfile::tempdir().unwrap();
+    let prog = program(dir.path());
+    let sock = dir.path().join("run/broker.sock");
+    let _broker = start_broker(&sock, &dir.path().join("state"));
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/js/cluster_echo.js");
+    let (_node, port) = listening(|port| {
+        let mut c = accel(Path::new("node"), &sock);
+        c.arg(&script).args([&port.to_string(), "2"]);
+        vec![c]
+    });
+    const N: usize = 20;
+    let mut c = accel(&prog, &sock);
+    c.env_remove("FIDO_NET_ATTACH_MS")
+        .args(["loop", &port.to_string(), &N.to_string(), "20000"]);
+    let mut client = Proc::start(c);
+    let ok = client.line("ok", Duration::from_secs(60));
+    let (max, p99, p50) = latencies(&ok, N);
+    eprintln!("node cluster: {N} requests of 20000 bytes, p50 {p50} us, p99 {p99} us, max {max} us");
+    assert!(p50 < 50_000 && max < 450_000, "a request waited: {ok}");
+    assert!(client.child.wait().unwrap().success());
+}
+
+/// Issue #19 item 4, a connection already on the ring when it is passed
+/// (the master peeked at the request first): the receiver cannot know the
+/// ring, so the sender resets it — the client gets a reset error at once,
+/// never a wrong byte or a hang.
+#[test]
+fn a_socket_passed_while_on_the_ring_is_reset_not_hung() {
+    let dir = tempfile::tempdir().unwrap();
+    let prog = program(dir.path());
+    let sock = dir.path().join("run/broker.sock");
+    let _broker = start_broker(&sock, &dir.path().join("state"));
+    let path = dir.path().join("worker.sock");
+    let mut worker = Proc::start({
+        let mut c = accel(&prog, &sock);
+        c.arg("worker").arg(&path);
+        c
+    });
+    worker.line("ready", Duration::from_secs(20));
+    let (_master, port) = listening(|port| {
+        let mut c = accel(&prog, &sock);
+        c.args(["master", &port.to_string()]).arg(&path).arg("peek");
+        vec![c]
+    });
+    eventually("the listener published", Duration::from_secs(20), || {
+        listeners(&sock, port) == 1
+    });
+    let mut c = accel(&prog, &sock);
+    c.args(["loop", &port.to_string(), "1", "1000"]);
+    let t0 = Instant::now();
+    let (out, _) = run_limited(&mut c, Duration::from_secs(30));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("reset"),
+        "expected a reset: {out:?}"
+    );
+    assert!(t0.elapsed() < Duration::from_secs(10), "took {:?}", t0.elapsed());
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("mismatch"));
+}
+
+/// Issue #19 item 1, a broker that stops answering without dying (stopped
+/// with SIGSTOP, hopelessly overloaded): a request waits at most
+/// `max(FIDO_NET_ATTACH_MS, 1 s)`, after which the process asks nothing
+/// for a second, then two, … up to 30 s — so few calls pay the wait
+/// (before, each connect and each accept waited 15 s).
+#[test]
+fn a_stopped_broker_costs_few_waits_not_one_per_connection() {
+    let dir = tempfile::tempdir().unwrap();
+    let prog = program(dir.path());
+    let sock = dir.path().join("run/broker.sock");
+    let broker = start_broker(&sock, &dir.path().join("state"));
+    let with_default_wait = |mut c: Command| {
+        c.env("FIDO_NET_ATTACH_MS", "500");
+        c
+    };
+    let (_server, port) = listening(|port| {
+        let mut c = with_default_wait(accel(&prog, &sock));
+        c.args(["server", &port.to_string()]);
+        vec![c]
+    });
+    eventually("the listener published", Duration::from_secs(20), || {
+        listeners(&sock, port) == 1
+    });
+    const N: usize = 200;
+    let mut client = Proc::start({
+        let mut c = with_default_wait(accel(&prog, &sock));
+        c.args(["loop", &port.to_string(), &N.to_string(), "1000", "2"]);
+        c
+    });
+    client.line("ok", Duration::from_secs(60));
+    let broker_pid = rustix::process::Pid::from_raw(broker.child.id() as i32).unwrap();
+    rustix::process::kill_process(broker_pid, rustix::process::Signal::STOP).unwrap();
+    client.say("go");
+    let t0 = Instant::now();
+    let ok = client.line("ok", Duration::from_secs(40));
+    let took = t0.elapsed();
+    rustix::process::kill_process(broker_pid, rustix::process::Signal::CONT).unwrap();
+    let (max, p99, p50) = latencies(&ok, N);
+    eprintln!("broker stopped: {N} connect/echo/close in {took:?}, p50 {p50} us, p99 {p99} us, max {max} us");
+    assert!(p50 < 50_000, "most connections waited: {ok}");
+    // A few connections wait for the broker (client and server each at most
+    // once a second), never each one.
+    assert!(took < Duration::from_secs(15), "{N} connections took {took:?}: {ok}");
 }

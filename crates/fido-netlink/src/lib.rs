@@ -4,7 +4,8 @@
 //!
 //! - the broker (`fido_broker::netdiag`, `server::net`) checks MMNet's
 //!   handshake against these facts: which socket has a 4-tuple in a
-//!   namespace, its state, owner and inode (sock_diag exact lookup), where a
+//!   namespace, its state, owner and inode (sock_diag exact lookup), which
+//!   sockets listen in a namespace (sock_diag dump), where a
 //!   namespace's route to an address leads, and namespace ids;
 //! - `fido-net`, the preload library, proves that a route leads straight
 //!   into the peer's namespace before accelerating a connection between
@@ -443,10 +444,16 @@ pub fn listeners_request(family: libc::c_int) -> Vec<u8> {
     m
 }
 
+/// A listening socket as a sock_diag dump lists it: its local address and inode.
+pub type ListeningSocket = (SocketAddr, u64);
+
+/// One datagram of a dump: the sockets it lists, and whether the dump ended.
+pub type DumpPart = (Vec<ListeningSocket>, bool);
+
 /// The sockets in one datagram of an answer to [`listeners_request`]:
 /// (local address, inode) of each, and whether the dump ended (`NLMSG_DONE`).
 /// `Err` for an error message or anything malformed.
-pub fn parse_listeners_datagram(buf: &[u8], family: libc::c_int) -> Result<(Vec<(SocketAddr, u64)>, bool), &'static str> {
+pub fn parse_listeners_datagram(buf: &[u8], family: libc::c_int) -> Result<DumpPart, &'static str> {
     let mut out = Vec::new();
     let mut at = 0;
     while at + NLMSG_HDR <= buf.len() {
@@ -481,7 +488,7 @@ pub fn parse_listeners_datagram(buf: &[u8], family: libc::c_int) -> Result<(Vec<
 
 /// Every listening TCP socket of `family` in the namespace of the sock_diag
 /// socket `diag`: (local address, inode).
-pub fn listening_sockets(diag: &OwnedFd, family: libc::c_int) -> Result<Vec<(SocketAddr, u64)>, String> {
+pub fn listening_sockets(diag: &OwnedFd, family: libc::c_int) -> Result<Vec<ListeningSocket>, String> {
     let msg = listeners_request(family);
     // SAFETY: sending our buffer on our socket to the kernel (zeroed sockaddr_nl).
     let r = unsafe {

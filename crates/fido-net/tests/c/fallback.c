@@ -3,8 +3,9 @@
  *   fallback loop PORT N BYTES [PHASES]  N times connect / send BYTES / read them back / close;
  *                                      prints "ok N max_us p99_us p50_us" (each connection timed);
  *                                      PHASES times, each after a line on stdin (the first at once)
- *   fallback master PORT UNIXPATH      accept on PORT, pass each socket to the worker at
- *                                      UNIXPATH over SCM_RIGHTS (before any I/O), close it
+ *   fallback master PORT UNIXPATH [peek]  accept on PORT, pass each socket to the worker at
+ *                                      UNIXPATH over SCM_RIGHTS (before any I/O; with peek:
+ *                                      after peeking at the first request byte), close it
  *   fallback worker UNIXPATH           take sockets from the master, echo each until EOF
  *   fallback linger PORT               connect, exchange 1000 bytes, print "held", wait for
  *                                      stdin EOF, then exit() without closing the socket
@@ -164,9 +165,12 @@ int main(int argc, char **argv) {
         if (argc < 4) return 2;
         int l = listen_on(atoi(argv[2]), 0);
         int u = unix_socket(argv[3], 0);
+        int peek = argc > 4 && !strcmp(argv[4], "peek");
         for (;;) {
             int c = accept(l, NULL, NULL);
             if (c < 0) continue;
+            char b;
+            if (peek && recv(c, &b, 1, MSG_PEEK) != 1) perror("peek");
             send_fd(u, c);
             close(c);
         }
