@@ -87,7 +87,6 @@ apt_install redis-server redis-tools iperf3 sockperf util-linux
 apt_install memcached libmemcached-tools mariadb-server sysbench
 apt_install openssh-server openssh-client nodejs socat ncat
 apt_install iproute2
-apt_install nodejs
 apt_install python3
 apt_install qemu-system-x86 busybox-static cpio xz-utils
 apt_install nbdkit libnbd-bin qemu-utils fio
