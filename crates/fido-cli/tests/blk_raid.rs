@@ -5,6 +5,7 @@
 //! copied whole (`--full-resync`) until both hold the same bytes; SIGTERM
 //! ends the composition cleanly.
 
+use fido_test_support::bytes::pattern;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -82,17 +83,6 @@ fn storage(broker: &Path, name: &str) -> Proc {
     p
 }
 
-fn pattern(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
 
 fn read_all(c: &BlkClient, len: usize) -> Vec<u8> {
     let mut out = Vec::with_capacity(len);

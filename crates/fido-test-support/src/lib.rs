@@ -17,6 +17,7 @@
 #![forbid(unsafe_code)]
 
 pub mod broker;
+pub mod bytes;
 pub mod child;
 #[cfg(feature = "domains")]
 pub mod domains;

@@ -1,14 +1,4 @@
 //! What the fido-blk test binaries share.
 
 /// Deterministic, seed-dependent bytes: what a test writes and checks back.
-pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
+pub use fido_test_support::bytes::pattern;
