@@ -135,8 +135,14 @@ fn nginx_with_curl_checksums_and_wrk() {
     let conf = nginx_conf(dir, port);
     let mut ng = b.accel("nginx");
     ng.arg("-c").arg(&conf).arg("-e").arg(dir.join("error.log"));
-    let _ng = spawn_quiet(ng);
+    let mut ng = spawn_quiet(ng);
     wait_port(port);
+    // The port answers: make sure it is nginx that answers.
+    assert!(
+        ng.0.try_wait().unwrap().is_none(),
+        "nginx exited: {}",
+        std::fs::read_to_string(dir.join("error.log")).unwrap_or_default()
+    );
 
     let sha = |path: &str| -> String {
         let out = Command::new("sha256sum")

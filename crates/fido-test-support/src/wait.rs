@@ -79,8 +79,48 @@ pub fn run_limited(cmd: &mut Command, limit: Duration) -> (Output, u32) {
 }
 
 /// A free TCP port on 127.0.0.1 (bound then released).
+///
+/// The port comes from below the kernel's ephemeral range
+/// (`ip_local_port_range`), and no two calls in one test process return the
+/// same one. A port from `bind(0)` (what this did before) is exactly what the
+/// kernel hands out next — to a test running alongside, or to any client's
+/// `connect` — between our close and the program's `bind`: the program then
+/// failed to bind, and a client waited forever on the other test's server
+/// (nginx's first curl hung for 60 s on CI while iperf3's test started).
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32768);
+    // 12000 and up: clear of the well-known ports the tests' real servers use
+    // by default (memcached 11211, redis 6379, MariaDB 3306, ...).
+    let (low, high) = (12000u32, ephemeral_low.max(12000 + 1000));
+    let span = high - low;
+    // Test binaries run one after another, but a test may run fido CLI
+    // processes that pick ports too: start each process somewhere else.
+    let start = std::process::id().wrapping_mul(2654435761) % span;
+    for _ in 0..span {
+        let port = (low + (start + NEXT.fetch_add(1, Ordering::Relaxed)) % span) as u16;
+        // Free on every address (a wildcard listener or a connection's
+        // source port would make the program's bind fail): the dual-stack
+        // wildcard conflicts with both families.
+        let free = std::net::TcpListener::bind(("::", port))
+            .or_else(|_| std::net::TcpListener::bind(("0.0.0.0", port)).and_then(|l| {
+                // No IPv6 here at all: the IPv4 wildcard is the whole check.
+                if std::path::Path::new("/proc/net/if_inet6").exists() {
+                    Err(std::io::ErrorKind::AddrInUse.into())
+                } else {
+                    Ok(l)
+                }
+            }))
+            .is_ok();
+        if free {
+            return port;
+        }
+    }
+    panic!("no free TCP port in {low}..{high}");
 }
 
 /// Waits (up to 20 s) until something accepts on 127.0.0.1:port.
