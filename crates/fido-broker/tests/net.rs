@@ -249,3 +249,17 @@ fn an_offer_to_a_port_with_an_unpublished_listener_is_refused() {
     let r = offer(&mut client, &bound(0), dst);
     assert!(matches!(&r, Err(e) if e.code == ErrorCode::Unavailable), "{r:?}");
 }
+
+/// Nothing listens on a loopback port: no server could ever claim the offer
+/// (the connect will be refused), so the broker refuses it at once rather
+/// than keep an offer nobody will claim.
+#[test]
+fn an_offer_to_a_loopback_port_nobody_listens_on_is_refused() {
+    let b = TestBroker::start();
+    let mut client = joined(&b, "net-client");
+    let gone = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dst = gone.local_addr().unwrap();
+    drop(gone);
+    let r = offer(&mut client, &bound(0), dst);
+    assert!(matches!(&r, Err(e) if e.code == ErrorCode::Unavailable && e.message.contains("nothing listens")), "{r:?}");
+}

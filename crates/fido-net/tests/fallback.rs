@@ -383,6 +383,62 @@ fn a_port_shared_with_a_plain_listener_stays_plain_tcp_without_waiting() {
     }
 }
 
+/// A running client whose Fido server is killed and replaced at once by a
+/// plain program on the same port: whatever the client read of the
+/// registry a moment before, the broker refuses its offers (the listening
+/// socket is not a published listener), so no connection waits for an
+/// attach (each would have waited `FIDO_NET_ATTACH_MS`, 10 s here) and every
+/// byte comes back; a Fido server on the port again is accelerated again.
+#[test]
+fn a_listener_replaced_by_a_plain_one_costs_no_wait() {
+    let dir = tempfile::tempdir().unwrap();
+    let prog = program(dir.path());
+    let sock = dir.path().join("run/broker.sock");
+    let _broker = start_broker(&sock, &dir.path().join("state"));
+    let server = |accelerated: bool, port: u16| {
+        let mut c = if accelerated { accel(&prog, &sock) } else { Command::new(&prog) };
+        c.args(["server", &port.to_string()]);
+        let mut p = Proc::start(c);
+        p.line("listening", Duration::from_secs(30));
+        p
+    };
+    let (mut servers, port) = listening(|port| {
+        let mut c = accel(&prog, &sock);
+        c.args(["server", &port.to_string()]);
+        vec![c]
+    });
+    eventually("the listener published", Duration::from_secs(20), || listeners(&sock, port) == 1);
+    const N: usize = 100;
+    let mut client = Proc::start({
+        let mut c = accel(&prog, &sock);
+        c.args(["loop", &port.to_string(), &N.to_string(), "1000", "3"]);
+        c
+    });
+    client.line("ok", Duration::from_secs(60));
+    let cpid = client.child.id();
+    eventually("phase 1 accelerated", Duration::from_secs(10), || {
+        accelerated_total(&sock, "fallback", cpid) == N as u64
+    });
+
+    servers.remove(0).kill9();
+    let plain = server(false, port);
+    client.say("go");
+    let ok = client.line("ok", Duration::from_secs(60));
+    let (max, p99, p50) = latencies(&ok, N);
+    eprintln!("listener replaced by a plain one: p50 {p50} us, p99 {p99} us, max {max} us");
+    assert!(max < 450_000, "a connection waited for an attach: {ok}");
+    assert_eq!(accelerated_total(&sock, "fallback", cpid), N as u64);
+
+    drop(plain);
+    let _fido = server(true, port);
+    eventually("the new listener published", Duration::from_secs(20), || listeners(&sock, port) == 1);
+    client.say("go");
+    client.line("ok", Duration::from_secs(60));
+    eventually("phase 3 accelerated", Duration::from_secs(10), || {
+        accelerated_total(&sock, "fallback", cpid) == 2 * N as u64
+    });
+}
+
 /// Issue #19 item 4: a master accepts and hands each socket, before any
 /// I/O, to a worker over a Unix socket (`SCM_RIGHTS`, as Node's `cluster`
 /// does). Under `fido run` on all three the worker's replies never reached

@@ -316,7 +316,7 @@ impl Server {
                 "MMNet across network namespaces needs a root broker",
             ));
         }
-        if let Some(why) = self.unpublished_listener(client_ns.as_fd(), netns, remote) {
+        if let Some(why) = self.no_sure_taker(client_ns.as_fd(), netns, remote, uid) {
             tracing::debug!(domain = dom, "MMNet offer refused: {why}");
             return Err(err(ErrorCode::Unavailable, why));
         }
@@ -351,16 +351,23 @@ impl Server {
         Ok(Some((Reply::NetOffered { offer: id }, Vec::new())))
     }
 
-    /// Why a connection to `remote` from namespace `ns` (inode `ino`) may
-    /// reach a listener that is not a published Fido listener, so that no
-    /// server would ever claim the offer and the client would wait for it:
-    /// a port shared (`SO_REUSEPORT`) with a program not under `fido run`,
-    /// or a published key whose socket is no longer the one listening
-    /// (closed without the library seeing it, handed to another process).
-    /// `None` when every listening socket that could take the connection
-    /// in that namespace is published (or none listens there: a listener
-    /// in another namespace is the claim's business).
-    fn unpublished_listener(&self, ns: BorrowedFd<'_>, ino: u64, remote: SocketAddr) -> Option<String> {
+    /// Why a connection to `remote` from namespace `ns` (inode `ino`), by a
+    /// client of `uid`, may reach a listener that would never claim the
+    /// offer, so that the client would wait for a claim in vain:
+    /// - a listening socket that is not a published Fido listener — a port
+    ///   shared (`SO_REUSEPORT`) with a program not under `fido run`, or a
+    ///   published key whose socket is no longer the one listening (closed
+    ///   without the library seeing it, handed to another process);
+    /// - a published listener of another uid (its claim would be refused);
+    /// - nothing listening at all on a loopback address (the connect fails).
+    ///
+    /// `None` when every listening socket that could take the connection in
+    /// that namespace is published by a live domain of `uid` (or none listens
+    /// on a non-loopback address: a listener in another namespace is the
+    /// claim's business). The library's own registry read comes a moment
+    /// before the offer and may be stale by then; this check is the one
+    /// against the kernel.
+    fn no_sure_taker(&self, ns: BorrowedFd<'_>, ino: u64, remote: SocketAddr, uid: u32) -> Option<String> {
         let diag = match netlink(ns, ino, libc::NETLINK_SOCK_DIAG) {
             Ok(fd) => fd,
             Err(e) => return Some(format!("cannot list the listeners on port {}: {e}", remote.port())),
@@ -382,14 +389,28 @@ impl Server {
                     && (a.ip() == remote.ip() || (a.ip().is_unspecified() && (a.is_ipv6() || remote.is_ipv4())))
             })
             .collect();
-        let published: std::collections::BTreeSet<u64> = self.net.listeners.values().map(|l| l.1).collect();
-        let foreign = takers.iter().find(|(_, inode)| !published.contains(inode))?;
-        Some(format!(
-            "listening socket {} on {} (one of {}) is not a published MMNet listener: plain TCP",
-            foreign.1,
-            foreign.0,
-            takers.len()
-        ))
+        if takers.is_empty() && remote.ip().is_loopback() {
+            return Some(format!("nothing listens on {remote}"));
+        }
+        for (addr, inode) in &takers {
+            let owner = self.net.listeners.values().find(|l| l.1 == *inode).map(|l| l.0);
+            let Some(dom) = owner else {
+                return Some(format!(
+                    "listening socket {inode} on {addr} (one of {}) is not a published MMNet listener: plain TCP",
+                    takers.len()
+                ));
+            };
+            match self.domains.get(&dom).map(|d| d.uid) {
+                Some(u) if u == uid => {}
+                other => {
+                    return Some(format!(
+                        "the listener on {addr} belongs to {}: its claim would be refused, plain TCP",
+                        other.map_or("a domain that has gone".to_string(), |u| format!("uid {u}, not {uid}"))
+                    ))
+                }
+            }
+        }
+        None
     }
 
     fn net_claim(&mut self, dom: DomainId, fds: Vec<OwnedFd>) -> Handled {
