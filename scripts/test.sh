@@ -76,7 +76,11 @@ step build "${FIDO_CI_BUILD_LIMIT:-2400}" cargo build --release "${cargo_args[@]
 if [[ " ${failed_steps[*]} " == *" build "* ]]; then
     skip_because test "build failed"
 else
-    step test "${FIDO_CI_TEST_LIMIT:-1500}" cargo test --release "${cargo_args[@]}"
+    # Tests that need a cdylib or a binary cargo test does not build (the
+    # preload library, libfido.so) run `cargo build` themselves: with the
+    # same arguments, so it finds everything fresh instead of rebuilding.
+    step test "${FIDO_CI_TEST_LIMIT:-1500}" env FIDO_TEST_CARGO_ARGS="${cargo_args[*]}" \
+        cargo test --release "${cargo_args[@]}"
 fi
 
 # clippy shares the build's dependencies (same profile), so it only checks our crates.

@@ -138,12 +138,18 @@ pub fn library() -> PathBuf {
     BUILT.call_once(|| {
         let target = dir.parent().unwrap();
         let mut c = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
-        c.args(["build", "-q", "-p", "fido-net", "-p", "fido-cli", "--target-dir"]).arg(target);
+        c.args(["build", "-q", "--target-dir"]).arg(target);
+        // The features the whole workspace was built with (scripts/test.sh
+        // sets this): with other features cargo would rebuild much of it.
+        match std::env::var("FIDO_TEST_CARGO_ARGS") {
+            Ok(args) => c.args(args.split_whitespace()),
+            Err(_) => c.args(["-p", "fido-net", "-p", "fido-cli"]),
+        };
         if dir.file_name().is_some_and(|n| n == "release") {
             c.arg("--release");
         }
         let st = c.status().expect("running cargo build");
-        assert!(st.success(), "cargo build -p fido-net -p fido-cli failed");
+        assert!(st.success(), "cargo build of the preload library and the fido binary failed");
     });
     let lib = dir.join("libfido_net.so");
     assert!(lib.is_file(), "{} missing: build with `cargo build -p fido-net`", lib.display());

@@ -14,7 +14,13 @@ fn lib_dir() -> PathBuf {
 /// profile, same target dir) so the C program links today's code.
 fn build_lib(root: &Path, lib: &Path) {
     let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
-    cmd.args(["build", "-p", "fido-capi", "--lib"]).current_dir(root);
+    cmd.arg("build").current_dir(root);
+    // The features the whole workspace was built with (scripts/test.sh sets
+    // this): with other features cargo would rebuild half the workspace first.
+    match std::env::var("FIDO_TEST_CARGO_ARGS") {
+        Ok(args) => cmd.args(args.split_whitespace()),
+        Err(_) => cmd.args(["-p", "fido-capi", "--lib"]),
+    };
     if lib.file_name().is_some_and(|n| n == "release") {
         cmd.arg("--release");
     }
