@@ -442,6 +442,93 @@ pub unsafe extern "C" fn memfd_create(name: *const c_char, flags: c_uint) -> c_i
     fresh(|| unsafe { real::memfd_create(name, flags) })
 }
 
+/// As `fresh` for calls that return a stream (`FILE *`, `DIR *`): the
+/// descriptor under it (`fd_of`) is the fresh number.
+fn fresh_stream<T>(call: impl Fn() -> *mut T, fd_of: impl Fn(*mut T) -> c_int) -> *mut T {
+    let mut r = call();
+    if r.is_null() && sys::errno() == libc::EMFILE && seg::give_back_kept() {
+        r = call();
+    }
+    if !r.is_null() {
+        socket::fresh_fd(fd_of(r));
+    }
+    r
+}
+
+/// The descriptor of a stream the call just returned.
+fn file_fd(f: *mut libc::FILE) -> c_int {
+    // SAFETY: a stream libc just opened.
+    unsafe { libc::fileno(f) }
+}
+
+/// Calls that create descriptors inside libc, where no interposed `open`
+/// sees them (glibc's own `__open`): their number is just as fresh.
+macro_rules! fresh_fns {
+    ($( $name:ident ( $($arg:ident : $ty:ty),* ); )*) => {
+        $(
+            #[no_mangle]
+            pub unsafe extern "C" fn $name($($arg: $ty),*) -> c_int {
+                // SAFETY: the program's arguments, under the call's contract.
+                fresh(|| unsafe { real::$name($($arg),*) })
+            }
+        )*
+    };
+}
+fresh_fns! {
+    timerfd_create(clock: c_int, flags: c_int);
+    inotify_init();
+    inotify_init1(flags: c_int);
+    fanotify_init(flags: c_uint, event_flags: c_uint);
+    creat(path: *const c_char, mode: libc::mode_t);
+    creat64(path: *const c_char, mode: libc::mode_t);
+    mkstemp(template: *mut c_char);
+    mkstemp64(template: *mut c_char);
+    mkostemp(template: *mut c_char, flags: c_int);
+    mkostemp64(template: *mut c_char, flags: c_int);
+    mkstemps(template: *mut c_char, suffix: c_int);
+    mkstemps64(template: *mut c_char, suffix: c_int);
+    mkostemps(template: *mut c_char, suffix: c_int, flags: c_int);
+    mkostemps64(template: *mut c_char, suffix: c_int, flags: c_int);
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn signalfd(fd: c_int, mask: *const libc::sigset_t, flags: c_int) -> c_int {
+    if fd != -1 {
+        // Changes the mask of an existing signalfd: no new number.
+        // SAFETY: the program's arguments, under signalfd(2)'s contract.
+        return unsafe { real::signalfd(fd, mask, flags) };
+    }
+    // SAFETY: as above.
+    fresh(|| unsafe { real::signalfd(fd, mask, flags) })
+}
+
+macro_rules! fresh_file_fns {
+    ($( $name:ident ( $($arg:ident : $ty:ty),* ); )*) => {
+        $(
+            #[no_mangle]
+            pub unsafe extern "C" fn $name($($arg: $ty),*) -> *mut libc::FILE {
+                // SAFETY: the program's arguments, under the call's contract.
+                fresh_stream(|| unsafe { real::$name($($arg),*) }, file_fd)
+            }
+        )*
+    };
+}
+fresh_file_fns! {
+    fopen(path: *const c_char, mode: *const c_char);
+    fopen64(path: *const c_char, mode: *const c_char);
+    freopen(path: *const c_char, mode: *const c_char, f: *mut libc::FILE);
+    freopen64(path: *const c_char, mode: *const c_char, f: *mut libc::FILE);
+    tmpfile();
+    tmpfile64();
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn opendir(path: *const c_char) -> *mut libc::DIR {
+    // SAFETY: the program's arguments, under opendir(3)'s contract; dirfd
+    // on the stream it just returned.
+    fresh_stream(|| unsafe { real::opendir(path) }, |d| unsafe { libc::dirfd(d) })
+}
+
 /// `open` and friends are C-variadic (the mode); they take it as a fixed
 /// third word, sound on the ABIs the `syscall` shim below explains, and
 /// built only there.

@@ -100,12 +100,17 @@ pub unsafe fn before_send(msg: *const msghdr) {
 /// # Safety
 /// As [`passed_fds`], for the msghdr the kernel just filled in.
 pub unsafe fn after_recv(msg: *const msghdr, n: isize) {
-    if n < 0 || !config::enabled() {
+    if n < 0 {
         return;
     }
     // SAFETY: the caller's contract.
     let fds = unsafe { passed_fds(msg) };
-    if fds.is_empty() {
+    // Descriptors just installed: whatever we remember under their numbers
+    // is stale (closed where we could not see), as for any creating call.
+    for &fd in &fds {
+        crate::socket::fresh_fd(fd);
+    }
+    if fds.is_empty() || !config::enabled() {
         return;
     }
     let e = errno();

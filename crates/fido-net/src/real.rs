@@ -99,6 +99,28 @@ real_fns! {
     __open64_2(path: *const c_char, flags: c_int) -> c_int;
     __openat_2(dirfd: c_int, path: *const c_char, flags: c_int) -> c_int;
     __openat64_2(dirfd: c_int, path: *const c_char, flags: c_int) -> c_int;
+    timerfd_create(clock: c_int, flags: c_int) -> c_int;
+    signalfd(fd: c_int, mask: *const libc::sigset_t, flags: c_int) -> c_int;
+    inotify_init() -> c_int;
+    inotify_init1(flags: c_int) -> c_int;
+    fanotify_init(flags: c_uint, event_flags: c_uint) -> c_int;
+    creat(path: *const c_char, mode: libc::mode_t) -> c_int;
+    creat64(path: *const c_char, mode: libc::mode_t) -> c_int;
+    mkstemp(template: *mut c_char) -> c_int;
+    mkstemp64(template: *mut c_char) -> c_int;
+    mkostemp(template: *mut c_char, flags: c_int) -> c_int;
+    mkostemp64(template: *mut c_char, flags: c_int) -> c_int;
+    mkstemps(template: *mut c_char, suffix: c_int) -> c_int;
+    mkstemps64(template: *mut c_char, suffix: c_int) -> c_int;
+    mkostemps(template: *mut c_char, suffix: c_int, flags: c_int) -> c_int;
+    mkostemps64(template: *mut c_char, suffix: c_int, flags: c_int) -> c_int;
+    fopen(path: *const c_char, mode: *const c_char) -> *mut libc::FILE;
+    fopen64(path: *const c_char, mode: *const c_char) -> *mut libc::FILE;
+    freopen(path: *const c_char, mode: *const c_char, f: *mut libc::FILE) -> *mut libc::FILE;
+    freopen64(path: *const c_char, mode: *const c_char, f: *mut libc::FILE) -> *mut libc::FILE;
+    tmpfile() -> *mut libc::FILE;
+    tmpfile64() -> *mut libc::FILE;
+    opendir(path: *const c_char) -> *mut libc::DIR;
 }
 
 /// libc's `open`/`open64` (`name`, NUL-terminated; variadic: the mode is

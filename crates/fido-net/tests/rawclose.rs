@@ -1,11 +1,12 @@
 //! Sockets closed behind the library's back (`tests/c/rawclose.c`): libuv
 //! (Node.js) closes with `syscall(SYS_close)`, which the library routes to
 //! its own `close`; a raw `syscall` instruction is seen by nobody, so the
-//! next call that hands out that descriptor number (here `accept`, `pipe`)
-//! drops what the library knew about it. Either way a later plain
-//! connection, or a pipe, that gets the same number works as it would
-//! without the library, and the segment descriptors of closed connections
-//! do not pile up.
+//! next call that hands out that descriptor number drops what the library
+//! knew about it: here `accept`, `pipe`, `timerfd_create`, `fopen`,
+//! `mkstemp` and a descriptor received over `SCM_RIGHTS`. Either way a later
+//! plain connection, or the new descriptor, that gets the same number works
+//! as it would without the library, and the segment descriptors of closed
+//! connections do not pile up.
 
 use fido_test_support::mmnet::*;
 use fido_test_support::wait::*;
@@ -22,6 +23,7 @@ fn run(mode: &str) {
     let port = free_port();
     let mut srv = b.accel(&exe);
     srv.args(["server", &port.to_string(), &N.to_string(), mode])
+        .current_dir(b.dir.path())
         .stdout(Stdio::piped());
     let mut guard = Guard(srv.spawn().unwrap());
     let mut stdout = std::io::BufReader::new(guard.0.stdout.take().unwrap());
@@ -52,7 +54,7 @@ fn run(mode: &str) {
     assert!(guard.0.wait().unwrap().success(), "server: {text}");
     assert!(
         text.contains(&format!("reused {N}\n")),
-        "each pipe took the closed number: {text}"
+        "each new descriptor took the closed number: {text}"
     );
     // The segment descriptors of the closed connections are gone (before
     // the fix one stayed per accelerated connection: 10).

@@ -7,10 +7,14 @@
  *   server PORT N MODE   accepts N connections; each: reads one line, answers
  *                        "reply <i>", closes the socket (MODE "syscall":
  *                        syscall(SYS_close); "raw": the syscall instruction,
- *                        which no preload sees), then checks that a pipe
- *                        created next (it gets the same number) reads back
- *                        what was written into it. Prints "memfds K" (memfd
- *                        descriptors it holds) at the end.
+ *                        which no preload sees), then checks that the
+ *                        descriptor created next (it gets the same number)
+ *                        works as what it is: by turns a pipe, a timerfd
+ *                        (poll, read), a file from fopen and one from mkstemp
+ *                        (write, read back), and a pipe end received over
+ *                        SCM_RIGHTS. Prints "reused R" (how many took the
+ *                        closed number) and "memfds K" (memfd descriptors it
+ *                        holds) at the end.
  *   client PORT I        connects, sends a line, prints the reply (10 s limit).
  */
 #define _GNU_SOURCE
@@ -22,8 +26,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <poll.h>
 #include <sys/syscall.h>
 #include <sys/time.h>
+#include <sys/timerfd.h>
 #include <unistd.h>
 
 static void die(const char *what) {
@@ -65,6 +71,93 @@ static int memfds(void) {
     return n;
 }
 
+/* Read and write through `d` as the program would: the library must treat
+ * it as the plain descriptor it is, not as the connection it replaced. */
+static void write_read_back(int d, const char *what) {
+    if (write(d, what, strlen(what)) != (ssize_t)strlen(what))
+        die(what);
+    if (lseek(d, 0, SEEK_SET) != 0)
+        die("lseek");
+    char b[16] = {0};
+    if (read(d, b, sizeof b) != (ssize_t)strlen(what) || strcmp(b, what) != 0)
+        die("read back");
+}
+
+/* The number `fd` is free (its socket closed where the library may not have
+ * seen it): create a descriptor of `kind`, which takes that number, and
+ * check it works. Returns whether it took the number. */
+static int reuse_number(int kind, int fd, int sp[2], int held[2]) {
+    int got = -1;
+    if (kind == 0) {
+        int p[2];
+        if (pipe(p))
+            die("pipe");
+        got = p[0] == fd ? p[0] : p[1];
+        if (write(p[1], "pipe", 4) != 4)
+            die("pipe write");
+        char pb[8] = {0};
+        if (read(p[0], pb, sizeof pb) != 4 || memcmp(pb, "pipe", 4) != 0)
+            die("pipe read back");
+        close(p[0]);
+        close(p[1]);
+    } else if (kind == 1) {
+        got = timerfd_create(CLOCK_MONOTONIC, 0);
+        struct itimerspec t = {.it_value = {.tv_nsec = 1000000}};
+        if (got < 0 || timerfd_settime(got, 0, &t, NULL))
+            die("timerfd");
+        struct pollfd pf = {.fd = got, .events = POLLIN};
+        if (poll(&pf, 1, 5000) != 1 || !(pf.revents & POLLIN))
+            die("timerfd poll");
+        unsigned long long n = 0;
+        if (read(got, &n, sizeof n) != sizeof n || n < 1)
+            die("timerfd read");
+        close(got);
+    } else if (kind == 2) {
+        FILE *f = fopen("/proc/self/cwd/rawclose-fopen", "w+");
+        if (!f)
+            die("fopen");
+        got = fileno(f);
+        write_read_back(got, "fopen");
+        fclose(f);
+        unlink("rawclose-fopen");
+    } else if (kind == 3) {
+        char path[] = "rawclose-XXXXXX";
+        got = mkstemp(path);
+        if (got < 0)
+            die("mkstemp");
+        unlink(path);
+        write_read_back(got, "mkstemp");
+        close(got);
+    } else {
+        char one = 'x';
+        char ctl[CMSG_SPACE(sizeof(int))] = {0};
+        struct iovec v = {.iov_base = &one, .iov_len = 1};
+        struct msghdr m = {.msg_iov = &v, .msg_iovlen = 1, .msg_control = ctl, .msg_controllen = sizeof ctl};
+        struct cmsghdr *c = CMSG_FIRSTHDR(&m);
+        c->cmsg_level = SOL_SOCKET;
+        c->cmsg_type = SCM_RIGHTS;
+        c->cmsg_len = CMSG_LEN(sizeof(int));
+        memcpy(CMSG_DATA(c), &held[0], sizeof(int));
+        if (sendmsg(sp[0], &m, 0) != 1)
+            die("sendmsg");
+        memset(ctl, 0, sizeof ctl);
+        if (recvmsg(sp[1], &m, 0) != 1 || !(c = CMSG_FIRSTHDR(&m)) || c->cmsg_type != SCM_RIGHTS)
+            die("recvmsg");
+        memcpy(&got, CMSG_DATA(c), sizeof(int));
+        if (write(held[1], "passed", 6) != 6)
+            die("passed pipe write");
+        char pb[8] = {0};
+        if (read(got, pb, sizeof pb) != 6 || memcmp(pb, "passed", 6) != 0)
+            die("passed pipe read back");
+        close(got);
+        close(held[0]);
+        close(held[1]);
+        close(sp[0]);
+        close(sp[1]);
+    }
+    return got == fd;
+}
+
 static void server(int port, int n, const char *mode) {
     int l = socket(AF_INET, SOCK_STREAM, 0), one = 1;
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(port),
@@ -91,21 +184,15 @@ static void server(int port, int n, const char *mode) {
         int len = snprintf(out, sizeof out, "reply %d\n", i);
         if (write(fd, out, len) != len)
             die("server write");
+        /* Made before the close, so the descriptor received over it later
+         * is the one that takes the closed number. */
+        int kind = (i / 2) % 5, sp[2] = {-1, -1}, held[2] = {-1, -1};
+        if (kind == 4 && (socketpair(AF_UNIX, SOCK_STREAM, 0, sp) || pipe(held)))
+            die("socketpair");
         long r = strcmp(mode, "raw") == 0 ? raw_close(fd) : syscall(SYS_close, fd);
         if (r != 0)
             die("close");
-        /* The number is free: a pipe takes it, and must behave as a pipe. */
-        int p[2];
-        if (pipe(p))
-            die("pipe");
-        reused += p[0] == fd || p[1] == fd;
-        if (write(p[1], "pipe", 4) != 4)
-            die("pipe write");
-        char pb[8] = {0};
-        if (read(p[0], pb, sizeof pb) != 4 || memcmp(pb, "pipe", 4) != 0)
-            die("pipe read back");
-        close(p[0]);
-        close(p[1]);
+        reused += reuse_number(kind, fd, sp, held);
     }
     printf("reused %d\nmemfds %d\n", reused, memfds());
 }
