@@ -270,6 +270,86 @@ pub unsafe fn sendmsg(fd: c_int, msg: *const msghdr, flags: c_int) -> ssize_t {
     finish(o, || unsafe { real::sendmsg(fd, msg, flags) })
 }
 
+/// `sendmmsg`, which a TCP socket takes too (each message's bytes appended
+/// to the stream): on an accelerated socket each message goes through
+/// [`sendmsg`] — the kernel would put them on the TCP stream, where the
+/// peer takes them for doorbells. As the kernel does, the count of messages
+/// sent is returned, or the first one's error.
+///
+/// # Safety
+/// Same contract as `sendmmsg(2)`.
+pub unsafe fn sendmmsg(fd: c_int, msgs: *mut libc::mmsghdr, n: libc::c_uint, flags: c_int) -> c_int {
+    if msgs.is_null() || active(fd).is_none() {
+        // SAFETY: forwarding.
+        return unsafe { real::sendmmsg(fd, msgs, n, flags) };
+    }
+    let mut sent = 0;
+    for i in 0..n as usize {
+        // SAFETY: the caller's array of `n` messages.
+        let h = unsafe { &mut *msgs.add(i) };
+        // SAFETY: the caller's msghdr.
+        let r = unsafe { sendmsg(fd, &h.msg_hdr, flags) };
+        if r < 0 {
+            return if sent > 0 { sent } else { -1 };
+        }
+        h.msg_len = r as libc::c_uint;
+        sent += 1;
+    }
+    sent
+}
+
+/// `recvmmsg` on an accelerated socket: each message through [`recvmsg`],
+/// `MSG_WAITFORONE` turning on `MSG_DONTWAIT` after the first, and the
+/// timeout checked after each message and updated, as the kernel does.
+///
+/// # Safety
+/// Same contract as `recvmmsg(2)`.
+pub unsafe fn recvmmsg(
+    fd: c_int,
+    msgs: *mut libc::mmsghdr,
+    n: libc::c_uint,
+    flags: c_int,
+    timeout: *mut libc::timespec,
+) -> c_int {
+    if msgs.is_null() || active(fd).is_none() {
+        // SAFETY: forwarding.
+        return unsafe { real::recvmmsg(fd, msgs, n, flags, timeout) };
+    }
+    // SAFETY: the caller's timespec, if any.
+    let deadline = unsafe { timeout.as_ref() }.map(|t| {
+        std::time::Instant::now()
+            + std::time::Duration::new(t.tv_sec.max(0) as u64, t.tv_nsec.clamp(0, 999_999_999) as u32)
+    });
+    let mut f = flags & !libc::MSG_WAITFORONE;
+    let mut got = 0;
+    for i in 0..n as usize {
+        // SAFETY: the caller's array of `n` messages.
+        let h = unsafe { &mut *msgs.add(i) };
+        // SAFETY: the caller's msghdr.
+        let r = unsafe { recvmsg(fd, &mut h.msg_hdr, f) };
+        if r < 0 {
+            if got > 0 {
+                break;
+            }
+            return -1;
+        }
+        h.msg_len = r as libc::c_uint;
+        got += 1;
+        if flags & libc::MSG_WAITFORONE != 0 {
+            f |= libc::MSG_DONTWAIT;
+        }
+        if deadline.is_some_and(|d| std::time::Instant::now() >= d) {
+            break;
+        }
+    }
+    if let (Some(d), Some(t)) = (deadline, unsafe { timeout.as_mut() }) {
+        let left = d.saturating_duration_since(std::time::Instant::now());
+        t.tv_sec = left.as_secs() as libc::time_t;
+        t.tv_nsec = left.subsec_nanos() as libc::c_long;
+    }
+    got
+}
+
 /// `sendfile` into an accelerated socket: the file's bytes go on the ring.
 pub unsafe fn sendfile(out: c_int, inp: c_int, off: *mut libc::off_t, count: size_t) -> ssize_t {
     let Some(c) = active(out) else {

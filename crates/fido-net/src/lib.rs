@@ -242,6 +242,36 @@ pub unsafe extern "C" fn sendmsg(fd: c_int, msg: *const msghdr, flags: c_int) ->
 }
 
 #[no_mangle]
+pub unsafe extern "C" fn sendmmsg(fd: c_int, msgs: *mut libc::mmsghdr, n: c_uint, flags: c_int) -> c_int {
+    if !msgs.is_null() {
+        for i in 0..n as usize {
+            // SAFETY: the program's array of `n` messages (descriptors it
+            // passes leave the ring first).
+            unsafe { passing::before_send(&(*msgs.add(i)).msg_hdr) };
+        }
+    }
+    // SAFETY: the program's arguments, under sendmmsg(2)'s contract.
+    unsafe { io::sendmmsg(fd, msgs, n, flags) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn recvmmsg(
+    fd: c_int,
+    msgs: *mut libc::mmsghdr,
+    n: c_uint,
+    flags: c_int,
+    timeout: *mut libc::timespec,
+) -> c_int {
+    // SAFETY: the program's arguments, under recvmmsg(2)'s contract.
+    let got = unsafe { io::recvmmsg(fd, msgs, n, flags, timeout) };
+    for i in 0..got.max(0) as usize {
+        // SAFETY: the messages the call just filled in (descriptors received).
+        unsafe { passing::after_recv(&(*msgs.add(i)).msg_hdr, (*msgs.add(i)).msg_len as isize) };
+    }
+    got
+}
+
+#[no_mangle]
 pub unsafe extern "C" fn sendfile(
     out: c_int,
     inp: c_int,

@@ -62,6 +62,8 @@ real_fns! {
     recvfrom(fd: c_int, buf: *mut c_void, n: size_t, flags: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> ssize_t;
     sendmsg(fd: c_int, msg: *const msghdr, flags: c_int) -> ssize_t;
     recvmsg(fd: c_int, msg: *mut msghdr, flags: c_int) -> ssize_t;
+    sendmmsg(fd: c_int, msgs: *mut libc::mmsghdr, n: c_uint, flags: c_int) -> c_int;
+    recvmmsg(fd: c_int, msgs: *mut libc::mmsghdr, n: c_uint, flags: c_int, timeout: *mut libc::timespec) -> c_int;
     close(fd: c_int) -> c_int;
     shutdown(fd: c_int, how: c_int) -> c_int;
     dup(fd: c_int) -> c_int;

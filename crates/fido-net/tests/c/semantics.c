@@ -593,6 +593,34 @@ static void t_sendfile(void) {
     close(s); close(f); free(buf); free(in);
 }
 
+/* sendmmsg/recvmmsg on a stream socket: each message's bytes in order,
+ * each receive taking up to its buffer. */
+static void t_mmsg(void) {
+    int c, s; pair(&c, &s);
+    char a[] = "first-", b[] = "second-", d[] = "third";
+    struct iovec v[3] = {{a, 6}, {b, 7}, {d, 5}};
+    struct mmsghdr m[3];
+    memset(m, 0, sizeof m);
+    for (int i = 0; i < 3; i++) { m[i].msg_hdr.msg_iov = &v[i]; m[i].msg_hdr.msg_iovlen = 1; }
+    int n = sendmmsg(c, m, 3, 0);
+    OUT("sendmmsg: %d lens %u %u %u", n, m[0].msg_len, m[1].msg_len, m[2].msg_len);
+    wait_readable(s);
+    char x[3][8];
+    struct iovec w[3] = {{x[0], 6}, {x[1], 7}, {x[2], 8}};
+    memset(m, 0, sizeof m);
+    for (int i = 0; i < 3; i++) { m[i].msg_hdr.msg_iov = &w[i]; m[i].msg_hdr.msg_iovlen = 1; }
+    n = recvmmsg(s, m, 3, MSG_DONTWAIT, NULL);
+    OUT("recvmmsg: %d '%.*s' '%.*s' '%.*s'", n, (int)m[0].msg_len, x[0], (int)m[1].msg_len, x[1],
+        n > 2 ? (int)m[2].msg_len : 0, x[2]);
+    n = recvmmsg(s, m, 3, MSG_DONTWAIT, NULL);
+    OUT("recvmmsg empty: %d %s", n, ename(n < 0 ? errno : 0));
+    wr_all(c, "more", 4);
+    wait_readable(s);
+    n = recvmmsg(s, m, 3, MSG_WAITFORONE, NULL);
+    OUT("recvmmsg waitforone: %d '%.*s'", n, (int)m[0].msg_len, x[0]);
+    close(c); close(s);
+}
+
 static void t_splice(void) {
     int c, s, p[2]; char b[64]; ssize_t r;
     pair(&c, &s);
@@ -769,6 +797,7 @@ int main(int argc, char **argv) {
     RUN(t_threads);
     RUN(t_sendfile);
     RUN(t_splice);
+    RUN(t_mmsg);
     RUN(t_any);
     RUN(t_waits); /* last: its nested epoll set turns lazy arming off */
     OUT("done");
