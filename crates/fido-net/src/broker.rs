@@ -393,8 +393,18 @@ pub fn offer(
             std::os::fd::BorrowedFd::borrow_raw(memfd),
         )
     };
-    noted(d.net_offer(sock, seg, remote, ring_len as u64, nonce))
-        .map_err(|e| policy_refusal(&e).unwrap_or_else(|| e.to_string()))
+    noted(d.net_offer(sock, seg, remote, ring_len as u64, nonce)).map_err(|e| {
+        pin_if_unanswered(fd, &e);
+        policy_refusal(&e).unwrap_or_else(|| e.to_string())
+    })
+}
+
+/// A request that carried socket `fd` got no answer: the broker may still
+/// hold the socket in its queue (see `pinned`).
+fn pin_if_unanswered(fd: i32, e: &fido::Error) {
+    if matches!(e, fido::Error::BrokerUnavailable(_)) {
+        crate::pinned::pin(fd);
+    }
 }
 
 /// Withdraws an offer nobody claimed (the client gave up or closed).
@@ -412,5 +422,8 @@ pub fn claim(fd: i32) -> Result<fido::NetClaim, String> {
     };
     // SAFETY: the accepted socket, open for this call.
     let sock = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
-    noted(d.net_claim(sock)).map_err(|e| e.to_string())
+    noted(d.net_claim(sock)).map_err(|e| {
+        pin_if_unanswered(fd, &e);
+        e.to_string()
+    })
 }

@@ -47,6 +47,7 @@ mod inherit;
 mod io;
 mod netns;
 mod passing;
+mod pinned;
 mod poll;
 mod process;
 mod real;
@@ -850,6 +851,7 @@ pub unsafe extern "C" fn posix_spawn(
     argv: *const *mut c_char,
     envp: *const *mut c_char,
 ) -> c_int {
+    pinned::copies_may_exist();
     // SAFETY: the program's arguments, under posix_spawn(3)'s contract.
     unsafe { inherit::posix_spawn(pid, path, fa, attr, argv, envp) }
 }
@@ -863,6 +865,7 @@ pub unsafe extern "C" fn posix_spawnp(
     argv: *const *mut c_char,
     envp: *const *mut c_char,
 ) -> c_int {
+    pinned::copies_may_exist();
     // SAFETY: the program's arguments, under posix_spawnp(3)'s contract.
     unsafe { inherit::posix_spawnp(pid, file, fa, attr, argv, envp) }
 }

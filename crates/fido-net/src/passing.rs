@@ -62,11 +62,15 @@ unsafe fn passed_fds(msg: *const msghdr) -> Vec<c_int> {
 /// # Safety
 /// As [`passed_fds`].
 pub unsafe fn before_send(msg: *const msghdr) {
-    if table::count() == 0 {
+    if table::count() == 0 && !crate::pinned::any() {
         return;
     }
     // SAFETY: the caller's contract.
     let fds = unsafe { passed_fds(msg) };
+    for &fd in &fds {
+        // Another process will hold it: never ours alone to shut down.
+        crate::pinned::forget(fd);
+    }
     let e = errno();
     for fd in fds {
         let Some(c) = table::lookup(fd) else { continue };

@@ -28,18 +28,21 @@ pub fn load() {
 }
 
 extern "C" fn fork_prepare() {
+    crate::pinned::fork_prepare();
     broker::fork_prepare();
     table::fork_prepare();
     wait::fork_prepare();
 }
 
 extern "C" fn fork_parent() {
+    crate::pinned::fork_after();
     table::fork_parent();
     broker::fork_parent();
     guard((), wait::fork_after);
 }
 
 extern "C" fn fork_child() {
+    crate::pinned::fork_after();
     table::fork_child();
     broker::fork_child();
     stats::fork_child();

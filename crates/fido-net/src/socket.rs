@@ -121,6 +121,7 @@ pub unsafe fn accept4(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t, flags
 
 /// The close of `fd` as far as we are concerned (before the real close).
 fn forget_fd(fd: c_int) {
+    crate::pinned::closing(fd);
     seg::forget_kept(fd);
     wait::forget(fd);
     if let Some((c, last)) = table::remove(fd) {
@@ -143,6 +144,7 @@ fn forget_fd(fd: c_int) {
 /// helper linked statically): forget what we knew about that number without
 /// touching it — it may name one of the program's new descriptors already.
 fn forget_gone(fd: c_int) {
+    crate::pinned::forget(fd);
     if seg::forget_kept(fd) {
         crate::sys::debug!("fd {fd}: a kept segment descriptor was closed behind our back");
     }
@@ -396,7 +398,7 @@ pub unsafe fn ioctl(fd: c_int, req: c_ulong, arg: *mut c_void) -> c_int {
 pub unsafe fn close_range(first: c_uint, last: c_uint, flags: c_int) -> c_int {
     if flags & libc::CLOSE_RANGE_CLOEXEC as c_int == 0 {
         guard((), || {
-            for fd in table::fds().into_iter().chain(seg::kept_fds()) {
+            for fd in table::fds().into_iter().chain(seg::kept_fds()).chain(crate::pinned::fds()) {
                 if fd >= 0 && (first..=last).contains(&(fd as c_uint)) {
                     forget_fd(fd);
                 }

@@ -602,3 +602,45 @@ fn a_stopped_broker_costs_few_waits_not_one_per_connection() {
     // once a second), never each one.
     assert!(took < Duration::from_secs(15), "{N} connections took {took:?}: {ok}");
 }
+
+/// A request to the broker carries the program's socket (`SCM_RIGHTS`). When
+/// the broker has stopped, the request times out (plain TCP) but the socket
+/// waits in the broker's queue, so the program's `close` sent no FIN: here a
+/// server that closes first, and a client that waits for that end-of-file,
+/// hung until the broker ran again. The library now shuts such a socket down
+/// at its close when the program held the only descriptor of it.
+#[test]
+fn a_stopped_broker_never_keeps_a_closed_connection_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let prog = program(dir.path());
+    let sock = dir.path().join("run/broker.sock");
+    let broker = start_broker(&sock, &dir.path().join("state"));
+    let with_default_wait = |mut c: Command| {
+        c.env("FIDO_NET_ATTACH_MS", "500");
+        c
+    };
+    let (_server, port) = listening(|port| {
+        let mut c = with_default_wait(accel(&prog, &sock));
+        c.args(["server", &port.to_string(), "closefirst", "1000"]);
+        vec![c]
+    });
+    eventually("the listener published", Duration::from_secs(20), || listeners(&sock, port) == 1);
+    const N: usize = 100;
+    let mut client = Proc::start({
+        let mut c = with_default_wait(accel(&prog, &sock));
+        c.args(["loop", &port.to_string(), &N.to_string(), "1000", "2", "eof"]);
+        c
+    });
+    client.line("ok", Duration::from_secs(60));
+    let broker_pid = rustix::process::Pid::from_raw(broker.child.id() as i32).unwrap();
+    rustix::process::kill_process(broker_pid, rustix::process::Signal::STOP).unwrap();
+    client.say("go");
+    let t0 = Instant::now();
+    let ok = client.try_line("ok", Duration::from_secs(30));
+    let took = t0.elapsed();
+    rustix::process::kill_process(broker_pid, rustix::process::Signal::CONT).unwrap();
+    let ok = ok.unwrap_or_else(|| panic!("a connection stayed open while the broker was stopped ({took:?})"));
+    let (max, p99, p50) = latencies(&ok, N);
+    eprintln!("broker stopped, server closes first: {N} connections in {took:?}, p50 {p50} us, p99 {p99} us, max {max} us");
+    assert!(took < Duration::from_secs(15), "{N} connections took {took:?}: {ok}");
+}

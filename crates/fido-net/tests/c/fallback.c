@@ -1,6 +1,9 @@
 /* Programs for the "stays plain TCP, fast" tests (tests/fallback.rs).
  *   fallback server PORT [reuseport]   single-threaded: accept, echo until EOF, close; prints "listening"
- *   fallback loop PORT N BYTES [PHASES]  N times connect / send BYTES / read them back / close;
+ *   fallback server PORT closefirst BYTES  the same, but each connection: read BYTES, echo them,
+ *                                      close first (the client waits for that end-of-file)
+ *   fallback loop PORT N BYTES [PHASES [eof]]  N times connect / send BYTES / read them back /
+ *                                      (with eof: wait for the server's end-of-file) / close;
  *                                      prints "ok N max_us p99_us p50_us" (each connection timed);
  *                                      PHASES times, each after a line on stdin (the first at once)
  *   fallback master PORT UNIXPATH [peek]  accept on PORT, pass each socket to the worker at
@@ -83,12 +86,14 @@ static void exchange(int fd, size_t n, unsigned seed) {
     free(in);
 }
 
-static int loop(int port, int n, size_t bytes) {
+static int loop(int port, int n, size_t bytes, int eof) {
     long *lat = calloc(n, sizeof *lat), max = 0;
     for (int i = 0; i < n; i++) {
         long t0 = now_us();
         int fd = connect_to(port);
         exchange(fd, bytes, (unsigned)i);
+        char b;
+        if (eof && read(fd, &b, 1) != 0) { perror("expected end-of-file"); exit(1); }
         close(fd);
         lat[i] = now_us() - t0;
         if (lat[i] > max) max = lat[i];
@@ -144,20 +149,38 @@ int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IOLBF, 0);
     if (!strcmp(argv[1], "server")) {
         int l = listen_on(atoi(argv[2]), argc > 3 && !strcmp(argv[3], "reuseport"));
+        size_t first = argc > 4 && !strcmp(argv[3], "closefirst") ? (size_t)atol(argv[4]) : 0;
         for (;;) {
             int c = accept(l, NULL, NULL);
             if (c < 0) continue;
-            echo_until_eof(c);
+            if (first) {
+                char *b = malloc(first);
+                size_t got = 0;
+                while (got < first) {
+                    ssize_t r = read(c, b + got, first - got);
+                    if (r <= 0) break;
+                    got += r;
+                }
+                for (size_t off = 0; off < got;) {
+                    ssize_t w = write(c, b + off, got - off);
+                    if (w <= 0) break;
+                    off += w;
+                }
+                free(b);
+            } else {
+                echo_until_eof(c);
+            }
             close(c);
         }
     }
     if (!strcmp(argv[1], "loop")) {
         if (argc < 5) return 2;
         int phases = argc > 5 ? atoi(argv[5]) : 1;
+        int eof = argc > 6 && !strcmp(argv[6], "eof");
         for (int p = 0; p < phases; p++) {
             char line[64];
             if (p > 0 && !fgets(line, sizeof line, stdin)) return 1;
-            loop(atoi(argv[2]), atoi(argv[3]), (size_t)atol(argv[4]));
+            loop(atoi(argv[2]), atoi(argv[3]), (size_t)atol(argv[4]), eof);
         }
         return 0;
     }
