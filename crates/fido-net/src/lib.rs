@@ -553,6 +553,32 @@ fresh_file_fns! {
     tmpfile64();
 }
 
+/// `fdopen`: glibc's stream reads and writes the descriptor with its own
+/// internal calls, which no preload sees, so the connection leaves the ring
+/// (`passing::leave_ring`): plain TCP when undecided (the usual case, a
+/// stream made right after `accept` or `connect`), reset when on the ring.
+#[no_mangle]
+pub unsafe extern "C" fn fdopen(fd: c_int, mode: *const c_char) -> *mut libc::FILE {
+    if table::count() != 0 {
+        let e = sys::errno();
+        passing::leave_ring(fd, "wrapped in a stdio stream");
+        sys::set_errno(e);
+    }
+    // SAFETY: the program's arguments, under fdopen(3)'s contract.
+    unsafe { real::fdopen(fd, mode) }
+}
+
+/// `fclose` closes the stream's descriptor with glibc's internal `close`:
+/// forget it as `close` does.
+#[no_mangle]
+pub unsafe extern "C" fn fclose(f: *mut libc::FILE) -> c_int {
+    if !f.is_null() && (table::count() != 0 || pinned::any()) {
+        socket::forget_closed(file_fd(f));
+    }
+    // SAFETY: the program's arguments, under fclose(3)'s contract.
+    unsafe { real::fclose(f) }
+}
+
 #[no_mangle]
 pub unsafe extern "C" fn opendir(path: *const c_char) -> *mut libc::DIR {
     // SAFETY: the program's arguments, under opendir(3)'s contract; dirfd

@@ -73,29 +73,38 @@ pub unsafe fn before_send(msg: *const msghdr) {
     }
     let e = errno();
     for fd in fds {
-        let Some(c) = table::lookup(fd) else { continue };
-        guard((), || {
-            let undecided = c
-                .seg
-                .hdr()
-                .state
-                .compare_exchange(seg::PENDING, seg::ABANDONED, Ordering::AcqRel, Ordering::Acquire)
-                .is_ok();
-            if undecided {
-                debug!("fd {fd} passed over a Unix socket before any I/O: plain TCP");
-                stats::count_plain();
-                // (A process that may not talk to the broker any more lets
-                // the offer expire there.)
-                if let Some(o) = c.offer.filter(|_| config::enabled()) {
-                    broker::withdraw_offer(o);
-                }
-            } else if c.state() == seg::ATTACHED && !c.broken.load(Ordering::Relaxed) {
-                debug!("fd {fd} passed over a Unix socket while on the ring: reset");
-                c.reset(fd);
-            }
-        });
+        leave_ring(fd, "passed over a Unix socket");
     }
     set_errno(e);
+}
+
+/// Connection `fd` is about to carry bytes the library will not see (passed
+/// to another process, or wrapped in a stdio stream whose reads and writes
+/// glibc makes internally): an undecided connection stays plain TCP (one
+/// CAS, for both ends), one already on the ring is reset — the peer and the
+/// program see `ECONNRESET`, never a doorbell read as data or bytes lost.
+pub fn leave_ring(fd: c_int, why: &str) {
+    let Some(c) = table::lookup(fd) else { return };
+    guard((), || {
+        let undecided = c
+            .seg
+            .hdr()
+            .state
+            .compare_exchange(seg::PENDING, seg::ABANDONED, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok();
+        if undecided {
+            debug!("fd {fd} {why} before any I/O: plain TCP");
+            stats::count_plain();
+            // (A process that may not talk to the broker any more lets
+            // the offer expire there.)
+            if let Some(o) = c.offer.filter(|_| config::enabled()) {
+                broker::withdraw_offer(o);
+            }
+        } else if c.state() == seg::ATTACHED && !c.broken.load(Ordering::Relaxed) {
+            debug!("fd {fd} {why} while on the ring: reset");
+            c.reset(fd);
+        }
+    });
 }
 
 /// After `recvmsg` returned `n`: claim the TCP sockets received that nobody

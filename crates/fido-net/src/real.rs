@@ -123,6 +123,8 @@ real_fns! {
     tmpfile() -> *mut libc::FILE;
     tmpfile64() -> *mut libc::FILE;
     opendir(path: *const c_char) -> *mut libc::DIR;
+    fdopen(fd: c_int, mode: *const c_char) -> *mut libc::FILE;
+    fclose(f: *mut libc::FILE) -> c_int;
 }
 
 /// libc's `open`/`open64` (`name`, NUL-terminated; variadic: the mode is

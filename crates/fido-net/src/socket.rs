@@ -179,6 +179,13 @@ pub fn fresh_fd(fd: c_int) {
     }
 }
 
+/// `fd` is being closed by a libc call that closes it internally (`fclose`).
+pub fn forget_closed(fd: c_int) {
+    if fd >= 0 {
+        guard((), || forget_fd(fd));
+    }
+}
+
 pub unsafe fn close(fd: c_int) -> c_int {
     guard((), || forget_fd(fd));
     // SAFETY: forwarding.

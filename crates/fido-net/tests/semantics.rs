@@ -41,10 +41,12 @@ fn transcript_equals_tcp(lazy: Option<&str>) {
         );
     }
     assert_eq!(pl.len(), ac.len(), "plain:\n{plain}\naccelerated:\n{accel}");
-    // The probe opens 24 connections (48 ends). An end is counted by the
+    // The probe opens 26 connections (52 ends). An end is counted by the
     // process that makes its first I/O; a few are first used in forked
     // children that leave with _exit before publishing, so the main process
-    // accounts for at least 30 ends. None may have fallen back to TCP.
+    // accounts for at least 30 ends. One falls back to TCP on purpose:
+    // `t_stdio` wraps its sockets in stdio streams, which glibc reads and
+    // writes where the library cannot see.
     let (n, sent, recv) = b.wait_accelerated("fido-net-semant", 30);
     assert!(
         n >= 30,
@@ -56,7 +58,7 @@ fn transcript_equals_tcp(lazy: Option<&str>) {
         .iter()
         .map(|v| v["plain_local"].as_u64().unwrap_or(0))
         .sum();
-    assert_eq!(plain, 0, "{:?}", b.stats());
+    assert_eq!(plain, 1, "{:?}", b.stats());
     assert!(sent > 1 << 20 && recv > 1 << 20, "bytes {sent}/{recv}");
 }
 

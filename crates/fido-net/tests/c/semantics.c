@@ -621,6 +621,24 @@ static void t_mmsg(void) {
     close(c); close(s);
 }
 
+/* Sockets wrapped in stdio streams: glibc reads and writes them with its
+ * own internal calls, mixed here with write(2) on the same descriptor. */
+static void t_stdio(void) {
+    int c, s; pair(&c, &s);
+    FILE *fc = fdopen(c, "r+"), *fs = fdopen(s, "r+");
+    char l[64];
+    fprintf(fc, "line from client\n");
+    fflush(fc);
+    if (!fgets(l, sizeof l, fs)) strcpy(l, "none\n");
+    OUT("stdio server got: %.*s", (int)strcspn(l, "\n"), l);
+    wr_all(s, "reply by write\n", 15);
+    if (!fgets(l, sizeof l, fc)) strcpy(l, "none\n");
+    OUT("stdio client got: %.*s", (int)strcspn(l, "\n"), l);
+    fclose(fc);
+    OUT("stdio eof: %s", fgets(l, sizeof l, fs) ? "data" : "eof");
+    fclose(fs);
+}
+
 static void t_splice(void) {
     int c, s, p[2]; char b[64]; ssize_t r;
     pair(&c, &s);
@@ -798,6 +816,7 @@ int main(int argc, char **argv) {
     RUN(t_sendfile);
     RUN(t_splice);
     RUN(t_mmsg);
+    RUN(t_stdio);
     RUN(t_any);
     RUN(t_waits); /* last: its nested epoll set turns lazy arming off */
     OUT("done");
