@@ -996,8 +996,9 @@ pub unsafe extern "C" fn syscall(
     a6: libc::c_long,
 ) -> libc::c_long {
     // Calls that change the descriptor table (libuv closes sockets with
-    // syscall(SYS_close)) take the same path as their libc wrappers, so the
-    // library's tables follow; the wrappers make the same system call.
+    // syscall(SYS_close)) or move a socket's bytes take the same path as
+    // their libc wrappers, so the library's tables follow and the bytes use
+    // the ring; the wrappers make the same system call.
     // SAFETY: the program's arguments, under each call's contract.
     unsafe {
         match n {
@@ -1034,6 +1035,30 @@ pub unsafe extern "C" fn syscall(
             }
             libc::SYS_shutdown => {
                 return socket::shutdown(a1 as c_int, a2 as c_int) as libc::c_long
+            }
+            // The data path too: on an accelerated socket the kernel's
+            // calls would read doorbells as data, or put bytes beside the
+            // ring.
+            libc::SYS_read => return read(a1 as c_int, a2 as *mut c_void, a3 as size_t) as libc::c_long,
+            libc::SYS_write => return write(a1 as c_int, a2 as *const c_void, a3 as size_t) as libc::c_long,
+            libc::SYS_readv => return readv(a1 as c_int, a2 as *const iovec, a3 as c_int) as libc::c_long,
+            libc::SYS_writev => return writev(a1 as c_int, a2 as *const iovec, a3 as c_int) as libc::c_long,
+            libc::SYS_sendto => {
+                return sendto(a1 as c_int, a2 as *const c_void, a3 as size_t, a4 as c_int, a5 as *const sockaddr, a6 as socklen_t)
+                    as libc::c_long
+            }
+            libc::SYS_recvfrom => {
+                return recvfrom(a1 as c_int, a2 as *mut c_void, a3 as size_t, a4 as c_int, a5 as *mut sockaddr, a6 as *mut socklen_t)
+                    as libc::c_long
+            }
+            libc::SYS_sendmsg => return sendmsg(a1 as c_int, a2 as *const msghdr, a3 as c_int) as libc::c_long,
+            libc::SYS_recvmsg => return recvmsg(a1 as c_int, a2 as *mut msghdr, a3 as c_int) as libc::c_long,
+            libc::SYS_sendmmsg => {
+                return sendmmsg(a1 as c_int, a2 as *mut libc::mmsghdr, a3 as c_uint, a4 as c_int) as libc::c_long
+            }
+            libc::SYS_recvmmsg => {
+                return recvmmsg(a1 as c_int, a2 as *mut libc::mmsghdr, a3 as c_uint, a4 as c_int, a5 as *mut libc::timespec)
+                    as libc::c_long
             }
             _ => {}
         }

@@ -41,7 +41,7 @@ fn transcript_equals_tcp(lazy: Option<&str>) {
         );
     }
     assert_eq!(pl.len(), ac.len(), "plain:\n{plain}\naccelerated:\n{accel}");
-    // The probe opens 26 connections (52 ends). An end is counted by the
+    // The probe opens 27 connections (54 ends). An end is counted by the
     // process that makes its first I/O; a few are first used in forked
     // children that leave with _exit before publishing, so the main process
     // accounts for at least 30 ends. One falls back to TCP on purpose:

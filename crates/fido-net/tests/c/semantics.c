@@ -21,6 +21,7 @@
 #include <sys/time.h>
 #include <sys/sendfile.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <sys/uio.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -639,6 +640,24 @@ static void t_stdio(void) {
     fclose(fs);
 }
 
+/* The data path through syscall(2), as programs with their own thin
+ * wrappers make it. */
+static void t_raw_calls(void) {
+    int c, s; pair(&c, &s);
+    char b[32];
+    long w = syscall(SYS_write, c, "by SYS_write", 12);
+    wait_readable(s);
+    long r = syscall(SYS_read, s, b, sizeof b);
+    OUT("SYS_write/SYS_read: %ld %ld '%.*s'", w, r, (int)(r > 0 ? r : 0), b);
+    w = syscall(SYS_sendto, s, "by SYS_sendto", 13, 0, NULL, 0);
+    wait_readable(c);
+    r = syscall(SYS_recvfrom, c, b, sizeof b, 0, NULL, NULL);
+    OUT("SYS_sendto/SYS_recvfrom: %ld %ld '%.*s'", w, r, (int)(r > 0 ? r : 0), b);
+    r = syscall(SYS_recvfrom, c, b, sizeof b, MSG_DONTWAIT, NULL, NULL);
+    OUT("SYS_recvfrom empty: %ld %s", r, ename(r < 0 ? errno : 0));
+    close(c); close(s);
+}
+
 static void t_splice(void) {
     int c, s, p[2]; char b[64]; ssize_t r;
     pair(&c, &s);
@@ -817,6 +836,7 @@ int main(int argc, char **argv) {
     RUN(t_splice);
     RUN(t_mmsg);
     RUN(t_stdio);
+    RUN(t_raw_calls);
     RUN(t_any);
     RUN(t_waits); /* last: its nested epoll set turns lazy arming off */
     OUT("done");
