@@ -36,7 +36,17 @@ pub fn guard<T>(fallback: T, f: impl FnOnce() -> T) -> T {
 /// Writes `msg` to stderr with one raw `write(2)` (no buffering, no lock, no
 /// interposed `write`).
 pub fn write_stderr(msg: &[u8]) {
-    let _ = rustix::io::write(std::io::stderr(), msg);
+    // A daemon may have put a socket on descriptor 2 (sshd's re-executed
+    // child does): the lines would land in its peer's byte stream. And
+    // under a seccomp filter even the check may be refused: say nothing.
+    if crate::config::restricted() {
+        return;
+    }
+    let stderr = std::io::stderr();
+    if rustix::fs::fstat(&stderr).is_ok_and(|st| rustix::fs::FileType::from_raw_mode(st.st_mode) == rustix::fs::FileType::Socket) {
+        return;
+    }
+    let _ = rustix::io::write(stderr, msg);
 }
 
 /// One line on stderr when `FIDO_NET_DEBUG` is set (see `config::debug_on`).

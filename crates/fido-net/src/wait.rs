@@ -92,6 +92,16 @@ fn lazy_conn(fd: c_int) -> Option<Arc<Conn>> {
     c.is_lazy().then_some(c)
 }
 
+/// A connection whose readability a wait through this library must compute:
+/// a lazy one, or — under a seccomp filter — one holding a doorbell it read
+/// off the socket (`Conn::holds_doorbell`): the kernel no longer shows that
+/// byte, so an eager connection's wait left to the kernel slept with data
+/// in the ring (sshd's pre-auth child hung waiting for a request it had).
+fn watched_conn(fd: c_int) -> Option<Arc<Conn>> {
+    let c = attached(fd)?;
+    (c.is_lazy() && lazy_allowed() || c.holds_doorbell()).then_some(c)
+}
+
 /// After a successful `epoll_ctl`.
 pub fn epoll_ctl_done(epfd: c_int, op: c_int, fd: c_int, ev: Option<&epoll_event>) {
     if op != libc::EPOLL_CTL_DEL {
@@ -332,9 +342,17 @@ fn spin(dl: Option<Instant>, any_data: impl Fn() -> bool, kernel: impl FnMut() -
 /// Accelerated lazy entries of a pollfd array that ask for readability.
 fn poll_watches(fds: &[pollfd]) -> Vec<(usize, Arc<Conn>)> {
     let mut v = Vec::new();
-    // With lazy arming off there is nothing to fix up: `all_eager` made every
-    // connection eager, and new ones are created eager.
-    if table::count() == 0 || !lazy_allowed() {
+    // With lazy arming off there is nothing to fix up (`all_eager` made every
+    // connection eager, and new ones are created eager) but held doorbells.
+    if table::count() == 0 {
+        return v;
+    }
+    if !lazy_allowed() {
+        for (i, p) in fds.iter().enumerate() {
+            if let Some(c) = watched_conn(p.fd).filter(|_| p.events & (libc::POLLIN | libc::POLLRDNORM) != 0) {
+                v.push((i, c));
+            }
+        }
         return v;
     }
     const RD: libc::c_short = libc::POLLIN | libc::POLLRDNORM;
@@ -354,7 +372,7 @@ fn poll_watches(fds: &[pollfd]) -> Vec<(usize, Arc<Conn>)> {
         if p.events & RD == 0 {
             continue;
         }
-        if let Some(c) = lazy_conn(p.fd) {
+        if let Some(c) = watched_conn(p.fd) {
             v.push((i, c));
         }
     }
@@ -492,10 +510,10 @@ pub unsafe fn select_common(
             first_use(fd);
         }
     }
-    if rd.is_null() || !lazy_allowed() {
+    if rd.is_null() {
         return None;
     }
-    if !(0..nfds).any(|fd| isset(rd, fd) && lazy_conn(fd).is_some()) {
+    if !(0..nfds).any(|fd| isset(rd, fd) && watched_conn(fd).is_some()) {
         return None;
     }
     let mut pfds: Vec<pollfd> = Vec::new();
@@ -605,12 +623,14 @@ fn ep_watches(epfd: c_int) -> Option<Vec<EpWatch>> {
     drop(g);
     let mut v = Vec::new();
     for (fd, r) in regs {
-        if let Some(c) = lazy_conn(fd) {
+        if let Some(c) = watched_conn(fd) {
             // (Checked here too: a connection may have been pending when it
             // was registered, and accelerated since.)
             let odd = r.events & (libc::EPOLLONESHOT as u32 | libc::EPOLLEXCLUSIVE as u32) != 0;
             if shared || odd {
-                c.make_eager();
+                if c.is_lazy() {
+                    c.make_eager();
+                }
                 continue;
             }
             if v.iter().any(|w: &EpWatch| w.data == r.data) {
@@ -721,7 +741,8 @@ pub unsafe fn epoll_common(
     sigmask: *const sigset_t,
     forward: impl FnOnce() -> c_int,
 ) -> c_int {
-    if table::count() == 0 || !lazy_allowed() || evs.is_null() || max <= 0 {
+    // (A held doorbell exists only under a seccomp filter: see `watched_conn`.)
+    if table::count() == 0 || !(lazy_allowed() || crate::config::restricted()) || evs.is_null() || max <= 0 {
         return forward();
     }
     let Some(mut watches) = ep_watches(epfd) else {

@@ -277,8 +277,10 @@ fn sshd_and_ssh_both_under_fido_run() {
         .arg(dir.join("user"))
         .args(["root@127.0.0.1", "sha256sum"]);
         let t = Instant::now();
-        let out = run_with_stdin(c, &input, T);
-        let log = std::fs::read_to_string(dir.join("sshd.log")).unwrap_or_default();
+        let log = || std::fs::read_to_string(dir.join("sshd.log")).unwrap_or_default();
+        let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_with_stdin(c, &input, T)))
+            .unwrap_or_else(|_| panic!("ssh (fido run: {accel}) failed\nsshd:\n{}", log()));
+        let log = log();
         assert_eq!(out.split_whitespace().next(), Some(want.as_str()), "ssh (fido run: {accel}) {out:?}\nsshd:\n{log}");
         eprintln!("ssh (fido run: {accel}): 8 MiB in {:?}", t.elapsed());
     }

@@ -89,12 +89,17 @@ fn sshd_and_ssh_both_under_fido() {
     )
     .unwrap();
     let mut sshd = b.accel(sshd_path);
+    // sshd's log (shown if ssh fails).
+    let log_path = d.join("sshd.log");
+    let log_file = std::fs::File::create(&log_path).unwrap();
     sshd.arg("-D")
+        .arg("-e")
         .arg("-f")
         .arg(&config)
         .stdout(Stdio::null())
-        .stderr(Stdio::null());
+        .stderr(log_file);
     let _sshd = Guard(sshd.spawn().unwrap());
+    let log = || std::fs::read_to_string(&log_path).unwrap_or_default();
     wait_port(port);
     let ssh = |remote: &str, input: Option<&std::path::Path>| {
         let mut c = b.accel("ssh");
@@ -115,7 +120,8 @@ fn sshd_and_ssh_both_under_fido() {
         if let Some(f) = input {
             c.stdin(std::fs::File::open(f).unwrap());
         }
-        run_ok(c, T)
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_ok(c, T)))
+            .unwrap_or_else(|_| panic!("ssh {remote} failed\nsshd:\n{}", log()))
     };
     assert_eq!(ssh("echo hi", None), "hi\n");
     // A few MiB through the encrypted channel, checked on the other side.
@@ -133,15 +139,19 @@ fn sshd_and_ssh_both_under_fido() {
         .next()
         .unwrap()
         .to_string();
-    let got = ssh("sha256sum", Some(&blob));
-    assert_eq!(
-        got.split(' ').next().unwrap(),
-        want,
-        "sha256 of 4 MiB through ssh"
-    );
+    // Several times: the pre-auth child (under the filter, its connection
+    // eager since it crossed sshd's re-exec) used to sleep in poll now and
+    // then with the client's request in its ring, its doorbell read off the
+    // socket and held where the kernel's poll could not see it (1 ssh in 2
+    // to 4 hung).
+    const RUNS: u64 = 4;
+    for _ in 0..RUNS {
+        let got = ssh("sha256sum", Some(&blob));
+        assert_eq!(got.split(' ').next().unwrap(), want, "sha256 of 4 MiB through ssh");
+    }
     // Accelerated: the ssh clients count their connections as such.
-    let (n, sent, _) = b.wait_accelerated("ssh", 2);
-    assert_eq!(n, 2, "both ssh connections accelerated: {n}");
+    let (n, sent, _) = b.wait_accelerated("ssh", 1 + RUNS);
+    assert_eq!(n, 1 + RUNS, "every ssh connection accelerated: {n}");
     assert!(
         sent >= 4 << 20,
         "the upload went through the ring: {sent} bytes"
