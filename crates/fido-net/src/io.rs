@@ -342,7 +342,9 @@ pub unsafe fn recvmmsg(
             break;
         }
     }
-    if let (Some(d), Some(t)) = (deadline, unsafe { timeout.as_mut() }) {
+    // SAFETY: the caller's timespec, if any (the kernel writes it back too).
+    let timeout = unsafe { timeout.as_mut() };
+    if let (Some(d), Some(t)) = (deadline, timeout) {
         let left = d.saturating_duration_since(std::time::Instant::now());
         t.tv_sec = left.as_secs() as libc::time_t;
         t.tv_nsec = left.subsec_nanos() as libc::c_long;
