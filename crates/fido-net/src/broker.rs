@@ -330,6 +330,48 @@ pub enum Target {
     Other,
 }
 
+/// How long a listener found in our own namespace is taken as still there
+/// without reading the registry again (see [`found_recently`]).
+const FOUND_FOR: Duration = Duration::from_secs(1);
+
+/// Listeners in our namespace found recently: (ip, port, broker epoch, when).
+static FOUND: Mutex<Vec<(String, u16, u64, Instant)>> = Mutex::new(Vec::new());
+
+/// Whether a listener under Fido in our namespace was found behind `ip:port`
+/// within [`FOUND_FOR`] (in this broker session). A client that connects in
+/// a loop then offers without reading the registry first (one broker round
+/// trip per connection instead of three). A stale answer costs nothing but
+/// the offer: the broker checks every offer against the kernel's listening
+/// sockets and refuses it unless each one that could take the connection is
+/// a published listener of the client's uid ([`forget_found`] follows).
+/// Never waits: a lock another thread holds (or held across `fork`) is a miss.
+pub fn found_recently(ip: &str, port: u16) -> bool {
+    let Some(g) = FOUND.try_lock() else {
+        return false;
+    };
+    let e = epoch();
+    g.iter()
+        .any(|(i, p, ep, at)| *p == port && i == ip && *ep == e && at.elapsed() < FOUND_FOR)
+}
+
+fn remember_found(ip: &str, port: u16) {
+    let Some(mut g) = FOUND.try_lock() else {
+        return;
+    };
+    let e = epoch();
+    g.retain(|(i, p, ep, at)| !(*p == port && i == ip) && *ep == e && at.elapsed() < FOUND_FOR);
+    if g.len() < 64 {
+        g.push((ip.to_string(), port, e, Instant::now()));
+    }
+}
+
+/// The broker refused an offer to `ip:port`: read the registry next time.
+pub fn forget_found(ip: &str, port: u16) {
+    if let Some(mut g) = FOUND.try_lock() {
+        g.retain(|(i, p, ..)| !(*p == port && i == ip));
+    }
+}
+
 /// Is a live listener under Fido, of our uid, behind `ip:port`? `local`:
 /// the destination is in our namespace (loopback or one of our addresses);
 /// otherwise only a listener in the namespace our direct veth route leads
@@ -363,6 +405,7 @@ pub fn find_listener(ip: &str, v4: bool, port: u16, local: bool) -> Option<Targe
             continue;
         }
         if local {
+            remember_found(ip, port);
             return Some(Target::Same);
         }
         let Some(dst) = dst else { continue };

@@ -28,7 +28,11 @@ use std::time::{Duration, Instant};
 /// Prepares acceleration of a connect to a co-located listener: binds, makes
 /// the segment and offers it. `None`: stay plain TCP.
 pub fn prepare_connect(fd: c_int, dst: &Addr, same: bool) -> Option<Arc<Conn>> {
-    if broker::find_listener(&dst.ip, dst.v4, dst.port, same).is_none() {
+    // In our namespace the broker's check of the offer against the kernel's
+    // listeners is authoritative, so a listener found a moment ago is not
+    // looked up again (`broker::found_recently`).
+    let known = same && broker::found_recently(&dst.ip, dst.port);
+    if !known && broker::find_listener(&dst.ip, dst.v4, dst.port, same).is_none() {
         debug!(
             "connect fd {fd} to {}:{}: no listener under fido{}",
             dst.ip,
@@ -127,6 +131,7 @@ pub fn prepare_connect(fd: c_int, dst: &Addr, same: bool) -> Option<Arc<Conn>> {
     let offer = match offered {
         Ok(id) => id,
         Err(why) => {
+            broker::forget_found(&dst.ip, dst.port);
             debug!("connect fd {fd}: request refused ({why}): plain TCP");
             stats::count_plain();
             return None;
