@@ -369,7 +369,7 @@ fn stall(raw: &mut Raw, dir: &Path) {
 
 fn mover(raw: &mut Raw, dir: &Path) {
     raw.join_with("mover", None).unwrap();
-    let data = fido_test_support_pattern(8 << 20);
+    let data = fido_test_support::bytes::pattern(8 << 20, 1);
     std::fs::write(dir.join("src"), &data).unwrap();
     let src = std::fs::File::open(dir.join("src")).unwrap();
 
@@ -480,7 +480,7 @@ fn mover(raw: &mut Raw, dir: &Path) {
 
 fn fsize(raw: &mut Raw, dir: &Path) {
     raw.join_with("fsize", None).unwrap();
-    let data = fido_test_support_pattern(1 << 20);
+    let data = fido_test_support::bytes::pattern(1 << 20, 1);
     std::fs::write(dir.join("src"), &data).unwrap();
     let src = std::fs::File::open(dir.join("src")).unwrap();
     let old = rustix::process::getrlimit(rustix::process::Resource::Fsize);
@@ -572,7 +572,7 @@ fn fsize(raw: &mut Raw, dir: &Path) {
 
 fn creds(raw: &mut Raw, dir: &Path) {
     raw.join_with("creds", None).unwrap();
-    let data = fido_test_support_pattern(64 << 10);
+    let data = fido_test_support::bytes::pattern(64 << 10, 1);
     std::fs::write(dir.join("src"), &data).unwrap();
     let src = std::fs::File::open(dir.join("src")).unwrap();
 
@@ -683,17 +683,6 @@ fn creds(raw: &mut Raw, dir: &Path) {
     println!("@@ reserved ok");
 }
 
-fn fido_test_support_pattern(len: usize) -> Vec<u8> {
-    let mut x = 0x9E37_79B9_7F4A_7C15u64;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
 
 fn rw(path: &Path) -> std::fs::File {
     std::fs::OpenOptions::new()

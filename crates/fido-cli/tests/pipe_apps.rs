@@ -8,6 +8,7 @@
 //! (`fido` — the broker's pipe engine, against a private broker — plus
 //! `sendfile` and `readwrite`, which need nothing).
 
+use fido_test_support::bytes::pattern;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -136,17 +137,6 @@ fn start(args: &[&str], broker: Option<&Path>) -> (Proc, SocketAddr) {
     (p, addr)
 }
 
-fn pattern(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
 
 fn curl(args: &[&str]) -> std::process::Output {
     let out = Command::new("curl")

@@ -15,6 +15,7 @@
 
 use fido_test_support::mmnet::*;
 use fido_test_support::child::ChildProc;
+use fido_test_support::bytes::pattern;
 use fido_test_support::wait::*;
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -51,18 +52,6 @@ fn wait_exit(mut g: Guard, timeout: Duration) {
     }
 }
 
-/// Deterministic incompressible bytes.
-fn pattern(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
 
 fn sha256_file(p: &Path) -> String {
     let out = Command::new("sha256sum").arg(p).output().unwrap();

@@ -121,14 +121,7 @@ fn nginx_with_curl_checksums_and_wrk() {
     let b = Broker::start();
     let dir = b.dir.path();
     std::fs::create_dir_all(dir.join("www")).unwrap();
-    let mut big = vec![0u8; 3 << 20];
-    let mut x: u64 = 0x9e3779b97f4a7c15;
-    for v in big.iter_mut() {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        *v = x as u8;
-    }
+    let big = fido_test_support::bytes::pattern(3 << 20, 1);
     std::fs::write(dir.join("www/big.bin"), &big).unwrap();
     std::fs::write(dir.join("www/index.html"), b"hello from nginx\n").unwrap();
     let port = free_port();
