@@ -620,8 +620,11 @@ pub fn run(opts: &Opts) -> anyhow::Result<()> {
         step("ncat", opts.wants(system, "ncat"), &mut |r| file_transfer(r, system, "ncat"));
         step("redis+nginx", opts.wants(system, "redis") || opts.wants(system, "nginx"), &mut |r| net_cases(r, system, opts));
     }
-    let machine = machine();
-    println!("machine: {machine}");
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let machine = crate::Machine::describe("unpinned (the programs, their clients and the broker scheduled by the kernel)")
+        .with("loadavg_at_end", load.split_whitespace().take(3).collect::<Vec<_>>().join(" "));
+    println!("{}", machine.header());
+    let machine = machine.to_json();
     crate::print_table(&r.records);
     println!();
     for line in compat_table(&r.records, &r.metas) {
@@ -733,27 +736,6 @@ fn goal_lines(records: &[Record], metas: &[Meta]) -> Vec<String> {
         ));
     }
     out
-}
-
-/// The machine the run measured (a local description like `fido-bench blk`'s;
-/// to be replaced by the shared bench/src/machine.rs once merged).
-fn machine() -> serde_json::Value {
-    let first_line = |cmd: &str, args: &[&str]| version_of(cmd, args);
-    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    let cpu = cpuinfo
-        .lines()
-        .find(|l| l.starts_with("model name"))
-        .and_then(|l| l.split_once(':'))
-        .map(|(_, v)| v.trim().to_string())
-        .unwrap_or_default();
-    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
-    serde_json::json!({
-        "host": first_line("hostname", &[]),
-        "cpu": cpu,
-        "cpus": std::thread::available_parallelism().map_or(0, |n| n.get()),
-        "kernel": first_line("uname", &["-r"]),
-        "loadavg_at_end": load.split_whitespace().take(3).collect::<Vec<_>>().join(" "),
-    })
 }
 
 /// One JSON object per record (DESIGN §8 fields), with the program, its
