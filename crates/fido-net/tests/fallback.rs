@@ -573,36 +573,9 @@ fn a_socket_passed_while_on_the_ring_is_reset_not_hung() {
 /// (before, each connect and each accept waited 15 s).
 #[test]
 fn a_stopped_broker_costs_few_waits_not_one_per_connection() {
-    let dir = tempfile::tempdir().unwrap();
-    let prog = program(dir.path());
-    let sock = dir.path().join("run/broker.sock");
-    let broker = start_broker(&sock, &dir.path().join("state"));
-    let with_default_wait = |mut c: Command| {
-        c.env("FIDO_NET_ATTACH_MS", "500");
-        c
-    };
-    let (_server, port) = listening(|port| {
-        let mut c = with_default_wait(accel(&prog, &sock));
-        c.args(["server", &port.to_string()]);
-        vec![c]
-    });
-    eventually("the listener published", Duration::from_secs(20), || {
-        listeners(&sock, port) == 1
-    });
     const N: usize = 200;
-    let mut client = Proc::start({
-        let mut c = with_default_wait(accel(&prog, &sock));
-        c.args(["loop", &port.to_string(), &N.to_string(), "1000", "2"]);
-        c
-    });
-    client.line("ok", Duration::from_secs(60));
-    let broker_pid = rustix::process::Pid::from_raw(broker.child.id() as i32).unwrap();
-    rustix::process::kill_process(broker_pid, rustix::process::Signal::STOP).unwrap();
-    client.say("go");
-    let t0 = Instant::now();
-    let ok = client.line("ok", Duration::from_secs(40));
-    let took = t0.elapsed();
-    rustix::process::kill_process(broker_pid, rustix::process::Signal::CONT).unwrap();
+    let (ok, took) = connections_while_the_broker_is_stopped(&["server"], N, &[], Duration::from_secs(40));
+    let ok = ok.unwrap_or_else(|| panic!("no \"ok\" line within 40s (hang or exit)"));
     let (max, p99, p50) = latencies(&ok, N);
     eprintln!("broker stopped: {N} connect/echo/close in {took:?}, p50 {p50} us, p99 {p99} us, max {max} us");
     assert!(p50 < 50_000, "most connections waited: {ok}");
@@ -619,6 +592,27 @@ fn a_stopped_broker_costs_few_waits_not_one_per_connection() {
 /// at its close when the program held the only descriptor of it.
 #[test]
 fn a_stopped_broker_never_keeps_a_closed_connection_open() {
+    const N: usize = 100;
+    let (ok, took) =
+        connections_while_the_broker_is_stopped(&["server", "closefirst", "1000"], N, &["eof"], Duration::from_secs(30));
+    let ok = ok.unwrap_or_else(|| panic!("a connection stayed open while the broker was stopped ({took:?})"));
+    let (max, p99, p50) = latencies(&ok, N);
+    eprintln!("broker stopped, server closes first: {N} connections in {took:?}, p50 {p50} us, p99 {p99} us, max {max} us");
+    assert!(took < Duration::from_secs(15), "{N} connections took {took:?}: {ok}");
+}
+
+/// A `fallback` server (`server_args` before the port's place: the mode
+/// word, then the port, then the rest) and a client making `n` connections
+/// of 1000 bytes (`loop_extra` after the phase count), both with the default
+/// attach wait: a first phase with the broker running, then a second with it
+/// SIGSTOPped (continued afterwards). The second phase's "ok" line, if it
+/// came within `limit`, and how long it took.
+fn connections_while_the_broker_is_stopped(
+    server_args: &[&str],
+    n: usize,
+    loop_extra: &[&str],
+    limit: Duration,
+) -> (Option<String>, Duration) {
     let dir = tempfile::tempdir().unwrap();
     let prog = program(dir.path());
     let sock = dir.path().join("run/broker.sock");
@@ -629,14 +623,13 @@ fn a_stopped_broker_never_keeps_a_closed_connection_open() {
     };
     let (_server, port) = listening(|port| {
         let mut c = with_default_wait(accel(&prog, &sock));
-        c.args(["server", &port.to_string(), "closefirst", "1000"]);
+        c.arg(server_args[0]).arg(port.to_string()).args(&server_args[1..]);
         vec![c]
     });
     eventually("the listener published", Duration::from_secs(20), || listeners(&sock, port) == 1);
-    const N: usize = 100;
     let mut client = Proc::start({
         let mut c = with_default_wait(accel(&prog, &sock));
-        c.args(["loop", &port.to_string(), &N.to_string(), "1000", "2", "eof"]);
+        c.args(["loop", &port.to_string(), &n.to_string(), "1000", "2"]).args(loop_extra);
         c
     });
     client.line("ok", Duration::from_secs(60));
@@ -644,11 +637,8 @@ fn a_stopped_broker_never_keeps_a_closed_connection_open() {
     rustix::process::kill_process(broker_pid, rustix::process::Signal::STOP).unwrap();
     client.say("go");
     let t0 = Instant::now();
-    let ok = client.try_line("ok", Duration::from_secs(30));
+    let ok = client.try_line("ok", limit);
     let took = t0.elapsed();
     rustix::process::kill_process(broker_pid, rustix::process::Signal::CONT).unwrap();
-    let ok = ok.unwrap_or_else(|| panic!("a connection stayed open while the broker was stopped ({took:?})"));
-    let (max, p99, p50) = latencies(&ok, N);
-    eprintln!("broker stopped, server closes first: {N} connections in {took:?}, p50 {p50} us, p99 {p99} us, max {max} us");
-    assert!(took < Duration::from_secs(15), "{N} connections took {took:?}: {ok}");
+    (ok, took)
 }
