@@ -403,7 +403,7 @@ impl GuestVm {
             "-accel",
             "tcg,thread=multi",
             "-cpu",
-            "max",
+            fido_vm::qemu::TCG_CPU,
             "-nographic",
             "-nodefaults",
             "-no-user-config",

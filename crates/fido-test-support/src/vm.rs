@@ -23,6 +23,11 @@ use std::time::{Duration, Instant};
 /// loaded 2-core machine is slow (an idle one reaches the shell in ~3 s).
 pub const BOOT_TIMEOUT: Duration = Duration::from_secs(120);
 
+/// The CPU model of the tests' plain TCG guests: `fido_vm::qemu::TCG_CPU`,
+/// which says why (this crate cannot depend on fido-vm, whose tests use it;
+/// `crates/fido-vm/tests/qemu.rs` checks that the two agree).
+pub const TCG_CPU: &str = "max,erms=off,fsrm=off";
+
 /// A bootable guest: what `scripts/vm-image.sh` wrote.
 #[derive(Clone, Debug)]
 pub struct Image {
@@ -582,7 +587,7 @@ pub fn boot_with(image: &Image, options: &BootOptions) -> PlainVm {
         "-accel",
         "tcg,thread=multi",
         "-cpu",
-        "max",
+        TCG_CPU,
     ])
     .args([
         "-m",

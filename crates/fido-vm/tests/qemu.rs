@@ -394,3 +394,14 @@ fn large_windows_fit_the_raised_64_bit_hole() {
     wait_for_bridges(&mut vm.qmp, 8 << 30);
     vm.alive();
 }
+
+/// The tests' plain guests (fido-test-support, which cannot depend on this
+/// crate) run the CPU model `fido vm run` gives a TCG guest, and the spec
+/// passes it to QEMU.
+#[test]
+fn every_tcg_guest_gets_the_same_cpu_model() {
+    assert_eq!(fido_test_support::vm::TCG_CPU, fido_vm::qemu::TCG_CPU);
+    let spec = VmSpec::new("cpu-model", Accel::Tcg);
+    let args = spec.args().unwrap();
+    assert!(args.windows(2).any(|w| w[0] == "-cpu" && w[1] == fido_vm::qemu::TCG_CPU), "{args:?}");
+}

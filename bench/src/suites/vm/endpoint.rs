@@ -12,8 +12,8 @@
 //! `tcp-echo|tcp-sink port= size=`, `tcp-source|tcp-ping addr= port= size=
 //! ms= [warm_ms=]`, `serial-echo|serial-source size= [ms=]` (on the port
 //! [`SERIAL_PORT`]), `fido-echo|fido-sink|fido-source|fido-ping svc= size=
-//! [wait=] [ms=] [warm_ms=]`, `fido-source-to svc= size= ms=` (connects, then
-//! streams), `fido-probe` (joins Fido: can this guest be a domain?), `quit`. A failing command answers `error` and
+//! [wait=] [ms=] [warm_ms=] [batch=]`, `fido-source-to svc= size= ms= [batch=]`
+//! (connects, then streams; `batch=N`: N messages per Fido message), `fido-probe` (joins Fido: can this guest be a domain?), `quit`. A failing command answers `error` and
 //! the agent takes the next one: one bad case does not end the run.
 
 use std::collections::HashMap;
@@ -61,6 +61,17 @@ impl Kv {
 
     pub fn ms(&self, k: &str) -> anyhow::Result<Duration> {
         Ok(Duration::from_millis(self.num(k)?))
+    }
+
+    /// `batch=`: messages per Fido message of a source (1 when absent).
+    pub fn batch(&self) -> anyhow::Result<usize> {
+        match self.0.get("batch") {
+            None => Ok(1),
+            Some(_) => match self.num("batch")? {
+                0 => bail!("batch=0"),
+                n => Ok(n),
+            },
+        }
     }
 }
 
@@ -240,7 +251,7 @@ impl Agent {
                 let words = match cmd {
                     "fido-echo" => format!("messages={}", fidoops::echo(&d, &ch, size)?),
                     "fido-sink" => sink_words(&fidoops::sink(&ch, size)?),
-                    _ => format!("messages={}", fidoops::source(&d, &ch, size, kv.ms("ms")?)?),
+                    _ => format!("messages={}", fidoops::source(&d, &ch, size, kv.batch()?, kv.ms("ms")?)?),
                 };
                 // The peer's last receive ends with END: let its releases come
                 // back before the channel goes.
@@ -269,7 +280,7 @@ impl Agent {
                 let d = self.domain()?;
                 let ch = d.connect(kv.get("svc")?)?;
                 let before = d.counters().bytes_copied;
-                let n = fidoops::source(&d, &ch, kv.num("size")?, kv.ms("ms")?)?;
+                let n = fidoops::source(&d, &ch, kv.num("size")?, kv.batch()?, kv.ms("ms")?)?;
                 let _ = fido_drain(&ch);
                 format!(
                     "messages={n} bytes_copied={}",

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context as _};
 use fido::{Channel, Domain, WaitStrategy};
 
-use super::stream::{expected_checksum, SinkReport, END};
+use super::stream::{expected_checksum, SinkReport, END, STREAM_BUFFER};
 
 /// How long an endpoint waits for its peer to connect.
 pub const ACCEPT: Duration = Duration::from_secs(60);
@@ -35,18 +35,34 @@ pub fn parse_wait(s: &str) -> anyhow::Result<WaitStrategy> {
 
 /// Folds every byte of a received message in place; returns (sequence number, fold).
 fn fold_msg(m: &fido::Msg, size: usize) -> anyhow::Result<(u64, u64)> {
-    let v = m
-        .as_slice()
-        .with_context(|| format!("expected one segment, got {}", m.segment_count()))?;
+    let v = one_segment(m)?;
     if v.len() != size {
         bail!("a message of {} bytes arrived, expected {size}", v.len());
     }
+    fold_record(v)
+}
+
+fn one_segment(m: &fido::Msg) -> anyhow::Result<fido::PeerSlice<'_>> {
+    m.as_slice()
+        .with_context(|| format!("expected one segment, got {}", m.segment_count()))
+}
+
+/// Folds one record (a message's bytes) in place: (sequence number, fold).
+fn fold_record(v: fido::PeerSlice<'_>) -> anyhow::Result<(u64, u64)> {
     let sum = v.fold_u64(0u64, |acc, w| acc.wrapping_add(w).rotate_left(1));
     let seq = v
         .read_obj::<[u8; 8]>(0)
         .map(u64::from_le_bytes)
         .context("message under 8 bytes")?;
     Ok((seq, sum))
+}
+
+/// How many `size`-byte messages a batching source packs into one Fido
+/// message: as many as fill [`STREAM_BUFFER`], the user-space buffer of the
+/// stream baselines (which batch small messages into few system calls), at
+/// least one.
+pub fn batch_for(size: usize) -> usize {
+    (STREAM_BUFFER / size.max(1)).max(1)
 }
 
 fn send_filled(d: &Domain, ch: &Channel, size: usize, seq: u64) -> Result<(), fido::Error> {
@@ -108,44 +124,62 @@ pub fn ping_pong(
     Ok(rtts)
 }
 
-/// Sending side of a throughput case: fresh filled messages for `duration`,
-/// then [`END`]; returns the messages sent (before END).
-pub fn source(d: &Domain, ch: &Channel, size: usize, duration: Duration) -> anyhow::Result<u64> {
+/// Sending side of a throughput case: fresh filled messages of `size` bytes
+/// for `duration`, then [`END`]; returns the messages sent (before END).
+/// `batch` messages travel in each Fido message (one buffer, one
+/// descriptor), each written whole in place as if sent alone: 1 is a
+/// descriptor per message, [`batch_for`] batches as the stream baselines do.
+pub fn source(d: &Domain, ch: &Channel, size: usize, batch: usize, duration: Duration) -> anyhow::Result<u64> {
+    if batch == 0 || size < 8 {
+        bail!("source: batch {batch} of {size}-byte messages");
+    }
     let start = Instant::now();
     let mut n = 0u64;
     while start.elapsed() < duration {
-        n += 1;
-        send_filled(d, ch, size, n)?;
+        let mut b = d.alloc(size * batch)?;
+        for record in b.chunks_exact_mut(size) {
+            n += 1;
+            crate::fill(record, n);
+        }
+        ch.send(b).map_err(|e| e.error)?;
     }
     send_filled(d, ch, size, END)?;
     Ok(n)
 }
 
-/// Receiving side: folds every message in place, checks the order, until [`END`].
+/// Receiving side: folds every message in place, checks the order, until
+/// [`END`]. A Fido message may carry several `size`-byte messages back to
+/// back (a batching [`source`]); each is checked as if it came alone.
 pub fn sink(ch: &Channel, size: usize) -> anyhow::Result<SinkReport> {
     let mut n = 0u64;
     let mut sum = 0u64;
     let mut first: Option<Instant> = None;
     loop {
         let m = ch.recv_timeout(STALL)?;
-        let (seq, s) = fold_msg(&m, size)?;
-        drop(m);
-        if seq == END {
-            return Ok(SinkReport {
-                messages: n,
-                checksum: sum,
-                timed_messages: n.saturating_sub(1),
-                timed_ns: first.map_or(0, |t| t.elapsed().as_nanos() as u64),
-            });
+        let v = one_segment(&m)?;
+        if v.is_empty() || v.len() % size != 0 {
+            bail!("a message of {} bytes arrived, expected a multiple of {size}", v.len());
         }
-        if seq != n + 1 {
-            bail!("sink: message {seq} arrived, expected {}", n + 1);
+        for at in (0..v.len()).step_by(size) {
+            let record = v.subslice(at, size).expect("inside the message");
+            let (seq, s) = fold_record(record)?;
+            if seq == END {
+                return Ok(SinkReport {
+                    messages: n,
+                    checksum: sum,
+                    timed_messages: n.saturating_sub(1),
+                    timed_ns: first.map_or(0, |t| t.elapsed().as_nanos() as u64),
+                });
+            }
+            if seq != n + 1 {
+                bail!("sink: message {seq} arrived, expected {}", n + 1);
+            }
+            sum = sum.wrapping_add(s);
+            if first.is_none() {
+                first = Some(Instant::now());
+            }
+            n += 1;
         }
-        sum = sum.wrapping_add(s);
-        if first.is_none() {
-            first = Some(Instant::now());
-        }
-        n += 1;
     }
 }
 
@@ -193,21 +227,29 @@ mod tests {
         assert!(echoed as usize >= rtts.len());
         drop(ch);
 
-        let svc = format!("vm-test-stream-{}", std::process::id());
-        let l = b.offer(&svc).unwrap();
-        let b2 = b.clone();
-        let t = std::thread::spawn(move || {
-            let ch = l.accept_timeout(ACCEPT).unwrap();
-            let n = source(&b2, &ch, 4096, Duration::from_millis(50)).unwrap();
-            let _ = fido_demo::pipeline::drain(&ch, Duration::from_secs(5));
-            n
-        });
-        let ch = a.connect(&svc).unwrap();
-        let report = sink(&ch, 4096).unwrap();
-        let sent = t.join().unwrap();
-        report.verify(Some(sent), 4096).unwrap();
+        // One descriptor per message, then batched as the stream baselines
+        // batch (64 four-KiB messages, 4096 of 64 bytes per descriptor).
+        for (size, batch) in [(4096, 1), (4096, batch_for(4096)), (64, batch_for(64))] {
+            let svc = format!("vm-test-stream-{}-{size}-{batch}", std::process::id());
+            let l = b.offer(&svc).unwrap();
+            let b2 = b.clone();
+            let t = std::thread::spawn(move || {
+                let ch = l.accept_timeout(ACCEPT).unwrap();
+                let n = source(&b2, &ch, size, batch, Duration::from_millis(50)).unwrap();
+                let _ = fido_demo::pipeline::drain(&ch, Duration::from_secs(5));
+                n
+            });
+            let ch = a.connect(&svc).unwrap();
+            let report = sink(&ch, size).unwrap();
+            let sent = t.join().unwrap();
+            assert!(sent as usize >= batch, "{size} B x {batch}: {sent} sent");
+            assert_eq!(sent % batch as u64, 0, "whole batches");
+            report.verify(Some(sent), size).unwrap();
+            drop(ch);
+        }
+        assert_eq!(batch_for(64), 4096);
+        assert_eq!(batch_for(STREAM_BUFFER * 2), 1);
         assert_eq!(a.counters().bytes_copied + b.counters().bytes_copied, 0);
-        drop(ch);
         drop((a, b));
         std::thread::sleep(Duration::from_millis(400));
         broker.stop().unwrap();

@@ -39,6 +39,17 @@ pub fn accel() -> &'static (&'static str, String) {
     })
 }
 
+/// The `-cpu` of a baseline guest: what `fido vm run` gives its guests under
+/// the same accelerator (`host` under KVM, [`fido_vm::qemu::TCG_CPU`] under
+/// TCG), so Fido's guests and the baselines' run the same CPU model.
+pub fn guest_cpu() -> &'static str {
+    if accel().0 == "kvm" {
+        "host"
+    } else {
+        fido_vm::qemu::TCG_CPU
+    }
+}
+
 fn run_ok(cmd: &mut Command) -> anyhow::Result<()> {
     let out = cmd
         .stdin(Stdio::null())
@@ -383,7 +394,7 @@ pub fn launch(
                 } else {
                     "tcg,thread=multi"
                 })
-                .args(["-cpu", "max", "-smp", "1", "-m", &format!("{mem_mib}M")])
+                .args(["-cpu", guest_cpu(), "-smp", "1", "-m", &format!("{mem_mib}M")])
                 .args(["-nographic", "-nodefaults", "-no-user-config", "-no-reboot"])
                 // As under `fido vm run`, whose guests need it for VFIO: the
                 // baselines run on the same machine model.
