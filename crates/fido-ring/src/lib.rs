@@ -213,6 +213,11 @@ impl TxRing {
         self.prod
     }
 
+    /// The peer's sleep word we last woke (diagnostics).
+    pub fn last_woken(&self) -> u64 {
+        self.last_rung
+    }
+
     #[inline]
     pub fn peer_closed(&self) -> bool {
         self.peer.is_closed()

@@ -239,6 +239,7 @@ fn blocking_wait_across_threads(futex: bool) {
                     liveness: None,
                     futex: futex.then_some(peer.data_bell()),
                     learned: &mut Default::default(),
+                    recheck: None,
                 },
                 || -> Result<bool, RingError> {
                     got = rx.poll()?;
@@ -332,6 +333,7 @@ fn a_bell_storm_moves_the_waiter_to_its_doorbell_and_a_publish_still_wakes_it() 
                     liveness: None,
                     futex: Some(peer.data_bell()),
                     learned: &mut Default::default(),
+                    recheck: None,
                 },
                 || -> Result<bool, RingError> {
                     got = rx.poll()?;
@@ -403,6 +405,7 @@ fn adaptive_recv(side: &mut Side, epoch: &mut u64, learned: &mut wait::SpinBudge
             liveness: None,
             futex: Some(peer.data_bell()),
             learned,
+            recheck: None,
         },
         || -> Result<bool, RingError> {
             got = rx.poll()?;
@@ -472,4 +475,71 @@ fn an_adaptive_waiter_learns_how_long_its_peer_takes() {
     eprintln!("adaptive waiter, peer answering every ms: {per_msg:?} of CPU per message");
     assert!(per_msg < Duration::from_micros(35), "{per_msg:?} of CPU per message waited for (spin not learned)");
     assert!(learned.spin(Duration::from_micros(50)) <= Duration::from_micros(4), "{learned:?}");
+}
+
+/// A waiter whose doorbell can lose a ring (a VM guest's: an emulated
+/// interrupt) and which looks again every `recheck` finds a message whose
+/// ring never came within about that; without `recheck` it sleeps until its
+/// deadline. The lost ring is a descriptor pushed (visible) but never
+/// published (nobody rang).
+#[test]
+fn a_lost_ring_costs_a_recheck_not_a_hang() {
+    let pair = Pair::new(16);
+    let (mut a, mut b) = connect(&pair, 16);
+    let mut epoch = 0;
+    let wait_for_one = |b: &mut Side, epoch: &mut u64, recheck: Option<Duration>, timeout: Duration| {
+        let bell = b.data_bell.clone();
+        let local = *b.rx.local();
+        let rx = &mut b.rx;
+        let mut got = None;
+        let started = Instant::now();
+        let outcome = wait_until(
+            WaitStrategy::Block,
+            Some(Instant::now() + timeout),
+            SleepSite {
+                sleep: local.data_sleep(),
+                epoch,
+                bell: bell.as_fd(),
+                liveness: None,
+                futex: None,
+                learned: &mut Default::default(),
+                recheck,
+            },
+            || -> Result<bool, RingError> {
+                if got.is_none() {
+                    got = rx.poll()?;
+                }
+                Ok(got.is_some())
+            },
+        )
+        .unwrap();
+        (outcome, got, started.elapsed())
+    };
+    std::thread::scope(|s| {
+        let pusher = s.spawn(|| {
+            // Pushed while the waiter sleeps; `publish` (the ring) never called.
+            std::thread::sleep(Duration::from_millis(50));
+            a.tx.push(&desc(1)).unwrap();
+        });
+        let (outcome, got, took) = wait_for_one(&mut b, &mut epoch, Some(Duration::from_millis(20)), Duration::from_secs(10));
+        pusher.join().unwrap();
+        assert_eq!(outcome, WaitOutcome::Ready);
+        assert_eq!(got.map(|d| d.cookie), Some(1));
+        assert!(took < Duration::from_secs(2), "found after {took:?}");
+    });
+    // The same without a recheck: nothing wakes it before its deadline.
+    a.tx.push(&desc(2)).unwrap_or_else(|e| panic!("{e}"));
+    // (The slot is visible at once: look before sleeping finds it.)
+    let (outcome, got, _) = wait_for_one(&mut b, &mut epoch, None, Duration::from_millis(300));
+    assert_eq!((outcome, got.map(|d| d.cookie)), (WaitOutcome::Ready, Some(2)));
+    std::thread::scope(|s| {
+        let pusher = s.spawn(|| {
+            std::thread::sleep(Duration::from_millis(50));
+            a.tx.push(&desc(3)).unwrap();
+        });
+        let (_, _, took) = wait_for_one(&mut b, &mut epoch, None, Duration::from_millis(500));
+        pusher.join().unwrap();
+        // Found (if at all) by the last look at its deadline, not before.
+        assert!(took >= Duration::from_millis(500), "woken without a ring after {took:?}");
+    });
 }

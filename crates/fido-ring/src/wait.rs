@@ -63,7 +63,19 @@ pub struct SleepSite<'a> {
     /// What this waiter learned about its peer's response time (kept by the
     /// caller from one wait to the next; only `Adaptive` uses it).
     pub learned: &'a mut SpinBudget,
+    /// The longest one doorbell sleep lasts before the condition is looked
+    /// at again (`None`: until rung). For doorbells that arrive as emulated
+    /// interrupts (a VM guest, [`GUEST_RECHECK`]), so a lost interrupt costs
+    /// a bounded delay, never a hang.
+    pub recheck: Option<Duration>,
 }
+
+/// How often a waiter inside a VM guest looks at its ring while asleep on a
+/// doorbell. Its doorbells arrive as interrupts through the emulated
+/// ivshmem device, the IOMMU and VFIO; under TCG one in about a million
+/// was seen never to arrive (docs/VM.md §3). A waiter that wakes this often
+/// costs nothing measurable, and the wake-up it missed costs at most this.
+pub const GUEST_RECHECK: Duration = Duration::from_millis(20);
 
 /// How long an `Adaptive { spin }` waiter spins before it sleeps, learned from
 /// its recent waits: spinning only pays when the peer answers within the spin
@@ -220,7 +232,7 @@ fn wait_stages<E>(
         std::hint::spin_loop();
         spins = spins.wrapping_add(1);
     }
-    let SleepSite { sleep, epoch, bell, liveness, futex: word, .. } = site;
+    let SleepSite { sleep, epoch, bell, liveness, futex: word, recheck, .. } = site;
     // Futex stage.
     if let Some(word) = word {
         let now = Instant::now();
@@ -272,6 +284,10 @@ fn wait_stages<E>(
                 Some(d - now)
             }
             None => None,
+        };
+        let timeout = match (timeout, recheck) {
+            (Some(t), Some(r)) => Some(t.min(r)),
+            (t, r) => t.or(r),
         };
         let woke = block_on(bell, liveness, timeout);
         protocol::disarm(sleep, *epoch);

@@ -76,7 +76,13 @@ impl AsyncChannel {
             let armed = Armed { channel: &self.channel, rx: true };
             // While forwarded messages are in flight, their releases must keep
             // flowing upstream: wake up now and then to collect them.
-            let tick = if self.channel.forwarded_in_flight() { Duration::from_micros(200) } else { Duration::from_secs(3600) };
+            // In a VM guest, a doorbell is an emulated interrupt that can be
+            // lost: look again now and then (fido_ring::wait::GUEST_RECHECK).
+            let tick = if self.channel.forwarded_in_flight() {
+                Duration::from_micros(200)
+            } else {
+                self.channel.doorbell_recheck().unwrap_or(Duration::from_secs(3600))
+            };
             tokio::select! {
                 g = self.data.readable() => {
                     if let Ok(mut g) = g {
@@ -112,6 +118,7 @@ impl AsyncChannel {
                 continue;
             }
             let _armed = Armed { channel: &self.channel, rx: false };
+            let tick = self.channel.doorbell_recheck().unwrap_or(Duration::from_secs(3600));
             tokio::select! {
                 g = self.space.readable() => {
                     if let Ok(mut g) = g {
@@ -125,6 +132,7 @@ impl AsyncChannel {
                     }
                     self.channel.note_peer_hangup();
                 }
+                _ = tokio::time::sleep(tick) => {}
             }
         }
     }

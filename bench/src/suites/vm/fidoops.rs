@@ -33,6 +33,12 @@ pub fn parse_wait(s: &str) -> anyhow::Result<WaitStrategy> {
     })
 }
 
+/// A failed send or receive of message `k`, with both sides' ring words
+/// (what a stalled channel needs to be understood).
+fn stalled(e: fido::Error, ch: &Channel, k: u64) -> anyhow::Error {
+    anyhow::anyhow!("{e} at message {k} ({})", ch.ring_state())
+}
+
 /// Folds every byte of a received message in place; returns (sequence number, fold).
 fn fold_msg(m: &fido::Msg, size: usize) -> anyhow::Result<(u64, u64)> {
     let v = one_segment(m)?;
@@ -80,7 +86,7 @@ pub fn echo(d: &Domain, ch: &Channel, size: usize) -> anyhow::Result<u64> {
         let m = match ch.recv_timeout(STALL) {
             Ok(m) => m,
             Err(e) if is_end(&e) => return Ok(n),
-            Err(e) => return Err(e.into()),
+            Err(e) => return Err(stalled(e, ch, n + 1)),
         };
         let (seq, sum) = fold_msg(&m, size)?;
         std::hint::black_box(sum);
@@ -110,8 +116,8 @@ pub fn ping_pong(
     duration: Duration,
 ) -> anyhow::Result<Vec<u64>> {
     let rtts = crate::time_round_trips(warmup, duration, |k| {
-        send_filled(d, ch, size, k)?;
-        let m = ch.recv_timeout(STALL)?;
+        send_filled(d, ch, size, k).map_err(|e| stalled(e, ch, k))?;
+        let m = ch.recv_timeout(STALL).map_err(|e| stalled(e, ch, k))?;
         let (seq, sum) = fold_msg(&m, size)?;
         if seq != k || sum != expected_checksum(k, size) {
             bail!("ping: reply {seq} does not carry message {k}'s bytes");
@@ -155,7 +161,7 @@ pub fn sink(ch: &Channel, size: usize) -> anyhow::Result<SinkReport> {
     let mut sum = 0u64;
     let mut first: Option<Instant> = None;
     loop {
-        let m = ch.recv_timeout(STALL)?;
+        let m = ch.recv_timeout(STALL).map_err(|e| stalled(e, ch, n + 1))?;
         let v = one_segment(&m)?;
         if v.is_empty() || v.len() % size != 0 {
             bail!("a message of {} bytes arrived, expected a multiple of {size}", v.len());

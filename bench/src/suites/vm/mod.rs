@@ -244,7 +244,10 @@ impl Bench<'_> {
             r
         })();
         let done = self.a.ctl.expect("done", self.done_timeout());
-        let rtts = rtts?;
+        let rtts = rtts.map_err(|e| match &done {
+            Err(guest) => e.context(format!("the guest's side: {guest:#}")),
+            Ok(_) => e,
+        })?;
         let guest: u64 = done?.num("bytes_copied")?;
         let copied = d.counters().bytes_copied - before + guest;
         let system = if wait == "poll" { FIDO_POLLED } else { FIDO };

@@ -129,6 +129,7 @@ impl Channel {
             liveness,
             peer_block,
             futex_reaches,
+            interrupt_doorbells: conns.local.platform.is_guest(),
             releaser: Mutex::new(ReleaseState { ring: Releaser::new(local, peer_block, peer_space), dropped: 0, delivered_in_all: None }),
             deferred: AtomicU64::new(NO_DEFERRED),
             channel_dropped: AtomicBool::new(false),
@@ -231,6 +232,66 @@ impl Channel {
         self.shared.is_open() && !self.shared.peer_block.is_closed()
     }
 
+    /// What both sides of this connection last wrote in their ring blocks,
+    /// for diagnosing a stalled channel: per side, descriptors published
+    /// (`sent`) and consumed of the other's (`taken`), releases published
+    /// (`released`) and reaped of the other's (`reaped`), the two sleep words
+    /// (`epoch << 2 | how`: 0 awake, 1 on its socket doorbell, 3 on a futex)
+    /// and the two bell words; how often we rang the peer, and the peer's
+    /// data sleep word we last woke. Takes no lock that a stalled sender or
+    /// receiver may hold (the last is left out while the send lock is held);
+    /// the peer's numbers are whatever its memory says.
+    pub fn ring_state(&self) -> String {
+        use std::sync::atomic::Ordering::Acquire;
+        let side = |data_prod: u64, data_cons: u64, rel_prod: u64, rel_cons: u64, data_sleep: u64, space_sleep: u64, data_bell: u32, space_bell: u32| {
+            format!(
+                "sent={data_prod} taken={data_cons} released={rel_prod} reaped={rel_cons} \
+                 data_sleep={}:{} space_sleep={}:{} data_bell={data_bell} space_bell={space_bell}",
+                data_sleep >> 2,
+                data_sleep & 3,
+                space_sleep >> 2,
+                space_sleep & 3
+            )
+        };
+        let l = &self.shared.local;
+        let p = &self.shared.peer_block;
+        let st = &self.shared.stats;
+        let woken = match self.shared.tx.try_lock() {
+            Some(tx) => {
+                let w = tx.ring.last_woken();
+                format!("{}:{}", w >> 2, w & 3)
+            }
+            None => "(send lock held)".into(),
+        };
+        format!(
+            "we last woke the peer's data sleep {woken}, rang data {} and release {} times, suppressed {} and {}; ours: {}; peer's: {}",
+            st.rung.get(),
+            st.release_rung.get(),
+            st.suppressed.get(),
+            st.release_suppressed.get(),
+            side(
+                l.data_prod().load(Acquire),
+                l.data_cons().load(Acquire),
+                l.rel_prod().load(Acquire),
+                l.rel_cons().load(Acquire),
+                l.data_sleep().load(Acquire),
+                l.space_sleep().load(Acquire),
+                l.data_bell().load(Acquire),
+                l.space_bell().load(Acquire)
+            ),
+            side(
+                p.data_prod().load(Acquire),
+                p.data_cons().load(Acquire),
+                p.rel_prod().load(Acquire),
+                p.rel_cons().load(Acquire),
+                p.data_sleep().load(Acquire),
+                p.space_sleep().load(Acquire),
+                p.data_bell().load(Acquire),
+                p.space_bell().load(Acquire)
+            )
+        )
+    }
+
     /// The doorbell wait end this channel's receiver sleeps on. The peer rings it only
     /// after the receiver announced it is going to sleep (blocking `recv`, or
     /// [`crate::AsyncChannel`]), so it is not a readiness signal on its own.
@@ -280,6 +341,13 @@ impl Channel {
     pub(crate) fn disarm_tx(&self) {
         let tx = self.shared.tx.lock();
         fido_ring::protocol::disarm(tx.ring.local().space_sleep(), tx.epoch);
+    }
+
+    /// How often a doorbell sleep must look at the ring again: in a VM
+    /// guest, whose doorbells are emulated interrupts that can be lost.
+    #[cfg(feature = "tokio")]
+    pub(crate) fn doorbell_recheck(&self) -> Option<std::time::Duration> {
+        self.shared.interrupt_doorbells.then_some(fido_ring::wait::GUEST_RECHECK)
     }
 
     #[cfg(feature = "tokio")]
