@@ -52,8 +52,8 @@ impl std::fmt::Display for Accel {
 /// features (ERMS, FSRM). With them, glibc's `memset`/`memcpy` and the guest
 /// kernel's user copies use `rep stosb`/`rep movsb` for anything over a few
 /// KiB, and TCG emulates those one byte at a time: under QEMU 7.2, `memset`
-/// of 64 KiB ran at 315 MB/s with ERMS and 3.6 GB/s without it, `memcpy` at
-/// 224 MB/s and 2.5 GB/s (docs/VM.md §4.1). Without them the guest moves
+/// of 64 KiB ran at 261 MB/s with ERMS and 3.6 GB/s without it, `memcpy` at
+/// 209 MB/s and 2.0 GB/s (docs/VM.md §4.1). Without them the guest moves
 /// memory with vector and `rep movsq` code, which TCG runs at its speed.
 /// Every QEMU of this project that runs under TCG (the bench's and the
 /// demo's baselines too) uses this model, so their figures stay comparable.
