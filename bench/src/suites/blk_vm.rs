@@ -288,7 +288,7 @@ fn boot(image: &super::vm::rig::Image, sizes: &Sizes, disk_args: &[String], dir:
     let mut c = Command::new("qemu-system-x86_64");
     c.args(["-machine", "q35", "-accel"])
         .arg(if super::vm::rig::accel().0 == "kvm" { "kvm" } else { "tcg,thread=multi" })
-        .args(["-cpu", super::vm::rig::guest_cpu(), "-smp", "1", "-m", &format!("{GUEST_MEM_MIB}M")])
+        .args(["-cpu", super::vm::rig::guest_cpu(), "-smp", &super::vm::rig::guest_smp(), "-m", &format!("{GUEST_MEM_MIB}M")])
         .arg("-object")
         .arg(format!("memory-backend-memfd,id=mem,size={GUEST_MEM_MIB}M,share=on"))
         .args(["-numa", "node,memdev=mem"])

@@ -417,6 +417,8 @@ impl GuestVm {
         args.extend([
             "-m".into(),
             format!("{memory_mib}M"),
+            "-smp".into(),
+            fido_vm::qemu::tcg_smp(1),
             "-chardev".into(),
             format!("socket,id=console,path={},server=on,wait=off", path(&console_path)),
             "-serial".into(),

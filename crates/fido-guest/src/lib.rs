@@ -27,6 +27,7 @@
 //! link.
 
 pub mod link;
+pub mod machine;
 pub mod pci;
 mod ring_token;
 pub mod vfio;
@@ -55,6 +56,9 @@ pub enum GuestError {
     /// A PCI device is missing, not what was announced, or VFIO refused it.
     #[error("guest device: {0}")]
     Device(String),
+    /// The machine cannot share memory with the host safely ([`machine`]).
+    #[error("unsound VM: {0}")]
+    Machine(String),
     /// Every doorbell vector is taken by a live doorbell.
     #[error("all {0} doorbell vectors are in use")]
     NoFreeVector(u16),
@@ -108,12 +112,14 @@ impl Guest {
         detect_in(Path::new(VIRTIO_PORTS), Path::new("/dev"))
     }
 
-    /// Opens the port (exclusively), exchanges `Hello` → `Welcome` (checked),
+    /// Refuses a machine that cannot share memory soundly ([`machine`]), opens
+    /// the port (exclusively), exchanges `Hello` → `Welcome` (checked),
     /// checks the announced devices, binds the doorbell device to vfio-pci if
     /// needed and sets up VFIO (MSI-X vectors → eventfds, bus mastering, the
     /// doorbell register). Needs root (sysfs writes, VFIO).
     pub fn open(port: &Path) -> Result<Arc<Guest>, GuestError> {
         use std::os::unix::fs::OpenOptionsExt;
+        machine::check()?;
         let file = std::fs::OpenOptions::new()
             .read(true)
             .write(true)

@@ -28,6 +28,13 @@ pub const BOOT_TIMEOUT: Duration = Duration::from_secs(120);
 /// `crates/fido-vm/tests/qemu.rs` checks that the two agree).
 pub const TCG_CPU: &str = "max,erms=off,fsrm=off";
 
+/// The `-smp` of the tests' plain TCG guests: `fido_vm::qemu::tcg_smp`, which
+/// says why (at least two possible CPUs, else QEMU drops the guest's memory
+/// barriers); checked equal by `crates/fido-vm/tests/qemu.rs`.
+pub fn tcg_smp(cpus: u32) -> String {
+    format!("{cpus},maxcpus={}", cpus.max(2))
+}
+
 /// A bootable guest: what `scripts/vm-image.sh` wrote.
 #[derive(Clone, Debug)]
 pub struct Image {
@@ -523,6 +530,9 @@ pub struct BootOptions {
     pub memory_mib: u32,
     /// Virtual CPUs.
     pub cpus: u32,
+    /// QEMU's `-smp` verbatim instead of [`tcg_smp`]`(cpus)` (the test that
+    /// shows why a TCG guest needs two possible CPUs boots one with `1`).
+    pub smp: Option<String>,
     /// Wait for the shell on the console (else return once QEMU runs; with
     /// `fido.run=` in `extra_cmdline` the guest runs that and powers off).
     pub wait_for_shell: bool,
@@ -535,6 +545,7 @@ impl Default for BootOptions {
             extra_qemu_args: Vec::new(),
             memory_mib: 256,
             cpus: 1,
+            smp: None,
             wait_for_shell: true,
         }
     }
@@ -593,7 +604,7 @@ pub fn boot_with(image: &Image, options: &BootOptions) -> PlainVm {
         "-m",
         &format!("{}M", options.memory_mib),
         "-smp",
-        &options.cpus.to_string(),
+        &options.smp.clone().unwrap_or_else(|| tcg_smp(options.cpus)),
     ])
     .args(["-nographic", "-nodefaults", "-no-user-config", "-no-reboot"])
     .args(["-device", "intel-iommu,intremap=on"])

@@ -59,6 +59,23 @@ impl std::fmt::Display for Accel {
 /// demo's baselines too) uses this model, so their figures stay comparable.
 pub const TCG_CPU: &str = "max,erms=off,fsrm=off";
 
+/// The `-smp` of a TCG guest with `cpus` vCPUs: never fewer than two
+/// *possible* CPUs (`maxcpus`), however few run. QEMU's multi-threaded TCG
+/// translates a machine whose `maxcpus` is 1 as not parallel: QEMU 7.2 then
+/// drops the guest's memory barriers (`mfence`, `lock`ed instructions), and
+/// every version makes its `lock`ed read-modify-writes plain loads and
+/// stores. Alone, a one-CPU guest cannot tell; with memory shared with
+/// another process (a peer's arena, a ring) it breaks every protocol that
+/// needs a fence: a store-buffering litmus test between host and guest saw
+/// the forbidden outcome 6097 times in 10^6 rounds with `-smp 1`, never with
+/// `-smp 1,maxcpus=2` (docs/VM.md §3, `scripts/tcg-litmus.c`). The guest
+/// side refuses a TCG guest with one possible CPU ([`fido_guest`]'s
+/// `Guest::open`). Every QEMU of this project under TCG uses this, the bench's
+/// and the demo's baselines too (whose virtio rings need the same barriers).
+pub fn tcg_smp(cpus: u32) -> String {
+    format!("{cpus},maxcpus={}", cpus.max(2))
+}
+
 /// `KVM_GET_API_VERSION` = `_IO(KVMIO, 0x00)`.
 const KVM_GET_API_VERSION: libc::c_ulong = 0xAE00;
 /// The only KVM API version there has ever been.
@@ -287,7 +304,11 @@ impl VmSpec {
         if let Some(size) = self.hole64() {
             push(&["-global", &format!("q35-pcihost.pci-hole64-size={size}")]);
         }
-        push(&["-m", &self.mem_mib.to_string(), "-smp", &self.cpus.to_string()]);
+        let smp = match self.accel {
+            Accel::Kvm => self.cpus.to_string(),
+            Accel::Tcg => tcg_smp(self.cpus.into()),
+        };
+        push(&["-m", &self.mem_mib.to_string(), "-smp", &smp]);
         // -no-reboot: a guest that reboots (or panics, with panic=-1) ends
         // QEMU, so the domain dies visibly instead of coming back with stale
         // hot-plugged devices and no Fido state.

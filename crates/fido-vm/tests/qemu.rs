@@ -127,22 +127,32 @@ fn qemu_starts_with_every_device_and_the_arena_seals_after_the_greeting() {
     assert!(rustix::io::pwrite(&vm.arena, b"x", 0).is_err());
 }
 
-/// Waits until the firmware has given every root port a bus number and
-/// checks that each prefetchable window holds a largest peer arena.
+/// Waits until the firmware has given every root port a bus number and a
+/// prefetchable window of `window` bytes (a largest peer arena) or more;
+/// panics, saying which, after `QMP_TIMEOUT`.
 fn wait_for_bridges(qmp: &mut Qmp, window: u64) {
     let deadline = std::time::Instant::now() + QMP_TIMEOUT;
     loop {
         let buses = qmp.execute("query-pci", Value::Null).unwrap();
         let bridges: Vec<Value> = buses[0]["devices"].as_array().unwrap().iter().filter_map(|d| d.get("pci_bridge").cloned()).collect();
-        if bridges.iter().all(|b| b["bus"]["secondary"].as_u64() > Some(0)) {
-            for b in &bridges {
-                let w = &b["bus"]["prefetchable_range"];
-                let len = w["limit"].as_u64().unwrap() + 1 - w["base"].as_u64().unwrap();
-                assert!(len >= window, "prefetchable window of {len} bytes: {b}");
+        // The firmware numbers the buses before it programs the windows: a
+        // loaded machine shows the state in between, so wait for both.
+        let window_len = |b: &Value| {
+            let w = &b["bus"]["prefetchable_range"];
+            match (w["base"].as_u64(), w["limit"].as_u64()) {
+                (Some(base), Some(limit)) => (limit + 1).saturating_sub(base),
+                _ => 0,
             }
+        };
+        let numbered = bridges.iter().all(|b| b["bus"]["secondary"].as_u64() > Some(0));
+        if numbered && bridges.iter().all(|b| window_len(b) >= window) {
             return;
         }
-        assert!(std::time::Instant::now() < deadline, "the firmware never configured the root ports");
+        if std::time::Instant::now() >= deadline {
+            assert!(numbered, "the firmware never numbered the root ports' buses: {bridges:?}");
+            let small: Vec<_> = bridges.iter().filter(|b| window_len(b) < window).collect();
+            panic!("prefetchable windows under {window} bytes: {small:?}");
+        }
         std::thread::sleep(Duration::from_millis(50));
     }
 }
@@ -404,4 +414,23 @@ fn every_tcg_guest_gets_the_same_cpu_model() {
     let spec = VmSpec::new("cpu-model", Accel::Tcg);
     let args = spec.args().unwrap();
     assert!(args.windows(2).any(|w| w[0] == "-cpu" && w[1] == fido_vm::qemu::TCG_CPU), "{args:?}");
+}
+
+/// A TCG guest always has two possible CPUs or more (else QEMU drops its
+/// memory barriers), in `fido vm run` and in the tests' plain guests alike;
+/// a KVM guest gets the CPUs asked for.
+#[test]
+fn every_tcg_guest_has_two_possible_cpus() {
+    for cpus in [1, 2, 3] {
+        assert_eq!(fido_test_support::vm::tcg_smp(cpus), fido_vm::qemu::tcg_smp(cpus));
+    }
+    assert_eq!(fido_vm::qemu::tcg_smp(1), "1,maxcpus=2");
+    assert_eq!(fido_vm::qemu::tcg_smp(4), "4,maxcpus=4");
+    let smp = |accel| {
+        let args = VmSpec::new("smp", accel).args().unwrap();
+        let i = args.iter().position(|a| a == "-smp").expect("-smp");
+        args[i + 1].clone()
+    };
+    assert_eq!(smp(Accel::Tcg), "1,maxcpus=2");
+    assert_eq!(smp(Accel::Kvm), "1");
 }

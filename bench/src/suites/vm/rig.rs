@@ -50,6 +50,17 @@ pub fn guest_cpu() -> &'static str {
     }
 }
 
+/// The `-smp` of a one-vCPU baseline guest: as `fido vm run` gives its guests
+/// (two possible CPUs under TCG, [`fido_vm::qemu::tcg_smp`], without which
+/// QEMU drops the guest's memory barriers, those of its virtio rings too).
+pub fn guest_smp() -> String {
+    if accel().0 == "kvm" {
+        "1".into()
+    } else {
+        fido_vm::qemu::tcg_smp(1)
+    }
+}
+
 fn run_ok(cmd: &mut Command) -> anyhow::Result<()> {
     let out = cmd
         .stdin(Stdio::null())
@@ -394,7 +405,7 @@ pub fn launch(
                 } else {
                     "tcg,thread=multi"
                 })
-                .args(["-cpu", guest_cpu(), "-smp", "1", "-m", &format!("{mem_mib}M")])
+                .args(["-cpu", guest_cpu(), "-smp", &guest_smp(), "-m", &format!("{mem_mib}M")])
                 .args(["-nographic", "-nodefaults", "-no-user-config", "-no-reboot"])
                 // As under `fido vm run`, whose guests need it for VFIO: the
                 // baselines run on the same machine model.
