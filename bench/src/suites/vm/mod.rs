@@ -384,7 +384,7 @@ fn machine(image: &rig::Image) -> crate::Machine {
     .with("qemu", first_line("qemu-system-x86_64", &["--version"]))
     .with("accel", rig::accel().0)
     .with("accel_why", rig::accel().1.clone())
-    .with("guest", format!("{} vCPU, {VM_MEM_MIB} MiB, -cpu {}, {}", 1, rig::guest_cpu(), image.kernel.display()))
+    .with("guest", format!("{} vCPU, {VM_MEM_MIB} MiB, -smp {}, -cpu {}, {}", 1, rig::guest_smp(), rig::guest_cpu(), image.kernel.display()))
 }
 
 fn find<'a>(rows: &'a [Row], case: &str, system: &str) -> Option<&'a Record> {
@@ -558,93 +558,37 @@ pub fn run(opts: &Opts) -> anyhow::Result<()> {
     };
 
     let mut cases: Vec<(String, &str, CaseFn)> = Vec::new();
+    // Each case's closure gets its name (the row's label) and message size.
+    type Measure = fn(&mut Bench, &str, usize) -> anyhow::Result<Row>;
+    let mut add = |case: &str, size: usize, system: &'static str, f: Measure| {
+        let c = case.to_string();
+        cases.push((c.clone(), system, Box::new(move |b| f(b, &c, size))));
+    };
     for &size in &SIZES {
         let lat = format!("host-vm-latency-{}", size_label(size));
-        let c = lat.clone();
-        cases.push((
-            lat.clone(),
-            FIDO,
-            Box::new(move |b| b.host_vm_latency_fido(&c, size, "block")),
-        ));
-        let c = lat.clone();
-        cases.push((
-            lat.clone(),
-            FIDO_POLLED,
-            Box::new(move |b| b.host_vm_latency_fido(&c, size, "poll")),
-        ));
-        let c = lat.clone();
-        cases.push((
-            lat.clone(),
-            TCP,
-            Box::new(move |b| b.host_vm_latency_tcp(&c, size)),
-        ));
-        let c = lat.clone();
-        cases.push((
-            lat,
-            SERIAL,
-            Box::new(move |b| b.host_vm_latency_serial(&c, size)),
-        ));
+        add(&lat, size, FIDO, |b, c, size| b.host_vm_latency_fido(c, size, "block"));
+        add(&lat, size, FIDO_POLLED, |b, c, size| b.host_vm_latency_fido(c, size, "poll"));
+        add(&lat, size, TCP, |b, c, size| b.host_vm_latency_tcp(c, size));
+        add(&lat, size, SERIAL, |b, c, size| b.host_vm_latency_serial(c, size));
     }
     for &size in &SIZES {
         let tp = format!("host-vm-throughput-{}", size_label(size));
-        let c = tp.clone();
-        cases.push((
-            tp.clone(),
-            FIDO,
-            Box::new(move |b| b.host_vm_throughput_fido(&c, size, 1)),
-        ));
-        let c = tp.clone();
-        cases.push((
-            tp.clone(),
-            FIDO_BATCHED,
-            Box::new(move |b| b.host_vm_throughput_fido(&c, size, fidoops::batch_for(size))),
-        ));
-        let c = tp.clone();
-        cases.push((
-            tp.clone(),
-            TCP,
-            Box::new(move |b| b.host_vm_throughput_tcp(&c, size)),
-        ));
-        let c = tp.clone();
-        cases.push((
-            tp,
-            SERIAL,
-            Box::new(move |b| b.host_vm_throughput_serial(&c, size)),
-        ));
+        add(&tp, size, FIDO, |b, c, size| b.host_vm_throughput_fido(c, size, 1));
+        add(&tp, size, FIDO_BATCHED, |b, c, size| b.host_vm_throughput_fido(c, size, fidoops::batch_for(size)));
+        add(&tp, size, TCP, |b, c, size| b.host_vm_throughput_tcp(c, size));
+        add(&tp, size, SERIAL, |b, c, size| b.host_vm_throughput_serial(c, size));
     }
     for &size in &SIZES {
         let lat = format!("vm-vm-latency-{}", size_label(size));
-        let c = lat.clone();
-        cases.push((
-            lat.clone(),
-            FIDO,
-            Box::new(move |b| b.vm_vm_latency_fido(&c, size, "block")),
-        ));
-        let c = lat.clone();
-        cases.push((
-            lat.clone(),
-            FIDO_POLLED,
-            Box::new(move |b| b.vm_vm_latency_fido(&c, size, "poll")),
-        ));
-        let c = lat.clone();
-        cases.push((lat, TCP, Box::new(move |b| b.vm_vm_latency_tcp(&c, size))));
+        add(&lat, size, FIDO, |b, c, size| b.vm_vm_latency_fido(c, size, "block"));
+        add(&lat, size, FIDO_POLLED, |b, c, size| b.vm_vm_latency_fido(c, size, "poll"));
+        add(&lat, size, TCP, |b, c, size| b.vm_vm_latency_tcp(c, size));
     }
     for &size in &SIZES {
         let tp = format!("vm-vm-throughput-{}", size_label(size));
-        let c = tp.clone();
-        cases.push((
-            tp.clone(),
-            FIDO,
-            Box::new(move |b| b.vm_vm_throughput_fido(&c, size, 1)),
-        ));
-        let c = tp.clone();
-        cases.push((
-            tp.clone(),
-            FIDO_BATCHED,
-            Box::new(move |b| b.vm_vm_throughput_fido(&c, size, fidoops::batch_for(size))),
-        ));
-        let c = tp.clone();
-        cases.push((tp, TCP, Box::new(move |b| b.vm_vm_throughput_tcp(&c, size))));
+        add(&tp, size, FIDO, |b, c, size| b.vm_vm_throughput_fido(c, size, 1));
+        add(&tp, size, FIDO_BATCHED, |b, c, size| b.vm_vm_throughput_fido(c, size, fidoops::batch_for(size)));
+        add(&tp, size, TCP, |b, c, size| b.vm_vm_throughput_tcp(c, size));
     }
     cases.retain(|(case, system, _)| {
         opts.wants(system, case) && (fido_on || !system.starts_with(FIDO))
@@ -727,9 +671,10 @@ pub fn run(opts: &Opts) -> anyhow::Result<()> {
         machine.extra["qemu"].as_str().unwrap_or("")
     );
     println!(
-        "# guest CPU: -cpu {} (fido vm run's model, every guest of the run); throughput batching: the stream baselines \
+        "# guest CPU: -smp {} -cpu {} (fido vm run's, every guest of the run); throughput batching: the stream baselines \
          write through a {} KiB buffer (small messages many to a system call); fido: one descriptor per message; \
          fido-batched: {} KiB of messages per descriptor, each message written and folded whole.",
+        rig::guest_smp(),
         rig::guest_cpu(),
         stream::STREAM_BUFFER >> 10,
         stream::STREAM_BUFFER >> 10

@@ -243,18 +243,26 @@ impl Channel {
     /// the peer's numbers are whatever its memory says.
     pub fn ring_state(&self) -> String {
         use std::sync::atomic::Ordering::Acquire;
-        let side = |data_prod: u64, data_cons: u64, rel_prod: u64, rel_cons: u64, data_sleep: u64, space_sleep: u64, data_bell: u32, space_bell: u32| {
-            format!(
-                "sent={data_prod} taken={data_cons} released={rel_prod} reaped={rel_cons} \
-                 data_sleep={}:{} space_sleep={}:{} data_bell={data_bell} space_bell={space_bell}",
-                data_sleep >> 2,
-                data_sleep & 3,
-                space_sleep >> 2,
-                space_sleep & 3
-            )
-        };
-        let l = &self.shared.local;
-        let p = &self.shared.peer_block;
+        // Our block and the peer's view of its own: the same words, two types.
+        // A sleep word is printed as epoch:state.
+        macro_rules! words {
+            ($b:expr) => {{
+                let (data_sleep, space_sleep) = ($b.data_sleep().load(Acquire), $b.space_sleep().load(Acquire));
+                format!(
+                    "sent={} taken={} released={} reaped={} data_sleep={}:{} space_sleep={}:{} data_bell={} space_bell={}",
+                    $b.data_prod().load(Acquire),
+                    $b.data_cons().load(Acquire),
+                    $b.rel_prod().load(Acquire),
+                    $b.rel_cons().load(Acquire),
+                    data_sleep >> 2,
+                    data_sleep & 3,
+                    space_sleep >> 2,
+                    space_sleep & 3,
+                    $b.data_bell().load(Acquire),
+                    $b.space_bell().load(Acquire),
+                )
+            }};
+        }
         let st = &self.shared.stats;
         let woken = match self.shared.tx.try_lock() {
             Some(tx) => {
@@ -269,26 +277,8 @@ impl Channel {
             st.release_rung.get(),
             st.suppressed.get(),
             st.release_suppressed.get(),
-            side(
-                l.data_prod().load(Acquire),
-                l.data_cons().load(Acquire),
-                l.rel_prod().load(Acquire),
-                l.rel_cons().load(Acquire),
-                l.data_sleep().load(Acquire),
-                l.space_sleep().load(Acquire),
-                l.data_bell().load(Acquire),
-                l.space_bell().load(Acquire)
-            ),
-            side(
-                p.data_prod().load(Acquire),
-                p.data_cons().load(Acquire),
-                p.rel_prod().load(Acquire),
-                p.rel_cons().load(Acquire),
-                p.data_sleep().load(Acquire),
-                p.space_sleep().load(Acquire),
-                p.data_bell().load(Acquire),
-                p.space_bell().load(Acquire)
-            )
+            words!(self.shared.local),
+            words!(self.shared.peer_block)
         )
     }
 
