@@ -271,6 +271,11 @@ impl VmSpec {
         if self.initrd.is_some() && self.kernel.is_none() {
             return bad("an initrd needs a kernel".into());
         }
+        // QEMU takes the last -smp: one among the extra arguments would undo
+        // the two possible CPUs a TCG guest needs ([`tcg_smp`]).
+        if let Some(a) = self.extra.iter().find(|a| a.starts_with('-') && a.trim_start_matches('-').split('=').next() == Some("smp")) {
+            return bad(format!("{a} among the extra QEMU arguments: give the CPUs with --cpus (the supervisor sets -smp)"));
+        }
         for p in [&self.kernel, &self.initrd, &self.disk, &self.serial].into_iter().flatten() {
             if p.to_str().is_none() {
                 return bad(format!("path {} is not UTF-8", p.display()));
@@ -702,6 +707,11 @@ mod tests {
         s.name = "a,b".into();
         assert!(s.check().is_err());
         s.name = "ok".into();
+        for smp in ["-smp", "--smp", "-smp=1"] {
+            s.extra = vec![smp.into(), "1".into()];
+            assert!(s.check().unwrap_err().0.contains("--cpus"), "{smp}");
+        }
+        s.extra = vec!["-name".into(), "smp".into(), "-device".into(), "virtio-rng-pci".into()];
         let args = s.args().unwrap().join(" ");
         assert!(args.contains("addr=0x10.0,multifunction=on,chassis=1,pref64-reserve=2147483648"), "{args}");
         assert!(args.contains("id=fido-port15,bus=pcie.0,addr=0x11.7,chassis=16"), "{args}");
