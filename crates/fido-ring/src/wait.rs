@@ -72,10 +72,13 @@ pub struct SleepSite<'a> {
 
 /// How often a waiter inside a VM guest looks at its ring while asleep on a
 /// doorbell. Its doorbells arrive as interrupts through the emulated
-/// ivshmem device, the IOMMU and VFIO; under TCG one in about a million
-/// was seen never to arrive (docs/VM.md §3). A waiter that wakes this often
-/// costs nothing measurable, and the wake-up it missed costs at most this.
-pub const GUEST_RECHECK: Duration = Duration::from_millis(20);
+/// ivshmem device, the IOMMU and VFIO, which the ring protocol cannot
+/// watch. The one loss seen (docs/VM.md §3) was not one: QEMU 7.2's TCG
+/// dropped the fences of a guest with one possible CPU, which every guest
+/// now avoids. This bounds any other to a delay: a second, long enough to
+/// stand out in a latency tail, and one wake-up a second per sleeping
+/// waiter in an idle guest.
+pub const GUEST_RECHECK: Duration = Duration::from_secs(1);
 
 /// How long an `Adaptive { spin }` waiter spins before it sleeps, learned from
 /// its recent waits: spinning only pays when the peer answers within the spin
