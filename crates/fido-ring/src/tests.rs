@@ -390,31 +390,49 @@ fn thread_cpu() -> Duration {
 /// One adaptive wait (the default strategy) for the next descriptor, with the
 /// waiter's futex stage and its learned spin; returns the descriptor.
 fn adaptive_recv(side: &mut Side, epoch: &mut u64, learned: &mut wait::SpinBudget, timeout: Duration) -> Option<Descriptor> {
+    let (outcome, got) = wait_recv(side, epoch, learned, WaitStrategy::default(), true, None, timeout);
+    assert!(outcome == WaitOutcome::Ready || got.is_none(), "{outcome:?}");
+    got
+}
+
+/// One wait for one descriptor, as `recv` makes it: sleeping on the data
+/// doorbell (and the peer's futex word if `futex`), looking again every
+/// `recheck` if given.
+fn wait_recv(
+    side: &mut Side,
+    epoch: &mut u64,
+    learned: &mut wait::SpinBudget,
+    strategy: WaitStrategy,
+    futex: bool,
+    recheck: Option<Duration>,
+    timeout: Duration,
+) -> (WaitOutcome, Option<Descriptor>) {
     let bell = side.data_bell.clone();
     let local = *side.rx.local();
     let peer = side.rx.peer();
     let rx = &mut side.rx;
     let mut got = None;
     let outcome = wait_until(
-        WaitStrategy::default(),
+        strategy,
         Some(Instant::now() + timeout),
         SleepSite {
             sleep: local.data_sleep(),
             epoch,
             bell: bell.as_fd(),
             liveness: None,
-            futex: Some(peer.data_bell()),
+            futex: futex.then(|| peer.data_bell()),
             learned,
-            recheck: None,
+            recheck,
         },
         || -> Result<bool, RingError> {
-            got = rx.poll()?;
+            if got.is_none() {
+                got = rx.poll()?;
+            }
             Ok(got.is_some())
         },
     )
     .unwrap();
-    assert!(outcome == WaitOutcome::Ready || got.is_none(), "{outcome:?}");
-    got
+    (outcome, got)
 }
 
 /// A quiet channel burns no CPU: a waiter with the default strategy that
@@ -488,31 +506,8 @@ fn a_lost_ring_costs_a_recheck_not_a_hang() {
     let (mut a, mut b) = connect(&pair, 16);
     let mut epoch = 0;
     let wait_for_one = |b: &mut Side, epoch: &mut u64, recheck: Option<Duration>, timeout: Duration| {
-        let bell = b.data_bell.clone();
-        let local = *b.rx.local();
-        let rx = &mut b.rx;
-        let mut got = None;
         let started = Instant::now();
-        let outcome = wait_until(
-            WaitStrategy::Block,
-            Some(Instant::now() + timeout),
-            SleepSite {
-                sleep: local.data_sleep(),
-                epoch,
-                bell: bell.as_fd(),
-                liveness: None,
-                futex: None,
-                learned: &mut Default::default(),
-                recheck,
-            },
-            || -> Result<bool, RingError> {
-                if got.is_none() {
-                    got = rx.poll()?;
-                }
-                Ok(got.is_some())
-            },
-        )
-        .unwrap();
+        let (outcome, got) = wait_recv(b, epoch, &mut Default::default(), WaitStrategy::Block, false, recheck, timeout);
         (outcome, got, started.elapsed())
     };
     std::thread::scope(|s| {

@@ -114,6 +114,13 @@ fn litmus(guest: &mut PlainVm, litmus: &Path, shm: &Path, rounds: u64, nofence: 
     forbidden
 }
 
+/// Runs `batch` up to three times until it counts a forbidden outcome: one
+/// that is possible shows in a batch unless the two sides hardly ever ran
+/// at once (a loaded machine); three empty batches are a finding.
+fn until_seen(mut batch: impl FnMut() -> u64) -> u64 {
+    (0..3).map(|_| batch()).find(|&n| n > 0).unwrap_or(0)
+}
+
 #[test]
 fn a_tcg_guest_keeps_its_fences_only_with_two_possible_cpus() {
     if !vm::qemu_available() {
@@ -133,7 +140,7 @@ fn a_tcg_guest_keeps_its_fences_only_with_two_possible_cpus() {
     let mut guest = boot(&image, &shm, None);
     let possible = guest.console.run_ok("cat /sys/devices/system/cpu/possible", CMD);
     assert_eq!(possible.trim(), "0-1", "Fido's TCG guest has two possible CPUs");
-    let unfenced = litmus(&mut guest, &litmus_bin, &shm, 200_000, true);
+    let unfenced = until_seen(|| litmus(&mut guest, &litmus_bin, &shm, 200_000, true));
     assert!(unfenced > 0, "the harness never saw a store-buffering outcome without fences");
     let forbidden = litmus(&mut guest, &litmus_bin, &shm, 1_000_000, false);
     assert_eq!(forbidden, 0, "a fenced store was reordered after a load in a guest with two possible CPUs");
@@ -142,7 +149,7 @@ fn a_tcg_guest_keeps_its_fences_only_with_two_possible_cpus() {
     // One possible CPU.
     eprintln!("-smp 1");
     let mut guest = boot(&image, &shm, Some("1"));
-    let fenced = litmus(&mut guest, &litmus_bin, &shm, 1_000_000, false);
+    let fenced = until_seen(|| litmus(&mut guest, &litmus_bin, &shm, 1_000_000, false));
     let qemu = qemu_version();
     if qemu < (8, 1) {
         assert!(fenced > 0, "QEMU {qemu:?} kept a one-CPU guest's fences: the reason for maxcpus=2 is gone");
