@@ -8,8 +8,8 @@
 //! the difference; a guest sharing a ring with a host process loses
 //! wake-ups (a store→load reordering that the fences on both sides forbid)
 //! and could lose updates. `scripts/tcg-litmus.c` shows it: the store-buffering
-//! outcome x86 forbids came 6097 times in 10^6 rounds with `-smp 1`, never
-//! with `-smp 1,maxcpus=2` (docs/VM.md §3). `fido vm run` always gives a TCG
+//! outcome x86 forbids comes hundreds to thousands of times in 10^6 rounds
+//! with `-smp 1`, never with `-smp 1,maxcpus=2` (docs/VM.md §3). `fido vm run` always gives a TCG
 //! guest two possible CPUs (`fido_vm::qemu::tcg_smp`); this check catches a
 //! VM started another way.
 //!

@@ -66,12 +66,13 @@ pub const TCG_CPU: &str = "max,erms=off,fsrm=off";
 /// every version makes its `lock`ed read-modify-writes plain loads and
 /// stores. Alone, a one-CPU guest cannot tell; with memory shared with
 /// another process (a peer's arena, a ring) it breaks every protocol that
-/// needs a fence: a store-buffering litmus test between host and guest saw
-/// the forbidden outcome 6097 times in 10^6 rounds with `-smp 1`, never with
-/// `-smp 1,maxcpus=2` (docs/VM.md §3, `scripts/tcg-litmus.c`). The guest
-/// side refuses a TCG guest with one possible CPU ([`fido_guest`]'s
-/// `Guest::open`). Every QEMU of this project under TCG uses this, the bench's
-/// and the demo's baselines too (whose virtio rings need the same barriers).
+/// needs a fence: a store-buffering litmus test between host and guest sees
+/// the forbidden outcome hundreds to thousands of times in 10^6 rounds with
+/// `-smp 1`, never with `-smp 1,maxcpus=2` (docs/VM.md §3,
+/// `scripts/tcg-litmus.c`, `tests/tcg_memory_model.rs`). The guest side
+/// refuses a TCG guest with one possible CPU (`fido_guest::machine`). Every
+/// QEMU of this project under TCG uses this, the bench's and the demo's
+/// baselines too (whose virtio rings need the same barriers).
 pub fn tcg_smp(cpus: u32) -> String {
     format!("{cpus},maxcpus={}", cpus.max(2))
 }
