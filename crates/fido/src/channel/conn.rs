@@ -189,10 +189,11 @@ pub(crate) struct ConnShared {
     /// Whether futexes on the peer's words reach it (both under one kernel):
     /// not across a VM boundary, where only doorbells do.
     pub(super) futex_reaches: bool,
-    /// Whether our doorbells arrive as emulated interrupts (we are a VM
-    /// guest): then a doorbell sleep looks at the ring again every
-    /// `fido_ring::wait::GUEST_RECHECK`, so a lost interrupt is a delay.
-    pub(super) interrupt_doorbells: bool,
+    /// How long one doorbell sleep lasts before the ring is looked at again:
+    /// `fido_ring::wait::GUEST_RECHECK` where our doorbells arrive as
+    /// emulated interrupts (we are a VM guest), so a lost interrupt is a
+    /// delay; `None` (until rung) on the host.
+    pub(super) doorbell_recheck: Option<std::time::Duration>,
     /// The peer's block (read-only): its bell words are where our waiters
     /// sleep on a futex.
     pub(super) peer_block: PeerBlock,

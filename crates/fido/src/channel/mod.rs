@@ -129,7 +129,7 @@ impl Channel {
             liveness,
             peer_block,
             futex_reaches,
-            interrupt_doorbells: conns.local.platform.is_guest(),
+            doorbell_recheck: conns.local.platform.is_guest().then_some(fido_ring::wait::GUEST_RECHECK),
             releaser: Mutex::new(ReleaseState { ring: Releaser::new(local, peer_block, peer_space), dropped: 0, delivered_in_all: None }),
             deferred: AtomicU64::new(NO_DEFERRED),
             channel_dropped: AtomicBool::new(false),
@@ -337,7 +337,7 @@ impl Channel {
     /// guest, whose doorbells are emulated interrupts that can be lost.
     #[cfg(feature = "tokio")]
     pub(crate) fn doorbell_recheck(&self) -> Option<std::time::Duration> {
-        self.shared.interrupt_doorbells.then_some(fido_ring::wait::GUEST_RECHECK)
+        self.shared.doorbell_recheck
     }
 
     #[cfg(feature = "tokio")]

@@ -215,7 +215,7 @@ impl Channel {
                 liveness: Some(sh.liveness.as_fd()),
                 futex: sh.futex_reaches.then(|| sh.peer_block.data_bell()),
                 learned: &mut learned,
-                recheck: sh.interrupt_doorbells.then_some(fido_ring::wait::GUEST_RECHECK),
+                recheck: sh.doorbell_recheck,
             },
             || -> std::result::Result<bool, RingError> { Ok(ring.pending()? || !sh.is_open() || ring.peer_closed()) },
         );

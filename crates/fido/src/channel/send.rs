@@ -369,7 +369,7 @@ impl Channel {
                         liveness: Some(sh.liveness.as_fd()),
                         futex: sh.futex_reaches.then(|| sh.peer_block.space_bell()),
                         learned: &mut learned,
-                        recheck: sh.interrupt_doorbells.then_some(fido_ring::wait::GUEST_RECHECK),
+                        recheck: sh.doorbell_recheck,
                     },
                     || -> std::result::Result<bool, ProtocolError> {
                         txr.reap()?;
