@@ -223,30 +223,9 @@ fn blocking_wait_across_threads(futex: bool) {
     let consumer = std::thread::spawn(move || {
         let mut next = 0;
         let mut epoch = 0;
-        let bell = b.data_bell.clone();
         while next < N {
-            let rx = &mut b.rx;
-            let mut got = None;
-            let local = *rx.local();
-            let peer = rx.peer();
-            let outcome = wait_until(
-                WaitStrategy::Block,
-                Some(Instant::now() + Duration::from_secs(10)),
-                SleepSite {
-                    sleep: local.data_sleep(),
-                    epoch: &mut epoch,
-                    bell: bell.as_fd(),
-                    liveness: None,
-                    futex: futex.then_some(peer.data_bell()),
-                    learned: &mut Default::default(),
-                    recheck: None,
-                },
-                || -> Result<bool, RingError> {
-                    got = rx.poll()?;
-                    Ok(got.is_some())
-                },
-            )
-            .unwrap();
+            let (outcome, got) =
+                wait_recv(&mut b, &mut epoch, &mut Default::default(), WaitStrategy::Block, futex, None, Duration::from_secs(10));
             assert_eq!(outcome, WaitOutcome::Ready, "lost wake-up at {next}");
             let d = got.unwrap();
             assert_eq!(d.cookie, next);
@@ -319,29 +298,7 @@ fn a_bell_storm_moves_the_waiter_to_its_doorbell_and_a_publish_still_wakes_it() 
         });
         let waiter = s.spawn(move || {
             let mut epoch = 0;
-            let bell = b.data_bell.clone();
-            let peer = b.rx.peer();
-            let rx = &mut b.rx;
-            let mut got = None;
-            let outcome = wait_until(
-                WaitStrategy::Block,
-                Some(Instant::now() + Duration::from_secs(60)),
-                SleepSite {
-                    sleep: waiter_block.data_sleep(),
-                    epoch: &mut epoch,
-                    bell: bell.as_fd(),
-                    liveness: None,
-                    futex: Some(peer.data_bell()),
-                    learned: &mut Default::default(),
-                    recheck: None,
-                },
-                || -> Result<bool, RingError> {
-                    got = rx.poll()?;
-                    Ok(got.is_some())
-                },
-            )
-            .unwrap();
-            (outcome, got)
+            wait_recv(&mut b, &mut epoch, &mut Default::default(), WaitStrategy::Block, true, None, Duration::from_secs(60))
         });
         // The waiter reaches its doorbell despite the storm.
         let started = Instant::now();
